@@ -1,0 +1,50 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Build configuration: C++17 check, assertions and the instruction-set namespace.
+///
+/// Every function of gattn that contains SIMD code lives in an inline namespace named after the
+/// instruction set the translation unit is compiled for (e.g. `gattn::isa_avx512f`). Two
+/// translation units built with different -m flags therefore get different symbols and the linker
+/// cannot mix an AVX-512 body into an SSE2 caller (the ODR problem seen in numpy#25274). Plain
+/// option structs, enums and exception types carry no SIMD code and stay in `gattn` itself.
+/// Eigen objects still must not cross such translation units: Eigen's allocation alignment
+/// depends on the instruction set.
+
+#if __cplusplus < 201703L && !(defined(_MSVC_LANG) && _MSVC_LANG >= 201703L)
+#error "gattn requires C++17"
+#endif
+
+#include <cassert>
+
+#if defined(__AVX512F__)
+#define GATTN_ISA_NAMESPACE isa_avx512f
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GATTN_ISA_NAMESPACE isa_avx2_fma
+#elif defined(__AVX__)
+#define GATTN_ISA_NAMESPACE isa_avx
+#elif defined(__SSE4_2__)
+#define GATTN_ISA_NAMESPACE isa_sse4_2
+#elif defined(__SSE2__) || defined(_M_X64)
+#define GATTN_ISA_NAMESPACE isa_sse2
+#elif defined(__ARM_NEON) || defined(__ARM_NEON__)
+#define GATTN_ISA_NAMESPACE isa_neon
+#else
+#define GATTN_ISA_NAMESPACE isa_scalar
+#endif
+
+/// Opens `namespace gattn { inline namespace isa_<name> {`.
+#define GATTN_BEGIN_ISA_NAMESPACE                                                          \
+    namespace gattn {                                                                      \
+    inline namespace GATTN_ISA_NAMESPACE {
+/// Closes what GATTN_BEGIN_ISA_NAMESPACE opened.
+#define GATTN_END_ISA_NAMESPACE                                                            \
+    }                                                                                      \
+    }
+
+/// Internal consistency check inside kernels (input is validated at the public boundary);
+/// compiled out under NDEBUG. Users may define it before including gattn.
+#ifndef GATTN_DEBUG_ASSERT
+#define GATTN_DEBUG_ASSERT(cond) assert(cond)
+#endif

@@ -1,0 +1,75 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Exception types and the message helpers every public entry point uses.
+///
+/// Policy: public functions validate shapes and options before writing anything and throw
+///  - `gattn::shape_error` (a `std::invalid_argument`) when an argument has the wrong shape,
+///  - `std::invalid_argument` when an option or a combination of options is invalid,
+///  - `gattn::io_error` (a `std::runtime_error`) when a file cannot be read or is malformed.
+/// Messages name the function, the argument, what was expected and what was given.
+
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+namespace gattn {
+
+/// Index type for sizes and shapes (Eigen's default index, a signed 64-bit integer).
+using Index = std::ptrdiff_t;
+
+/// Thrown when an argument's shape does not fit the others.
+class shape_error : public std::invalid_argument {
+public:
+    using std::invalid_argument::invalid_argument;
+};
+
+/// Thrown when a file (e.g. a safetensors checkpoint) cannot be opened, is truncated or malformed,
+/// or lacks a requested tensor.
+class io_error : public std::runtime_error {
+public:
+    using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+
+/// Formats a shape as "[a, b, c]".
+inline std::string shape_string(std::initializer_list<Index> dims) {
+    std::ostringstream s;
+    s << '[';
+    bool first = true;
+    for (Index d : dims) {
+        if (!first) s << ", ";
+        s << d;
+        first = false;
+    }
+    s << ']';
+    return s.str();
+}
+
+/// Throws shape_error "<function>: <argument> must have shape <expected>, got <actual>".
+[[noreturn]] inline void throw_shape(const char* function, const std::string& argument,
+                                     const std::string& expected, const std::string& actual) {
+    throw shape_error(std::string(function) + ": " + argument + " must have shape " + expected +
+                      ", got " + actual);
+}
+
+/// Checks a 2-D shape; throws shape_error naming function and argument.
+inline void check_shape(const char* function, const std::string& argument, Index rows,
+                        Index cols, Index expected_rows, Index expected_cols) {
+    if (rows != expected_rows || cols != expected_cols)
+        throw_shape(function, argument, shape_string({expected_rows, expected_cols}),
+                    shape_string({rows, cols}));
+}
+
+/// Throws std::invalid_argument "<function>: <argument> <what>".
+[[noreturn]] inline void throw_invalid(const char* function, const std::string& argument,
+                                       const std::string& what) {
+    throw std::invalid_argument(std::string(function) + ": " + argument + " " + what);
+}
+
+}  // namespace detail
+}  // namespace gattn

@@ -1,0 +1,143 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Configuration of a gated multi-head attention layer, its weight shapes (PyTorch nn.Linear
+/// layout [out_features, in_features], Hugging Face parameter names) and the gate's parameter
+/// count (paper arXiv:2505.06708 Table 1, "Added Param").
+
+#include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gattn/gates/gate_spec.hpp"
+
+namespace gattn {
+
+/// Layer configuration. Shapes: D = d_model, H = num_heads, H_kv = num_kv_heads,
+/// d_k = head_dim, d_v = value_head_dim (0 means d_k).
+struct AttentionConfig {
+    Index d_model = 0;
+    Index num_heads = 0;
+    Index num_kv_heads = 0;
+    Index head_dim = 0;
+    Index value_head_dim = 0;  ///< 0 = head_dim
+    bool qkv_bias = false;     ///< q_proj, k_proj, v_proj have biases (HF attention_bias)
+    bool o_bias = false;       ///< o_proj has a bias
+    GateSpec gate;             ///< default: no gate (the ungated baseline)
+    bool causal = false;       ///< bottom-right aligned causal mask
+    std::optional<Index> sliding_window;  ///< window in keys, counting the diagonal
+    std::optional<double> scale;          ///< logit scale; empty = 1/√head_dim
+
+    Index d_k() const noexcept { return head_dim; }
+    Index d_v() const noexcept { return value_head_dim > 0 ? value_head_dim : head_dim; }
+};
+
+/// Shape of one named parameter; `shape` has one entry for a bias, two for a weight.
+struct TensorShape {
+    std::string name;
+    std::vector<Index> shape;
+};
+
+/// Throws std::invalid_argument (naming `function` and the field) when the config is invalid:
+/// sizes < 1, H not divisible by H_kv, window < 1, non-finite scale, invalid gate spec, or a
+/// fused gate layout with d_v ≠ d_k for an elementwise gate.
+inline void validate_config(const AttentionConfig& c, const char* function) {
+    auto positive = [&](Index v, const char* name) {
+        if (v < 1) detail::throw_invalid(function, std::string("config.") + name,
+                                         "must be >= 1, got " + std::to_string(v));
+    };
+    positive(c.d_model, "d_model");
+    positive(c.num_heads, "num_heads");
+    positive(c.num_kv_heads, "num_kv_heads");
+    positive(c.head_dim, "head_dim");
+    if (c.value_head_dim < 0)
+        detail::throw_invalid(function, "config.value_head_dim",
+                              "must be >= 0 (0 = head_dim), got " + std::to_string(c.value_head_dim));
+    if (c.num_heads % c.num_kv_heads != 0)
+        detail::throw_invalid(function, "config.num_kv_heads",
+                              "must divide num_heads = " + std::to_string(c.num_heads) + ", got " +
+                                  std::to_string(c.num_kv_heads));
+    if (c.sliding_window && *c.sliding_window < 1)
+        detail::throw_invalid(function, "config.sliding_window",
+                              "must be >= 1 (it counts the diagonal), got " +
+                                  std::to_string(*c.sliding_window));
+    if (c.scale && !std::isfinite(*c.scale))
+        detail::throw_invalid(function, "config.scale", "must be finite");
+    validate_gate_spec(c.gate, function);
+    if (c.gate.layout != GateLayout::Separate &&
+        c.gate.granularity == GateGranularity::Elementwise && c.d_v() != c.d_k())
+        detail::throw_invalid(function, "config.value_head_dim",
+                              "must equal head_dim for an elementwise gate fused into q_proj, got " +
+                                  std::to_string(c.d_v()) + " vs " + std::to_string(c.d_k()));
+}
+
+/// Gate logits per token: the rows the gate adds to gate_proj (or to q_proj when fused).
+/// 0 without a gate and for input-independent gates (which have gate_theta instead).
+inline Index gate_width(const AttentionConfig& c) {
+    const GateSpec& g = c.gate;
+    if (!g.enabled() || g.source == GateSource::InputIndependent) return 0;
+    const bool elem = g.granularity == GateGranularity::Elementwise;
+    switch (g.position) {
+        case GatePosition::None: return 0;
+        case GatePosition::G1: return elem ? c.num_heads * c.d_v() : c.num_heads;
+        case GatePosition::G2: return elem ? c.num_kv_heads * c.d_v() : c.num_kv_heads;
+        case GatePosition::G3: return elem ? c.num_kv_heads * c.d_k() : c.num_kv_heads;
+        case GatePosition::G4: return elem ? c.num_heads * c.d_k() : c.num_heads;
+        case GatePosition::G5: return c.d_model;
+    }
+    return 0;
+}
+
+/// Every parameter the layer expects, with its shape, in HF names:
+/// q_proj.weight [H·d_k (+ gate rows when fused), D], k_proj.weight [H_kv·d_k, D],
+/// v_proj.weight [H_kv·d_v, D], o_proj.weight [D, H·d_v], biases when configured,
+/// gate_proj.weight [gate_width, D] (input gates) or [H, d_k] (query-sourced gates),
+/// gate_proj.bias, gate_theta [H, d_v] (input-independent gates).
+inline std::vector<TensorShape> expected_weight_shapes(const AttentionConfig& c) {
+    const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+    const GateSpec& g = c.gate;
+    const bool fused = g.enabled() && g.layout != GateLayout::Separate;
+    const Index q_rows = H * dk + (fused ? gate_width(c) : 0);
+    std::vector<TensorShape> s{{"q_proj.weight", {q_rows, D}},
+                               {"k_proj.weight", {Hkv * dk, D}},
+                               {"v_proj.weight", {Hkv * dv, D}},
+                               {"o_proj.weight", {D, H * dv}}};
+    if (c.qkv_bias) {
+        s.push_back({"q_proj.bias", {q_rows}});
+        s.push_back({"k_proj.bias", {Hkv * dk}});
+        s.push_back({"v_proj.bias", {Hkv * dv}});
+    }
+    if (c.o_bias) s.push_back({"o_proj.bias", {D}});
+    if (g.enabled() && !fused) {
+        if (g.source == GateSource::Input) {
+            s.push_back({"gate_proj.weight", {gate_width(c), D}});
+            if (g.bias) s.push_back({"gate_proj.bias", {gate_width(c)}});
+        } else if (g.source == GateSource::Query) {
+            s.push_back({"gate_proj.weight", {H, dk}});
+            if (g.bias) s.push_back({"gate_proj.bias", {H}});
+        } else {
+            s.push_back({"gate_theta", {H, dv}});
+        }
+    }
+    return s;
+}
+
+/// Parameters the gate adds to one layer (paper Table 1 "Added Param" divided by the layer
+/// count): gate weight rows × D plus gate biases, or H·d_v for gate_theta. When the gate is
+/// fused into a biased q_proj, its bias rows count too.
+inline Index gate_parameter_count(const AttentionConfig& c) {
+    const GateSpec& g = c.gate;
+    if (!g.enabled()) return 0;
+    switch (g.source) {
+        case GateSource::InputIndependent: return c.num_heads * c.d_v();
+        case GateSource::Query: return c.num_heads * c.d_k() + (g.bias ? c.num_heads : 0);
+        case GateSource::Input: break;
+    }
+    const Index w = gate_width(c);
+    const bool fused = g.layout != GateLayout::Separate;
+    return w * c.d_model + ((fused ? c.qkv_bias : g.bias) ? w : 0);
+}
+
+}  // namespace gattn

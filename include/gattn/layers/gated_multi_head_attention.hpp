@@ -1,0 +1,393 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// GatedMultiHeadAttention: projections, gate, SDPA and output projection in one layer.
+///
+/// Math (arXiv:2505.06708 §2, Eq. 1–5; DESIGN.md "Math"): for the input X [B·N, D],
+///     Q = X W_qᵀ + b_q, K = X W_kᵀ + b_k, V = X W_vᵀ + b_v,  U = SDPA(Q, K, V),
+///     Y = U W_oᵀ + b_o,
+/// with the gate G = act(X W_gᵀ + b_g) combined with V (G2), K (G3), Q (G4), U (G1) or Y (G5).
+/// For the recommended G1 elementwise sigmoid gate, Y = (U ⊙ σ(X W_gᵀ + b_g)) W_oᵀ + b_o.
+/// A config without a gate is the ungated baseline, so both run through the same code.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gattn/gates/gate_apply.hpp"
+#include "gattn/layers/attention_config.hpp"
+#include "gattn/ops/sdpa.hpp"
+
+namespace gattn {
+
+/// Weights of one layer in nn.Linear layout ([out_features, in_features], y = x Wᵀ + b) and
+/// HF names. Unused members stay empty. Fused gate layouts keep the gate rows inside
+/// q_proj_weight in their checkpoint order.
+template <class Scalar>
+struct AttentionWeights {
+    RowMatrix<Scalar> q_proj_weight, k_proj_weight, v_proj_weight, o_proj_weight;
+    Vector<Scalar> q_proj_bias, k_proj_bias, v_proj_bias, o_proj_bias;
+    RowMatrix<Scalar> gate_proj_weight;  ///< separate gate: [gate_width, D], query gate: [H, d_k]
+    Vector<Scalar> gate_proj_bias;
+    RowMatrix<Scalar> gate_theta;        ///< input-independent gate: [H, d_v]
+
+    /// Visits (HF name, pointer to matrix or vector) for every member.
+    template <class F>
+    void for_each(F&& f) {
+        f("q_proj.weight", &q_proj_weight);
+        f("k_proj.weight", &k_proj_weight);
+        f("v_proj.weight", &v_proj_weight);
+        f("o_proj.weight", &o_proj_weight);
+        f("q_proj.bias", &q_proj_bias);
+        f("k_proj.bias", &k_proj_bias);
+        f("v_proj.bias", &v_proj_bias);
+        f("o_proj.bias", &o_proj_bias);
+        f("gate_proj.weight", &gate_proj_weight);
+        f("gate_proj.bias", &gate_proj_bias);
+        f("gate_theta", &gate_theta);
+    }
+    template <class F>
+    void for_each(F&& f) const {
+        const_cast<AttentionWeights*>(this)->for_each(
+            [&](const char* name, auto* p) { f(name, static_cast<const decltype(*p)&>(*p)); });
+    }
+};
+
+/// Random weights of the right shapes, U(−1/√fan_in, 1/√fan_in) (PyTorch's nn.Linear init),
+/// deterministic for a seed. For benchmarks, tests and examples.
+template <class Scalar>
+AttentionWeights<Scalar> make_random_weights(const AttentionConfig& config, std::uint64_t seed) {
+    validate_config(config, "gattn::make_random_weights");
+    std::mt19937_64 rng(seed);
+    AttentionWeights<Scalar> w;
+    const auto shapes = expected_weight_shapes(config);
+    w.for_each([&](const char* name, auto* p) {
+        for (const auto& s : shapes) {
+            if (s.name != name) continue;
+            const Index rows = s.shape[0], cols = s.shape.size() > 1 ? s.shape[1] : 1;
+            const double fan_in = s.name == "gate_theta" ? 1.0
+                                  : s.shape.size() > 1     ? double(cols)
+                                                           : double(config.d_model);
+            std::uniform_real_distribution<double> u(-1.0 / std::sqrt(fan_in), 1.0 / std::sqrt(fan_in));
+            p->resize(rows, p->ColsAtCompileTime == 1 ? 1 : cols);
+            for (Index k = 0; k < p->size(); ++k) p->data()[k] = static_cast<Scalar>(u(rng));
+        }
+    });
+    return w;
+}
+
+/// Per-call options of GatedMultiHeadAttention::forward (masks beyond the config's causal flag
+/// and window, which always apply).
+template <class Scalar>
+struct ForwardOptions {
+    std::vector<Index> key_lengths;  ///< valid tokens per sequence (B entries), padding at the end
+    MaskView<bool> bool_mask;        ///< [B|1, H|1, N|1, N], true = attend
+    MaskView<Scalar> bias;           ///< [B|1, H|1, N|1, N] additive
+};
+
+/// What a forward pass can record for analysis (paper Table 4 and Figure 2 statistics).
+template <class Scalar>
+struct ForwardTrace {
+    bool record_probabilities = false;  ///< also fill `probabilities` (O(N²) memory)
+    /// Activated gate values: [B·N, gate width] for input and query gates (head-shared gates:
+    /// the one shared vector, width d), [1, H·d_v] for input-independent gates; empty ungated.
+    RowMatrix<Scalar> gate_scores;
+    /// [B·N, H]: attention probability each query of each head puts on the first key.
+    RowMatrix<Scalar> first_key_attention;
+    /// [B·H·N, N] attention probabilities, when record_probabilities.
+    RowMatrix<Scalar> probabilities;
+    /// Largest |Y| of the layer output (M-Act of this layer's contribution).
+    Scalar max_abs_output = 0;
+
+    /// Mean gate score (paper Table 4 "Gate Score"); NaN without a gate.
+    double mean_gate_score() const {
+        return gate_scores.size() ? gate_scores.template cast<double>().mean()
+                                  : std::numeric_limits<double>::quiet_NaN();
+    }
+    /// Mean first-key attention over queries and heads (paper Table 4 "F-Attn").
+    double first_token_attention_share() const {
+        return first_key_attention.size() ? first_key_attention.template cast<double>().mean()
+                                          : std::numeric_limits<double>::quiet_NaN();
+    }
+};
+
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
+/// Gated multi-head attention layer (arXiv:2505.06708), float or double.
+///
+/// Construct from an AttentionConfig and AttentionWeights (nn.Linear layout, HF names); call
+/// forward on X [B·N, D] row-major (B sequences of N tokens) to get Y [B·N, D]. The layer is
+/// immutable after construction: concurrent forward calls on one layer are safe.
+template <class Scalar>
+class GatedMultiHeadAttention {
+    static_assert(is_supported_scalar_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
+
+public:
+    /// \throws std::invalid_argument for an invalid config (validate_config);
+    ///         shape_error when a weight is missing, has the wrong shape, or is given although
+    ///         the config does not use it (message names the HF parameter).
+    GatedMultiHeadAttention(const AttentionConfig& config, const AttentionWeights<Scalar>& weights)
+        : m_config(config) {
+        constexpr const char* fn = "gattn::GatedMultiHeadAttention";
+        validate_config(config, fn);
+        const auto shapes = expected_weight_shapes(config);
+        weights.for_each([&](const char* name, const auto& t) {
+            const TensorShape* want = nullptr;
+            for (const auto& s : shapes)
+                if (s.name == name) want = &s;
+            const bool is_vector = std::decay_t<decltype(t)>::ColsAtCompileTime == 1;
+            if (!want) {
+                if (t.size() != 0)
+                    gattn::detail::throw_shape(fn, name, "empty (not used by this config: gate " +
+                                                             describe(config.gate) + ")",
+                                               is_vector ? gattn::detail::shape_string({t.rows()})
+                                                         : gattn::detail::shape_string({t.rows(), t.cols()}));
+                return;
+            }
+            const bool ok = is_vector ? t.rows() == want->shape[0]
+                                      : (t.rows() == want->shape[0] && t.cols() == want->shape[1]);
+            if (!ok) {
+                const std::string exp = want->shape.size() == 1
+                                            ? gattn::detail::shape_string({want->shape[0]})
+                                            : gattn::detail::shape_string({want->shape[0], want->shape[1]});
+                gattn::detail::throw_shape(fn, name, exp,
+                                           is_vector ? gattn::detail::shape_string({t.rows()})
+                                                     : gattn::detail::shape_string({t.rows(), t.cols()}));
+            }
+        });
+        pack(weights);
+    }
+
+    const AttentionConfig& config() const noexcept { return m_config; }
+
+    /// Forward pass, core form.
+    /// \param x     [B·N, D] layer input, row-major, any row stride.
+    /// \param batch B ≥ 0; x.rows() must be a multiple of it (B = 0 requires 0 rows).
+    /// \param out   [B·N, D], written; must not overlap x.
+    /// \param options per-call key lengths, boolean mask, additive bias ([B|1, H|1, N|1, N]).
+    /// \param trace optional statistics (gate scores, first-key attention, probabilities).
+    /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, and
+    ///         for x or out of the wrong shape; nothing is written before validation passes.
+    void forward(ConstMatrixRef<Scalar> x, Index batch, MatrixRef<Scalar> out,
+                 const ForwardOptions<Scalar>& options = {},
+                 ForwardTrace<Scalar>* trace = nullptr) const {
+        constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
+        const AttentionConfig& c = m_config;
+        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        if (batch < 0) gattn::detail::throw_invalid(fn, "batch", "must be >= 0, got " + std::to_string(batch));
+        if (x.cols() != D || (batch == 0 ? x.rows() != 0 : x.rows() % batch != 0))
+            gattn::detail::throw_shape(fn, "x", "[B*N, d_model] = [multiple of " +
+                                                    std::to_string(batch) + ", " + std::to_string(D) + "]",
+                                       gattn::detail::shape_string({x.rows(), x.cols()}));
+        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
+        if (gattn::detail::overlaps(out.data(), gattn::detail::span_of(out), x.data(),
+                                    gattn::detail::span_of(x)))
+            gattn::detail::throw_invalid(fn, "out", "must not overlap x");
+        SdpaOptions<Scalar> sdpa;
+        sdpa.scale = c.scale;
+        sdpa.mask.causal = c.causal;
+        sdpa.mask.sliding_window = c.sliding_window;
+        sdpa.mask.key_lengths = options.key_lengths;
+        sdpa.mask.bool_mask = options.bool_mask;
+        sdpa.mask.bias = options.bias;
+        const Index rows = x.rows();
+        // Validate the attention call before anything is written.
+        gattn::detail::validate_sdpa(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv,
+                                     HeadLayout{batch, H, Hkv}, sdpa);
+
+        // One GEMM for every projection of X: [Q | K | V | gate logits].
+        RowMatrix<Scalar> proj(rows, m_w_in.rows());
+        proj.noalias() = x * m_w_in.transpose();
+        if (m_b_in.size()) proj.rowwise() += m_b_in.transpose();
+        auto q = proj.middleCols(0, H * dk);
+        auto k = proj.middleCols(H * dk, Hkv * dk);
+        auto v = proj.middleCols(H * dk + Hkv * dk, Hkv * dv);
+        const Index gate_col = H * dk + Hkv * dk + Hkv * dv;
+        const GateSpec& g = c.gate;
+        const bool input_gate = g.enabled() && g.source == GateSource::Input;
+        RowMatrix<Scalar>* scores = trace ? &trace->gate_scores : nullptr;
+        if (trace) {
+            trace->gate_scores.resize(0, 0);
+            trace->probabilities.resize(0, 0);
+        }
+
+        // Gates on the projections (G2 value, G3 key, G4 query) gate the raw projection output.
+        if (input_gate && g.position != GatePosition::G1 && g.position != GatePosition::G5) {
+            const Index w = gate_width(c);
+            auto z = proj.middleCols(gate_col, w);
+            if (g.position == GatePosition::G2) gate_heads(v.data(), v.outerStride(), Hkv, dv, z, nullptr, scores, rows);
+            if (g.position == GatePosition::G3) gate_heads(k.data(), k.outerStride(), Hkv, dk, z, nullptr, scores, rows);
+            if (g.position == GatePosition::G4) gate_heads(q.data(), q.outerStride(), H, dk, z, nullptr, scores, rows);
+        }
+
+        RowMatrix<Scalar> u(rows, H * dv);
+        SdpaOutputs<Scalar> extra;
+        if (trace) {
+            extra.first_key_probability = &trace->first_key_attention;
+            if (trace->record_probabilities) extra.probabilities = &trace->probabilities;
+        }
+        scaled_dot_product_attention<Scalar>(q, k, v, HeadLayout{batch, H, Hkv}, u, sdpa, extra);
+
+        if (g.position == GatePosition::G1) {
+            if (g.source == GateSource::Input) {
+                gate_heads(u.data(), u.outerStride(), H, dv, proj.middleCols(gate_col, gate_width(c)),
+                           nullptr, scores, rows);
+            } else if (g.source == GateSource::Query) {
+                // z[r, h] = w_h · q_h + b_h from the raw query (q is not modified at G1).
+                RowMatrix<Scalar> z(rows, H);
+                for (Index r = 0; r < rows; ++r)
+                    for (Index h = 0; h < H; ++h)
+                        z(r, h) = simd::dot(q.data() + r * q.outerStride() + h * dk,
+                                            m_gate_query.data() + h * dk, static_cast<std::size_t>(dk)) +
+                                  (m_gate_query_bias.size() ? m_gate_query_bias[h] : Scalar(0));
+                gate_heads(u.data(), u.outerStride(), H, dv, z, nullptr, scores, rows);
+            } else {
+                // Input-independent σ(θ): activate once, then multiply every row.
+                RowMatrix<Scalar> gate(1, H * dv);
+                activate(g.activation, m_gate_theta.data(), gate.data(), static_cast<std::size_t>(H * dv));
+                for (Index r = 0; r < rows; ++r)
+                    apply_gate(g.activation, GateCombine::Multiplicative, u.data() + r * u.outerStride(),
+                               gate.data(), static_cast<const Scalar*>(nullptr), static_cast<Scalar*>(nullptr),
+                               static_cast<std::size_t>(H * dv), /*activated=*/true);
+                if (scores) *scores = gate;
+            }
+        }
+
+        out.noalias() = u * m_w_o.transpose();
+        if (m_b_o.size()) out.rowwise() += m_b_o.transpose();
+
+        if (g.position == GatePosition::G5)
+            gate_heads(out.data(), out.outerStride(), 1, D, proj.middleCols(gate_col, D), &x, scores, rows);
+
+        if (trace) trace->max_abs_output = rows ? out.cwiseAbs().maxCoeff() : Scalar(0);
+    }
+
+    /// Forward pass, convenience form: returns Y [B·N, D]. Same contract as the core form.
+    RowMatrix<Scalar> forward(ConstMatrixRef<Scalar> x, Index batch,
+                              const ForwardOptions<Scalar>& options = {},
+                              ForwardTrace<Scalar>* trace = nullptr) const {
+        RowMatrix<Scalar> out(x.rows(), m_config.d_model);
+        forward(x, batch, out, options, trace);
+        return out;
+    }
+
+private:
+    /// Copies the weights into the fused input projection [W_q; W_k; W_v; W_g] (gate rows of a
+    /// fused q_proj reordered to one block per head) and the output projection.
+    void pack(const AttentionWeights<Scalar>& w) {
+        const AttentionConfig& c = m_config;
+        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        const GateSpec& g = c.gate;
+        const bool input_gate = g.enabled() && g.source == GateSource::Input;
+        const Index gw = input_gate ? gate_width(c) : 0;
+        const Index total = H * dk + Hkv * dk + Hkv * dv + gw;
+        m_w_in.resize(total, D);
+        Vector<Scalar> bias = Vector<Scalar>::Zero(total);
+        const bool fused = input_gate && g.layout != GateLayout::Separate;
+        if (fused) {
+            // Per head, gw_h gate rows (d_v elementwise, 1 headwise) follow or are grouped.
+            const Index gwh = gw / H, group = H / Hkv;
+            for (Index h = 0; h < H; ++h) {
+                Index q_src, g_src;
+                if (g.layout == GateLayout::PerHeadInterleaved) {
+                    q_src = h * (dk + gwh);
+                    g_src = q_src + dk;
+                } else {  // GroupedByKV: per KV group [queries of its heads | their gates]
+                    const Index block = (h / group) * group * (dk + gwh), local = h % group;
+                    q_src = block + local * dk;
+                    g_src = block + group * dk + local * gwh;
+                }
+                m_w_in.middleRows(h * dk, dk) = w.q_proj_weight.middleRows(q_src, dk);
+                m_w_in.middleRows(total - gw + h * gwh, gwh) = w.q_proj_weight.middleRows(g_src, gwh);
+                if (c.qkv_bias) {
+                    bias.segment(h * dk, dk) = w.q_proj_bias.segment(q_src, dk);
+                    bias.segment(total - gw + h * gwh, gwh) = w.q_proj_bias.segment(g_src, gwh);
+                }
+            }
+        } else {
+            m_w_in.middleRows(0, H * dk) = w.q_proj_weight;
+            if (c.qkv_bias) bias.segment(0, H * dk) = w.q_proj_bias;
+            if (input_gate) {
+                m_w_in.middleRows(total - gw, gw) = w.gate_proj_weight;
+                if (g.bias) bias.segment(total - gw, gw) = w.gate_proj_bias;
+            }
+        }
+        m_w_in.middleRows(H * dk, Hkv * dk) = w.k_proj_weight;
+        m_w_in.middleRows(H * dk + Hkv * dk, Hkv * dv) = w.v_proj_weight;
+        if (c.qkv_bias) {
+            bias.segment(H * dk, Hkv * dk) = w.k_proj_bias;
+            bias.segment(H * dk + Hkv * dk, Hkv * dv) = w.v_proj_bias;
+        }
+        if (c.qkv_bias || (input_gate && g.bias)) m_b_in = bias;
+        m_w_o = w.o_proj_weight;
+        if (c.o_bias) m_b_o = w.o_proj_bias;
+        if (g.enabled() && g.source == GateSource::Query) {
+            m_gate_query = w.gate_proj_weight;
+            if (g.bias) m_gate_query_bias = w.gate_proj_bias;
+        }
+        if (g.enabled() && g.source == GateSource::InputIndependent) m_gate_theta = w.gate_theta;
+    }
+
+    /// Applies the gate to `rows` rows of a target holding `heads` heads of `width` each.
+    /// z: logits [rows, heads·width] (elementwise), [rows, heads] (headwise); head-shared gates
+    /// average the logits over heads first. residual: the layer input (G5 residual mix).
+    template <class Logits>
+    void gate_heads(Scalar* target, Index stride, Index heads, Index width, const Logits& z,
+                    const ConstMatrixRef<Scalar>* residual, RowMatrix<Scalar>* scores,
+                    Index rows) const {
+        const GateSpec& g = m_config.gate;
+        const bool elem = g.granularity == GateGranularity::Elementwise;
+        const bool shared = g.sharing == GateSharing::HeadShared;
+        const Index score_width = !elem ? heads : (shared ? width : heads * width);
+        if (scores) scores->resize(rows, score_width);
+        std::vector<Scalar> mean(static_cast<std::size_t>(width)), one(1);
+        for (Index r = 0; r < rows; ++r) {
+            Scalar* y = target + r * stride;
+            const Scalar* zr = z.data() + r * z.outerStride();
+            Scalar* s = scores ? scores->data() + r * score_width : nullptr;
+            const Scalar* xr = residual ? residual->data() + r * residual->outerStride() : nullptr;
+            if (elem && !shared) {
+                apply_gate(g.activation, g.combine, y, zr, xr, s, static_cast<std::size_t>(heads * width));
+            } else if (elem) {
+                for (Index e = 0; e < width; ++e) {
+                    Scalar acc = 0;
+                    for (Index h = 0; h < heads; ++h) acc += zr[h * width + e];
+                    mean[e] = acc / Scalar(heads);
+                }
+                for (Index h = 0; h < heads; ++h)
+                    apply_gate(g.activation, g.combine, y + h * width, mean.data(),
+                               xr ? xr + h * width : nullptr, h == 0 ? s : nullptr,
+                               static_cast<std::size_t>(width));
+            } else {
+                for (Index h = 0; h < heads; ++h) {
+                    activate(g.activation, zr + h, one.data(), 1);
+                    const Scalar gh = one[0];
+                    if (s) s[h] = gh;
+                    Scalar* yh = y + h * width;
+                    if (g.combine == GateCombine::Additive)
+                        for (Index e = 0; e < width; ++e) yh[e] += gh;
+                    else
+                        simd::scale(gh, yh, static_cast<std::size_t>(width));
+                }
+            }
+        }
+    }
+
+    AttentionConfig m_config;
+    RowMatrix<Scalar> m_w_in;   // [H·d_k + H_kv·d_k + H_kv·d_v + gate_width, D]
+    Vector<Scalar> m_b_in;      // empty when no projection has a bias
+    RowMatrix<Scalar> m_w_o;    // [D, H·d_v]
+    Vector<Scalar> m_b_o;
+    RowMatrix<Scalar> m_gate_query;  // [H, d_k] (query-sourced gate)
+    Vector<Scalar> m_gate_query_bias;
+    RowMatrix<Scalar> m_gate_theta;  // [H, d_v] (input-independent gate)
+};
+
+GATTN_END_ISA_NAMESPACE

@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Mask views and the visibility rule shared by every attention kernel (DESIGN: Masks).
+///
+/// Key j is visible to query i of sequence b and head h iff all given masks allow it:
+///  - key lengths: j < L_b (padding at the end; L_b = N_k when no lengths are given);
+///  - causal, bottom-right aligned: j ≤ i' where i' = i + (L_b − N_q) (FlashAttention ≥ 2.1);
+///  - sliding window w (counting the diagonal): i' − w < j, and j < i' + w when not causal;
+///  - boolean mask: mask[b, h, i, j] is true (true = attend);
+///  - additive bias: bias[b, h, i, j] is not −∞ (it is added to the scaled logit).
+/// Masked keys are skipped, never multiplied by zero, so their K and V are not read.
+
+#include <algorithm>
+#include <optional>
+#include <vector>
+
+#include "gattn/errors.hpp"
+
+namespace gattn {
+
+/// Non-owning view of a row-major [batch, heads, query_len, key_len] tensor in which batch,
+/// heads and query_len may each be 1 and are then broadcast. `data == nullptr` means "no mask".
+template <class T>
+struct MaskView {
+    const T* data = nullptr;  ///< row-major, contiguous
+    Index batch = 1;          ///< 1 or B
+    Index heads = 1;          ///< 1 or H (query heads)
+    Index query_len = 1;      ///< 1 or N_q
+    Index key_len = 0;        ///< must equal N_k
+
+    bool empty() const noexcept { return data == nullptr; }
+
+    /// Pointer to the key row for (b, h, i), broadcasting the dimensions of size 1.
+    const T* row(Index b, Index h, Index i) const noexcept {
+        const Index bb = batch == 1 ? 0 : b;
+        const Index hh = heads == 1 ? 0 : h;
+        const Index ii = query_len == 1 ? 0 : i;
+        return data + ((bb * heads + hh) * query_len + ii) * key_len;
+    }
+};
+
+/// Masks for one attention call; all given masks apply together.
+template <class Scalar>
+struct AttentionMask {
+    /// Causal, bottom-right aligned (query i sees key j iff j ≤ i + L_b − N_q).
+    bool causal = false;
+    /// Sliding window w ≥ 1 in keys, counting the diagonal; empty = no window.
+    std::optional<Index> sliding_window;
+    /// Valid key count per sequence (B entries, each in [0, N_k]); empty = all N_k keys.
+    std::vector<Index> key_lengths;
+    /// Boolean mask [B|1, H|1, N_q|1, N_k], true = attend.
+    MaskView<bool> bool_mask;
+    /// Additive bias [B|1, H|1, N_q|1, N_k] added to the scaled logits (−∞ masks the key).
+    MaskView<Scalar> bias;
+};
+
+namespace detail {
+
+/// Range [begin, end) of key positions that key lengths, causality and the window allow for one
+/// query row; the boolean mask and bias are applied per key inside it.
+struct KeyRange {
+    Index begin = 0;
+    Index end = 0;
+};
+
+template <class Scalar>
+inline KeyRange visible_key_range(const AttentionMask<Scalar>& mask, Index b, Index i,
+                                  Index query_len, Index key_len) noexcept {
+    const Index len = mask.key_lengths.empty() ? key_len : mask.key_lengths[b];
+    const Index pos = i + (len - query_len);  // aligned position i' of the query
+    Index begin = 0;
+    Index end = len;
+    if (mask.causal) end = std::min(end, pos + 1);
+    if (mask.sliding_window) {
+        const Index w = *mask.sliding_window;
+        begin = std::max<Index>(begin, pos - w + 1);
+        if (!mask.causal) end = std::min(end, pos + w);
+    }
+    if (end < begin) end = begin;
+    return {begin, end};
+}
+
+}  // namespace detail
+}  // namespace gattn

@@ -1,0 +1,326 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Scaled dot-product attention (SDPA) over multi-head [B·N, H·d] activations with GQA/MQA.
+///
+/// Math (Vaswani et al. 2017, Eq. 1; GQA: Ainslie et al. 2023): for query head h, KV head
+/// g = ⌊h / (H / H_kv)⌋ (repeat_interleave order),
+///     out[b, i, h, :] = Σ_j softmax_j(scale · q[b,i,h]·k[b,j,g] + bias[b,h,i,j]) · v[b,j,g,:]
+/// over the keys j that the mask allows (see ops/mask.hpp). The softmax is computed online
+/// (running max and sum, Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), one query
+/// row at a time against blocks of keys, so the N_q × N_k logits are never materialised.
+/// A row with no visible key gives an all-zero output and log-sum-exp −∞, never NaN.
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "gattn/ops/mask.hpp"
+#include "gattn/simd/math.hpp"
+#include "gattn/types.hpp"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace gattn {
+
+/// Head layout of an attention call: [B·N, H·d] activations hold `batch` sequences.
+struct HeadLayout {
+    Index batch = 1;         ///< B ≥ 0; rows of query/key/value are multiples of it
+    Index num_heads = 1;     ///< H, query heads
+    Index num_kv_heads = 1;  ///< H_kv, divides H (H_kv = H: MHA, 1: MQA)
+};
+
+/// Options of scaled_dot_product_attention.
+template <class Scalar>
+struct SdpaOptions {
+    /// Logit scale; empty = 1/√d_k (d_k the query/key head dim, never d_v or H·d_k).
+    std::optional<double> scale;
+    /// Masks; all apply together.
+    AttentionMask<Scalar> mask;
+};
+
+/// Optional outputs of scaled_dot_product_attention. Each non-null matrix is resized and filled.
+template <class Scalar>
+struct SdpaOutputs {
+    /// [B·N_q, H]: log Σ_j exp(logit_j) over visible keys (natural log; −∞ for a fully masked
+    /// row). With it, partial results over disjoint key ranges merge exactly.
+    RowMatrix<Scalar>* log_sum_exp = nullptr;
+    /// [B·H·N_q, N_k], row ((b·H + h)·N_q + i): attention probabilities (0 for masked keys).
+    /// O(N_q·N_k) memory: for analysis only.
+    RowMatrix<Scalar>* probabilities = nullptr;
+    /// [B·N_q, H]: probability each query puts on key 0 (paper §4.3 "first-token attention";
+    /// 0 when key 0 is masked).
+    RowMatrix<Scalar>* first_key_probability = nullptr;
+};
+
+namespace detail {
+
+/// Validates an SDPA call; throws shape_error / std::invalid_argument. Returns {d_k, d_v}.
+template <class Scalar>
+inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index q_cols,
+                                             Index k_rows, Index k_cols, Index v_rows,
+                                             Index v_cols, const HeadLayout& heads,
+                                             const SdpaOptions<Scalar>& options) {
+    const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
+    if (B < 0) throw_invalid(fn, "batch", "must be >= 0, got " + std::to_string(B));
+    if (H < 1) throw_invalid(fn, "num_heads", "must be >= 1, got " + std::to_string(H));
+    if (Hkv < 1 || H % Hkv != 0)
+        throw_invalid(fn, "num_kv_heads",
+                      "must be >= 1 and divide num_heads = " + std::to_string(H) + ", got " +
+                          std::to_string(Hkv));
+    if (q_cols % H != 0 || q_cols == 0)
+        throw_shape(fn, "query", "[B*N_q, num_heads*head_dim] with num_heads = " +
+                                     std::to_string(H) + " and head_dim >= 1",
+                    shape_string({q_rows, q_cols}));
+    const Index dk = q_cols / H;
+    if (B == 0 ? q_rows != 0 : q_rows % B != 0)
+        throw_shape(fn, "query", "rows a multiple of batch = " + std::to_string(B),
+                    shape_string({q_rows, q_cols}));
+    if (k_cols != Hkv * dk || (B == 0 ? k_rows != 0 : k_rows % B != 0))
+        throw_shape(fn, "key",
+                    "[B*N_k, num_kv_heads*head_dim] = [multiple of " + std::to_string(B) + ", " +
+                        std::to_string(Hkv * dk) + "]",
+                    shape_string({k_rows, k_cols}));
+    if (v_rows != k_rows || v_cols % Hkv != 0 || v_cols == 0)
+        throw_shape(fn, "value",
+                    "[" + std::to_string(k_rows) + ", num_kv_heads*value_head_dim] with num_kv_heads = " +
+                        std::to_string(Hkv),
+                    shape_string({v_rows, v_cols}));
+    const Index dv = v_cols / Hkv;
+    const Index Nq = B == 0 ? 0 : q_rows / B;
+    const Index Nk = B == 0 ? 0 : k_rows / B;
+    const auto& m = options.mask;
+    if (m.sliding_window && *m.sliding_window < 1)
+        throw_invalid(fn, "mask.sliding_window",
+                      "must be >= 1 (it counts the diagonal), got " +
+                          std::to_string(*m.sliding_window));
+    if (!m.key_lengths.empty()) {
+        if (static_cast<Index>(m.key_lengths.size()) != B)
+            throw_shape(fn, "mask.key_lengths", shape_string({B}),
+                        shape_string({static_cast<Index>(m.key_lengths.size())}));
+        for (std::size_t b = 0; b < m.key_lengths.size(); ++b)
+            if (m.key_lengths[b] < 0 || m.key_lengths[b] > Nk)
+                throw_invalid(fn, "mask.key_lengths[" + std::to_string(b) + "]",
+                              "must be in [0, N_k = " + std::to_string(Nk) + "], got " +
+                                  std::to_string(m.key_lengths[b]));
+    }
+    auto check_view = [&](const auto& view, const char* name) {
+        if (view.empty()) return;
+        const bool ok = (view.batch == 1 || view.batch == B) &&
+                        (view.heads == 1 || view.heads == H) &&
+                        (view.query_len == 1 || view.query_len == Nq) && view.key_len == Nk;
+        if (!ok)
+            throw_shape(fn, name,
+                        "[1|" + std::to_string(B) + ", 1|" + std::to_string(H) + ", 1|" +
+                            std::to_string(Nq) + ", " + std::to_string(Nk) + "]",
+                        shape_string({view.batch, view.heads, view.query_len, view.key_len}));
+    };
+    check_view(m.bool_mask, "mask.bool_mask");
+    check_view(m.bias, "mask.bias");
+    if (options.scale && !std::isfinite(*options.scale))
+        throw_invalid(fn, "scale", "must be finite, got " + std::to_string(*options.scale));
+    return {dk, dv};
+}
+
+/// True when [a, a + na) and [b, b + nb) (element ranges) overlap.
+template <class T>
+inline bool overlaps(const T* a, Index na, const T* b, Index nb) noexcept {
+    if (na == 0 || nb == 0) return false;
+    const auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
+    return pa < pb + static_cast<std::uintptr_t>(nb) * sizeof(T) &&
+           pb < pa + static_cast<std::uintptr_t>(na) * sizeof(T);
+}
+
+/// Memory span (in elements) of a strided row-major view.
+template <class M>
+inline Index span_of(const M& m) noexcept {
+    return m.rows() == 0 ? 0 : (m.rows() - 1) * m.outerStride() + m.cols();
+}
+
+}  // namespace detail
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace kernel {
+
+/// One query row against its visible keys: online softmax over blocks of kKeyBlock keys.
+/// Scratch: scores and key indices (kKeyBlock each) and acc (d_v).
+template <class Scalar>
+struct SdpaRowKernel {
+    static constexpr Index kKeyBlock = 64;
+
+    const Scalar* key;
+    Index key_stride;
+    const Scalar* value;
+    Index value_stride;
+    Index dk, dv;
+    Scalar scale;
+
+    /// Returns the running max m and sum l; acc holds Σ_j e^(s_j − m) v_j. s0 receives the logit
+    /// of key 0 when it is visible.
+    void run(const Scalar* q, Index begin, Index end, const bool* bool_row, const Scalar* bias_row,
+             Scalar* scores, Index* keys, Scalar* acc, Scalar& m_out, Scalar& l_out,
+             Scalar& s0) const noexcept {
+        constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+        Scalar m = kNegInf, l = 0;
+        for (Index e = 0; e < dv; ++e) acc[e] = 0;
+        for (Index j0 = begin; j0 < end; j0 += kKeyBlock) {
+            const Index j1 = std::min(end, j0 + kKeyBlock);
+            Index n = 0;
+            for (Index j = j0; j < j1; ++j) {
+                if (bool_row && !bool_row[j]) continue;
+                Scalar s = simd::dot(q, key + j * key_stride, static_cast<std::size_t>(dk)) * scale;
+                if (bias_row) s += bias_row[j];
+                if (s == kNegInf) continue;  // masked by the bias: skip, never weight by 0
+                if (j == 0) s0 = s;
+                scores[n] = s;
+                keys[n] = j;
+                ++n;
+            }
+            if (n == 0) continue;
+            const Scalar m_blk = simd::max_value(scores, static_cast<std::size_t>(n));
+            const Scalar m_new = std::max(m, m_blk);
+            if (m_new > m && m != kNegInf) {
+                const Scalar alpha = simd::exp_scalar(m - m_new);
+                l *= alpha;
+                simd::scale(alpha, acc, static_cast<std::size_t>(dv));
+            }
+            // m_new is -inf only when every score is NaN: keep the NaN flowing.
+            const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;
+            m = m_new == kNegInf ? m : m_new;
+            l += simd::exp_shifted_sum(scores, shift, scores, static_cast<std::size_t>(n));
+            for (Index t = 0; t < n; ++t)
+                simd::axpy(scores[t], value + keys[t] * value_stride, acc,
+                           static_cast<std::size_t>(dv));
+        }
+        m_out = m;
+        l_out = l;
+    }
+};
+
+}  // namespace kernel
+
+/// Scaled dot-product attention with GQA/MQA, masks and optional log-sum-exp.
+///
+/// \param query  [B·N_q, H·d_k] row-major, any row stride.
+/// \param key    [B·N_k, H_kv·d_k].
+/// \param value  [B·N_k, H_kv·d_v] (d_v may differ from d_k).
+/// \param heads  batch B, H and H_kv (H_kv divides H).
+/// \param out    [B·N_q, H·d_v], written; must not overlap query, key or value.
+/// \param options scale (default 1/√d_k) and masks (ops/mask.hpp).
+/// \param extra  optional log-sum-exp, probabilities, first-key probability.
+/// \throws shape_error when a shape disagrees with the others (message names the argument,
+///         the expected and the actual shape); std::invalid_argument for bad head counts,
+///         key lengths outside [0, N_k], a window < 1, a non-finite scale, or out overlapping an
+///         input. Nothing is written before validation passes.
+/// Accumulation and softmax run in Scalar (float or double). Uses OpenMP threads over
+/// (batch, head, query) rows when compiled with OpenMP; each row's result is independent of the
+/// thread count.
+template <class Scalar>
+void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
+                                  ConstMatrixRef<Scalar> value, const HeadLayout& heads,
+                                  MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options = {},
+                                  const SdpaOutputs<Scalar>& extra = {}) {
+    static_assert(is_supported_scalar_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
+    constexpr const char* fn = "gattn::scaled_dot_product_attention";
+    const auto [dk, dv] = gattn::detail::validate_sdpa(fn, query.rows(), query.cols(), key.rows(),
+                                                       key.cols(), value.rows(), value.cols(),
+                                                       heads, options);
+    const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
+    const Index Nq = B == 0 ? 0 : query.rows() / B;
+    const Index Nk = B == 0 ? 0 : key.rows() / B;
+    gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), B * Nq, H * dv);
+    const Index out_span = gattn::detail::span_of(out);
+    if (gattn::detail::overlaps(out.data(), out_span, query.data(), gattn::detail::span_of(query)) ||
+        gattn::detail::overlaps(out.data(), out_span, key.data(), gattn::detail::span_of(key)) ||
+        gattn::detail::overlaps(out.data(), out_span, value.data(), gattn::detail::span_of(value)))
+        gattn::detail::throw_invalid(fn, "out", "must not overlap query, key or value");
+
+    const Scalar scale = static_cast<Scalar>(options.scale ? *options.scale
+                                                           : 1.0 / std::sqrt(double(dk)));
+    if (extra.log_sum_exp) extra.log_sum_exp->resize(B * Nq, H);
+    if (extra.probabilities) extra.probabilities->setZero(B * H * Nq, Nk);
+    if (extra.first_key_probability) extra.first_key_probability->setZero(B * Nq, H);
+
+    const auto& mask = options.mask;
+    const Index group = H / Hkv;
+    const Index rows = B * H * Nq;
+    constexpr Index kBlock = kernel::SdpaRowKernel<Scalar>::kKeyBlock;
+
+#ifdef _OPENMP
+#pragma omp parallel if (rows * Nk * (dk + dv) > (Index(1) << 18))
+#endif
+    {
+        std::vector<Scalar> scores(kBlock), acc(static_cast<std::size_t>(dv));
+        std::vector<Index> keys(kBlock);
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 16)
+#endif
+        for (Index r = 0; r < rows; ++r) {
+            // r enumerates (b, h, i) with i fastest, so one thread walks one head's queries.
+            const Index i = r % Nq, h = (r / Nq) % H, b = r / (Nq * H);
+            const Index g = h / group;
+            const kernel::SdpaRowKernel<Scalar> kernel{
+                key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
+                value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(),
+                dk, dv, scale};
+            const Scalar* q = query.data() + (b * Nq + i) * query.outerStride() + h * dk;
+            const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
+            const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
+            const Scalar* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
+            Scalar m, l, s0 = -std::numeric_limits<Scalar>::infinity();
+            kernel.run(q, range.begin, range.end, bool_row, bias_row, scores.data(), keys.data(),
+                       acc.data(), m, l, s0);
+            Scalar* o = out.data() + (b * Nq + i) * out.outerStride() + h * dv;
+            if (l > 0 || std::isnan(l)) {
+                const Scalar inv = Scalar(1) / l;
+                for (Index e = 0; e < dv; ++e) o[e] = acc[e] * inv;
+            } else {
+                for (Index e = 0; e < dv; ++e) o[e] = 0;
+            }
+            const bool empty = !(l > 0) && !std::isnan(l);
+            if (extra.log_sum_exp)
+                (*extra.log_sum_exp)(b * Nq + i, h) =
+                    empty ? -std::numeric_limits<Scalar>::infinity() : m + std::log(l);
+            if (extra.first_key_probability && !empty)
+                (*extra.first_key_probability)(b * Nq + i, h) = simd::exp_scalar(s0 - m) / l;
+            if (extra.probabilities && !empty) {
+                Scalar* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
+                for (Index j = range.begin; j < range.end; ++j) {
+                    if (bool_row && !bool_row[j]) continue;
+                    Scalar s = simd::dot(q, kernel.key + j * kernel.key_stride,
+                                         static_cast<std::size_t>(dk)) * scale;
+                    if (bias_row) s += bias_row[j];
+                    if (s == -std::numeric_limits<Scalar>::infinity()) continue;
+                    p[j] = simd::exp_scalar(s - m) / l;
+                }
+            }
+        }
+    }
+}
+
+/// Convenience form: returns out [B·N_q, H·d_v]. Same contract as the core form.
+template <class Scalar>
+RowMatrix<Scalar> scaled_dot_product_attention(ConstMatrixRef<Scalar> query,
+                                               ConstMatrixRef<Scalar> key,
+                                               ConstMatrixRef<Scalar> value,
+                                               const HeadLayout& heads,
+                                               const SdpaOptions<Scalar>& options = {},
+                                               const SdpaOutputs<Scalar>& extra = {}) {
+    const Index H = heads.num_heads, Hkv = heads.num_kv_heads;
+    // Validate first so that a bad head count is reported before the output is sized.
+    gattn::detail::validate_sdpa("gattn::scaled_dot_product_attention", query.rows(),
+                                 query.cols(), key.rows(), key.cols(), value.rows(), value.cols(),
+                                 heads, options);
+    RowMatrix<Scalar> out(query.rows(), H * (value.cols() / Hkv));
+    scaled_dot_product_attention<Scalar>(query, key, value, heads, out, options, extra);
+    return out;
+}
+
+GATTN_END_ISA_NAMESPACE

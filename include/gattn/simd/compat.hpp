@@ -1,0 +1,57 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The few xsimd calls whose names changed between xsimd 8.1 (Debian bookworm) and later
+/// releases. This is the only file that tests XSIMD_VERSION_MAJOR.
+
+#include <xsimd/xsimd.hpp>
+
+#include <algorithm>
+#include <cstddef>
+
+#include "gattn/config.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace simd {
+
+/// Instruction set the SIMD kernels of this translation unit use.
+using Arch = xsimd::default_arch;
+
+/// SIMD register of T for Arch.
+template <class T>
+using Batch = xsimd::batch<T, Arch>;
+
+/// Lanes in one register of T.
+template <class T>
+inline constexpr std::size_t kLanes = Batch<T>::size;
+
+/// Sum of the lanes (xsimd ≥ 9 calls it reduce_add, 8.1 hadd).
+template <class T>
+inline T reduce_sum(const Batch<T>& x) noexcept {
+#if XSIMD_VERSION_MAJOR >= 9
+    return xsimd::reduce_add(x);
+#else
+    return xsimd::hadd(x);
+#endif
+}
+
+/// Largest lane (xsimd 8.1 has no reduce_max). NaN lanes are ignored, as std::max would.
+template <class T>
+inline T reduce_max(const Batch<T>& x) noexcept {
+#if XSIMD_VERSION_MAJOR >= 9
+    return xsimd::reduce_max(x);
+#else
+    alignas(64) T lanes[kLanes<T>];
+    x.store_aligned(lanes);
+    T m = lanes[0];
+    for (std::size_t i = 1; i < kLanes<T>; ++i) m = std::max(m, lanes[i]);
+    return m;
+#endif
+}
+
+/// Name of the instruction set, for benchmark labels and diagnostics.
+inline const char* arch_name() noexcept { return Arch::name(); }
+
+}  // namespace simd
+GATTN_END_ISA_NAMESPACE

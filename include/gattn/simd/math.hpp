@@ -1,0 +1,178 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Vectorised exp, sigmoid and SiLU (register level and over arrays), plus the small array
+/// kernels attention needs: dot, axpy, scale, max.
+///
+/// Array kernels process full registers and then the tail through a zero-padded register, so an
+/// element's result does not depend on where it sits in the array.
+
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "gattn/simd/compat.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace simd {
+
+/// e^x, register level. float: Cephes expf polynomial (degree 6 after Cody-Waite reduction,
+/// ≈1 ulp), results below FLT_MIN flushed to exactly 0 (so e^−∞ = 0 and no denormals), above
+/// FLT_MAX +∞, NaN propagated. double: xsimd::exp.
+template <class T>
+inline Batch<T> exp(const Batch<T>& x) noexcept {
+    if constexpr (std::is_same_v<T, float>) {
+        using B = Batch<float>;
+        using I = xsimd::batch<std::int32_t, Arch>;
+        const B lo(-87.3365447505531f);  // ln(FLT_MIN)
+        const B hi(88.7228391116729f);   // ln(FLT_MAX)
+        const B xc = xsimd::min(xsimd::max(x, lo), hi);
+        const B n = xsimd::nearbyint(xc * B(1.44269504088896341f));
+        B r = xsimd::fnma(n, B(0.693359375f), xc);  // Cody-Waite: ln2 = hi + lo
+        r = xsimd::fnma(n, B(-2.12194440e-4f), r);
+        B p(1.9875691500e-4f);
+        p = xsimd::fma(p, r, B(1.3981999507e-3f));
+        p = xsimd::fma(p, r, B(8.3334519073e-3f));
+        p = xsimd::fma(p, r, B(4.1665795894e-2f));
+        p = xsimd::fma(p, r, B(1.6666665459e-1f));
+        p = xsimd::fma(p, r, B(5.0000001201e-1f));
+        p = xsimd::fma(p, r * r, r + B(1.0f));
+        // 2^n as two factors so that n in [-126, 128] never leaves the normal exponent range.
+        const I ni = xsimd::to_int(n);
+        const I n1 = ni >> 1;
+        const I n2 = ni - n1;
+        const B s1 = xsimd::bitwise_cast<B>((n1 + I(127)) << 23);
+        const B s2 = xsimd::bitwise_cast<B>((n2 + I(127)) << 23);
+        B y = p * s1 * s2;
+        y = xsimd::select(x < lo, B(0.0f), y);
+        y = xsimd::select(x > hi, B(std::numeric_limits<float>::infinity()), y);
+        return xsimd::select(xsimd::isnan(x), x, y);
+    } else {
+        return xsimd::exp(x);
+    }
+}
+
+/// σ(x) = 1 / (1 + e^−x). Saturates to exactly 0 below about −88 (float) and to exactly 1 for
+/// large x; σ(NaN) = NaN.
+template <class T>
+inline Batch<T> sigmoid(const Batch<T>& x) noexcept {
+    return Batch<T>(T(1)) / (Batch<T>(T(1)) + simd::exp<T>(-x));
+}
+
+/// SiLU(x) = x · σ(x).
+template <class T>
+inline Batch<T> silu(const Batch<T>& x) noexcept {
+    return x * simd::sigmoid<T>(x);
+}
+
+/// Applies f (register → register) to n elements of in, writing out (may equal in).
+template <class T, class F>
+inline void transform(const T* in, T* out, std::size_t n, F f) noexcept {
+    constexpr std::size_t L = kLanes<T>;
+    std::size_t i = 0;
+    for (; i + L <= n; i += L) f(Batch<T>::load_unaligned(in + i)).store_unaligned(out + i);
+    if (i < n) {
+        alignas(64) T buf[L] = {};
+        std::memcpy(buf, in + i, (n - i) * sizeof(T));
+        f(Batch<T>::load_aligned(buf)).store_aligned(buf);
+        std::memcpy(out + i, buf, (n - i) * sizeof(T));
+    }
+}
+
+/// out[i] = e^(in[i] − shift); returns the sum of the outputs. out may equal in.
+template <class T>
+inline T exp_shifted_sum(const T* in, T shift, T* out, std::size_t n) noexcept {
+    constexpr std::size_t L = kLanes<T>;
+    const Batch<T> s(shift);
+    Batch<T> acc(T(0));
+    std::size_t i = 0;
+    for (; i + L <= n; i += L) {
+        const Batch<T> e = simd::exp<T>(Batch<T>::load_unaligned(in + i) - s);
+        e.store_unaligned(out + i);
+        acc += e;
+    }
+    T sum = reduce_sum(acc);
+    if (i < n) {
+        alignas(64) T buf[L];
+        for (std::size_t k = 0; k < L; ++k) buf[k] = -std::numeric_limits<T>::infinity();
+        std::memcpy(buf, in + i, (n - i) * sizeof(T));
+        const Batch<T> e = simd::exp<T>(Batch<T>::load_aligned(buf) - s);
+        e.store_aligned(buf);
+        for (std::size_t k = 0; k < n - i; ++k) {
+            out[i + k] = buf[k];
+            sum += buf[k];
+        }
+    }
+    return sum;
+}
+
+/// Largest of n ≥ 1 values (NaN ignored unless all are NaN).
+template <class T>
+inline T max_value(const T* x, std::size_t n) noexcept {
+    constexpr std::size_t L = kLanes<T>;
+    std::size_t i = 0;
+    T m = -std::numeric_limits<T>::infinity();
+    if (n >= L) {
+        Batch<T> acc = Batch<T>::load_unaligned(x);
+        for (i = L; i + L <= n; i += L) acc = xsimd::max(acc, Batch<T>::load_unaligned(x + i));
+        m = reduce_max(acc);
+    }
+    for (; i < n; ++i) m = std::max(m, x[i]);
+    return m;
+}
+
+/// Σ a[i]·b[i], four independent accumulators.
+template <class T>
+inline T dot(const T* a, const T* b, std::size_t n) noexcept {
+    constexpr std::size_t L = kLanes<T>;
+    Batch<T> acc0(T(0)), acc1(T(0)), acc2(T(0)), acc3(T(0));
+    std::size_t i = 0;
+    for (; i + 4 * L <= n; i += 4 * L) {
+        acc0 = xsimd::fma(Batch<T>::load_unaligned(a + i), Batch<T>::load_unaligned(b + i), acc0);
+        acc1 = xsimd::fma(Batch<T>::load_unaligned(a + i + L), Batch<T>::load_unaligned(b + i + L), acc1);
+        acc2 = xsimd::fma(Batch<T>::load_unaligned(a + i + 2 * L), Batch<T>::load_unaligned(b + i + 2 * L), acc2);
+        acc3 = xsimd::fma(Batch<T>::load_unaligned(a + i + 3 * L), Batch<T>::load_unaligned(b + i + 3 * L), acc3);
+    }
+    for (; i + L <= n; i += L)
+        acc0 = xsimd::fma(Batch<T>::load_unaligned(a + i), Batch<T>::load_unaligned(b + i), acc0);
+    T sum = reduce_sum((acc0 + acc1) + (acc2 + acc3));
+    for (; i < n; ++i) sum += a[i] * b[i];
+    return sum;
+}
+
+/// y[i] += alpha · x[i].
+template <class T>
+inline void axpy(T alpha, const T* x, T* y, std::size_t n) noexcept {
+    constexpr std::size_t L = kLanes<T>;
+    const Batch<T> a(alpha);
+    std::size_t i = 0;
+    for (; i + L <= n; i += L)
+        xsimd::fma(a, Batch<T>::load_unaligned(x + i), Batch<T>::load_unaligned(y + i))
+            .store_unaligned(y + i);
+    for (; i < n; ++i) y[i] += alpha * x[i];
+}
+
+/// y[i] *= alpha.
+template <class T>
+inline void scale(T alpha, T* y, std::size_t n) noexcept {
+    constexpr std::size_t L = kLanes<T>;
+    const Batch<T> a(alpha);
+    std::size_t i = 0;
+    for (; i + L <= n; i += L) (a * Batch<T>::load_unaligned(y + i)).store_unaligned(y + i);
+    for (; i < n; ++i) y[i] *= alpha;
+}
+
+/// Scalar e^x through the same register kernel (for single values that must match the arrays).
+template <class T>
+inline T exp_scalar(T x) noexcept {
+    alignas(64) T buf[kLanes<T>] = {};
+    buf[0] = x;
+    simd::exp<T>(Batch<T>::load_aligned(buf)).store_aligned(buf);
+    return buf[0];
+}
+
+}  // namespace simd
+GATTN_END_ISA_NAMESPACE
