@@ -1,0 +1,278 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Reader for safetensors files (Hugging Face's checkpoint format) and a loader of attention
+/// layer weights by their HF names. Needs nlohmann_json (the only gattn header that does).
+///
+/// Format (huggingface/safetensors, README "Format"): an 8-byte little-endian header length n,
+/// n bytes of JSON {"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [b, e]}},
+/// then the data section; offsets are relative to its start, tensors are row-major and
+/// little-endian. F16, BF16, F32 and F64 tensors convert to float or double on read.
+/// Tensors are read on demand, so a multi-gigabyte checkpoint is not loaded whole.
+
+#include <cstdint>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gattn/layers/attention_config.hpp"
+#include "gattn/layers/gated_multi_head_attention.hpp"
+#include "gattn/types.hpp"
+
+namespace gattn {
+
+/// Header entry of one tensor.
+struct TensorInfo {
+    std::string dtype;          ///< "F32", "F16", "BF16", "F64", ... as stored
+    std::vector<Index> shape;   ///< row-major dims; empty for a scalar
+    std::uint64_t begin = 0;    ///< byte offset in the data section
+    std::uint64_t end = 0;
+
+    Index numel() const noexcept {
+        Index n = 1;
+        for (Index d : shape) n *= d;
+        return n;
+    }
+};
+
+namespace detail {
+
+inline std::size_t dtype_size(const std::string& dtype) noexcept {
+    if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
+    if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
+    if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
+    if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2") return 1;
+    return 0;
+}
+
+/// IEEE half → float (exact: every half is a float).
+inline float half_to_float(std::uint16_t h) noexcept {
+    const std::uint32_t sign = std::uint32_t(h & 0x8000u) << 16;
+    std::uint32_t exp = (h >> 10) & 0x1fu, mant = h & 0x3ffu, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);  // inf / NaN
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {  // subnormal half: normalise
+        exp = 113;
+        while ((mant & 0x400u) == 0) {
+            mant <<= 1;
+            --exp;
+        }
+        bits = sign | (exp << 23) | ((mant & 0x3ffu) << 13);
+    }
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+inline float bf16_to_float(std::uint16_t h) noexcept {
+    const std::uint32_t bits = std::uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+}  // namespace detail
+
+/// A safetensors file opened for reading.
+class SafetensorsFile {
+public:
+    /// Reads and validates the header.
+    /// \throws io_error when the file cannot be opened, is shorter than its header says, or the
+    ///         header is not valid JSON or has an entry with a bad dtype, shape or offsets.
+    explicit SafetensorsFile(std::string path) : m_path(std::move(path)) {
+        std::ifstream in(m_path, std::ios::binary | std::ios::ate);
+        if (!in) fail("cannot open file");
+        const std::uint64_t file_size = static_cast<std::uint64_t>(in.tellg());
+        if (file_size < 8) fail("truncated: " + std::to_string(file_size) + " bytes, less than the 8-byte header length");
+        in.seekg(0);
+        unsigned char len_bytes[8];
+        in.read(reinterpret_cast<char*>(len_bytes), 8);
+        std::uint64_t header_len = 0;
+        for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
+        if (header_len > file_size - 8)
+            fail("truncated: header length " + std::to_string(header_len) + " exceeds the " +
+                 std::to_string(file_size - 8) + " bytes after it");
+        std::string header(static_cast<std::size_t>(header_len), '\0');
+        in.read(header.data(), static_cast<std::streamsize>(header_len));
+        if (!in) fail("cannot read the header");
+        m_data_offset = 8 + header_len;
+        const std::uint64_t data_size = file_size - m_data_offset;
+
+        nlohmann::json j;
+        try {
+            j = nlohmann::json::parse(header);
+        } catch (const nlohmann::json::parse_error& e) {
+            fail(std::string("malformed JSON header: ") + e.what());
+        }
+        if (!j.is_object()) fail("malformed header: not a JSON object");
+        for (auto it = j.begin(); it != j.end(); ++it) {
+            const std::string& name = it.key();
+            const auto& v = it.value();
+            if (name == "__metadata__") {
+                if (!v.is_object()) fail("malformed header: __metadata__ is not an object");
+                for (auto m = v.begin(); m != v.end(); ++m)
+                    if (m.value().is_string()) m_metadata[m.key()] = m.value().get<std::string>();
+                continue;
+            }
+            if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
+                !v.contains("data_offsets") || !v["dtype"].is_string() || !v["shape"].is_array() ||
+                !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
+                fail("malformed header entry for tensor '" + name + "'");
+            TensorInfo t;
+            t.dtype = v["dtype"].get<std::string>();
+            for (const auto& d : v["shape"]) {
+                if (!d.is_number_unsigned()) fail("tensor '" + name + "': shape entries must be non-negative integers");
+                t.shape.push_back(static_cast<Index>(d.get<std::uint64_t>()));
+            }
+            if (!v["data_offsets"][0].is_number_unsigned() || !v["data_offsets"][1].is_number_unsigned())
+                fail("tensor '" + name + "': data_offsets must be non-negative integers");
+            t.begin = v["data_offsets"][0].get<std::uint64_t>();
+            t.end = v["data_offsets"][1].get<std::uint64_t>();
+            const std::size_t es = detail::dtype_size(t.dtype);
+            if (es == 0) fail("tensor '" + name + "': unknown dtype '" + t.dtype + "'");
+            if (t.begin > t.end || t.end > data_size)
+                fail("truncated: tensor '" + name + "' spans bytes [" + std::to_string(t.begin) +
+                     ", " + std::to_string(t.end) + ") of a " + std::to_string(data_size) +
+                     "-byte data section");
+            if (t.end - t.begin != static_cast<std::uint64_t>(t.numel()) * es)
+                fail("tensor '" + name + "': " + std::to_string(t.end - t.begin) +
+                     " bytes do not hold shape " + shape_text(t.shape) + " of " + t.dtype);
+            m_tensors.emplace(name, std::move(t));
+        }
+    }
+
+    const std::string& path() const noexcept { return m_path; }
+    bool contains(const std::string& name) const { return m_tensors.count(name) != 0; }
+    /// Header entry; \throws io_error when the tensor is missing.
+    const TensorInfo& info(const std::string& name) const {
+        auto it = m_tensors.find(name);
+        if (it == m_tensors.end()) fail("missing tensor '" + name + "'");
+        return it->second;
+    }
+    /// Tensor names in sorted order.
+    std::vector<std::string> names() const {
+        std::vector<std::string> n;
+        for (const auto& kv : m_tensors) n.push_back(kv.first);
+        return n;
+    }
+    /// The free-form string map "__metadata__" (empty when absent).
+    const std::map<std::string, std::string>& metadata() const noexcept { return m_metadata; }
+
+    /// All values of a tensor, row-major, converted to Scalar.
+    /// \throws io_error (missing tensor, unsupported dtype, read failure).
+    template <class Scalar>
+    std::vector<Scalar> values(const std::string& name) const {
+        const TensorInfo& t = info(name);
+        const std::size_t n = static_cast<std::size_t>(t.numel());
+        std::vector<unsigned char> raw(static_cast<std::size_t>(t.end - t.begin));
+        std::ifstream in(m_path, std::ios::binary);
+        in.seekg(static_cast<std::streamoff>(m_data_offset + t.begin));
+        in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
+        if (!in) fail("cannot read tensor '" + name + "'");
+        std::vector<Scalar> out(n);
+        const unsigned char* p = raw.data();
+        if (t.dtype == "F32") {
+            for (std::size_t i = 0; i < n; ++i) {
+                float f;
+                std::memcpy(&f, p + 4 * i, 4);
+                out[i] = static_cast<Scalar>(f);
+            }
+        } else if (t.dtype == "F64") {
+            for (std::size_t i = 0; i < n; ++i) {
+                double d;
+                std::memcpy(&d, p + 8 * i, 8);
+                out[i] = static_cast<Scalar>(d);
+            }
+        } else if (t.dtype == "F16" || t.dtype == "BF16") {
+            const bool half = t.dtype == "F16";
+            for (std::size_t i = 0; i < n; ++i) {
+                const std::uint16_t h = static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
+                out[i] = static_cast<Scalar>(half ? detail::half_to_float(h) : detail::bf16_to_float(h));
+            }
+        } else {
+            fail("tensor '" + name + "' has dtype " + t.dtype + "; only F16, BF16, F32 and F64 convert to floating point");
+        }
+        return out;
+    }
+
+    /// A tensor as a matrix: [shape[0], shape[1]] for 2-D; N-D tensors flatten to
+    /// [Π shape[:-1], shape[-1]]; 1-D tensors give [1, n].
+    template <class Scalar>
+    RowMatrix<Scalar> matrix(const std::string& name) const {
+        const TensorInfo& t = info(name);
+        const Index cols = t.shape.empty() ? 1 : t.shape.back();
+        const Index rows = cols == 0 ? 0 : t.numel() / cols;
+        const std::vector<Scalar> v = values<Scalar>(name);
+        RowMatrix<Scalar> m(rows, cols);
+        if (!v.empty()) std::memcpy(m.data(), v.data(), v.size() * sizeof(Scalar));
+        return m;
+    }
+
+    /// A 1-D tensor as a vector. \throws shape_error when it is not 1-D.
+    template <class Scalar>
+    Vector<Scalar> vector(const std::string& name) const {
+        const TensorInfo& t = info(name);
+        if (t.shape.size() != 1)
+            throw shape_error("gattn::SafetensorsFile::vector: tensor '" + name + "' must be 1-D, got shape " + shape_text(t.shape));
+        const std::vector<Scalar> v = values<Scalar>(name);
+        return Eigen::Map<const Vector<Scalar>>(v.data(), static_cast<Index>(v.size()));
+    }
+
+    static std::string shape_text(const std::vector<Index>& s) {
+        std::string r = "[";
+        for (std::size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);
+        return r + "]";
+    }
+
+private:
+    [[noreturn]] void fail(const std::string& what) const {
+        throw io_error("gattn::SafetensorsFile: " + m_path + ": " + what);
+    }
+
+    std::string m_path;
+    std::uint64_t m_data_offset = 0;
+    std::map<std::string, TensorInfo> m_tensors;
+    std::map<std::string, std::string> m_metadata;
+};
+
+/// Loads every weight a layer with `config` expects (expected_weight_shapes) from `file`, each
+/// named `prefix + HF name`, e.g. prefix "model.layers.3.self_attn." and "q_proj.weight".
+/// \throws io_error for a missing tensor or unsupported dtype; shape_error when a tensor's
+///         shape differs from what the config expects (the message names tensor, expected and
+///         actual shape; e.g. a headwise checkpoint read with an elementwise config).
+template <class Scalar>
+AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file,
+                                                const AttentionConfig& config,
+                                                const std::string& prefix = "") {
+    validate_config(config, "gattn::load_attention_weights");
+    AttentionWeights<Scalar> w;
+    const auto shapes = expected_weight_shapes(config);
+    w.for_each([&](const char* name, auto* p) {
+        for (const auto& s : shapes) {
+            if (s.name != name) continue;
+            const std::string full = prefix + name;
+            const TensorInfo& t = file.info(full);
+            if (t.shape != s.shape)
+                throw shape_error("gattn::load_attention_weights: " + full + " must have shape " +
+                                  SafetensorsFile::shape_text(s.shape) + ", got " +
+                                  SafetensorsFile::shape_text(t.shape) + " in " + file.path());
+            using T = std::decay_t<decltype(*p)>;
+            if constexpr (T::ColsAtCompileTime == 1)
+                *p = file.vector<Scalar>(full);
+            else
+                *p = file.matrix<Scalar>(full);
+        }
+    });
+    return w;
+}
+
+}  // namespace gattn

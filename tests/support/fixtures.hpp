@@ -1,0 +1,36 @@
+// Loads the PyTorch-generated layer fixtures in tests/data (see tests/data/README.md).
+#pragma once
+
+#include <string>
+
+#include "gattn/gattn.hpp"
+#include "gattn/io/safetensors.hpp"
+
+namespace gattn_test {
+
+/// Layer config from a fixture's __metadata__.
+inline gattn::AttentionConfig fixture_config(const gattn::SafetensorsFile& f) {
+    const auto& m = f.metadata();
+    auto num = [&](const char* k) { return static_cast<gattn::Index>(std::stol(m.at(k))); };
+    gattn::AttentionConfig c;
+    c.d_model = num("d_model");
+    c.num_heads = num("num_heads");
+    c.num_kv_heads = num("num_kv_heads");
+    c.head_dim = num("head_dim");
+    c.causal = m.at("causal") == "true";
+    c.qkv_bias = c.o_bias = m.at("bias") == "true";
+    const std::string gate = m.at("gate");
+    const auto layout = m.at("gate_layout") == "per_head_interleaved"
+                            ? gattn::GateLayout::PerHeadInterleaved
+                            : gattn::GateLayout::Separate;
+    if (gate == "g1_elementwise") c.gate = gattn::GateSpec::g1_elementwise(layout);
+    if (gate == "g1_headwise") c.gate = gattn::GateSpec::g1_headwise(layout);
+    c.gate.bias = m.at("gate_bias") == "true";
+    return c;
+}
+
+inline std::string fixture_path(const std::string& name) {
+    return std::string(GATTN_TEST_DATA_DIR) + "/" + name + ".safetensors";
+}
+
+}  // namespace gattn_test
