@@ -1,0 +1,149 @@
+// SIMD kernels (exp, sigmoid, SiLU, fused gate, dot, axpy, max) against double-precision math,
+// at every length from 0 to several registers and at unaligned starts.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "gattn/gattn.hpp"
+
+namespace {
+
+namespace simd = gattn::simd;
+
+template <class T>
+class Kernels : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(Kernels, Scalars);
+
+template <class T>
+double rel_tol() {
+    return std::is_same_v<T, float> ? 3e-7 : 1e-14;
+}
+
+double sigmoid_ref(double x) { return x >= 0 ? 1.0 / (1.0 + std::exp(-x)) : std::exp(x) / (1.0 + std::exp(x)); }
+
+TYPED_TEST(Kernels, ExpMatchesDoubleAcrossTheRange) {
+    using T = TypeParam;
+    const T inf = std::numeric_limits<T>::infinity();
+    std::vector<T> x;
+    for (double v = -87.0; v <= 88.0; v += 0.01737) x.push_back(static_cast<T>(v));
+    std::vector<T> y(x.size());
+    simd::transform(x.data(), y.data(), x.size(), [](const auto& b) { return simd::exp<T>(b); });
+    for (std::size_t i = 0; i < x.size(); ++i) {
+        const double want = std::exp(static_cast<double>(x[i]));
+        ASSERT_LE(std::abs(y[i] - want), rel_tol<T>() * want) << "exp(" << x[i] << ")";
+    }
+    const std::vector<T> special{-inf, inf, T(-1000), T(1000), T(0), std::numeric_limits<T>::quiet_NaN()};
+    std::vector<T> s(special.size());
+    simd::transform(special.data(), s.data(), special.size(), [](const auto& b) { return simd::exp<T>(b); });
+    EXPECT_EQ(s[0], T(0));
+    EXPECT_EQ(s[1], inf);
+    EXPECT_EQ(s[2], T(0));
+    EXPECT_EQ(s[3], inf);
+    EXPECT_EQ(s[4], T(1));
+    EXPECT_TRUE(std::isnan(s[5]));
+}
+
+TYPED_TEST(Kernels, ActivationsMatchDoubleAndSaturateExactly) {
+    using T = TypeParam;
+    std::vector<T> z;
+    for (double v = -30.0; v <= 30.0; v += 0.0731) z.push_back(static_cast<T>(v));
+    z.insert(z.end(), {T(-1000), T(1000), T(-89), T(89), -std::numeric_limits<T>::infinity(),
+                       std::numeric_limits<T>::infinity()});
+    std::vector<T> out(z.size());
+    using Act = gattn::GateActivation;
+    for (Act a : {Act::Sigmoid, Act::SiLU, Act::NonSparseSigmoid}) {
+        gattn::activate(a, z.data(), out.data(), z.size());
+        for (std::size_t i = 0; i + 6 < z.size(); ++i) {
+            const double s = sigmoid_ref(z[i]);
+            const double want = a == Act::Sigmoid ? s : a == Act::SiLU ? z[i] * s : 0.5 + 0.5 * s;
+            ASSERT_NEAR(out[i], want, 4 * rel_tol<T>() * std::max(1.0, std::abs(want)))
+                << gattn::to_string(a) << "(" << z[i] << ")";
+        }
+    }
+    gattn::activate(Act::Sigmoid, z.data(), out.data(), z.size());
+    const std::size_t n = z.size();
+    EXPECT_EQ(out[n - 6], T(0));  // σ(−1000)
+    EXPECT_EQ(out[n - 5], T(1));  // σ(1000)
+    EXPECT_EQ(out[n - 2], T(0));  // σ(−∞)
+    EXPECT_EQ(out[n - 1], T(1));  // σ(+∞)
+    const T nan = std::numeric_limits<T>::quiet_NaN();
+    gattn::activate(Act::Sigmoid, &nan, out.data(), 1);
+    EXPECT_TRUE(std::isnan(out[0]));
+}
+
+TYPED_TEST(Kernels, FusedGateMatchesDoubleAtEveryLengthAndOffset) {
+    using T = TypeParam;
+    std::mt19937_64 rng(1);
+    std::uniform_real_distribution<double> u(-6, 6);
+    const std::size_t L = simd::kLanes<T>;
+    using C = gattn::GateCombine;
+    using Act = gattn::GateActivation;
+    for (std::size_t n = 0; n <= 3 * L + 1; ++n)
+        for (std::size_t off = 0; off < 3; ++off)
+            for (C comb : {C::Multiplicative, C::Additive, C::ResidualMix})
+                for (Act act : {Act::Sigmoid, Act::SiLU, Act::NonSparseSigmoid}) {
+                    std::vector<T> y(n + off), z(n + off), x(n + off), g(n + off, T(-7));
+                    for (auto* v : {&y, &z, &x})
+                        for (auto& e : *v) e = static_cast<T>(u(rng));
+                    const std::vector<T> y0 = y;
+                    gattn::apply_gate(act, comb, y.data() + off, z.data() + off, x.data() + off,
+                                      g.data() + off, n);
+                    for (std::size_t i = off; i < n + off; ++i) {
+                        const double s = sigmoid_ref(z[i]);
+                        const double gv = act == Act::Sigmoid ? s : act == Act::SiLU ? z[i] * s : 0.5 + 0.5 * s;
+                        const double want = comb == C::Multiplicative ? y0[i] * gv
+                                            : comb == C::Additive     ? y0[i] + gv
+                                                                      : gv * y0[i] + (1 - gv) * x[i];
+                        ASSERT_NEAR(y[i], want, 8 * rel_tol<T>() * std::max(1.0, std::abs(want)))
+                            << "n=" << n << " off=" << off;
+                        ASSERT_NEAR(g[i], gv, 4 * rel_tol<T>() * std::max(1.0, std::abs(gv)));
+                    }
+                    for (std::size_t i = 0; i < off; ++i) ASSERT_EQ(y[i], y0[i]) << "wrote before the row";
+                }
+}
+
+TYPED_TEST(Kernels, DotAxpyMaxAndExpSumAtEveryLength) {
+    using T = TypeParam;
+    std::mt19937_64 rng(2);
+    std::uniform_real_distribution<double> u(-1, 1);
+    const std::size_t L = simd::kLanes<T>;
+    for (std::size_t n = 1; n <= 5 * L + 3; ++n) {
+        std::vector<T> a(n + 1), b(n + 1), y(n + 1);
+        for (auto* v : {&a, &b, &y})
+            for (auto& e : *v) e = static_cast<T>(u(rng));
+        const T* pa = a.data() + 1;  // unaligned starts
+        const T* pb = b.data() + 1;
+        double dot = 0, mx = -1e300, es = 0;
+        for (std::size_t i = 0; i < n; ++i) {
+            dot += double(pa[i]) * pb[i];
+            mx = std::max(mx, double(pa[i]));
+        }
+        for (std::size_t i = 0; i < n; ++i) es += std::exp(double(pa[i]) - mx);
+        EXPECT_NEAR(simd::dot(pa, pb, n), dot, 1e2 * std::numeric_limits<T>::epsilon() * n) << n;
+        EXPECT_EQ(simd::max_value(pa, n), static_cast<T>(mx)) << n;
+        std::vector<T> e(n);
+        EXPECT_NEAR(simd::exp_shifted_sum(pa, static_cast<T>(mx), e.data(), n), es, 4 * rel_tol<T>() * es) << n;
+        const std::vector<T> y0 = y;
+        simd::axpy(T(0.5), pa, y.data() + 1, n);
+        for (std::size_t i = 0; i < n; ++i) ASSERT_NEAR(y[i + 1], y0[i + 1] + 0.5 * pa[i], 4 * rel_tol<T>());
+        EXPECT_EQ(y[0], y0[0]);
+    }
+}
+
+TEST(Kernels, IsaNamespaceMatchesTheCompiledArchitecture) {
+    // The library's SIMD symbols live in an inline namespace named after the instruction set.
+    const std::string arch = simd::arch_name();
+    EXPECT_FALSE(arch.empty());
+#if defined(__AVX512F__)
+    EXPECT_NE(arch.find("avx512"), std::string::npos) << arch;
+#elif defined(__AVX2__) && defined(__FMA__)
+    EXPECT_NE(arch.find("avx2"), std::string::npos) << arch;
+#endif
+}
+
+}  // namespace

@@ -1,0 +1,158 @@
+// The safetensors reader and the weight loader: dtype conversion and every error it reports.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "gattn/io/safetensors.hpp"
+
+namespace {
+
+using gattn::Index;
+
+struct RawTensor {
+    std::string name, dtype;
+    std::vector<Index> shape;
+    std::vector<unsigned char> bytes;
+};
+
+std::string temp_path(const std::string& name) {
+    return (std::filesystem::temp_directory_path() / ("gattn_test_" + name + ".safetensors")).string();
+}
+
+/// Writes a safetensors file: 8-byte little-endian header length, JSON header, data.
+std::string write_file(const std::string& name, const std::vector<RawTensor>& tensors,
+                       const std::string& header_override = "", std::size_t truncate_data = 0) {
+    nlohmann::json h;
+    h["__metadata__"] = {{"format", "pt"}};
+    std::vector<unsigned char> data;
+    for (const auto& t : tensors) {
+        h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
+        data.insert(data.end(), t.bytes.begin(), t.bytes.end());
+    }
+    std::string header = header_override.empty() ? h.dump() : header_override;
+    const std::string path = temp_path(name);
+    std::ofstream f(path, std::ios::binary);
+    std::uint64_t n = header.size();
+    for (int i = 0; i < 8; ++i) f.put(static_cast<char>((n >> (8 * i)) & 0xff));
+    f << header;
+    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size() - truncate_data));
+    return path;
+}
+
+template <class T>
+std::vector<unsigned char> bytes_of(const std::vector<T>& v) {
+    std::vector<unsigned char> b(v.size() * sizeof(T));
+    std::memcpy(b.data(), v.data(), b.size());
+    return b;
+}
+
+std::vector<unsigned char> u16_bytes(const std::vector<std::uint16_t>& v) { return bytes_of(v); }
+
+TEST(Safetensors, ConvertsF16BF16F32F64) {
+    // Hand-worked encodings: F16 0x3C00 = 1, 0xC000 = -2, 0x3555 ≈ 0.333251953125,
+    // 0x0001 = 2^-24 (subnormal), 0x7C00 = +inf. BF16 0x3F80 = 1, 0xC0A0 = -5, 0x3EAB = 0.333984375.
+    const std::string path = write_file(
+        "dtypes", {{"h", "F16", {5}, u16_bytes({0x3C00, 0xC000, 0x3555, 0x0001, 0x7C00})},
+                   {"b", "BF16", {3}, u16_bytes({0x3F80, 0xC0A0, 0x3EAB})},
+                   {"f", "F32", {2, 2}, bytes_of(std::vector<float>{1.5f, -2.25f, 3.0f, 0.125f})},
+                   {"d", "F64", {1, 2}, bytes_of(std::vector<double>{0.1, -7.0})}});
+    const gattn::SafetensorsFile f(path);
+    const auto h = f.values<double>("h");
+    EXPECT_EQ(h[0], 1.0);
+    EXPECT_EQ(h[1], -2.0);
+    EXPECT_EQ(h[2], 0.333251953125);
+    EXPECT_EQ(h[3], std::ldexp(1.0, -24));
+    EXPECT_TRUE(std::isinf(h[4]) && h[4] > 0);
+    EXPECT_EQ(f.values<float>("b"), (std::vector<float>{1.0f, -5.0f, 0.333984375f}));
+    const auto m = f.matrix<float>("f");
+    EXPECT_EQ(m.rows(), 2);
+    EXPECT_EQ(m(1, 0), 3.0f);
+    EXPECT_EQ(f.matrix<double>("d")(0, 0), 0.1);
+    EXPECT_EQ(f.vector<float>("h").size(), 5);
+    EXPECT_EQ(f.metadata().at("format"), "pt");
+    EXPECT_THROW(f.vector<float>("f"), gattn::shape_error);
+}
+
+void expect_io_error(const std::string& path, const std::string& needle) {
+    try {
+        gattn::SafetensorsFile f(path);
+        ADD_FAILURE() << "no exception for " << needle;
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+}
+
+TEST(Safetensors, ReportsMalformedFiles) {
+    const RawTensor t{"w", "F32", {2}, bytes_of(std::vector<float>{1, 2})};
+    expect_io_error(temp_path("does_not_exist"), "cannot open");
+    expect_io_error(write_file("truncated_data", {t}, "", 4), "truncated");
+    expect_io_error(write_file("bad_json", {t}, "{\"w\": [1, 2"), "malformed JSON");
+    expect_io_error(write_file("bad_entry", {t}, "{\"w\": {\"dtype\": \"F32\"}}"), "malformed header entry");
+    expect_io_error(write_file("size_mismatch", {{"w", "F32", {3}, bytes_of(std::vector<float>{1, 2})}}),
+                    "do not hold shape [3]");
+    expect_io_error(write_file("bad_dtype", {{"w", "Q4", {2}, bytes_of(std::vector<float>{1, 2})}}), "unknown dtype");
+    {
+        const std::string path = temp_path("short");
+        std::ofstream(path, std::ios::binary) << "abc";
+        expect_io_error(path, "truncated");
+    }
+    {
+        const std::string path = temp_path("huge_header");
+        std::ofstream f(path, std::ios::binary);
+        for (int i = 0; i < 8; ++i) f.put(static_cast<char>(0x7f));
+        f << "{}";
+        f.close();
+        expect_io_error(path, "header length");
+    }
+    const gattn::SafetensorsFile ok(write_file("ints", {{"i", "I32", {1}, bytes_of(std::vector<std::int32_t>{3})}}));
+    EXPECT_THROW(ok.values<float>("i"), gattn::io_error);
+    EXPECT_THROW(ok.values<float>("absent"), gattn::io_error);
+}
+
+TEST(Safetensors, LoaderNamesMissingAndMisshapenTensors) {
+    gattn::AttentionConfig c;
+    c.d_model = 8;
+    c.num_heads = 2;
+    c.num_kv_heads = 1;
+    c.head_dim = 4;
+    c.gate = gattn::GateSpec::g1_elementwise(gattn::GateLayout::PerHeadInterleaved);
+    const auto w = gattn::make_random_weights<float>(c, 1);
+    auto raw = [](const std::string& n, const gattn::RowMatrix<float>& m) {
+        return RawTensor{n, "F32", {m.rows(), m.cols()}, bytes_of(std::vector<float>(m.data(), m.data() + m.size()))};
+    };
+    const std::string prefix = "model.layers.3.self_attn.";
+    const std::vector<RawTensor> all{raw(prefix + "q_proj.weight", w.q_proj_weight), raw(prefix + "k_proj.weight", w.k_proj_weight),
+                                     raw(prefix + "v_proj.weight", w.v_proj_weight), raw(prefix + "o_proj.weight", w.o_proj_weight)};
+    const gattn::SafetensorsFile good(write_file("layer", all));
+    const auto loaded = gattn::load_attention_weights<float>(good, c, prefix);
+    EXPECT_EQ(loaded.q_proj_weight, w.q_proj_weight);
+    EXPECT_EQ(loaded.o_proj_weight, w.o_proj_weight);
+
+    try {  // a headwise config reading an elementwise checkpoint: q_proj has H·2d rows, not H·d + H
+        auto headwise = c;
+        headwise.gate.granularity = gattn::GateGranularity::Headwise;
+        gattn::load_attention_weights<float>(good, headwise, prefix);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("q_proj.weight must have shape [10, 8], got [16, 8]"), std::string::npos)
+            << e.what();
+    }
+    const gattn::SafetensorsFile missing(write_file("missing", {all[0], all[1], all[3]}));
+    try {
+        gattn::load_attention_weights<float>(missing, c, prefix);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.3.self_attn.v_proj.weight'"), std::string::npos)
+            << e.what();
+    }
+}
+
+}  // namespace
