@@ -1,0 +1,102 @@
+// What a gate costs: the same GatedMultiHeadAttention layer with and without each gate variant,
+// side by side in one run, at realistic sizes (D = 2048, 16 query heads, 2 KV heads,
+// head_dim 128, causal). Counters: tokens/s, and the gate's share of the layer's parameters.
+//
+// Run: build/bench/bench_gated_layer --benchmark_counters_tabular=true
+// (configure with -DGATTN_ARCH_FLAGS=-march=native for the machine's widest SIMD).
+
+#include <benchmark/benchmark.h>
+
+#include <string>
+#include <vector>
+
+#include <gattn/gattn.hpp>
+
+namespace {
+
+using gattn::GateSpec;
+
+struct Variant {
+    const char* name;
+    GateSpec gate;
+};
+
+std::vector<Variant> variants() {
+    using P = gattn::GatePosition;
+    auto at = [](P p, gattn::GateGranularity g = gattn::GateGranularity::Elementwise) {
+        GateSpec s;
+        s.position = p;
+        s.granularity = g;
+        return s;
+    };
+    GateSpec fused = GateSpec::g1_elementwise(gattn::GateLayout::PerHeadInterleaved);
+    GateSpec silu = GateSpec::g1_elementwise();
+    silu.activation = gattn::GateActivation::SiLU;
+    return {{"Ungated", GateSpec{}},
+            {"G1Elementwise", GateSpec::g1_elementwise()},
+            {"G1ElementwiseFusedQProj", fused},
+            {"G1Headwise", GateSpec::g1_headwise()},
+            {"G1ElementwiseSiLU", silu},
+            {"G2Elementwise", at(P::G2)},
+            {"G3Elementwise", at(P::G3)},
+            {"G4Elementwise", at(P::G4)},
+            {"G5Elementwise", at(P::G5)}};
+}
+
+gattn::AttentionConfig realistic_config(const GateSpec& gate) {
+    gattn::AttentionConfig c;
+    c.d_model = 2048;
+    c.num_heads = 16;
+    c.num_kv_heads = 2;
+    c.head_dim = 128;
+    c.causal = true;
+    c.gate = gate;
+    return c;
+}
+
+void BM_Layer(benchmark::State& state, GateSpec gate) {
+    const gattn::Index seq_len = state.range(0);
+    const auto config = realistic_config(gate);
+    const gattn::GatedMultiHeadAttention<float> layer(config, gattn::make_random_weights<float>(config, 1));
+    const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, config.d_model);
+    gattn::RowMatrix<float> out(seq_len, config.d_model);
+    for (auto _ : state) {
+        layer.forward(x, 1, out);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+    }
+    state.counters["tokens/s"] = benchmark::Counter(double(seq_len), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["gate_params"] = double(gattn::gate_parameter_count(config));
+    state.SetLabel(gattn::simd::arch_name());
+}
+
+/// The fused gate pass alone (activation and multiply over [N, H·d]), to compare with the layer.
+void BM_FusedGatePass(benchmark::State& state) {
+    const gattn::Index seq_len = state.range(0), width = 16 * 128;
+    gattn::RowMatrix<float> u = gattn::RowMatrix<float>::Random(seq_len, width);
+    const gattn::RowMatrix<float> z = gattn::RowMatrix<float>::Random(seq_len, width);
+    for (auto _ : state) {
+        gattn::apply_gate(gattn::GateActivation::Sigmoid, gattn::GateCombine::Multiplicative, u.data(), z.data(),
+                          static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
+                          static_cast<std::size_t>(u.size()));
+        benchmark::DoNotOptimize(u.data());
+        benchmark::ClobberMemory();
+    }
+    state.counters["elements/s"] = benchmark::Counter(double(u.size()), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+const bool registered = [] {
+    for (const auto& v : variants())
+        benchmark::RegisterBenchmark((std::string("BM_Layer/") + v.name).c_str(), BM_Layer, v.gate)
+            ->Arg(512)
+            ->Arg(1024)
+            ->Arg(2048)
+            ->Unit(benchmark::kMillisecond)
+            ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_FusedGatePass", BM_FusedGatePass)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
+    return true;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();
