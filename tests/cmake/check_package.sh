@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs gattn into a temporary prefix and builds the consumer project against it with
+# find_package, then builds the consumer again with gattn vendored through add_subdirectory.
+# Usage: check_package.sh <gattn source dir> <scratch dir>
+set -euo pipefail
+src="$1"
+work="$2"
+rm -rf "$work"
+mkdir -p "$work"
+cmake -S "$src" -B "$work/gattn" -DGATTN_BUILD_TESTS=OFF -DGATTN_BUILD_BENCHMARKS=OFF \
+      -DGATTN_BUILD_EXAMPLES=OFF -DCMAKE_INSTALL_PREFIX="$work/prefix" >/dev/null
+cmake --install "$work/gattn" >/dev/null
+test -f "$work/prefix/share/cmake/gattn/gattnConfig.cmake"
+cmake -S "$src/tests/cmake/consumer" -B "$work/package" -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
+cmake --build "$work/package" >/dev/null
+"$work/package/consumer"
+cmake -S "$src/tests/cmake/consumer" -B "$work/subdirectory" -DGATTN_CONSUME=subdirectory \
+      -DGATTN_SOURCE_DIR="$src" >/dev/null
+cmake --build "$work/subdirectory" >/dev/null
+"$work/subdirectory/consumer"
