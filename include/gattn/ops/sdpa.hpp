@@ -175,9 +175,11 @@ struct SdpaRowKernel {
             Index n = 0;
             for (Index j = j0; j < j1; ++j) {
                 if (bool_row && !bool_row[j]) continue;
+                // A −∞ bias masks the key: skip it before K is read (NaN in K must not leak).
+                if (bias_row && bias_row[j] == kNegInf) continue;
                 Scalar s = simd::dot(q, key + j * key_stride, static_cast<std::size_t>(dk)) * scale;
                 if (bias_row) s += bias_row[j];
-                if (s == kNegInf) continue;  // masked by the bias: skip, never weight by 0
+                if (s == kNegInf) continue;  // a −∞ logit has weight 0: skip rather than weight by 0
                 if (j == 0) s0 = s;
                 scores[n] = s;
                 keys[n] = j;
@@ -294,6 +296,7 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                 Scalar* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
                 for (Index j = range.begin; j < range.end; ++j) {
                     if (bool_row && !bool_row[j]) continue;
+                    if (bias_row && bias_row[j] == -std::numeric_limits<Scalar>::infinity()) continue;
                     Scalar s = simd::dot(q, kernel.key + j * kernel.key_stride,
                                          static_cast<std::size_t>(dk)) * scale;
                     if (bias_row) s += bias_row[j];

@@ -1,0 +1,769 @@
+// SPDX-License-Identifier: Apache-2.0
+// Scaled dot-product attention against the float64 reference (tests/support/reference.hpp):
+// shapes with odd sizes, GQA/MQA, d_v ≠ d_k, every mask alone and combined, the optional
+// outputs, strided views, fully masked rows, NaN in masked K/V rows, and argument validation.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "gattn/ops/sdpa.hpp"
+#include "support/compare.hpp"
+#include "support/reference.hpp"
+
+namespace {
+
+using gattn::Index;
+using gattn_test::expect_close;
+using gattn_test::Mat;
+using gattn_test::random_matrix;
+using gattn_test::RefMasks;
+using gattn_test::rounded;
+
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+/// Per-element and whole-tensor tolerances of a scalar type against the float64 reference.
+/// float: DESIGN's atol 1e-5, rtol 1e-5 per element (observed worst |err| ≈ 6e-7) and an NMSE
+/// bound about 100× above the worst observed (≈ 7e-14). double: observed worst |err| ≈ 2e-15,
+/// NMSE ≈ 4e-30.
+template <class S>
+struct Tol;
+template <>
+struct Tol<float> {
+    static constexpr double atol = 1e-5, rtol = 1e-5, nmse = 1e-11;
+};
+template <>
+struct Tol<double> {
+    static constexpr double atol = 1e-12, rtol = 1e-11, nmse = 1e-24;
+};
+
+template <class S>
+const char* type_label() {
+    return std::is_same_v<S, float> ? "Float" : "Double";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Shapes and mask kinds of the sweep.
+
+struct Shape {
+    const char* name;
+    Index B, Nq, Nk, H, Hkv, dk, dv;
+};
+
+const Shape kShapes[] = {
+    {"Tiny", 1, 1, 1, 1, 1, 1, 1},
+    {"DecodeMqaDk128", 2, 1, 113, 8, 1, 128, 128},
+    {"N15Mqa", 2, 15, 15, 3, 1, 8, 8},
+    {"N16Gqa", 2, 16, 16, 8, 2, 40, 40},
+    {"N17MhaDk72", 1, 17, 17, 8, 8, 72, 72},
+    {"N33Dk128", 1, 33, 33, 3, 3, 128, 128},
+    {"N113GqaDvNarrower", 1, 113, 113, 8, 4, 40, 8},
+    {"QShorterDvWider", 2, 15, 33, 3, 1, 40, 72},
+    {"QLongerDvNarrower", 2, 33, 16, 8, 4, 72, 40},
+    {"QLongerN113Dv1", 1, 113, 17, 3, 3, 8, 1},
+    {"Dk1Dv8", 2, 17, 16, 1, 1, 1, 8},
+    {"KeysN113Dk128Dv40", 1, 16, 113, 8, 2, 128, 40},
+};
+
+enum class MaskKind {
+    None,
+    ExplicitScale,
+    Causal,
+    Window,
+    CausalWindow,
+    WindowOne,
+    KeyLengths,
+    KeyLengthsWithEmpty,
+    CausalKeyLengths,
+    WindowKeyLengths,
+    BoolFull,
+    BoolKeyRow,
+    BoolHeadQuery,
+    BiasFull,
+    BiasBroadcast,
+    CausalBoolBias,
+    Combined,
+};
+
+const MaskKind kMaskKinds[] = {
+    MaskKind::None,       MaskKind::ExplicitScale,       MaskKind::Causal,
+    MaskKind::Window,     MaskKind::CausalWindow,        MaskKind::WindowOne,
+    MaskKind::KeyLengths, MaskKind::KeyLengthsWithEmpty, MaskKind::CausalKeyLengths,
+    MaskKind::WindowKeyLengths, MaskKind::BoolFull,      MaskKind::BoolKeyRow,
+    MaskKind::BoolHeadQuery, MaskKind::BiasFull,         MaskKind::BiasBroadcast,
+    MaskKind::CausalBoolBias, MaskKind::Combined,
+};
+
+const char* mask_name(MaskKind k) {
+    switch (k) {
+        case MaskKind::None: return "NoMask";
+        case MaskKind::ExplicitScale: return "ExplicitScale";
+        case MaskKind::Causal: return "Causal";
+        case MaskKind::Window: return "Window";
+        case MaskKind::CausalWindow: return "CausalWindow";
+        case MaskKind::WindowOne: return "WindowOne";
+        case MaskKind::KeyLengths: return "KeyLengths";
+        case MaskKind::KeyLengthsWithEmpty: return "KeyLengthsWithEmpty";
+        case MaskKind::CausalKeyLengths: return "CausalKeyLengths";
+        case MaskKind::WindowKeyLengths: return "WindowKeyLengths";
+        case MaskKind::BoolFull: return "BoolFull";
+        case MaskKind::BoolKeyRow: return "BoolKeyRow";
+        case MaskKind::BoolHeadQuery: return "BoolHeadQuery";
+        case MaskKind::BiasFull: return "BiasFull";
+        case MaskKind::BiasBroadcast: return "BiasBroadcast";
+        case MaskKind::CausalBoolBias: return "CausalBoolBias";
+        case MaskKind::Combined: return "Combined";
+    }
+    return "Unknown";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mask construction: a broadcastable source for the library and its dense expansion.
+
+/// Masks in the library's broadcast form (dims [B|1, H|1, Nq|1, Nk]) plus the dense reference form.
+struct MaskBuild {
+    std::optional<double> scale;
+    bool causal = false;
+    std::optional<Index> window;
+    std::vector<Index> key_lengths;
+    std::unique_ptr<bool[]> bool_data;
+    Index bool_dims[3] = {0, 0, 0};
+    std::vector<double> bias_src;
+    Index bias_dims[3] = {0, 0, 0};
+    Index Nk = 0;
+};
+
+/// Expands a [db, dh, dq, Nk] source to dense [B, H, Nq, Nk].
+template <class T, class Out>
+void expand(const T* src, const Index dims[3], Index B, Index H, Index Nq, Index Nk, Out& out) {
+    out.assign(static_cast<std::size_t>(B * H * Nq * Nk), typename Out::value_type{});
+    for (Index b = 0; b < B; ++b)
+        for (Index h = 0; h < H; ++h)
+            for (Index i = 0; i < Nq; ++i)
+                for (Index j = 0; j < Nk; ++j) {
+                    const Index bb = dims[0] == 1 ? 0 : b, hh = dims[1] == 1 ? 0 : h,
+                                ii = dims[2] == 1 ? 0 : i;
+                    out[static_cast<std::size_t>(((b * H + h) * Nq + i) * Nk + j)] =
+                        src[((bb * dims[1] + hh) * dims[2] + ii) * Nk + j];
+                }
+}
+
+void set_bool(MaskBuild& m, Index db, Index dh, Index dq, Index Nk, std::uint64_t seed,
+              double p_true = 0.7) {
+    m.bool_dims[0] = db;
+    m.bool_dims[1] = dh;
+    m.bool_dims[2] = dq;
+    const Index n = db * dh * dq * Nk;
+    m.bool_data = std::make_unique<bool[]>(static_cast<std::size_t>(std::max<Index>(n, 1)));
+    gattn_test::UniformSource src(seed);
+    for (Index k = 0; k < n; ++k) m.bool_data[k] = (src.next() + 1.0) * 0.5 < p_true;
+}
+
+void set_bias(MaskBuild& m, Index db, Index dh, Index dq, Index Nk, std::uint64_t seed,
+              double p_neg_inf = 0.15) {
+    m.bias_dims[0] = db;
+    m.bias_dims[1] = dh;
+    m.bias_dims[2] = dq;
+    const Index n = db * dh * dq * Nk;
+    m.bias_src.resize(static_cast<std::size_t>(n));
+    gattn_test::UniformSource src(seed);
+    for (Index k = 0; k < n; ++k) {
+        const double u = (src.next() + 1.0) * 0.5;
+        m.bias_src[static_cast<std::size_t>(k)] = u < p_neg_inf ? -kInf : src.next(2.0);
+    }
+}
+
+std::vector<Index> partial_lengths(Index B, Index Nk) {
+    std::vector<Index> L(static_cast<std::size_t>(B));
+    for (Index b = 0; b < B; ++b) L[static_cast<std::size_t>(b)] = std::max<Index>(1, Nk - 1 - (b * Nk) / 2);
+    return L;
+}
+
+MaskBuild make_masks(MaskKind kind, const Shape& s, std::uint64_t seed) {
+    MaskBuild m;
+    m.Nk = s.Nk;
+    switch (kind) {
+        case MaskKind::None: break;
+        case MaskKind::ExplicitScale: m.scale = 0.37; break;
+        case MaskKind::Causal: m.causal = true; break;
+        case MaskKind::Window: m.window = 5; break;
+        case MaskKind::CausalWindow:
+            m.causal = true;
+            m.window = 3;
+            break;
+        case MaskKind::WindowOne: m.window = 1; break;
+        case MaskKind::KeyLengths: m.key_lengths = partial_lengths(s.B, s.Nk); break;
+        case MaskKind::KeyLengthsWithEmpty:
+            m.key_lengths.assign(static_cast<std::size_t>(s.B), s.Nk);
+            m.key_lengths[0] = 0;
+            break;
+        case MaskKind::CausalKeyLengths:
+            m.causal = true;
+            m.key_lengths = partial_lengths(s.B, s.Nk);
+            break;
+        case MaskKind::WindowKeyLengths:
+            m.window = 4;
+            m.key_lengths = partial_lengths(s.B, s.Nk);
+            break;
+        case MaskKind::BoolFull: set_bool(m, s.B, s.H, s.Nq, s.Nk, seed); break;
+        case MaskKind::BoolKeyRow: set_bool(m, s.B, 1, 1, s.Nk, seed); break;
+        case MaskKind::BoolHeadQuery: set_bool(m, 1, s.H, s.Nq, s.Nk, seed); break;
+        case MaskKind::BiasFull: set_bias(m, s.B, s.H, s.Nq, s.Nk, seed); break;
+        case MaskKind::BiasBroadcast: set_bias(m, 1, 1, s.Nq, s.Nk, seed); break;
+        case MaskKind::CausalBoolBias:
+            m.causal = true;
+            set_bool(m, s.B, s.H, s.Nq, s.Nk, seed);
+            set_bias(m, s.B, s.H, s.Nq, s.Nk, seed + 1);
+            break;
+        case MaskKind::Combined:
+            m.scale = 0.25;
+            m.causal = true;
+            m.window = 7;
+            m.key_lengths = partial_lengths(s.B, s.Nk);
+            set_bool(m, s.B, 1, s.Nq, s.Nk, seed, 0.8);
+            set_bias(m, 1, s.H, 1, s.Nk, seed + 1, 0.1);
+            break;
+    }
+    return m;
+}
+
+/// Library options for the masks; bias_store keeps the Scalar copy of the bias alive.
+template <class S>
+gattn::SdpaOptions<S> library_options(const MaskBuild& m, std::vector<S>& bias_store) {
+    gattn::SdpaOptions<S> o;
+    o.scale = m.scale;
+    o.mask.causal = m.causal;
+    o.mask.sliding_window = m.window;
+    o.mask.key_lengths = m.key_lengths;
+    if (m.bool_data) o.mask.bool_mask = {m.bool_data.get(), m.bool_dims[0], m.bool_dims[1], m.bool_dims[2], m.Nk};
+    if (!m.bias_src.empty() || m.bias_dims[0] > 0) {
+        bias_store.assign(m.bias_src.begin(), m.bias_src.end());
+        for (auto& v : bias_store) v = static_cast<S>(v);
+        o.mask.bias = {bias_store.data(), m.bias_dims[0], m.bias_dims[1], m.bias_dims[2], m.Nk};
+    }
+    return o;
+}
+
+/// The same masks in dense reference form (bias rounded to S, as the library sees it).
+template <class S>
+RefMasks reference_masks(const MaskBuild& m, Index B, Index H, Index Nq, Index Nk) {
+    RefMasks r;
+    r.causal = m.causal;
+    r.sliding_window = m.window;
+    r.key_lengths = m.key_lengths;
+    if (m.bool_data) expand(m.bool_data.get(), m.bool_dims, B, H, Nq, Nk, r.bool_mask);
+    if (m.bias_dims[0] > 0) {
+        std::vector<double> rounded(m.bias_src.size());
+        for (std::size_t k = 0; k < rounded.size(); ++k)
+            rounded[k] = static_cast<double>(static_cast<S>(m.bias_src[k]));
+        expand(rounded.data(), m.bias_dims, B, H, Nq, Nk, r.bias);
+    }
+    return r;
+}
+
+/// Sets K and V rows to NaN for every key that no (head, query) of its sequence may see through
+/// the structural masks (key lengths, causal, window, boolean). Returns how many rows.
+Index poison_invisible_keys(const RefMasks& r, Index B, Index H, Index Nq, Index Nk, Mat& k, Mat& v) {
+    Index poisoned = 0;
+    for (Index b = 0; b < B; ++b)
+        for (Index j = 0; j < Nk; ++j) {
+            bool seen = false;
+            for (Index h = 0; h < H && !seen; ++h)
+                for (Index i = 0; i < Nq && !seen; ++i)
+                    seen = gattn_test::key_visible(r, H, b, h, i, j, Nq, Nk, /*include_bias=*/false);
+            if (seen) continue;
+            k.row(b * Nk + j).setConstant(kNaN);
+            v.row(b * Nk + j).setConstant(kNaN);
+            ++poisoned;
+        }
+    return poisoned;
+}
+
+/// Rows and head blocks that the reference says see no key must be exactly 0 (and not NaN).
+template <class S>
+void expect_masked_rows_zero(const gattn::RowMatrix<S>& out, const Mat& ref_lse, Index dv,
+                             const std::string& label) {
+    long bad = 0;
+    Index first_row = -1, first_head = -1;
+    for (Index r = 0; r < ref_lse.rows(); ++r)
+        for (Index h = 0; h < ref_lse.cols(); ++h) {
+            if (ref_lse(r, h) != -kInf) continue;
+            for (Index d = 0; d < dv; ++d)
+                if (!(out(r, h * dv + d) == S(0))) {
+                    if (bad++ == 0) {
+                        first_row = r;
+                        first_head = h;
+                    }
+                    break;
+                }
+        }
+    EXPECT_EQ(bad, 0) << label << ": fully masked (row, head) blocks not exactly zero; first at row "
+                      << first_row << " head " << first_head;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sweep: every shape × every mask kind, float and double.
+
+template <class S>
+void run_sweep_case(const Shape& s, MaskKind kind) {
+    const std::uint64_t seed = 1000u + static_cast<std::uint64_t>(kind) * 37u +
+                               static_cast<std::uint64_t>(s.Nq * 131 + s.Nk * 7 + s.dk);
+    const std::string label = std::string("Sdpa") + type_label<S>() + "/" + s.name + "/" + mask_name(kind);
+
+    Mat q = gattn_test::rounded<S>(random_matrix(s.B * s.Nq, s.H * s.dk, seed));
+    Mat k = gattn_test::rounded<S>(random_matrix(s.B * s.Nk, s.Hkv * s.dk, seed + 1));
+    Mat v = gattn_test::rounded<S>(random_matrix(s.B * s.Nk, s.Hkv * s.dv, seed + 2));
+    const MaskBuild masks = make_masks(kind, s, seed + 3);
+    const RefMasks ref_masks = reference_masks<S>(masks, s.B, s.H, s.Nq, s.Nk);
+    const Index poisoned = poison_invisible_keys(ref_masks, s.B, s.H, s.Nq, s.Nk, k, v);
+    if (kind == MaskKind::KeyLengthsWithEmpty) {
+        EXPECT_GE(poisoned, s.Nk) << label;
+    }
+
+    const gattn_test::SdpaRefResult ref =
+        gattn_test::sdpa_reference(q, k, v, s.B, s.H, s.Hkv, masks.scale, ref_masks);
+
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+    std::vector<S> bias_store;
+    const gattn::SdpaOptions<S> opt = library_options<S>(masks, bias_store);
+    gattn::RowMatrix<S> out = gattn::RowMatrix<S>::Constant(s.B * s.Nq, s.H * s.dv, S(-777));
+    gattn::RowMatrix<S> lse, probs, first;
+    gattn::SdpaOutputs<S> extra;
+    extra.log_sum_exp = &lse;
+    extra.probabilities = &probs;
+    extra.first_key_probability = &first;
+    gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{s.B, s.H, s.Hkv}, out, opt, extra);
+
+    using T = Tol<S>;
+    expect_close(out, ref.out, T::atol, T::rtol, label + "/out", T::nmse);
+    expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, label + "/lse");
+    expect_close(probs, ref.probabilities, T::atol, T::rtol, label + "/probabilities");
+    expect_close(first, ref.first_key, T::atol, T::rtol, label + "/first_key");
+    expect_masked_rows_zero<S>(out, ref.log_sum_exp, s.dv, label);
+
+    // The convenience form gives bitwise the same output.
+    const gattn::RowMatrix<S> out2 =
+        gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{s.B, s.H, s.Hkv}, opt);
+    EXPECT_TRUE(out2 == out)
+        << label << ": convenience form differs from the core form";
+}
+
+class SdpaSweep : public ::testing::TestWithParam<std::tuple<Shape, MaskKind>> {};
+
+TEST_P(SdpaSweep, FloatMatchesReference) {
+    run_sweep_case<float>(std::get<0>(GetParam()), std::get<1>(GetParam()));
+}
+TEST_P(SdpaSweep, DoubleMatchesReference) {
+    run_sweep_case<double>(std::get<0>(GetParam()), std::get<1>(GetParam()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ShapesAndMasks, SdpaSweep,
+    ::testing::Combine(::testing::ValuesIn(kShapes), ::testing::ValuesIn(kMaskKinds)),
+    [](const ::testing::TestParamInfo<SdpaSweep::ParamType>& info) {
+        return std::string(std::get<0>(info.param).name) + mask_name(std::get<1>(info.param));
+    });
+
+// ---------------------------------------------------------------------------------------------
+// Focused tests, each for float and double.
+
+template <class S>
+class SdpaTyped : public ::testing::Test {};
+
+struct ScalarNames {
+    template <class S>
+    static std::string GetName(int) {
+        return type_label<S>();
+    }
+};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(SdpaTyped, Scalars, ScalarNames);
+
+/// query, key and value are column blocks of wider matrices, out a column block of a wider
+/// buffer: results match, and the columns around out are untouched.
+TYPED_TEST(SdpaTyped, StridedViews) {
+    using S = TypeParam;
+    const Index B = 2, Nq = 17, Nk = 33, H = 8, Hkv = 2, dk = 40, dv = 24;
+    const Mat qw = gattn_test::rounded<S>(random_matrix(B * Nq, H * dk + 11, 51));
+    const Mat kw = gattn_test::rounded<S>(random_matrix(B * Nk, Hkv * dk + 5, 52));
+    const Mat vw = gattn_test::rounded<S>(random_matrix(B * Nk, Hkv * dv + 9, 53));
+    const gattn::RowMatrix<S> qs = qw.cast<S>(), ks = kw.cast<S>(), vs = vw.cast<S>();
+    gattn::RowMatrix<S> big = gattn::RowMatrix<S>::Constant(B * Nq, H * dv + 7, S(42));
+    gattn::SdpaOptions<S> opt;
+    opt.mask.causal = true;
+    opt.mask.key_lengths = {Nk, 20};
+    gattn::scaled_dot_product_attention<S>(qs.middleCols(3, H * dk), ks.middleCols(5, Hkv * dk),
+                                           vs.middleCols(1, Hkv * dv), gattn::HeadLayout{B, H, Hkv},
+                                           big.middleCols(4, H * dv), opt);
+    RefMasks rm;
+    rm.causal = true;
+    rm.key_lengths = {Nk, 20};
+    const auto ref = gattn_test::sdpa_reference(qw.middleCols(3, H * dk), kw.middleCols(5, Hkv * dk),
+                                                vw.middleCols(1, Hkv * dv), B, H, Hkv, {}, rm);
+    using T = Tol<S>;
+    expect_close(big.middleCols(4, H * dv), ref.out, T::atol, T::rtol, "SdpaStrided/out", T::nmse);
+    EXPECT_TRUE((big.leftCols(4).array() == S(42)).all()) << "columns left of out were written";
+    EXPECT_TRUE((big.rightCols(3).array() == S(42)).all()) << "columns right of out were written";
+}
+
+/// The default scale is 1/√d_k (never 1/√d_v), checked with d_v ≠ d_k.
+TYPED_TEST(SdpaTyped, DefaultScaleUsesKeyHeadDim) {
+    using S = TypeParam;
+    const Index B = 1, N = 9, H = 2, dk = 16, dv = 4;
+    const Mat q = gattn_test::rounded<S>(random_matrix(B * N, H * dk, 61, 2.0));
+    const Mat k = gattn_test::rounded<S>(random_matrix(B * N, H * dk, 62, 2.0));
+    const Mat v = gattn_test::rounded<S>(random_matrix(B * N, H * dv, 63));
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+    const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{B, H, H});
+    gattn::SdpaOptions<S> explicit_opt;
+    explicit_opt.scale = 0.25;  // 1/√16
+    const auto got_explicit =
+        gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{B, H, H}, explicit_opt);
+    const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, H, 0.25);
+    using T = Tol<S>;
+    expect_close(got, ref.out, T::atol, T::rtol, "SdpaScale/default");
+    expect_close(got_explicit, ref.out, T::atol, T::rtol, "SdpaScale/explicit");
+    const auto wrong = gattn_test::sdpa_reference(q, k, v, B, H, H, 0.5);  // 1/√d_v
+    EXPECT_GT((got.template cast<double>() - wrong.out).cwiseAbs().maxCoeff(), 1e-3);
+}
+
+/// Logits in the thousands (exactly representable inputs): the softmax stays finite and exact.
+TYPED_TEST(SdpaTyped, LargeLogitsStayFinite) {
+    using S = TypeParam;
+    const Index B = 1, N = 33, H = 2, dk = 4, dv = 8;
+    // q multiples of 8 up to ±512, k multiples of 1/8 in [−1, 1]: products and sums are exact.
+    Mat q = random_matrix(B * N, H * dk, 71, 64.0);
+    Mat k = random_matrix(B * N, H * dk, 72, 8.0);
+    q = (q.array().round() * 8.0).matrix();
+    k = (k.array().round() / 8.0).matrix();
+    const Mat v = gattn_test::rounded<S>(random_matrix(B * N, H * dv, 73));
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+    gattn::SdpaOptions<S> opt;
+    opt.mask.causal = true;
+    gattn::RowMatrix<S> lse;
+    gattn::SdpaOutputs<S> extra;
+    extra.log_sum_exp = &lse;
+    const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{B, H, H}, opt, extra);
+    RefMasks rm;
+    rm.causal = true;
+    const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, H, {}, rm);
+    EXPECT_GT(ref.log_sum_exp.cwiseAbs().maxCoeff(), 500.0) << "the case should have huge logits";
+    EXPECT_TRUE(got.allFinite());
+    using T = Tol<S>;
+    expect_close(got, ref.out, T::atol, T::rtol, "SdpaLargeLogits/out");
+    // lse is ~1000 in magnitude: relative tolerance dominates.
+    expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaLargeLogits/lse");
+}
+
+/// Rows with no visible key (every mechanism that can cause one) are exactly 0, lse −∞,
+/// probabilities and first-key probability 0, and never NaN.
+TYPED_TEST(SdpaTyped, FullyMaskedRowsAreZero) {
+    using S = TypeParam;
+    const Index B = 3, Nq = 6, Nk = 4, H = 2, Hkv = 1, dk = 8, dv = 8;
+    const gattn::RowMatrix<S> q = random_matrix(B * Nq, H * dk, 81).cast<S>();
+    const gattn::RowMatrix<S> k = random_matrix(B * Nk, Hkv * dk, 82).cast<S>();
+    const gattn::RowMatrix<S> v = random_matrix(B * Nk, Hkv * dv, 83).cast<S>();
+    // Sequence 0: key length 0. Sequence 1: causal with Nq > L_b hides the first queries.
+    // Sequence 2: the boolean mask hides every key from query 2 of head 1; a −∞ bias row hides
+    // every key from query 4 of head 0.
+    gattn::SdpaOptions<S> opt;
+    opt.mask.causal = true;
+    opt.mask.key_lengths = {0, 3, 4};
+    std::unique_ptr<bool[]> bm(new bool[B * H * Nq * Nk]);
+    std::vector<S> bias(static_cast<std::size_t>(B * H * Nq * Nk), S(0));
+    for (Index t = 0; t < B * H * Nq * Nk; ++t) bm[t] = true;
+    for (Index j = 0; j < Nk; ++j) {
+        bm[((2 * H + 1) * Nq + 2) * Nk + j] = false;
+        bias[static_cast<std::size_t>(((2 * H + 0) * Nq + 4) * Nk + j)] = -std::numeric_limits<S>::infinity();
+    }
+    opt.mask.bool_mask = {bm.get(), B, H, Nq, Nk};
+    opt.mask.bias = {bias.data(), B, H, Nq, Nk};
+    gattn::RowMatrix<S> out = gattn::RowMatrix<S>::Constant(B * Nq, H * dv, S(5));
+    gattn::RowMatrix<S> lse, probs, first;
+    gattn::SdpaOutputs<S> extra{&lse, &probs, &first};
+    gattn::scaled_dot_product_attention<S>(q, k, v, gattn::HeadLayout{B, H, Hkv}, out, opt, extra);
+
+    auto expect_empty = [&](Index b, Index h, Index i) {
+        SCOPED_TRACE("sequence " + std::to_string(b) + " head " + std::to_string(h) + " query " +
+                     std::to_string(i));
+        const Index row = b * Nq + i;
+        for (Index d = 0; d < dv; ++d) EXPECT_EQ(out(row, h * dv + d), S(0));
+        EXPECT_EQ(lse(row, h), -std::numeric_limits<S>::infinity());
+        EXPECT_EQ(first(row, h), S(0));
+        for (Index j = 0; j < Nk; ++j) EXPECT_EQ(probs((b * H + h) * Nq + i, j), S(0));
+    };
+    for (Index h = 0; h < H; ++h)
+        for (Index i = 0; i < Nq; ++i) expect_empty(0, h, i);
+    // Sequence 1: L = 3, query i sees j ≤ i − 3, so queries 0..2 see nothing.
+    for (Index h = 0; h < H; ++h)
+        for (Index i = 0; i < 3; ++i) expect_empty(1, h, i);
+    expect_empty(2, 1, 2);
+    expect_empty(2, 0, 4);
+    EXPECT_FALSE(out.array().isNaN().any());
+    EXPECT_FALSE(lse.array().isNaN().any());
+    EXPECT_FALSE(probs.array().isNaN().any());
+    EXPECT_FALSE(first.array().isNaN().any());
+    // And everything agrees with the reference.
+    RefMasks rm;
+    rm.causal = true;
+    rm.key_lengths = {0, 3, 4};
+    const Index dims[3] = {B, H, Nq};
+    expand(bm.get(), dims, B, H, Nq, Nk, rm.bool_mask);
+    std::vector<double> bias_d(bias.begin(), bias.end());
+    expand(bias_d.data(), dims, B, H, Nq, Nk, rm.bias);
+    const auto ref = gattn_test::sdpa_reference(q.template cast<double>(), k.template cast<double>(),
+                                                v.template cast<double>(), B, H, Hkv, {}, rm);
+    using T = Tol<S>;
+    expect_close(out, ref.out, T::atol, T::rtol, "SdpaFullyMasked/out");
+    expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaFullyMasked/lse");
+}
+
+/// NaN in the K/V rows of causal-future keys reaches only the queries that may see them.
+TYPED_TEST(SdpaTyped, NaNInCausalFutureKeysDoesNotLeak) {
+    using S = TypeParam;
+    const Index B = 2, N = 16, H = 4, Hkv = 2, dk = 8, dv = 8;
+    Mat q = random_matrix(B * N, H * dk, 91), k = random_matrix(B * N, Hkv * dk, 92),
+        v = random_matrix(B * N, Hkv * dv, 93);
+    const Index poisoned = 11;  // key 11 of each sequence
+    for (Index b = 0; b < B; ++b) {
+        k.row(b * N + poisoned).setConstant(kNaN);
+        v.row(b * N + poisoned).setConstant(kNaN);
+    }
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+    gattn::SdpaOptions<S> opt;
+    opt.mask.causal = true;
+    const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, opt);
+    RefMasks rm;
+    rm.causal = true;
+    const auto ref = gattn_test::sdpa_reference(rounded<S>(q), rounded<S>(k), rounded<S>(v), B, H, Hkv, {}, rm);
+    for (Index b = 0; b < B; ++b) {
+        const auto got_b = got.middleRows(b * N, poisoned);
+        EXPECT_TRUE(got_b.allFinite()) << "NaN of a future key leaked into earlier queries";
+        using T = Tol<S>;
+        expect_close(got_b, ref.out.middleRows(b * N, poisoned), T::atol, T::rtol, "SdpaNaNFuture/out");
+    }
+}
+
+/// NaN in K/V rows hidden by an −∞ additive bias (for every query and head) does not leak.
+TYPED_TEST(SdpaTyped, NaNInBiasMaskedKeysDoesNotLeak) {
+    using S = TypeParam;
+    const Index B = 2, Nq = 5, Nk = 9, H = 2, Hkv = 1, dk = 8, dv = 4;
+    Mat q = random_matrix(B * Nq, H * dk, 101), k = random_matrix(B * Nk, Hkv * dk, 102),
+        v = random_matrix(B * Nk, Hkv * dv, 103);
+    std::vector<S> bias(static_cast<std::size_t>(B * Nk), S(0));
+    for (Index b = 0; b < B; ++b)
+        for (Index j : {Index(0), Index(4), Nk - 1}) {
+            bias[static_cast<std::size_t>(b * Nk + j)] = -std::numeric_limits<S>::infinity();
+            k.row(b * Nk + j).setConstant(kNaN);
+            v.row(b * Nk + j).setConstant(kNaN);
+        }
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+    gattn::SdpaOptions<S> opt;
+    opt.mask.bias = {bias.data(), B, 1, 1, Nk};
+    gattn::RowMatrix<S> lse;
+    gattn::SdpaOutputs<S> extra;
+    extra.log_sum_exp = &lse;
+    const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, opt, extra);
+    RefMasks rm;
+    const Index dims[3] = {B, 1, 1};
+    std::vector<double> bias_d(bias.begin(), bias.end());
+    expand(bias_d.data(), dims, B, H, Nq, Nk, rm.bias);
+    const auto ref = gattn_test::sdpa_reference(rounded<S>(q), rounded<S>(k), rounded<S>(v), B, H, Hkv, {}, rm);
+    using T = Tol<S>;
+    expect_close(got, ref.out, T::atol, T::rtol, "SdpaNaNBias/out");
+    expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaNaNBias/lse");
+}
+
+/// Two calls over disjoint key halves merge through their log-sum-exp into the full result.
+TYPED_TEST(SdpaTyped, LogSumExpMergesKeyShards) {
+    using S = TypeParam;
+    const Index B = 2, Nq = 7, Nk = 20, H = 3, Hkv = 1, dk = 16, dv = 8, split = 9;
+    const gattn::RowMatrix<S> q = random_matrix(B * Nq, H * dk, 111, 2.0).cast<S>();
+    const gattn::RowMatrix<S> k = random_matrix(B * Nk, Hkv * dk, 112, 2.0).cast<S>();
+    const gattn::RowMatrix<S> v = random_matrix(B * Nk, Hkv * dv, 113).cast<S>();
+    std::unique_ptr<bool[]> first_half(new bool[Nk]), second_half(new bool[Nk]);
+    for (Index j = 0; j < Nk; ++j) {
+        first_half[j] = j < split;
+        second_half[j] = j >= split;
+    }
+    const gattn::HeadLayout layout{B, H, Hkv};
+    gattn::RowMatrix<S> lse1, lse2, lse_full;
+    gattn::SdpaOptions<S> o1, o2;
+    o1.mask.bool_mask = {first_half.get(), 1, 1, 1, Nk};
+    o2.mask.bool_mask = {second_half.get(), 1, 1, 1, Nk};
+    const auto out1 = gattn::scaled_dot_product_attention<S>(q, k, v, layout, o1, {&lse1, nullptr, nullptr});
+    const auto out2 = gattn::scaled_dot_product_attention<S>(q, k, v, layout, o2, {&lse2, nullptr, nullptr});
+    const auto full = gattn::scaled_dot_product_attention<S>(q, k, v, layout, {}, {&lse_full, nullptr, nullptr});
+    Mat merged(B * Nq, H * dv), merged_lse(B * Nq, H);
+    for (Index r = 0; r < B * Nq; ++r)
+        for (Index h = 0; h < H; ++h) {
+            const double l1 = lse1(r, h), l2 = lse2(r, h);
+            const double m = std::max(l1, l2);
+            const double w1 = std::exp(l1 - m), w2 = std::exp(l2 - m);
+            merged_lse(r, h) = m + std::log(w1 + w2);
+            for (Index d = 0; d < dv; ++d)
+                merged(r, h * dv + d) = (w1 * out1(r, h * dv + d) + w2 * out2(r, h * dv + d)) / (w1 + w2);
+        }
+    using T = Tol<S>;
+    expect_close(merged, full.template cast<double>(), 2 * T::atol, 2 * T::rtol, "SdpaLseMerge/out");
+    expect_close(merged_lse, lse_full.template cast<double>(), 2 * T::atol, 2 * T::rtol, "SdpaLseMerge/lse");
+}
+
+/// A batch of 0 sequences is valid and writes nothing.
+TYPED_TEST(SdpaTyped, EmptyBatch) {
+    using S = TypeParam;
+    const gattn::RowMatrix<S> q(0, 16), k(0, 8), v(0, 12);
+    gattn::RowMatrix<S> out(0, 24);
+    EXPECT_NO_THROW(gattn::scaled_dot_product_attention<S>(q, k, v, gattn::HeadLayout{0, 2, 1}, out));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation: the right exception, a message naming the argument, and an untouched output.
+
+struct ValidationFixture {
+    static constexpr Index B = 2, Nq = 3, Nk = 5, H = 4, Hkv = 2, dk = 6, dv = 3;
+    gattn::RowMatrix<float> q = random_matrix(B * Nq, H * dk, 7).cast<float>();
+    gattn::RowMatrix<float> k = random_matrix(B * Nk, Hkv * dk, 8).cast<float>();
+    gattn::RowMatrix<float> v = random_matrix(B * Nk, Hkv * dv, 9).cast<float>();
+    gattn::RowMatrix<float> out = gattn::RowMatrix<float>::Constant(B * Nq, H * dv, 42.0f);
+    gattn::HeadLayout layout{B, H, Hkv};
+    gattn::SdpaOptions<float> opt;
+};
+
+/// Runs call, expects exception E (and, when plain_invalid, not a shape_error) whose message
+/// names the function and contains `needle`; the output keeps its sentinel values.
+template <class E, class F>
+void expect_rejected(F&& call, const std::string& needle, const gattn::RowMatrix<float>& out,
+                     bool plain_invalid = false) {
+    try {
+        call();
+        ADD_FAILURE() << "no exception; expected one mentioning '" << needle << "'";
+    } catch (const E& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find(needle), std::string::npos) << "message: " << what;
+        EXPECT_NE(what.find("scaled_dot_product_attention"), std::string::npos) << "message: " << what;
+        if (plain_invalid) {
+            EXPECT_EQ(dynamic_cast<const gattn::shape_error*>(&e), nullptr)
+                << "expected std::invalid_argument, got shape_error: " << what;
+        }
+    } catch (const std::exception& e) {
+        ADD_FAILURE() << "wrong exception type: " << e.what();
+    }
+    EXPECT_TRUE((out.array() == 42.0f).all()) << "the output was written before validation";
+}
+
+TEST(SdpaValidation, QueryWidthNotMultipleOfHeads) {
+    ValidationFixture f;
+    const gattn::RowMatrix<float> q = f.q.leftCols(f.H * f.dk - 1);
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(q, f.k, f.v, f.layout, f.out, f.opt); }, "query", f.out);
+}
+
+TEST(SdpaValidation, KeyWidthMismatch) {
+    ValidationFixture f;
+    const gattn::RowMatrix<float> k = f.k.leftCols(f.Hkv * f.dk - 2);
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, k, f.v, f.layout, f.out, f.opt); }, "key", f.out);
+}
+
+TEST(SdpaValidation, ValueRowsMismatch) {
+    ValidationFixture f;
+    const gattn::RowMatrix<float> v = f.v.topRows(f.v.rows() - 2);
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, v, f.layout, f.out, f.opt); }, "value", f.out);
+}
+
+TEST(SdpaValidation, OutputWrongShape) {
+    ValidationFixture f;
+    gattn::RowMatrix<float> out = gattn::RowMatrix<float>::Constant(f.B * f.Nq, f.H * f.dk, 42.0f);
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, out, f.opt); }, "out", out);
+}
+
+TEST(SdpaValidation, KvHeadsMustDivideHeads) {
+    ValidationFixture f;
+    const gattn::HeadLayout bad{f.B, f.H, 3};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, bad, f.out, f.opt); }, "num_kv_heads",
+        f.out, true);
+}
+
+TEST(SdpaValidation, KeyLengthOutOfRange) {
+    ValidationFixture f;
+    f.opt.mask.key_lengths = {f.Nk, f.Nk + 1};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "key_lengths", f.out, true);
+    f.opt.mask.key_lengths = {-1, 0};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "key_lengths", f.out, true);
+}
+
+TEST(SdpaValidation, KeyLengthsWrongCount) {
+    ValidationFixture f;
+    f.opt.mask.key_lengths = {f.Nk};
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "key_lengths", f.out);
+}
+
+TEST(SdpaValidation, WindowMustBePositive) {
+    ValidationFixture f;
+    f.opt.mask.sliding_window = 0;
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "sliding_window", f.out, true);
+}
+
+TEST(SdpaValidation, BoolMaskWrongDims) {
+    ValidationFixture f;
+    std::unique_ptr<bool[]> m(new bool[64]());
+    f.opt.mask.bool_mask = {m.get(), 1, 3, 1, f.Nk};  // 3 heads: neither 1 nor H
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "bool_mask", f.out);
+}
+
+TEST(SdpaValidation, BiasWrongKeyLength) {
+    ValidationFixture f;
+    std::vector<float> bias(64, 0.0f);
+    f.opt.mask.bias = {bias.data(), 1, 1, 1, f.Nk + 1};
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "bias",
+        f.out);
+}
+
+TEST(SdpaValidation, NonFiniteScale) {
+    ValidationFixture f;
+    f.opt.scale = std::numeric_limits<double>::quiet_NaN();
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "scale",
+        f.out, true);
+}
+
+TEST(SdpaValidation, OutputOverlappingInput) {
+    // q has exactly out's shape when d_v = d_k; writing into it is refused.
+    const Index B = 1, N = 4, H = 2, d = 3;
+    gattn::RowMatrix<float> q = random_matrix(B * N, H * d, 11).cast<float>();
+    const gattn::RowMatrix<float> k = random_matrix(B * N, H * d, 12).cast<float>();
+    const gattn::RowMatrix<float> v = random_matrix(B * N, H * d, 13).cast<float>();
+    const gattn::RowMatrix<float> q_before = q;
+    try {
+        gattn::scaled_dot_product_attention<float>(q, k, v, gattn::HeadLayout{B, H, H}, q);
+        ADD_FAILURE() << "out aliasing query was accepted";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("out"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(q == q_before) << "query was modified";
+}
+
+}  // namespace
