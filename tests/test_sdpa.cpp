@@ -31,7 +31,7 @@ constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
 /// Per-element and whole-tensor tolerances of a scalar type against the float64 reference.
-/// float: DESIGN's atol 1e-5, rtol 1e-5 per element (observed worst |err| ≈ 6e-7) and an NMSE
+/// float: the documented atol 1e-5, rtol 1e-5 per element (observed worst |err| ≈ 6e-7) and an NMSE
 /// bound about 100× above the worst observed (≈ 7e-14). double: observed worst |err| ≈ 2e-15,
 /// NMSE ≈ 4e-30.
 template <class S>

@@ -3,7 +3,7 @@
 
 /// \file
 /// Matrix aliases. Activations are row-major with the feature axis contiguous: a [B, N, H, d]
-/// tensor is a RowMatrix of B·N rows and H·d columns (DESIGN: Tensors and weights).
+/// tensor is a RowMatrix of B·N rows and H·d columns (docs/conventions.md, "Tensors").
 
 #include <Eigen/Core>
 #include <type_traits>

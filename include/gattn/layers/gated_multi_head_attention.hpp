@@ -4,7 +4,7 @@
 /// \file
 /// GatedMultiHeadAttention: projections, gate, SDPA and output projection in one layer.
 ///
-/// Math (arXiv:2505.06708 §2, Eq. 1–5; DESIGN.md "Math"): for the input X [B·N, D],
+/// Math (arXiv:2505.06708 §2, Eq. 1–5; docs/conventions.md): for the input X [B·N, D],
 ///     Q = X W_qᵀ + b_q, K = X W_kᵀ + b_k, V = X W_vᵀ + b_v,  U = SDPA(Q, K, V),
 ///     Y = U W_oᵀ + b_o,
 /// with the gate G = act(X W_gᵀ + b_g) combined with V (G2), K (G3), Q (G4), U (G1) or Y (G5).

@@ -2,7 +2,7 @@
 #pragma once
 
 /// \file
-/// Mask views and the visibility rule shared by every attention kernel (DESIGN: Masks).
+/// Mask views and the visibility rule shared by every attention kernel (docs/conventions.md, "Masks").
 ///
 /// Key j is visible to query i of sequence b and head h iff all given masks allow it:
 ///  - key lengths: j < L_b (padding at the end; L_b = N_k when no lengths are given);
