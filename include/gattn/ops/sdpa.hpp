@@ -8,8 +8,9 @@
 /// g = ⌊h / (H / H_kv)⌋ (repeat_interleave order),
 ///     out[b, i, h, :] = Σ_j softmax_j(scale · q[b,i,h]·k[b,j,g] + bias[b,h,i,j]) · v[b,j,g,:]
 /// over the keys j that the mask allows (see ops/mask.hpp). The softmax is computed online
-/// (running max and sum, Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022), one query
-/// row at a time against blocks of keys, so the N_q × N_k logits are never materialised.
+/// (running max and sum, Milakov & Gimelshein 2018; FlashAttention, Dao et al. 2022) over
+/// tiles of queries and keys (ops/flash_kernel.hpp), so the N_q × N_k logits are never
+/// materialised: extra memory is a few tiles per thread.
 /// A row with no visible key gives an all-zero output and log-sum-exp −∞, never NaN.
 
 #include <cmath>
@@ -19,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "gattn/ops/flash_kernel.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"
@@ -147,66 +149,6 @@ inline Index span_of(const M& m) noexcept {
 }  // namespace gattn
 
 GATTN_BEGIN_ISA_NAMESPACE
-namespace kernel {
-
-/// One query row against its visible keys: online softmax over blocks of kKeyBlock keys.
-/// Scratch: scores and key indices (kKeyBlock each) and acc (d_v).
-template <class Scalar>
-struct SdpaRowKernel {
-    static constexpr Index kKeyBlock = 64;
-
-    const Scalar* key;
-    Index key_stride;
-    const Scalar* value;
-    Index value_stride;
-    Index dk, dv;
-    Scalar scale;
-
-    /// Returns the running max m and sum l; acc holds Σ_j e^(s_j − m) v_j. s0 receives the logit
-    /// of key 0 when it is visible.
-    void run(const Scalar* q, Index begin, Index end, const bool* bool_row, const Scalar* bias_row,
-             Scalar* scores, Index* keys, Scalar* acc, Scalar& m_out, Scalar& l_out,
-             Scalar& s0) const noexcept {
-        constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
-        Scalar m = kNegInf, l = 0;
-        for (Index e = 0; e < dv; ++e) acc[e] = 0;
-        for (Index j0 = begin; j0 < end; j0 += kKeyBlock) {
-            const Index j1 = std::min(end, j0 + kKeyBlock);
-            Index n = 0;
-            for (Index j = j0; j < j1; ++j) {
-                if (bool_row && !bool_row[j]) continue;
-                // A −∞ bias masks the key: skip it before K is read (NaN in K must not leak).
-                if (bias_row && bias_row[j] == kNegInf) continue;
-                Scalar s = simd::dot(q, key + j * key_stride, static_cast<std::size_t>(dk)) * scale;
-                if (bias_row) s += bias_row[j];
-                if (s == kNegInf) continue;  // a −∞ logit has weight 0: skip rather than weight by 0
-                if (j == 0) s0 = s;
-                scores[n] = s;
-                keys[n] = j;
-                ++n;
-            }
-            if (n == 0) continue;
-            const Scalar m_blk = simd::max_value(scores, static_cast<std::size_t>(n));
-            const Scalar m_new = std::max(m, m_blk);
-            if (m_new > m && m != kNegInf) {
-                const Scalar alpha = simd::exp_scalar(m - m_new);
-                l *= alpha;
-                simd::scale(alpha, acc, static_cast<std::size_t>(dv));
-            }
-            // m_new is -inf only when every score is NaN: keep the NaN flowing.
-            const Scalar shift = m_new == kNegInf ? Scalar(0) : m_new;
-            m = m_new == kNegInf ? m : m_new;
-            l += simd::exp_shifted_sum(scores, shift, scores, static_cast<std::size_t>(n));
-            for (Index t = 0; t < n; ++t)
-                simd::axpy(scores[t], value + keys[t] * value_stride, acc,
-                           static_cast<std::size_t>(dv));
-        }
-        m_out = m;
-        l_out = l;
-    }
-};
-
-}  // namespace kernel
 
 /// Scaled dot-product attention with GQA/MQA, masks and optional log-sum-exp.
 ///
@@ -251,61 +193,76 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
     if (extra.first_key_probability) extra.first_key_probability->setZero(B * Nq, H);
 
     const auto& mask = options.mask;
-    const Index group = H / Hkv;
-    const Index rows = B * H * Nq;
-    constexpr Index kBlock = kernel::SdpaRowKernel<Scalar>::kKeyBlock;
+    constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+    // Probabilities are derived from the log-sum-exp, so they need it even when not requested.
+    RowMatrix<Scalar> lse_scratch;
+    RowMatrix<Scalar>* lse = extra.log_sum_exp;
+    if (extra.probabilities && !lse) {
+        lse_scratch.resize(B * Nq, H);
+        lse = &lse_scratch;
+    }
 
+    // Tasks: (sequence, KV head, block of Br (head, query) pairs of that KV head's group).
+    using Geometry = kernel::FlashGeometry<Scalar>;
+    const Index group = H / Hkv;
+    const Index pairs = group * Nq;
+    const Index blocks = (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
+    const Index tasks = B * Hkv * blocks;
+    const Index ldq = query.outerStride(), ldo = out.outerStride();
 #ifdef _OPENMP
-#pragma omp parallel if (rows * Nk * (dk + dv) > (Index(1) << 18))
+#pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 20))
 #endif
     {
-        std::vector<Scalar> scores(kBlock), acc(static_cast<std::size_t>(dv));
-        std::vector<Index> keys(kBlock);
+        kernel::FlashScratch<Scalar> scratch;
+        scratch.reserve(dk, dv);
+        kernel::FlashBlock<Scalar> blk;
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 16)
+#pragma omp for schedule(dynamic, 1)
 #endif
-        for (Index r = 0; r < rows; ++r) {
-            // r enumerates (b, h, i) with i fastest, so one thread walks one head's queries.
-            const Index i = r % Nq, h = (r / Nq) % H, b = r / (Nq * H);
-            const Index g = h / group;
-            const kernel::SdpaRowKernel<Scalar> kernel{
-                key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
-                value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(),
-                dk, dv, scale};
-            const Scalar* q = query.data() + (b * Nq + i) * query.outerStride() + h * dk;
-            const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
-            const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
-            const Scalar* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
-            Scalar m, l, s0 = -std::numeric_limits<Scalar>::infinity();
-            kernel.run(q, range.begin, range.end, bool_row, bias_row, scores.data(), keys.data(),
-                       acc.data(), m, l, s0);
-            Scalar* o = out.data() + (b * Nq + i) * out.outerStride() + h * dv;
-            if (l > 0 || std::isnan(l)) {
-                const Scalar inv = Scalar(1) / l;
-                for (Index e = 0; e < dv; ++e) o[e] = acc[e] * inv;
-            } else {
-                for (Index e = 0; e < dv; ++e) o[e] = 0;
+        for (Index task = 0; task < tasks; ++task) {
+            const Index block = task % blocks, g = (task / blocks) % Hkv, b = task / (blocks * Hkv);
+            const Index t0 = block * Geometry::kQueries;
+            blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
+            for (int t = 0; t < blk.count; ++t) {
+                const Index pair = t0 + t, h = g * group + pair / Nq, i = pair % Nq;
+                const Index row = b * Nq + i;
+                const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
+                blk.q[t] = query.data() + row * ldq + h * dk;
+                blk.out[t] = out.data() + row * ldo + h * dv;
+                blk.begin[t] = range.begin;
+                blk.end[t] = range.end;
+                blk.bool_row[t] = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
+                blk.bias_row[t] = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
+                blk.lse[t] = lse ? &(*lse)(row, h) : nullptr;
+                blk.first_key[t] = extra.first_key_probability ? &(*extra.first_key_probability)(row, h) : nullptr;
             }
-            const bool empty = !(l > 0) && !std::isnan(l);
-            if (extra.log_sum_exp)
-                (*extra.log_sum_exp)(b * Nq + i, h) =
-                    empty ? -std::numeric_limits<Scalar>::infinity() : m + std::log(l);
-            if (extra.first_key_probability && !empty)
-                (*extra.first_key_probability)(b * Nq + i, h) = simd::exp_scalar(s0 - m) / l;
-            if (extra.probabilities && !empty) {
-                Scalar* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
-                for (Index j = range.begin; j < range.end; ++j) {
-                    if (bool_row && !bool_row[j]) continue;
-                    if (bias_row && bias_row[j] == -std::numeric_limits<Scalar>::infinity()) continue;
-                    Scalar s = simd::dot(q, kernel.key + j * kernel.key_stride,
-                                         static_cast<std::size_t>(dk)) * scale;
-                    if (bias_row) s += bias_row[j];
-                    if (s == -std::numeric_limits<Scalar>::infinity()) continue;
-                    p[j] = simd::exp_scalar(s - m) / l;
-                }
-            }
+            kernel::flash_attention_block<Scalar>(
+                blk, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
+                value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(), dk, dv, scale,
+                scratch);
         }
     }
+
+    if (!extra.probabilities) return;
+    // Analysis output: p_ij = e^(s_ij − lse_i) for the visible keys, recomputed row by row.
+    for (Index b = 0; b < B; ++b)
+        for (Index h = 0; h < H; ++h)
+            for (Index i = 0; i < Nq; ++i) {
+                const Scalar row_lse = (*lse)(b * Nq + i, h);
+                if (row_lse == kNegInf) continue;
+                const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
+                const Scalar* k = key.data() + b * Nk * key.outerStride() + (h / group) * dk;
+                const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
+                const Scalar* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
+                Scalar* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
+                const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
+                for (Index j = range.begin; j < range.end; ++j) {
+                    if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == kNegInf)) continue;
+                    Scalar sc = simd::dot(q, k + j * key.outerStride(), static_cast<std::size_t>(dk)) * scale;
+                    if (bias_row) sc += bias_row[j];
+                    p[j] = simd::exp_scalar<Scalar>(sc - row_lse);
+                }
+            }
 }
 
 /// Convenience form: returns out [B·N_q, H·d_v]. Same contract as the core form.
