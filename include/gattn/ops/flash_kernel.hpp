@@ -76,8 +76,11 @@ struct FlashBlock {
 };
 
 /// Sᵀ[kk][·] = Σ_c K[k0 + kk][c] · Qᵀ[c][·] for kk in [0, R): R keys × kCols registers.
-template <class T, int R>
-inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T* st) noexcept {
+/// The epilogue masks keys outside each lane's range [lane_begin, lane_end) to −∞ (Masked) and
+/// folds the tile into the block max, so Sᵀ is not read again for the max.
+template <class T, int R, bool Masked>
+inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0,
+                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
@@ -92,8 +95,18 @@ inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T
             for (int c = 0; c < C; ++c) acc[r][c] = xsimd::fma(kb, qv[c], acc[r][c]);
         }
     }
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c].store_aligned(st + r * W + c * L);
+    for (int r = 0; r < R; ++r) {
+        const B j(static_cast<T>(j0 + r));
+        for (int c = 0; c < C; ++c) {
+            B v = acc[r][c];
+            if constexpr (Masked) {
+                const auto visible = (B::load_aligned(lane_begin + c * L) <= j) & (j < B::load_aligned(lane_end + c * L));
+                v = xsimd::select(visible, v, B(-std::numeric_limits<T>::infinity()));
+            }
+            v.store_aligned(st + r * W + c * L);
+            bmax[c] = xsimd::max(bmax[c], v);
+        }
+    }
 }
 
 /// Oᵀ[j + r][·] = α·Oᵀ[j + r][·] + Σ_kk V[k0 + kk][j + r] · Pᵀ[kk][·] for r in [0, R).
@@ -128,13 +141,18 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
         }
 }
 
-template <class T, int R>
-inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index nk) noexcept {
+template <class T, int R, bool Masked>
+inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0, Index nk,
+                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax) noexcept {
     using G = FlashGeometry<T>;
     Index kk = 0;
-    for (; kk + R <= nk; kk += R) scores_tile<T, R>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries);
+    for (; kk + R <= nk; kk += R)
+        scores_tile<T, R, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
+                                  lane_begin, lane_end, bmax);
     if constexpr (R > 1) {
-        if (kk < nk) scores_rows<T, R - 1>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, nk - kk);
+        if (kk < nk)
+            scores_rows<T, R - 1, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries,
+                                          j0 + kk, nk - kk, lane_begin, lane_end, bmax);
     }
 }
 
@@ -175,9 +193,12 @@ void flash_attention_block(const FlashBlock<T>& blk, const T* key, Index key_str
 
     // scale·Qᵀ, padding lanes zero.
     T* qt = s.qt.data();
-    for (Index d = 0; d < dk; ++d) {
-        T* row = qt + d * W;
-        for (int t = 0; t < W; ++t) row[t] = t < blk.count ? blk.q[t][d] * scale : T(0);
+    for (int t = 0; t < W; ++t) {
+        const T* q = blk.q[t];  // read each query row once, in order
+        if (t < blk.count)
+            for (Index d = 0; d < dk; ++d) qt[d * W + t] = q[d] * scale;
+        else
+            for (Index d = 0; d < dk; ++d) qt[d * W + t] = T(0);
     }
     std::fill(s.ot.data(), s.ot.data() + dv * W, T(0));
     B m[C], l[C];
@@ -199,29 +220,30 @@ void flash_attention_block(const FlashBlock<T>& blk, const T* key, Index key_str
     for (Index k0 = union_begin / G::kKeys * G::kKeys; k0 < union_end; k0 += G::kKeys) {
         const Index nk = std::min<Index>(G::kKeys, union_end - k0);
         const bool full = !elementwise && common_begin <= k0 && k0 + nk <= common_end;
-        scores_rows<T, G::kRows>(key + k0 * key_stride, key_stride, qt, dk, st, nk);
-
         B bmax[C];
         for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
-        for (Index kk = 0; kk < nk; ++kk) {
-            T* row = st + kk * W;
-            const Index j = k0 + kk;
-            if (!full) {
-                const B jv(static_cast<T>(j));
-                for (int c = 0; c < C; ++c) {
-                    const auto visible = (B::load_aligned(lane_begin + c * L) <= jv) & (jv < B::load_aligned(lane_end + c * L));
-                    xsimd::select(visible, B::load_aligned(row + c * L), B(kNegInf)).store_aligned(row + c * L);
+        if (full)
+            scores_rows<T, G::kRows, false>(key + k0 * key_stride, key_stride, qt, dk, st, k0, nk, lane_begin,
+                                            lane_end, bmax);
+        else
+            scores_rows<T, G::kRows, true>(key + k0 * key_stride, key_stride, qt, dk, st, k0, nk, lane_begin,
+                                           lane_end, bmax);
+        if (elementwise && !full) {
+            // Boolean mask and additive bias, per lane; then the block max again.
+            for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
+            for (Index kk = 0; kk < nk; ++kk) {
+                T* row = st + kk * W;
+                const Index j = k0 + kk;
+                for (int t = 0; t < blk.count; ++t) {
+                    if (blk.bool_row[t] && !blk.bool_row[t][j]) row[t] = kNegInf;
+                    if (blk.bias_row[t])
+                        row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
                 }
-                if (elementwise)
-                    for (int t = 0; t < blk.count; ++t) {
-                        if (blk.bool_row[t] && !blk.bool_row[t][j]) row[t] = kNegInf;
-                        if (blk.bias_row[t]) row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
-                    }
+                for (int c = 0; c < C; ++c) bmax[c] = xsimd::max(bmax[c], B::load_aligned(row + c * L));
             }
-            if (j == 0)
-                for (int t = 0; t < W; ++t) first_score[t] = row[t];
-            for (int c = 0; c < C; ++c) bmax[c] = xsimd::max(bmax[c], B::load_aligned(row + c * L));
         }
+        if (k0 == 0)
+            for (int t = 0; t < W; ++t) first_score[t] = st[t];
 
         B alpha[C], shift[C], lsum[C];
         for (int c = 0; c < C; ++c) {

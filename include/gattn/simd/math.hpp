@@ -29,7 +29,9 @@ inline Batch<T> exp(const Batch<T>& x) noexcept {
         using I = xsimd::batch<std::int32_t, Arch>;
         const B lo(-87.3365447505531f);  // ln(FLT_MIN)
         const B hi(88.7228391116729f);   // ln(FLT_MAX)
-        const B xc = xsimd::min(xsimd::max(x, lo), hi);
+        // Operand order matters: vmaxps/vminps return their second operand when either is
+        // NaN, so NaN flows through; +∞ clamps to hi, where p·2^128 overflows to +∞.
+        const B xc = xsimd::min(hi, xsimd::max(lo, x));
         const B n = xsimd::nearbyint(xc * B(1.44269504088896341f));
         B r = xsimd::fnma(n, B(0.693359375f), xc);  // Cody-Waite: ln2 = hi + lo
         r = xsimd::fnma(n, B(-2.12194440e-4f), r);
@@ -46,10 +48,7 @@ inline Batch<T> exp(const Batch<T>& x) noexcept {
         const I n2 = ni - n1;
         const B s1 = xsimd::bitwise_cast<B>((n1 + I(127)) << 23);
         const B s2 = xsimd::bitwise_cast<B>((n2 + I(127)) << 23);
-        B y = p * s1 * s2;
-        y = xsimd::select(x < lo, B(0.0f), y);
-        y = xsimd::select(x > hi, B(std::numeric_limits<float>::infinity()), y);
-        return xsimd::select(xsimd::isnan(x), x, y);
+        return xsimd::select(x < lo, B(0.0f), p * s1 * s2);
     } else {
         return xsimd::exp(x);
     }
