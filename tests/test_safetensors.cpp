@@ -155,4 +155,16 @@ TEST(Safetensors, LoaderNamesMissingAndMisshapenTensors) {
     }
 }
 
+TEST(Safetensors, RejectsOverflowingShapesAndNumbers) {
+    const RawTensor t{"w", "F32", {1}, bytes_of(std::vector<float>{1})};
+    expect_io_error(write_file("dims_overflow", {t},
+                               "{\"a\":{\"dtype\":\"F32\",\"shape\":[18446744073709551615,18446744073709551615],"
+                               "\"data_offsets\":[0,4]}}"),
+                    "elements");
+    expect_io_error(write_file("count_overflow", {t},
+                               "{\"a\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904],\"data_offsets\":[0,0]}}"),
+                    "elements");
+    expect_io_error(write_file("number_overflow", {t}, "{\"__metadata__\":{\"x\":1e400}}"), "malformed JSON");
+}
+
 }  // namespace

@@ -766,4 +766,62 @@ TEST(SdpaValidation, OutputOverlappingInput) {
     EXPECT_TRUE(q == q_before) << "query was modified";
 }
 
+// Inputs found by an adversarial search: each one once crashed, corrupted memory or gave a
+// wrong answer.
+
+TEST(SdpaHardening, ExtraOutputAliasingAnInputIsRejected) {
+    using M = gattn::RowMatrix<float>;
+    M q = M::Random(4, 4), k = M::Random(4, 4), v = M::Random(4, 4), out = M::Constant(4, 4, 3.0f);
+    const M q_before = q;
+    gattn::SdpaOutputs<float> extra;
+    extra.probabilities = &q;  // would be resized (freeing q's storage) while q is read
+    EXPECT_THROW(gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, out, {}, extra), std::invalid_argument);
+    EXPECT_TRUE(q == q_before);
+    extra.probabilities = nullptr;
+    extra.log_sum_exp = &out;
+    EXPECT_THROW(gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, out, {}, extra), std::invalid_argument);
+    EXPECT_TRUE((out.array() == 3.0f).all());
+}
+
+TEST(SdpaHardening, HugeSlidingWindowEqualsNoWindow) {
+    using M = gattn::RowMatrix<float>;
+    const M q = M::Random(4, 8), k = M::Random(6, 8), v = M::Random(6, 8);
+    for (bool causal : {false, true}) {
+        gattn::SdpaOptions<float> plain, windowed;
+        plain.mask.causal = windowed.mask.causal = causal;
+        windowed.mask.sliding_window = std::numeric_limits<Index>::max();
+        EXPECT_TRUE(gattn::scaled_dot_product_attention<float>(q, k, v, {1, 2, 2}, windowed) ==
+                    gattn::scaled_dot_product_attention<float>(q, k, v, {1, 2, 2}, plain))
+            << "causal " << causal;
+    }
+}
+
+TEST(SdpaHardening, ScaleThatOverflowsFloatIsRejected) {
+    using M = gattn::RowMatrix<float>;
+    gattn::SdpaOptions<float> opt;
+    opt.scale = 1e39;  // finite as a double, +inf as a float
+    EXPECT_THROW(gattn::scaled_dot_product_attention<float>(M::Zero(2, 4), M::Zero(2, 4), M::Zero(2, 4), {1, 1, 1}, opt),
+                 std::invalid_argument);
+}
+
+TEST(SdpaHardening, BiasOverlappingOutIsRejected) {
+    std::vector<float> buffer(6, 0.0f);
+    Eigen::Map<gattn::RowMatrix<float>> out(buffer.data(), 3, 2);
+    using M = gattn::RowMatrix<float>;
+    const M q = M::Random(3, 2), k = M::Random(3, 2), v = M::Random(3, 2);
+    gattn::SdpaOptions<float> opt;
+    opt.mask.bias = gattn::MaskView<float>{buffer.data(), 1, 1, 1, 3};
+    EXPECT_THROW(gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, out, opt), std::invalid_argument);
+}
+
+TEST(SdpaHardening, NoKeysGivesZerosAndMinusInfinityLogSumExp) {
+    using M = gattn::RowMatrix<float>;
+    M lse;
+    gattn::SdpaOutputs<float> extra;
+    extra.log_sum_exp = &lse;
+    const M out = gattn::scaled_dot_product_attention<float>(M::Random(3, 8), M(0, 8), M(0, 8), {1, 2, 2}, {}, extra);
+    EXPECT_TRUE((out.array() == 0.0f).all());
+    EXPECT_TRUE((lse.array() == -std::numeric_limits<float>::infinity()).all());
+}
+
 }  // namespace

@@ -98,6 +98,8 @@ public:
         in.read(reinterpret_cast<char*>(len_bytes), 8);
         std::uint64_t header_len = 0;
         for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
+        if (header_len > kMaxHeaderBytes)
+            fail("malformed: header length " + std::to_string(header_len) + " exceeds the format's 100 MB limit");
         if (header_len > file_size - 8)
             fail("truncated: header length " + std::to_string(header_len) + " exceeds the " +
                  std::to_string(file_size - 8) + " bytes after it");
@@ -110,7 +112,7 @@ public:
         nlohmann::json j;
         try {
             j = nlohmann::json::parse(header);
-        } catch (const nlohmann::json::parse_error& e) {
+        } catch (const nlohmann::json::exception& e) {
             fail(std::string("malformed JSON header: ") + e.what());
         }
         if (!j.is_object()) fail("malformed header: not a JSON object");
@@ -129,9 +131,14 @@ public:
                 fail("malformed header entry for tensor '" + name + "'");
             TensorInfo t;
             t.dtype = v["dtype"].get<std::string>();
+            std::uint64_t count = 1;  // element count, checked for overflow
             for (const auto& d : v["shape"]) {
                 if (!d.is_number_unsigned()) fail("tensor '" + name + "': shape entries must be non-negative integers");
-                t.shape.push_back(static_cast<Index>(d.get<std::uint64_t>()));
+                const std::uint64_t dim = d.get<std::uint64_t>();
+                if (dim > kMaxElements || (dim != 0 && count > kMaxElements / dim))
+                    fail("tensor '" + name + "': shape " + v["shape"].dump() + " has more than 2^48 elements");
+                count *= dim;
+                t.shape.push_back(static_cast<Index>(dim));
             }
             if (!v["data_offsets"][0].is_number_unsigned() || !v["data_offsets"][1].is_number_unsigned())
                 fail("tensor '" + name + "': data_offsets must be non-negative integers");
@@ -237,6 +244,9 @@ private:
     [[noreturn]] void fail(const std::string& what) const {
         throw io_error("gattn::SafetensorsFile: " + m_path + ": " + what);
     }
+
+    static constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;  // as the reference reader
+    static constexpr std::uint64_t kMaxElements = std::uint64_t(1) << 48;
 
     std::string m_path;
     std::uint64_t m_data_offset = 0;

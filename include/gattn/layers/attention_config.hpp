@@ -52,6 +52,19 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
     positive(c.num_heads, "num_heads");
     positive(c.num_kv_heads, "num_kv_heads");
     positive(c.head_dim, "head_dim");
+    // Sizes beyond 2^24 per dimension are rejected so that every weight shape and row width
+    // (products of two or three sizes) fits an Index without overflow.
+    constexpr Index kMaxSize = Index(1) << 24;
+    auto bounded = [&](Index v, const char* name) {
+        if (v > kMaxSize)
+            detail::throw_invalid(function, std::string("config.") + name,
+                                  "must be <= 2^24, got " + std::to_string(v));
+    };
+    bounded(c.d_model, "d_model");
+    bounded(c.num_heads, "num_heads");
+    bounded(c.num_kv_heads, "num_kv_heads");
+    bounded(c.head_dim, "head_dim");
+    bounded(c.value_head_dim, "value_head_dim");
     if (c.value_head_dim < 0)
         detail::throw_invalid(function, "config.value_head_dim",
                               "must be >= 0 (0 = head_dim), got " + std::to_string(c.value_head_dim));
@@ -66,7 +79,7 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
     if (c.scale && !std::isfinite(*c.scale))
         detail::throw_invalid(function, "config.scale", "must be finite");
     validate_gate_spec(c.gate, function);
-    if (c.gate.layout != GateLayout::Separate &&
+    if (c.gate.enabled() && c.gate.layout != GateLayout::Separate &&
         c.gate.granularity == GateGranularity::Elementwise && c.d_v() != c.d_k())
         detail::throw_invalid(function, "config.value_head_dim",
                               "must equal head_dim for an elementwise gate fused into q_proj, got " +

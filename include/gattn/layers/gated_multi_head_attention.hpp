@@ -200,7 +200,16 @@ public:
         const Index rows = x.rows();
         // Validate the attention call before anything is written.
         gattn::detail::validate_sdpa(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv,
-                                     HeadLayout{batch, H, Hkv}, sdpa);
+                                     HeadLayout{batch, H, Hkv}, sdpa, "options.");
+        if (rows == 0) {
+            if (trace) {
+                trace->gate_scores.resize(0, 0);
+                trace->first_key_attention.resize(0, config().num_heads);
+                trace->probabilities.resize(0, 0);
+                trace->max_abs_output = 0;
+            }
+            return;
+        }
 
         // One GEMM for every projection of X: [Q | K | V | gate logits].
         RowMatrix<Scalar> proj(rows, m_w_in.rows());

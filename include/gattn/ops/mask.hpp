@@ -74,9 +74,10 @@ inline KeyRange visible_key_range(const AttentionMask<Scalar>& mask, Index b, In
     Index end = len;
     if (mask.causal) end = std::min(end, pos + 1);
     if (mask.sliding_window) {
+        // Compared before subtracting or adding, so that any w ≥ 1 (up to Index max) is safe.
         const Index w = *mask.sliding_window;
-        begin = std::max<Index>(begin, pos - w + 1);
-        if (!mask.causal) end = std::min(end, pos + w);
+        if (w <= pos) begin = pos - w + 1;
+        if (!mask.causal && w < len - pos) end = std::min(end, pos + w);
     }
     if (end < begin) end = begin;
     return {begin, end};

@@ -68,7 +68,8 @@ template <class Scalar>
 inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index q_cols,
                                              Index k_rows, Index k_cols, Index v_rows,
                                              Index v_cols, const HeadLayout& heads,
-                                             const SdpaOptions<Scalar>& options) {
+                                             const SdpaOptions<Scalar>& options,
+                                             const std::string& mask_prefix = "mask.") {
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
     if (B < 0) throw_invalid(fn, "batch", "must be >= 0, got " + std::to_string(B));
     if (H < 1) throw_invalid(fn, "num_heads", "must be >= 1, got " + std::to_string(H));
@@ -99,20 +100,20 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
     const Index Nk = B == 0 ? 0 : k_rows / B;
     const auto& m = options.mask;
     if (m.sliding_window && *m.sliding_window < 1)
-        throw_invalid(fn, "mask.sliding_window",
+        throw_invalid(fn, mask_prefix + "sliding_window",
                       "must be >= 1 (it counts the diagonal), got " +
                           std::to_string(*m.sliding_window));
     if (!m.key_lengths.empty()) {
         if (static_cast<Index>(m.key_lengths.size()) != B)
-            throw_shape(fn, "mask.key_lengths", shape_string({B}),
+            throw_shape(fn, mask_prefix + "key_lengths", shape_string({B}),
                         shape_string({static_cast<Index>(m.key_lengths.size())}));
         for (std::size_t b = 0; b < m.key_lengths.size(); ++b)
             if (m.key_lengths[b] < 0 || m.key_lengths[b] > Nk)
-                throw_invalid(fn, "mask.key_lengths[" + std::to_string(b) + "]",
+                throw_invalid(fn, mask_prefix + "key_lengths[" + std::to_string(b) + "]",
                               "must be in [0, N_k = " + std::to_string(Nk) + "], got " +
                                   std::to_string(m.key_lengths[b]));
     }
-    auto check_view = [&](const auto& view, const char* name) {
+    auto check_view = [&](const auto& view, const std::string& name) {
         if (view.empty()) return;
         const bool ok = (view.batch == 1 || view.batch == B) &&
                         (view.heads == 1 || view.heads == H) &&
@@ -123,10 +124,11 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                             std::to_string(Nq) + ", " + std::to_string(Nk) + "]",
                         shape_string({view.batch, view.heads, view.query_len, view.key_len}));
     };
-    check_view(m.bool_mask, "mask.bool_mask");
-    check_view(m.bias, "mask.bias");
-    if (options.scale && !std::isfinite(*options.scale))
-        throw_invalid(fn, "scale", "must be finite, got " + std::to_string(*options.scale));
+    check_view(m.bool_mask, mask_prefix + "bool_mask");
+    check_view(m.bias, mask_prefix + "bias");
+    // The scale is applied in Scalar: it must be finite there, not only as a double.
+    if (options.scale && !std::isfinite(static_cast<Scalar>(*options.scale)))
+        throw_invalid(fn, "scale", "must be finite in the scalar type, got " + std::to_string(*options.scale));
     return {dk, dv};
 }
 
@@ -137,6 +139,12 @@ inline bool overlaps(const T* a, Index na, const T* b, Index nb) noexcept {
     const auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
     return pa < pb + static_cast<std::uintptr_t>(nb) * sizeof(T) &&
            pb < pa + static_cast<std::uintptr_t>(na) * sizeof(T);
+}
+
+/// Elements of a mask view.
+template <class T>
+inline Index numel(const MaskView<T>& v) noexcept {
+    return v.batch * v.heads * v.query_len * v.key_len;
 }
 
 /// Memory span (in elements) of a strided row-major view.
@@ -185,6 +193,26 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
         gattn::detail::overlaps(out.data(), out_span, key.data(), gattn::detail::span_of(key)) ||
         gattn::detail::overlaps(out.data(), out_span, value.data(), gattn::detail::span_of(value)))
         gattn::detail::throw_invalid(fn, "out", "must not overlap query, key or value");
+    const auto& mask = options.mask;
+    if (!mask.bias.empty() &&
+        gattn::detail::overlaps(out.data(), out_span, mask.bias.data, gattn::detail::numel(mask.bias)))
+        gattn::detail::throw_invalid(fn, "out", "must not overlap mask.bias");
+    // Optional outputs are resized, which frees their storage: they must not be, or hold, an input.
+    const RowMatrix<Scalar>* extras[] = {extra.log_sum_exp, extra.probabilities, extra.first_key_probability};
+    for (int a = 0; a < 3; ++a) {
+        const RowMatrix<Scalar>* e = extras[a];
+        if (!e) continue;
+        for (int b2 = a + 1; b2 < 3; ++b2)
+            if (extras[b2] == e) gattn::detail::throw_invalid(fn, "extra", "outputs must be distinct matrices");
+        const Scalar* d = e->data();
+        const Index n = e->size();
+        if (gattn::detail::overlaps(d, n, query.data(), gattn::detail::span_of(query)) ||
+            gattn::detail::overlaps(d, n, key.data(), gattn::detail::span_of(key)) ||
+            gattn::detail::overlaps(d, n, value.data(), gattn::detail::span_of(value)) ||
+            gattn::detail::overlaps(d, n, static_cast<const Scalar*>(out.data()), out_span) ||
+            (!mask.bias.empty() && gattn::detail::overlaps(d, n, mask.bias.data, gattn::detail::numel(mask.bias))))
+            gattn::detail::throw_invalid(fn, "extra", "outputs must not hold query, key, value, out or mask.bias");
+    }
 
     const Scalar scale = static_cast<Scalar>(options.scale ? *options.scale
                                                            : 1.0 / std::sqrt(double(dk)));
@@ -192,8 +220,13 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
     if (extra.probabilities) extra.probabilities->setZero(B * H * Nq, Nk);
     if (extra.first_key_probability) extra.first_key_probability->setZero(B * Nq, H);
 
-    const auto& mask = options.mask;
     constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+    if (B * Nq == 0) return;
+    if (Nk == 0) {  // no keys: every row is fully masked
+        for (Index r = 0; r < out.rows(); ++r) out.row(r).setZero();
+        if (extra.log_sum_exp) extra.log_sum_exp->setConstant(kNegInf);
+        return;
+    }
     // Probabilities are derived from the log-sum-exp, so they need it even when not requested.
     RowMatrix<Scalar> lse_scratch;
     RowMatrix<Scalar>* lse = extra.log_sum_exp;

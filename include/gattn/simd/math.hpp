@@ -20,17 +20,18 @@ GATTN_BEGIN_ISA_NAMESPACE
 namespace simd {
 
 /// e^x, register level. float: Cephes expf polynomial (degree 6 after Cody-Waite reduction,
-/// ≈1 ulp), results below FLT_MIN flushed to exactly 0 (so e^−∞ = 0 and no denormals), above
-/// FLT_MAX +∞, NaN propagated. double: xsimd::exp.
+/// ≈1 ulp); double: Cephes exp (Padé form, ≈1 ulp). Results below the smallest normal number
+/// are exactly 0 (so e^−∞ = 0 and no denormals), above the largest finite number +∞; NaN
+/// propagates.
 template <class T>
 inline Batch<T> exp(const Batch<T>& x) noexcept {
     if constexpr (std::is_same_v<T, float>) {
         using B = Batch<float>;
         using I = xsimd::batch<std::int32_t, Arch>;
         const B lo(-87.3365447505531f);  // ln(FLT_MIN)
-        const B hi(88.7228391116729f);   // ln(FLT_MAX)
+        const B hi(88.8f);  // just above ln(FLT_MAX): p·2^128 overflows to +∞
         // Operand order matters: vmaxps/vminps return their second operand when either is
-        // NaN, so NaN flows through; +∞ clamps to hi, where p·2^128 overflows to +∞.
+        // NaN, so NaN flows through; +∞ clamps to hi, where the result overflows to +∞.
         const B xc = xsimd::min(hi, xsimd::max(lo, x));
         const B n = xsimd::nearbyint(xc * B(1.44269504088896341f));
         B r = xsimd::fnma(n, B(0.693359375f), xc);  // Cody-Waite: ln2 = hi + lo
@@ -50,7 +51,29 @@ inline Batch<T> exp(const Batch<T>& x) noexcept {
         const B s2 = xsimd::bitwise_cast<B>((n2 + I(127)) << 23);
         return xsimd::select(x < lo, B(0.0f), p * s1 * s2);
     } else {
-        return xsimd::exp(x);
+        // Cephes exp (double): Padé form 1 + 2x·P(x²) / (Q(x²) − x·P(x²)) after Cody-Waite
+        // reduction, ≈1 ulp. Clamping first keeps ±∞ and NaN out of the integer conversion.
+        using B = Batch<double>;
+        using I = xsimd::batch<std::int64_t, Arch>;
+        const B lo(-708.3964185322641);  // ln(DBL_MIN)
+        const B hi(710.0);  // just above ln(DBL_MAX): e·2^1024 overflows to +∞
+        const B xc = xsimd::min(hi, xsimd::max(lo, x));  // NaN flows through (second operand)
+        const B n = xsimd::nearbyint(xc * B(1.4426950408889634));
+        B r = xsimd::fnma(n, B(6.93145751953125e-1), xc);
+        r = xsimd::fnma(n, B(1.42860682030941723212e-6), r);
+        const B rr = r * r;
+        B p = xsimd::fma(rr, B(1.26177193074810590878e-4), B(3.02994407707441961300e-2));
+        p = xsimd::fma(p, rr, B(9.99999999999999999910e-1)) * r;
+        B q = xsimd::fma(rr, B(3.00198505138664455042e-6), B(2.52448340349684104192e-3));
+        q = xsimd::fma(q, rr, B(2.27265548208155028766e-1));
+        q = xsimd::fma(q, rr, B(2.00000000000000000009e0));
+        const B e = xsimd::fma(B(2.0), p / (q - p), B(1.0));
+        const I ni = xsimd::to_int(xsimd::select(xsimd::isnan(n), B(0.0), n));
+        const I n1 = ni >> 1;
+        const I n2 = ni - n1;
+        const B s1 = xsimd::bitwise_cast<B>((n1 + I(1023)) << 52);
+        const B s2 = xsimd::bitwise_cast<B>((n2 + I(1023)) << 52);
+        return xsimd::select(x < lo, B(0.0), e * s1 * s2);
     }
 }
 
