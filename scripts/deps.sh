@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Installs the Debian packages gattn's build needs, when they are missing.
-# Usage: scripts/deps.sh [extra-package ...]
+# Usage: scripts/deps.sh [library|test] [extra-package ...]
+#   library: compiler, CMake, Eigen, xsimd, nlohmann_json (enough for the examples)
+#   test:    the above plus GoogleTest and Google Benchmark (the default)
 # Runs apt-get only as root; otherwise prints what to install and fails.
 set -euo pipefail
 
-packages=(g++ cmake make libeigen3-dev libxsimd-dev nlohmann-json3-dev libgtest-dev libbenchmark-dev "$@")
+mode="${1:-test}"
+[ $# -gt 0 ] && shift
+packages=(g++ cmake make libeigen3-dev libxsimd-dev nlohmann-json3-dev)
+[ "$mode" = test ] && packages+=(libgtest-dev libbenchmark-dev)
+packages+=("$@")
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -24,7 +24,7 @@ using gattn::Index;
 std::vector<std::string> case_files() {
     std::vector<std::string> files;
     for (const auto& e : std::filesystem::directory_iterator(GATTN_CASES_DIR))
-        if (e.path().extension() == ".json") files.push_back(e.path().string());
+        if (e.path().extension() == ".json") files.push_back(e.path().filename().string());
     std::sort(files.begin(), files.end());
     return files;
 }
@@ -161,7 +161,8 @@ void run_layer_case(const json& in, const json& expected, const std::string& lab
 }
 
 template <class Scalar>
-void run_case_file(const std::string& path) {
+void run_case_file(const std::string& name) {
+    const std::string path = std::string(GATTN_CASES_DIR) + "/" + name;
     std::ifstream f(path);
     const json j = json::parse(f);
     struct Run {

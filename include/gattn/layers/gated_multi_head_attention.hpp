@@ -145,10 +145,10 @@ public:
             const bool is_vector = std::decay_t<decltype(t)>::ColsAtCompileTime == 1;
             if (!want) {
                 if (t.size() != 0)
-                    gattn::detail::throw_shape(fn, name, "empty (not used by this config: gate " +
-                                                             describe(config.gate) + ")",
-                                               is_vector ? gattn::detail::shape_string({t.rows()})
-                                                         : gattn::detail::shape_string({t.rows(), t.cols()}));
+                    throw shape_error(std::string(fn) + ": " + name + " must be empty: this config (gate " +
+                                      describe(config.gate) + ") does not use it, got " +
+                                      (is_vector ? gattn::detail::shape_string({t.rows()})
+                                                 : gattn::detail::shape_string({t.rows(), t.cols()})));
                 return;
             }
             const bool ok = is_vector ? t.rows() == want->shape[0]
