@@ -135,6 +135,20 @@ TYPED_TEST(Kernels, DotAxpyMaxAndExpSumAtEveryLength) {
     }
 }
 
+TYPED_TEST(Kernels, ReduceSumRowsPutsRowSumsInOrder) {
+    // xsimd 8.1's haddp permutes lanes on AVX-512; gattn's shim must not.
+    using T = TypeParam;
+    constexpr std::size_t L = simd::kLanes<T>;
+    simd::Batch<T> rows[L];
+    alignas(64) T buf[L];
+    for (std::size_t i = 0; i < L; ++i) {
+        for (std::size_t j = 0; j < L; ++j) buf[j] = static_cast<T>(100 * i + j);
+        rows[i] = simd::Batch<T>::load_aligned(buf);
+    }
+    simd::reduce_sum_rows<T>(rows).store_aligned(buf);
+    for (std::size_t i = 0; i < L; ++i) EXPECT_EQ(buf[i], static_cast<T>(100 * i * L + L * (L - 1) / 2)) << i;
+}
+
 TEST(Kernels, IsaNamespaceMatchesTheCompiledArchitecture) {
     // The library's SIMD symbols live in an inline namespace named after the instruction set.
     const std::string arch = simd::arch_name();

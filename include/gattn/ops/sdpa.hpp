@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "gattn/ops/decode_kernel.hpp"
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/simd/math.hpp"
@@ -235,44 +236,83 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
         lse = &lse_scratch;
     }
 
-    // Tasks: (sequence, KV head, block of Br (head, query) pairs of that KV head's group).
+    // The (head, query) pairs of one KV head's GQA group share K and V. Many pairs: tiles with
+    // queries in lanes (flash_kernel.hpp), tasks (sequence, KV head, block of Br pairs). Few
+    // pairs (decoding): keys in lanes with the keys split into chunks (decode_kernel.hpp), tasks
+    // (sequence, KV head, chunk). The choice depends on shapes only.
     using Geometry = kernel::FlashGeometry<Scalar>;
     const Index group = H / Hkv;
     const Index pairs = group * Nq;
-    const Index blocks = (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
-    const Index tasks = B * Hkv * blocks;
+    const bool decode = pairs <= Geometry::kQueries / 4;
+    const Index blocks = decode ? 1 : (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
+    const Index chunks = decode ? (Nk + kernel::kChunkKeys - 1) / kernel::kChunkKeys : 1;
+    // Decoding tasks cover all KV heads of a sequence's chunk; prefill tasks one KV head's block.
+    const Index tasks = decode ? B * chunks : B * Hkv * blocks;
     const Index ldq = query.outerStride(), ldo = out.outerStride();
+    // Fills the block description of pairs [t0, t0 + count) of KV head g in sequence b.
+    auto describe_block = [&](kernel::FlashBlock<Scalar>& blk, Index b, Index g, Index t0) {
+        blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
+        for (int t = 0; t < blk.count; ++t) {
+            const Index pair = t0 + t, h = g * group + pair / Nq, i = pair % Nq;
+            const Index row = b * Nq + i;
+            const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
+            blk.q[t] = query.data() + row * ldq + h * dk;
+            blk.out[t] = out.data() + row * ldo + h * dv;
+            blk.begin[t] = range.begin;
+            blk.end[t] = range.end;
+            blk.bool_row[t] = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
+            blk.bias_row[t] = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
+            blk.lse[t] = lse ? &(*lse)(row, h) : nullptr;
+            blk.first_key[t] = extra.first_key_probability ? &(*extra.first_key_probability)(row, h) : nullptr;
+        }
+    };
+    // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
+    std::vector<kernel::PartialState<Scalar>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
 #ifdef _OPENMP
-#pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 20))
+#pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
 #endif
     {
         kernel::FlashScratch<Scalar> scratch;
-        scratch.reserve(dk, dv);
+        if (!decode) scratch.reserve(dk, dv);
         kernel::FlashBlock<Scalar> blk;
+        std::vector<kernel::FlashBlock<Scalar>> group_blocks(decode ? static_cast<std::size_t>(Hkv) : 0);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (Index task = 0; task < tasks; ++task) {
-            const Index block = task % blocks, g = (task / blocks) % Hkv, b = task / (blocks * Hkv);
-            const Index t0 = block * Geometry::kQueries;
-            blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
-            for (int t = 0; t < blk.count; ++t) {
-                const Index pair = t0 + t, h = g * group + pair / Nq, i = pair % Nq;
-                const Index row = b * Nq + i;
-                const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
-                blk.q[t] = query.data() + row * ldq + h * dk;
-                blk.out[t] = out.data() + row * ldo + h * dv;
-                blk.begin[t] = range.begin;
-                blk.end[t] = range.end;
-                blk.bool_row[t] = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
-                blk.bias_row[t] = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
-                blk.lse[t] = lse ? &(*lse)(row, h) : nullptr;
-                blk.first_key[t] = extra.first_key_probability ? &(*extra.first_key_probability)(row, h) : nullptr;
+            if (decode) {
+                const Index chunk = task % chunks, b = task / chunks;
+                kernel::PartialState<Scalar>* states = partial.data() + task * Hkv;
+                for (Index g = 0; g < Hkv; ++g) {
+                    describe_block(group_blocks[g], b, g, 0);
+                    states[g].reset(group_blocks[g].count, dv);
+                }
+                const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
+                kernel::decode_chunk<Scalar>(group_blocks.data(), states, Hkv, c0, c1,
+                                             key.data() + b * Nk * key.outerStride(), key.outerStride(),
+                                             value.data() + b * Nk * value.outerStride(), value.outerStride(),
+                                             dk, dv, scale);
+            } else {
+                const Index block = task % blocks, g = (task / blocks) % Hkv, b = task / (blocks * Hkv);
+                describe_block(blk, b, g, block * Geometry::kQueries);
+                kernel::flash_attention_block<Scalar>(
+                    blk, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
+                    value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(), dk, dv, scale,
+                    scratch);
             }
-            kernel::flash_attention_block<Scalar>(
-                blk, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
-                value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(), dk, dv, scale,
-                scratch);
+        }
+        if (decode) {
+            // Merge each (sequence, KV head)'s chunks in order (after the implicit barrier).
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Index bg = 0; bg < B * Hkv; ++bg) {
+                const Index b = bg / Hkv, g = bg % Hkv;
+                describe_block(blk, b, g, 0);
+                std::vector<const kernel::PartialState<Scalar>*> states(static_cast<std::size_t>(chunks));
+                for (Index c = 0; c < chunks; ++c) states[c] = &partial[(b * chunks + c) * Hkv + g];
+                kernel::decode_finish<Scalar>(blk, states.data(), chunks, dv);
+            }
         }
     }
 

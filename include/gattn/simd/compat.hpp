@@ -50,6 +50,15 @@ inline T reduce_max(const Batch<T>& x) noexcept {
 #endif
 }
 
+/// Register whose lane i is the sum of rows[i] (rows has kLanes<T> registers). Written out
+/// rather than xsimd::haddp, whose AVX-512 float version in xsimd 8.1 permutes the lanes.
+template <class T>
+inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
+    alignas(64) T sums[kLanes<T>];
+    for (std::size_t i = 0; i < kLanes<T>; ++i) sums[i] = reduce_sum(rows[i]);
+    return Batch<T>::load_aligned(sums);
+}
+
 /// Name of the instruction set, for benchmark labels and diagnostics.
 inline const char* arch_name() noexcept { return Arch::name(); }
 

@@ -1,0 +1,148 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// SDPA for few queries per KV head (token-by-token decoding): keys in the SIMD lanes, and the
+/// keys split into fixed chunks whose partial results merge exactly through the log-sum-exp
+/// (split-KV, as FlashDecoding), so one long KV cache is shared by all threads.
+///
+/// Per chunk and query row: for each block of L keys (L = SIMD lanes), L dot products over d_k
+/// (features in lanes) reduce into one register of L logits, then the online
+/// softmax runs on that register and Σ p_j v_j is accumulated over d_v. All query rows of a GQA
+/// group walk the same key block while it is in L1, so K and V stream from memory once.
+/// A masked key gets p = 0 and is skipped in the value sum (never multiplied by 0).
+/// Chunks are cut at fixed key positions (multiples of kChunkKeys), never by thread count, and
+/// merged in order, so results do not depend on the number of threads.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "gattn/ops/flash_kernel.hpp"
+#include "gattn/simd/math.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace kernel {
+
+/// Keys per split-KV chunk.
+inline constexpr Index kChunkKeys = 2048;
+
+/// Online-softmax state of `rows` query rows over one chunk: m, l and the unnormalised output.
+template <class T>
+struct PartialState {
+    std::vector<T> m, l, acc, first;  // acc: rows × d_v; first: logit of key 0 (−∞ if unseen)
+    void reset(int rows, Index dv) {
+        m.assign(static_cast<std::size_t>(rows), -std::numeric_limits<T>::infinity());
+        l.assign(static_cast<std::size_t>(rows), T(0));
+        acc.assign(static_cast<std::size_t>(rows * dv), T(0));
+        first.assign(static_cast<std::size_t>(rows), -std::numeric_limits<T>::infinity());
+    }
+};
+
+/// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
+/// [k_begin, k_end), accumulating into states[g]. key/value point at key 0, head 0 of the
+/// sequence. The KV heads are walked inside each key block, so a [N, H_kv·d] cache is read
+/// row after row (rows of one head alone would each sit in another page).
+template <class T>
+void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin,
+                  Index k_end, const T* key_base, Index key_stride, const T* value_base, Index value_stride,
+                  Index dk, Index dv, T scale) {
+    using B = simd::Batch<T>;
+    constexpr Index L = static_cast<Index>(simd::kLanes<T>);
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    const Index dk_vec = dk / L * L;
+    alignas(64) T s[L], p[L];
+    B dots[L];
+    for (Index j0 = k_begin; j0 < k_end; j0 += L) {
+        const Index nk = std::min(L, k_end - j0);
+        for (Index g = 0; g < num_kv_heads; ++g) {
+        const FlashBlock<T>& blk = blks[g];
+        PartialState<T>& st = states[g];
+        const T* key = key_base + g * dk;
+        const T* value = value_base + g * dv;
+        for (int t = 0; t < blk.count; ++t) {
+            const Index lo = std::max(j0, blk.begin[t]), hi = std::min(j0 + nk, blk.end[t]);
+            if (lo >= hi) continue;  // no visible key of this block for this row
+            const T* q = blk.q[t];
+            for (Index kk = 0; kk < L; ++kk) {
+                B a(T(0));
+                if (kk < nk) {
+                    const T* k = key + (j0 + kk) * key_stride;
+                    for (Index d = 0; d < dk_vec; d += L) a = xsimd::fma(B::load_unaligned(q + d), B::load_unaligned(k + d), a);
+                }
+                dots[kk] = a;
+            }
+            (simd::reduce_sum_rows<T>(dots) * B(scale)).store_aligned(s);
+            for (Index kk = 0; kk < L; ++kk) {
+                const Index j = j0 + kk;
+                if (kk < nk && dk_vec < dk) {
+                    const T* k = key + j * key_stride;
+                    T tail = 0;
+                    for (Index d = dk_vec; d < dk; ++d) tail += q[d] * k[d];
+                    s[kk] += tail * scale;
+                }
+                bool visible = j >= lo && j < hi;
+                if (visible && blk.bool_row[t] && !blk.bool_row[t][j]) visible = false;
+                if (visible && blk.bias_row[t]) {
+                    if (blk.bias_row[t][j] == kNegInf) visible = false;
+                    else s[kk] += blk.bias_row[t][j];
+                }
+                if (!visible) s[kk] = kNegInf;
+            }
+            if (j0 == 0) st.first[t] = s[0];
+            const B sv = B::load_aligned(s);
+            const T bmax = simd::reduce_max(sv);
+            if (bmax == kNegInf) continue;
+            T& m = st.m[t];
+            T* acc = st.acc.data() + t * dv;
+            const T m_new = std::isnan(bmax) ? bmax : std::max(m, bmax);
+            if (m != kNegInf && m_new != m) {
+                const T alpha = simd::exp_scalar<T>(m - m_new);
+                st.l[t] *= alpha;
+                simd::scale(alpha, acc, static_cast<std::size_t>(dv));
+            }
+            m = m_new;
+            const B pv = simd::exp<T>(sv - B(m_new));
+            pv.store_aligned(p);
+            st.l[t] += simd::reduce_sum(pv);
+            for (Index kk = 0; kk < nk; ++kk)
+                if (p[kk] != T(0) || std::isnan(p[kk]))
+                    simd::axpy(p[kk], value + (j0 + kk) * value_stride, acc, static_cast<std::size_t>(dv));
+        }
+        }
+    }
+}
+
+/// Merges chunk states in chunk order and writes the rows' outputs, log-sum-exp and first-key
+/// probability (FlashDecoding's reduction: weights e^(m_c − max m)).
+template <class T>
+void decode_finish(const FlashBlock<T>& blk, const PartialState<T>* const* chunks, Index num_chunks, Index dv) {
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    for (int t = 0; t < blk.count; ++t) {
+        T m = kNegInf;
+        for (Index c = 0; c < num_chunks; ++c) m = std::max(m, chunks[c]->m[t]);
+        T* o = blk.out[t];
+        for (Index j = 0; j < dv; ++j) o[j] = 0;
+        T l = 0, first = kNegInf;
+        for (Index c = 0; c < num_chunks; ++c) {
+            const PartialState<T>& s = *chunks[c];
+            if (s.first[t] != kNegInf) first = s.first[t];
+            if (s.m[t] == kNegInf) continue;  // chunk saw no visible key: weight 0, skipped
+            const T w = simd::exp_scalar<T>(s.m[t] - m);
+            l += w * s.l[t];
+            simd::axpy(w, s.acc.data() + t * dv, o, static_cast<std::size_t>(dv));
+        }
+        const bool empty = !(l > 0) && !std::isnan(l);
+        if (empty) {
+            for (Index j = 0; j < dv; ++j) o[j] = 0;
+        } else {
+            simd::scale(T(1) / l, o, static_cast<std::size_t>(dv));
+        }
+        if (blk.lse[t]) *blk.lse[t] = empty ? kNegInf : m + std::log(l);
+        if (blk.first_key[t]) *blk.first_key[t] = empty ? T(0) : simd::exp_scalar<T>(first - m) / l;
+    }
+}
+
+}  // namespace kernel
+GATTN_END_ISA_NAMESPACE
