@@ -15,6 +15,8 @@
 
 #include <gattn/gattn.hpp>
 
+#include <sys/resource.h>
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -134,6 +136,26 @@ void BM_EigenGemmRoof(benchmark::State& state) {
     state.counters["FLOP/s"] = benchmark::Counter(attention_flops(n, n, d, false), benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// One causal head of N = 65,536 tokens, d = 128: reports the process's peak resident size,
+/// which stays at the inputs' size (4 × 32 MiB) plus tiles; N² scores would be 16 GiB.
+void BM_GattnLongContext(benchmark::State& state) {
+    const gattn::Index n = 65536, d = 128;
+    set_threads(static_cast<int>(state.range(0)));
+    const Matrix q = Matrix::Random(n, d), k = Matrix::Random(n, d), v = Matrix::Random(n, d);
+    Matrix out(n, d);
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = true;
+    for (auto _ : state) {
+        gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, out, opt);
+        benchmark::DoNotOptimize(out.data());
+    }
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    state.counters["peak_RSS_MiB"] = double(usage.ru_maxrss) / 1024.0;
+    state.counters["FLOP/s"] = benchmark::Counter(4.0 * n * n * d / 2, benchmark::Counter::kIsIterationInvariantRate);
+    set_threads(1);
+}
+
 void prefill_args(benchmark::internal::Benchmark* b) {
     for (int d : {64, 128, 256})
         for (int n : {128, 512, 2048, 8192})
@@ -156,6 +178,7 @@ void baseline_args(benchmark::internal::Benchmark* b) {
 
 BENCHMARK(BM_GattnSdpa)->Apply(prefill_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_GattnSdpa)->Name("BM_GattnDecode")->Apply(decode_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_GattnLongContext)->Arg(2)->ArgNames({"threads"})->Iterations(1)->Unit(benchmark::kSecond)->UseRealTime();
 BENCHMARK(BM_EigenCarefulSdpa)->Apply(baseline_args)->ArgNames({"N", "d", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenTypicalSdpa)->Args({512, 128})->Args({2048, 128})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenGemmRoof)->Args({512, 128})->Args({2048, 128})->Args({2048, 64})->Args({2048, 256})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();

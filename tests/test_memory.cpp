@@ -1,0 +1,51 @@
+// SDPA's extra memory is a few tiles per thread, never N_q × N_k: N = 65,536 runs within a
+// small budget. Its own executable, so that the process's peak resident size measures this test
+// alone.
+
+#include <gtest/gtest.h>
+
+#include <sys/resource.h>
+
+#include "gattn/gattn.hpp"
+
+namespace {
+
+using gattn::Index;
+using Matrix = gattn::RowMatrix<float>;
+
+/// Peak resident set size of this process so far, in bytes.
+double peak_rss_bytes() {
+    rusage usage{};
+    getrusage(RUSAGE_SELF, &usage);
+    return double(usage.ru_maxrss) * 1024.0;  // Linux reports KiB
+}
+
+TEST(SdpaMemory, SixtyFourThousandTokensUseTilesNotScores) {
+    const Index n = 65536, d = 128;
+    // Inputs and output: 4 × 32 MiB, touched (filled) before the baseline is taken.
+    Matrix q = Matrix::Random(n, d), k = Matrix::Random(n, d), v = Matrix::Random(n, d);
+    Matrix out = Matrix::Zero(n, d);
+    const double before = peak_rss_bytes();
+
+    // All 65,536 queries, causal with a 256-key window: linear work, and a materialised score
+    // matrix would need 16 GiB.
+    gattn::SdpaOptions<float> windowed;
+    windowed.mask.causal = true;
+    windowed.mask.sliding_window = 256;
+    gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, out, windowed);
+    // 256 queries against all 65,536 keys without a window (64 MiB of scores if materialised).
+    Matrix out_few(256, d);
+    gattn::scaled_dot_product_attention<float>(q.bottomRows(256), k, v, {1, 1, 1}, out_few);
+    // One query (the decoding path) against all keys.
+    Matrix out_one(1, d);
+    gattn::scaled_dot_product_attention<float>(q.bottomRows(1), k, v, {1, 1, 1}, out_one);
+
+    const double growth = peak_rss_bytes() - before;
+    RecordProperty("peak_growth_bytes", std::to_string(growth));
+    EXPECT_LT(growth, 16.0 * 1024 * 1024) << "peak resident size grew by " << growth / 1048576 << " MiB";
+    // The last query's full-attention output is the same whichever path computed it.
+    EXPECT_LT((out_few.bottomRows(1) - out_one).cwiseAbs().maxCoeff(), 1e-5f);
+    EXPECT_TRUE(out.allFinite());
+}
+
+}  // namespace
