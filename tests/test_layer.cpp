@@ -12,6 +12,10 @@
 #include "gattn/io/safetensors.hpp"
 #include "support/fixtures.hpp"
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace {
 
 using gattn::Index;
@@ -134,6 +138,29 @@ TEST(LayerForward, SequencesInABatchAreIndependent) {
         EXPECT_LE((all.middleRows(b * 5, 5) - one).cwiseAbs().maxCoeff(), 1e-6f) << "sequence " << b;
     }
 }
+
+#ifdef _OPENMP
+TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
+    // Prefill tiles and decoding's split-KV chunks are cut by shape, never by thread count.
+    for (const Index nq : {Index(300), Index(1)}) {
+        const Index nk = 5000, H = 8, Hkv = 2, d = 64;
+        const RowMatrix<float> q = RowMatrix<float>::Random(2 * nq, H * d);
+        const RowMatrix<float> k = RowMatrix<float>::Random(2 * nk, Hkv * d);
+        const RowMatrix<float> v = RowMatrix<float>::Random(2 * nk, Hkv * d);
+        gattn::SdpaOptions<float> opt;
+        opt.mask.causal = true;
+        opt.mask.key_lengths = {nk, 3001};
+        std::vector<RowMatrix<float>> results;
+        for (int threads : {1, 2, 3}) {
+            omp_set_num_threads(threads);
+            results.push_back(gattn::scaled_dot_product_attention<float>(q, k, v, {2, H, Hkv}, opt));
+        }
+        omp_set_num_threads(omp_get_num_procs());
+        EXPECT_EQ(results[0], results[1]) << "N_q = " << nq;
+        EXPECT_EQ(results[0], results[2]) << "N_q = " << nq;
+    }
+}
+#endif
 
 TEST(SdpaDeterminism, SequenceResultIsBitwiseIndependentOfItsBatch) {
     // Key blocks start at fixed multiples of the tile, so a sequence's SDPA result is the same
