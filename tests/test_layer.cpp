@@ -162,6 +162,35 @@ TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
 }
 #endif
 
+TEST(SdpaMerge, TwoKeyShardsMergeToTheFullResult) {
+    // Keys [0, 700) and [700, 1500) attended separately, then merged, equal attention over all.
+    const Index nq = 40, nk = 1500, split = 700, H = 4, Hkv = 2, dk = 32, dv = 24;
+    const RowMatrix<double> q = RowMatrix<double>::Random(nq, H * dk);
+    const RowMatrix<double> k = RowMatrix<double>::Random(nk, Hkv * dk);
+    const RowMatrix<double> v = RowMatrix<double>::Random(nk, Hkv * dv);
+    RowMatrix<double> lse_full, lse_a, lse_b;
+    gattn::SdpaOutputs<double> ea, eb, ef;
+    ea.log_sum_exp = &lse_a;
+    eb.log_sum_exp = &lse_b;
+    ef.log_sum_exp = &lse_full;
+    const auto full = gattn::scaled_dot_product_attention<double>(q, k, v, {1, H, Hkv}, {}, ef);
+    auto a = gattn::scaled_dot_product_attention<double>(q, k.topRows(split), v.topRows(split), {1, H, Hkv}, {}, ea);
+    const auto b = gattn::scaled_dot_product_attention<double>(q, k.bottomRows(nk - split), v.bottomRows(nk - split),
+                                                               {1, H, Hkv}, {}, eb);
+    gattn::merge_attention<double>(a, lse_a, b, lse_b, a, lse_a);  // in place
+    EXPECT_LT((a - full).cwiseAbs().maxCoeff(), 1e-13);
+    EXPECT_LT((lse_a - lse_full).cwiseAbs().maxCoeff(), 1e-12);
+
+    // A shard that sees no key (lse −∞, output 0) leaves the other unchanged, even with NaN in it.
+    RowMatrix<double> nan_out = RowMatrix<double>::Constant(nq, H * dv, std::nan(""));
+    RowMatrix<double> empty_lse = RowMatrix<double>::Constant(nq, H, -std::numeric_limits<double>::infinity());
+    RowMatrix<double> merged(nq, H * dv), merged_lse(nq, H);
+    gattn::merge_attention<double>(full, lse_full, nan_out, empty_lse, merged, merged_lse);
+    EXPECT_EQ(merged, full);
+    EXPECT_THROW(gattn::merge_attention<double>(full, lse_full, b.leftCols(8), lse_b, merged, merged_lse),
+                 gattn::shape_error);
+}
+
 TEST(SdpaDeterminism, SequenceResultIsBitwiseIndependentOfItsBatch) {
     // Key blocks start at fixed multiples of the tile, so a sequence's SDPA result is the same
     // bits whether it runs alone or beside others of different lengths.

@@ -24,7 +24,7 @@ TEST(SdpaMemory, SixtyFourThousandTokensUseTilesNotScores) {
     const Index n = 65536, d = 128;
     // Inputs and output: 4 × 32 MiB, touched (filled) before the baseline is taken.
     Matrix q = Matrix::Random(n, d), k = Matrix::Random(n, d), v = Matrix::Random(n, d);
-    Matrix out = Matrix::Zero(n, d);
+    Matrix out = Matrix::Constant(n, d, 1.0f);  // nonzero: zero-filled pages may stay unmapped
     const double before = peak_rss_bytes();
 
     // All 65,536 queries, causal with a 256-key window: linear work, and a materialised score
@@ -34,10 +34,10 @@ TEST(SdpaMemory, SixtyFourThousandTokensUseTilesNotScores) {
     windowed.mask.sliding_window = 256;
     gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, out, windowed);
     // 256 queries against all 65,536 keys without a window (64 MiB of scores if materialised).
-    Matrix out_few(256, d);
+    Matrix out_few = Matrix::Constant(256, d, 1.0f);
     gattn::scaled_dot_product_attention<float>(q.bottomRows(256), k, v, {1, 1, 1}, out_few);
     // One query (the decoding path) against all keys.
-    Matrix out_one(1, d);
+    Matrix out_one = Matrix::Constant(1, d, 1.0f);
     gattn::scaled_dot_product_attention<float>(q.bottomRows(1), k, v, {1, 1, 1}, out_one);
 
     const double growth = peak_rss_bytes() - before;

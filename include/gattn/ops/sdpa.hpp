@@ -26,10 +26,6 @@
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 namespace gattn {
 
 /// Head layout of an attention call: [B·N, H·d] activations hold `batch` sequences.
@@ -172,9 +168,12 @@ GATTN_BEGIN_ISA_NAMESPACE
 ///         the expected and the actual shape); std::invalid_argument for bad head counts,
 ///         key lengths outside [0, N_k], a window < 1, a non-finite scale, or out overlapping an
 ///         input. Nothing is written before validation passes.
-/// Accumulation and softmax run in Scalar (float or double). Uses OpenMP threads over
-/// (batch, head, query) rows when compiled with OpenMP; each row's result is independent of the
-/// thread count.
+/// Accumulation and softmax run in Scalar (float or double). Two kernels, chosen by shape:
+/// query tiles (ops/flash_kernel.hpp) when a KV head serves more than Br/4 (head, query) pairs,
+/// else the decoding kernel with split-KV chunks (ops/decode_kernel.hpp). Compiled with OpenMP,
+/// the work is split over (sequence, KV head, query block) or (sequence, key chunk) tasks; the
+/// result is bitwise the same for any thread count and whatever else shares the batch.
+/// Probabilities, when requested, are recomputed row by row from the log-sum-exp (O(N_q·N_k·d)).
 template <class Scalar>
 void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
                                   ConstMatrixRef<Scalar> value, const HeadLayout& heads,
@@ -336,6 +335,51 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                     p[j] = simd::exp_scalar<Scalar>(sc - row_lse);
                 }
             }
+}
+
+/// Merges two attention results for the same queries over disjoint key sets (split-KV, or
+/// context parallelism across processes) into the result over their union, exactly:
+/// with m = max(lse_a, lse_b), w_a = e^(lse_a − m), w_b = e^(lse_b − m),
+///     out = (w_a·out_a + w_b·out_b) / (w_a + w_b),   lse = m + log(w_a + w_b)
+/// (FlashDecoding's reduction). A side with lse −∞ (no visible key) has weight 0; a row where
+/// both are −∞ gives 0 and −∞.
+/// \param out_a, out_b [R, H·d_v] partial outputs; \param lse_a, lse_b [R, H] their log-sum-exp.
+/// \param out [R, H·d_v] and \param lse [R, H], written; out may be out_a and lse may be lse_a.
+/// 	hrows shape_error when the shapes disagree.
+template <class Scalar>
+void merge_attention(ConstMatrixRef<Scalar> out_a, ConstMatrixRef<Scalar> lse_a, ConstMatrixRef<Scalar> out_b,
+                     ConstMatrixRef<Scalar> lse_b, MatrixRef<Scalar> out, MatrixRef<Scalar> lse) {
+    constexpr const char* fn = "gattn::merge_attention";
+    const Index R = out_a.rows(), H = lse_a.cols();
+    if (H < 1 || out_a.cols() % H != 0)
+        gattn::detail::throw_shape(fn, "out_a", "[rows, H*d_v] with H = lse_a.cols() = " + std::to_string(H),
+                                   gattn::detail::shape_string({out_a.rows(), out_a.cols()}));
+    gattn::detail::check_shape(fn, "lse_a", lse_a.rows(), lse_a.cols(), R, H);
+    gattn::detail::check_shape(fn, "out_b", out_b.rows(), out_b.cols(), R, out_a.cols());
+    gattn::detail::check_shape(fn, "lse_b", lse_b.rows(), lse_b.cols(), R, H);
+    gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), R, out_a.cols());
+    gattn::detail::check_shape(fn, "lse", lse.rows(), lse.cols(), R, H);
+    constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+    const Index dv = out_a.cols() / H;
+    for (Index r = 0; r < R; ++r)
+        for (Index h = 0; h < H; ++h) {
+            const Scalar la = lse_a(r, h), lb = lse_b(r, h);
+            const Scalar m = std::max(la, lb);
+            Scalar wa = 0, wb = 0;
+            if (la != kNegInf) wa = std::exp(la - m);
+            if (lb != kNegInf) wb = std::exp(lb - m);
+            const Scalar sum = wa + wb;
+            const Scalar inv = sum > 0 ? Scalar(1) / sum : Scalar(0);
+            for (Index e = 0; e < dv; ++e) {
+                const Index c = h * dv + e;
+                // A side with weight 0 is skipped, never multiplied by 0.
+                Scalar v = 0;
+                if (wa != 0) v += wa * out_a(r, c);
+                if (wb != 0) v += wb * out_b(r, c);
+                out(r, c) = v * inv;
+            }
+            lse(r, h) = sum > 0 ? m + std::log(sum) : kNegInf;
+        }
 }
 
 /// Convenience form: returns out [B·N_q, H·d_v]. Same contract as the core form.
