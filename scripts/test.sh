@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Builds gattn's tests, examples and benchmarks and runs the test suite with ctest, twice: at
-# the compiler's baseline instruction set (x86-64: SSE2) and with -march=native (e.g. AVX-512),
-# so both the portable and the widest SIMD paths are tested.
+# Builds gattn's tests, examples and benchmarks and runs the test suite with ctest once per
+# instruction-set flavour: baseline (the compiler's default, x86-64: SSE2), avx2 (-mavx2 -mfma,
+# x86 only) and native (-march=native, e.g. AVX-512), so every SIMD code path is tested.
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
-# JOBS (default: all cores), FLAVOURS (default "baseline native"), CMAKE_ARGS (extra CMake args).
+# JOBS (default: all cores), FLAVOURS (default "baseline avx2 native" on x86-64, else
+# "baseline native"), CMAKE_ARGS (extra CMake args).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,9 +14,12 @@ quiet() { grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)|^ +Start +[0-9]+: |T
 scripts/deps.sh test
 build="${BUILD_DIR:-build/test}"
 jobs="${JOBS:-$(nproc)}"
-for flavour in ${FLAVOURS:-baseline native}; do
+default_flavours="baseline native"
+[ "$(uname -m)" = x86_64 ] && default_flavours="baseline avx2 native"
+for flavour in ${FLAVOURS:-$default_flavours}; do
   case "$flavour" in
     baseline) arch="" ;;
+    avx2) arch="-mavx2 -mfma" ;;
     native) arch="-march=native" ;;
     *) echo "unknown flavour $flavour" >&2; exit 2 ;;
   esac

@@ -107,7 +107,9 @@ TEST(LayerForward, SaturatedGateEqualsUngatedLayer) {
     const RowMatrix<float> x = RowMatrix<float>::Random(12, 16);
     const auto a = gattn::GatedMultiHeadAttention<float>(gated, w).forward(x, 3);
     const auto b = gattn::GatedMultiHeadAttention<float>(plain, wp).forward(x, 3);
-    EXPECT_EQ(a, b);
+    // Not bitwise: the gated layer's projection GEMM is wider, and Eigen's blocking (so its
+    // rounding) depends on the matrix sizes.
+    EXPECT_LE((a - b).cwiseAbs().maxCoeff(), 1e-6f);
     // and a gate of exactly 0 (σ(−1000)) silences the attention: output is o_proj's bias (none).
     w.gate_proj_bias.setConstant(-1000.0f);
     const auto z = gattn::GatedMultiHeadAttention<float>(gated, w).forward(x, 3);

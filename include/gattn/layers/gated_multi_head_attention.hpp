@@ -362,17 +362,22 @@ private:
             const Scalar* zr = z.data() + r * z.outerStride();
             Scalar* s = scores ? scores->data() + r * score_width : nullptr;
             const Scalar* xr = residual ? residual->data() + r * residual->outerStride() : nullptr;
+            // Gate scores for a trace come from a separate activation pass, so that the gate pass
+            // itself (and its floating-point contraction) is the same with and without a trace.
             if (elem && !shared) {
-                apply_gate(g.activation, g.combine, y, zr, xr, s, static_cast<std::size_t>(heads * width));
+                if (s) activate(g.activation, zr, s, static_cast<std::size_t>(heads * width));
+                apply_gate(g.activation, g.combine, y, zr, xr, static_cast<Scalar*>(nullptr),
+                           static_cast<std::size_t>(heads * width));
             } else if (elem) {
                 for (Index e = 0; e < width; ++e) {
                     Scalar acc = 0;
                     for (Index h = 0; h < heads; ++h) acc += zr[h * width + e];
                     mean[e] = acc / Scalar(heads);
                 }
+                if (s) activate(g.activation, mean.data(), s, static_cast<std::size_t>(width));
                 for (Index h = 0; h < heads; ++h)
                     apply_gate(g.activation, g.combine, y + h * width, mean.data(),
-                               xr ? xr + h * width : nullptr, h == 0 ? s : nullptr,
+                               xr ? xr + h * width : nullptr, static_cast<Scalar*>(nullptr),
                                static_cast<std::size_t>(width));
             } else {
                 for (Index h = 0; h < heads; ++h) {

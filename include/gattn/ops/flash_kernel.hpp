@@ -35,13 +35,14 @@ namespace kernel {
 template <class T>
 struct FlashGeometry {
     static constexpr int kLanes = static_cast<int>(simd::kLanes<T>);
-    static constexpr int kCols = 4;                   // registers of queries per tile row
-    static constexpr int kQueries = kCols * kLanes;   // Br: queries per block
 #if defined(__AVX512F__)
+    static constexpr int kCols = 4;  // registers of queries per tile row
     static constexpr int kRows = 6;  // 6 × 4 = 24 accumulators of 32 registers
 #else
-    static constexpr int kRows = 2;  // 2 × 4 = 8 accumulators of 16 registers
+    static constexpr int kCols = 2;
+    static constexpr int kRows = 6;  // 6 × 2 = 12 accumulators of 16 registers
 #endif
+    static constexpr int kQueries = kCols * kLanes;  // Br: queries per block
     static constexpr int kKeys = 64;  // Bc: keys per block
 };
 
