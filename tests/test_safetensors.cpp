@@ -112,8 +112,12 @@ TEST(Safetensors, ReportsMalformedFiles) {
         f.close();
         expect_io_error(path, "header length");
     }
-    const gattn::SafetensorsFile ok(write_file("ints", {{"i", "I32", {1}, bytes_of(std::vector<std::int32_t>{3})}}));
-    EXPECT_THROW(ok.values<float>("i"), gattn::io_error);
+    const gattn::SafetensorsFile ok(write_file("ints", {{"i", "I32", {2}, bytes_of(std::vector<std::int32_t>{3, -4})},
+                                                         {"l", "I64", {1}, bytes_of(std::vector<std::int64_t>{1} )},
+                                                         {"u", "U8", {1}, std::vector<unsigned char>{7}}}));
+    EXPECT_EQ(ok.values<double>("i"), (std::vector<double>{3.0, -4.0}));  // positions, lengths
+    EXPECT_EQ(ok.values<float>("l"), (std::vector<float>{1.0f}));
+    EXPECT_THROW(ok.values<float>("u"), gattn::io_error);
     EXPECT_THROW(ok.values<float>("absent"), gattn::io_error);
 }
 

@@ -2,16 +2,20 @@
 #pragma once
 
 /// \file
-/// Umbrella header: everything public in gattn except the safetensors reader
-/// (gattn/io/safetensors.hpp, which needs nlohmann_json).
+/// Umbrella header: everything public in gattn except the file readers under gattn/io/
+/// (safetensors.hpp, hf_checkpoint.hpp), which need nlohmann_json.
 
+#include "gattn/cache/kv_cache.hpp"
 #include "gattn/config.hpp"
 #include "gattn/errors.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/gates/gate_spec.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
+#include "gattn/models/qwen3_next_attention.hpp"
 #include "gattn/ops/mask.hpp"
+#include "gattn/ops/rms_norm.hpp"
+#include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"

@@ -8,7 +8,7 @@
 /// Format (huggingface/safetensors, README "Format"): an 8-byte little-endian header length n,
 /// n bytes of JSON {"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [b, e]}},
 /// then the data section; offsets are relative to its start, tensors are row-major and
-/// little-endian. F16, BF16, F32 and F64 tensors convert to float or double on read.
+/// little-endian. F16, BF16, F32, F64, I32 and I64 tensors convert to the requested type on read.
 /// Tensors are read on demand, so a multi-gigabyte checkpoint is not loaded whole.
 
 #include <cstdint>
@@ -205,8 +205,21 @@ public:
                 const std::uint16_t h = static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
                 out[i] = static_cast<Scalar>(half ? detail::half_to_float(h) : detail::bf16_to_float(h));
             }
+        } else if (t.dtype == "I64" || t.dtype == "I32") {  // positions, lengths
+            const bool wide = t.dtype == "I64";
+            for (std::size_t i = 0; i < n; ++i) {
+                std::int64_t v64 = 0;
+                if (wide) {
+                    std::memcpy(&v64, p + 8 * i, 8);
+                } else {
+                    std::int32_t v32;
+                    std::memcpy(&v32, p + 4 * i, 4);
+                    v64 = v32;
+                }
+                out[i] = static_cast<Scalar>(v64);
+            }
         } else {
-            fail("tensor '" + name + "' has dtype " + t.dtype + "; only F16, BF16, F32 and F64 convert to floating point");
+            fail("tensor '" + name + "' has dtype " + t.dtype + "; only F16, BF16, F32, F64, I32 and I64 convert");
         }
         return out;
     }

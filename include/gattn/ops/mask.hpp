@@ -6,7 +6,8 @@
 ///
 /// Key j is visible to query i of sequence b and head h iff all given masks allow it:
 ///  - key lengths: j < L_b (padding at the end; L_b = N_k when no lengths are given);
-///  - causal, bottom-right aligned: j ≤ i' where i' = i + (L_b − N_q) (FlashAttention ≥ 2.1);
+///  - query lengths: i < Q_b (Q_b = N_q when no lengths are given);
+///  - causal, bottom-right aligned: j ≤ i' where i' = i + (L_b − Q_b) (FlashAttention ≥ 2.1);
 ///  - sliding window w (counting the diagonal): i' − w < j, and j < i' + w when not causal;
 ///  - boolean mask: mask[b, h, i, j] is true (true = attend);
 ///  - additive bias: bias[b, h, i, j] is not −∞ (it is added to the scaled logit).
@@ -50,6 +51,10 @@ struct AttentionMask {
     std::optional<Index> sliding_window;
     /// Valid key count per sequence (B entries, each in [0, N_k]); empty = all N_k keys.
     std::vector<Index> key_lengths;
+    /// Valid query count per sequence (B entries, each in [0, N_q]); query rows past it are
+    /// padding and output 0. Causal and window alignment then use i + (L_b − Q_b), as
+    /// FlashAttention's variable-length API does. Empty = all N_q queries.
+    std::vector<Index> query_lengths;
     /// Boolean mask [B|1, H|1, N_q|1, N_k], true = attend.
     MaskView<bool> bool_mask;
     /// Additive bias [B|1, H|1, N_q|1, N_k] added to the scaled logits (−∞ masks the key).
@@ -69,7 +74,9 @@ template <class Scalar>
 inline KeyRange visible_key_range(const AttentionMask<Scalar>& mask, Index b, Index i,
                                   Index query_len, Index key_len) noexcept {
     const Index len = mask.key_lengths.empty() ? key_len : mask.key_lengths[b];
-    const Index pos = i + (len - query_len);  // aligned position i' of the query
+    const Index queries = mask.query_lengths.empty() ? query_len : mask.query_lengths[b];
+    if (i >= queries) return {0, 0};           // a padding query row sees nothing
+    const Index pos = i + (len - queries);     // aligned position i' of the query
     Index begin = 0;
     Index end = len;
     if (mask.causal) end = std::min(end, pos + 1);

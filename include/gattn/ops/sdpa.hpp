@@ -110,6 +110,16 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                               "must be in [0, N_k = " + std::to_string(Nk) + "], got " +
                                   std::to_string(m.key_lengths[b]));
     }
+    if (!m.query_lengths.empty()) {
+        if (static_cast<Index>(m.query_lengths.size()) != B)
+            throw_shape(fn, mask_prefix + "query_lengths", shape_string({B}),
+                        shape_string({static_cast<Index>(m.query_lengths.size())}));
+        for (std::size_t b = 0; b < m.query_lengths.size(); ++b)
+            if (m.query_lengths[b] < 0 || m.query_lengths[b] > Nq)
+                throw_invalid(fn, mask_prefix + "query_lengths[" + std::to_string(b) + "]",
+                              "must be in [0, N_q = " + std::to_string(Nq) + "], got " +
+                                  std::to_string(m.query_lengths[b]));
+    }
     auto check_view = [&](const auto& view, const std::string& name) {
         if (view.empty()) return;
         const bool ok = (view.batch == 1 || view.batch == B) &&

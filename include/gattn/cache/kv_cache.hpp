@@ -1,0 +1,88 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// A key/value cache for decoding: per sequence, the keys and values of every token seen so far.
+///
+/// Storage is one [B·capacity, H_kv·d] matrix for keys and one for values: sequence b's token t
+/// sits in row b·capacity + t, so the cache is directly the key/value input of
+/// scaled_dot_product_attention with key_lengths = lengths(). Slots past a sequence's length are
+/// never read (masked keys are skipped), so they need no initialisation.
+
+#include <string>
+#include <vector>
+
+#include "gattn/types.hpp"
+
+namespace gattn {
+
+template <class Scalar>
+class KVCache {
+public:
+    /// \throws std::invalid_argument for sizes < 1.
+    KVCache(Index batch, Index capacity, Index num_kv_heads, Index head_dim, Index value_head_dim = 0)
+        : m_capacity(capacity), m_lengths(static_cast<std::size_t>(batch > 0 ? batch : 0), 0) {
+        constexpr const char* fn = "gattn::KVCache";
+        auto positive = [&](Index v, const char* name) {
+            if (v < 1) detail::throw_invalid(fn, name, "must be >= 1, got " + std::to_string(v));
+        };
+        positive(batch, "batch");
+        positive(capacity, "capacity");
+        positive(num_kv_heads, "num_kv_heads");
+        positive(head_dim, "head_dim");
+        const Index dv = value_head_dim > 0 ? value_head_dim : head_dim;
+        m_keys.resize(batch * capacity, num_kv_heads * head_dim);
+        m_values.resize(batch * capacity, num_kv_heads * dv);
+    }
+
+    Index batch() const noexcept { return static_cast<Index>(m_lengths.size()); }
+    Index capacity() const noexcept { return m_capacity; }
+    /// Tokens stored per sequence.
+    const std::vector<Index>& lengths() const noexcept { return m_lengths; }
+    /// [B·capacity, H_kv·d_k]; rows b·capacity + t for t < lengths()[b] are valid.
+    const RowMatrix<Scalar>& keys() const noexcept { return m_keys; }
+    /// [B·capacity, H_kv·d_v].
+    const RowMatrix<Scalar>& values() const noexcept { return m_values; }
+
+    /// Appends counts[b] tokens to sequence b: rows b·n + t (t < counts[b]) of k and v, where
+    /// n = k.rows() / batch(). \throws std::invalid_argument when a sequence would exceed the
+    /// capacity; shape_error for k/v of the wrong shape. Nothing is written on error.
+    void append(ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, const std::vector<Index>& counts) {
+        constexpr const char* fn = "gattn::KVCache::append";
+        const Index B = batch();
+        if (k.rows() % B != 0 || k.cols() != m_keys.cols())
+            detail::throw_shape(fn, "k", "[B*n, " + std::to_string(m_keys.cols()) + "]",
+                                detail::shape_string({k.rows(), k.cols()}));
+        const Index n = k.rows() / B;
+        detail::check_shape(fn, "v", v.rows(), v.cols(), k.rows(), m_values.cols());
+        if (static_cast<Index>(counts.size()) != B)
+            detail::throw_shape(fn, "counts", detail::shape_string({B}),
+                                detail::shape_string({static_cast<Index>(counts.size())}));
+        for (Index b = 0; b < B; ++b) {
+            if (counts[b] < 0 || counts[b] > n)
+                detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
+                                      "must be in [0, " + std::to_string(n) + "], got " + std::to_string(counts[b]));
+            if (m_lengths[b] + counts[b] > m_capacity)
+                detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
+                                      "would exceed the capacity " + std::to_string(m_capacity) + " (sequence holds " +
+                                          std::to_string(m_lengths[b]) + ")");
+        }
+        for (Index b = 0; b < B; ++b) {
+            m_keys.middleRows(b * m_capacity + m_lengths[b], counts[b]) = k.middleRows(b * n, counts[b]);
+            m_values.middleRows(b * m_capacity + m_lengths[b], counts[b]) = v.middleRows(b * n, counts[b]);
+            m_lengths[b] += counts[b];
+        }
+    }
+
+    /// Forgets every token (lengths back to 0).
+    void clear() noexcept {
+        for (auto& l : m_lengths) l = 0;
+    }
+
+private:
+    Index m_capacity;
+    std::vector<Index> m_lengths;
+    RowMatrix<Scalar> m_keys, m_values;
+};
+
+}  // namespace gattn

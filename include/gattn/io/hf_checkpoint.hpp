@@ -1,0 +1,166 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Loading a Qwen3-Next / Qwen3.5 attention layer from a Hugging Face checkpoint directory:
+/// config.json for the shapes, and model.safetensors or the shards listed in
+/// model.safetensors.index.json for the weights. Needs nlohmann_json.
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "gattn/io/safetensors.hpp"
+#include "gattn/models/qwen3_next_attention.hpp"
+
+namespace gattn {
+
+namespace detail {
+
+inline nlohmann::json read_json(const std::string& path, const char* fn) {
+    std::ifstream in(path);
+    if (!in) throw io_error(std::string(fn) + ": cannot open " + path);
+    try {
+        return nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+        throw io_error(std::string(fn) + ": malformed JSON in " + path + ": " + e.what());
+    }
+}
+
+}  // namespace detail
+
+/// Reads the attention fields of a Qwen3-Next / Qwen3.5 config.json: hidden_size,
+/// num_attention_heads, num_key_value_heads, head_dim (default hidden_size / heads),
+/// rms_norm_eps, rope_theta and partial_rotary_factor (top level or under "rope_parameters"),
+/// attention_bias. A multimodal config's "text_config" is used when present. With layer ≥ 0,
+/// checks that layer_types (or full_attention_interval) makes that layer a full-attention layer.
+/// \throws io_error for a missing or malformed file or field; std::invalid_argument when the
+///         layer is a linear-attention layer or out of range.
+inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, Index layer = -1) {
+    constexpr const char* fn = "gattn::load_qwen3_next_config";
+    nlohmann::json j = detail::read_json(config_json, fn);
+    if (j.contains("text_config") && j["text_config"].is_object()) j = j["text_config"];
+    auto number = [&](const char* key, const nlohmann::json* where = nullptr) -> double {
+        const nlohmann::json& o = where ? *where : j;
+        if (!o.contains(key) || !o[key].is_number())
+            throw io_error(std::string(fn) + ": " + config_json + ": missing or non-numeric \"" + key + "\"");
+        return o[key].get<double>();
+    };
+    Qwen3NextConfig c;
+    try {
+        c.hidden_size = static_cast<Index>(number("hidden_size"));
+        c.num_attention_heads = static_cast<Index>(number("num_attention_heads"));
+        c.num_key_value_heads = static_cast<Index>(number("num_key_value_heads"));
+        c.head_dim = j.contains("head_dim") && j["head_dim"].is_number()
+                         ? j["head_dim"].get<Index>()
+                         : c.hidden_size / std::max<Index>(c.num_attention_heads, 1);
+        if (j.contains("rms_norm_eps")) c.rms_norm_eps = number("rms_norm_eps");
+        const nlohmann::json* rope = j.contains("rope_parameters") && j["rope_parameters"].is_object()
+                                         ? &j["rope_parameters"]
+                                         : nullptr;
+        if (j.contains("rope_theta")) c.rope_theta = number("rope_theta");
+        else if (rope && rope->contains("rope_theta")) c.rope_theta = number("rope_theta", rope);
+        if (j.contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor");
+        else if (rope && rope->contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor", rope);
+        if (j.contains("attention_bias")) c.attention_bias = j["attention_bias"].get<bool>();
+    } catch (const nlohmann::json::exception& e) {
+        throw io_error(std::string(fn) + ": " + config_json + ": " + e.what());
+    }
+    validate_qwen3_next_config(c, fn);
+    if (layer >= 0) {
+        if (j.contains("num_hidden_layers") && layer >= j["num_hidden_layers"].get<Index>())
+            detail::throw_invalid(fn, "layer", "must be < num_hidden_layers = " +
+                                                   std::to_string(j["num_hidden_layers"].get<Index>()) +
+                                                   ", got " + std::to_string(layer));
+        std::string type = "full_attention";
+        if (j.contains("layer_types") && j["layer_types"].is_array() && layer < Index(j["layer_types"].size()))
+            type = j["layer_types"][static_cast<std::size_t>(layer)].get<std::string>();
+        else if (j.contains("full_attention_interval"))
+            type = (layer + 1) % j["full_attention_interval"].get<Index>() == 0 ? "full_attention" : "linear_attention";
+        if (type != "full_attention")
+            detail::throw_invalid(fn, "layer", std::to_string(layer) + " is a " + type +
+                                                   " layer; gated attention lives in the full_attention layers");
+    }
+    return c;
+}
+
+/// Loads layer `layer`'s attention weights from a checkpoint directory (model.safetensors, or
+/// the shards named by model.safetensors.index.json), trying the prefixes
+/// "model.layers.N.self_attn." and "model.language_model.layers.N.self_attn." (Qwen3.5).
+/// \throws io_error for a missing file or tensor, shape_error for a wrong shape.
+template <class Scalar>
+Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::string& dir, Index layer,
+                                                                   const Qwen3NextConfig& config) {
+    constexpr const char* fn = "gattn::load_qwen3_next_attention_weights";
+    namespace fs = std::filesystem;
+    std::map<std::string, std::string> file_of;  // tensor name -> file (sharded checkpoints)
+    const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+    std::string single = (fs::path(dir) / "model.safetensors").string();
+    if (fs::exists(index)) {
+        const nlohmann::json j = detail::read_json(index.string(), fn);
+        if (!j.contains("weight_map") || !j["weight_map"].is_object())
+            throw io_error(std::string(fn) + ": " + index.string() + " has no weight_map");
+        for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it)
+            file_of[it.key()] = (fs::path(dir) / it.value().get<std::string>()).string();
+    } else if (!fs::exists(single)) {
+        throw io_error(std::string(fn) + ": " + dir + " has neither model.safetensors nor model.safetensors.index.json");
+    }
+    std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files;
+    auto file_for = [&](const std::string& name) -> const SafetensorsFile* {
+        std::string path = single;
+        if (!file_of.empty()) {
+            auto it = file_of.find(name);
+            if (it == file_of.end()) return nullptr;
+            path = it->second;
+        }
+        auto& f = open_files[path];
+        if (!f) f = std::make_unique<SafetensorsFile>(path);
+        return f->contains(name) ? f.get() : nullptr;
+    };
+    const std::string n = std::to_string(layer);
+    std::string prefix;
+    for (const std::string candidate : {"model.layers." + n + ".self_attn.", "model.language_model.layers." + n + ".self_attn."})
+        if (file_for(candidate + "q_proj.weight")) {
+            prefix = candidate;
+            break;
+        }
+    if (prefix.empty())
+        throw io_error(std::string(fn) + ": " + dir + ": missing tensor 'model.layers." + n + ".self_attn.q_proj.weight'");
+    Qwen3NextAttentionWeights<Scalar> w;
+    const auto shapes = qwen3_next_weight_shapes(config);
+    w.for_each([&](const char* name, auto* t) {
+        for (const auto& s : shapes) {
+            if (s.name != name) continue;
+            const std::string full = prefix + name;
+            const SafetensorsFile* f = file_for(full);
+            if (!f) throw io_error(std::string(fn) + ": " + dir + ": missing tensor '" + full + "'");
+            const TensorInfo& info = f->info(full);
+            if (info.shape != s.shape) {
+                std::string why;
+                if (s.name == "q_proj.weight" && !info.shape.empty() &&
+                    info.shape[0] == config.num_attention_heads * config.head_dim + config.num_attention_heads)
+                    why = " (a headwise gate checkpoint: H·d + H rows; this layer has an elementwise gate, 2·H·d rows)";
+                throw shape_error(std::string(fn) + ": " + full + " must have shape " + SafetensorsFile::shape_text(s.shape) +
+                                  ", got " + SafetensorsFile::shape_text(info.shape) + why);
+            }
+            using T = std::decay_t<decltype(*t)>;
+            if constexpr (T::ColsAtCompileTime == 1) *t = f->vector<Scalar>(full);
+            else *t = f->matrix<Scalar>(full);
+        }
+    });
+    return w;
+}
+
+/// Loads layer `layer` of a Qwen3-Next / Qwen3.5 checkpoint directory in one call.
+template <class Scalar>
+Qwen3NextAttention<Scalar> load_qwen3_next_attention(const std::string& dir, Index layer) {
+    const Qwen3NextConfig config =
+        load_qwen3_next_config((std::filesystem::path(dir) / "config.json").string(), layer);
+    return Qwen3NextAttention<Scalar>(config, load_qwen3_next_attention_weights<Scalar>(dir, layer, config));
+}
+
+}  // namespace gattn

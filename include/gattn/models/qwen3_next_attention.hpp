@@ -1,0 +1,267 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The full-attention layer of Qwen3-Next and Qwen3.5 (G1 elementwise sigmoid gate), matching
+/// Hugging Face transformers' Qwen3NextAttention, with a KV cache for prefill and decoding.
+///
+/// For new tokens X [B·N, D] at positions p (source: transformers models/qwen3_next):
+///   [q | gate] = q_proj(X) split per head (PerHeadInterleaved: rows [h·2d, h·2d + d) query
+///   head h, the next d its gate); q = RoPE(q_norm(q)), k = RoPE(k_norm(k_proj(X))),
+///   v = v_proj(X); q_norm/k_norm are zero-centred RMSNorms over head_dim, x̂·(1 + w);
+///   RoPE is NeoX rotate_half on the first head_dim·partial_rotary_factor dims;
+///   U = SDPA(q, cache k, cache v), causal, scale 1/√head_dim, GQA ⌊h / (H / H_kv)⌋;
+///   Y = o_proj(U ⊙ σ(gate)).
+/// The gate is the raw q_proj output (before norm and RoPE) and is never cached; the cache holds
+/// k after norm and RoPE, and v as it enters SDPA.
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "gattn/cache/kv_cache.hpp"
+#include "gattn/gates/gate_apply.hpp"
+#include "gattn/layers/attention_config.hpp"
+#include "gattn/ops/rms_norm.hpp"
+#include "gattn/ops/rope.hpp"
+#include "gattn/ops/sdpa.hpp"
+
+namespace gattn {
+
+/// The attention part of a Qwen3-Next / Qwen3.5 config.json.
+struct Qwen3NextConfig {
+    Index hidden_size = 0;           ///< D
+    Index num_attention_heads = 0;   ///< H
+    Index num_key_value_heads = 0;   ///< H_kv
+    Index head_dim = 0;              ///< d
+    double rms_norm_eps = 1e-6;
+    double rope_theta = 10000.0;
+    double partial_rotary_factor = 0.25;
+    bool attention_bias = false;
+
+    Index rotary_dim() const noexcept { return static_cast<Index>(double(head_dim) * partial_rotary_factor); }
+};
+
+/// Throws std::invalid_argument naming the field when the config cannot describe a layer.
+inline void validate_qwen3_next_config(const Qwen3NextConfig& c, const char* fn) {
+    auto positive = [&](Index v, const char* name) {
+        if (v < 1 || v > (Index(1) << 24))
+            detail::throw_invalid(fn, std::string("config.") + name, "must be in [1, 2^24], got " + std::to_string(v));
+    };
+    positive(c.hidden_size, "hidden_size");
+    positive(c.num_attention_heads, "num_attention_heads");
+    positive(c.num_key_value_heads, "num_key_value_heads");
+    positive(c.head_dim, "head_dim");
+    if (c.num_attention_heads % c.num_key_value_heads != 0)
+        detail::throw_invalid(fn, "config.num_key_value_heads",
+                              "must divide num_attention_heads = " + std::to_string(c.num_attention_heads) +
+                                  ", got " + std::to_string(c.num_key_value_heads));
+    const Index r = c.rotary_dim();
+    if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || r % 2 != 0 || r < 2)
+        detail::throw_invalid(fn, "config.partial_rotary_factor",
+                              "must give an even rotary_dim in [2, head_dim], got " + std::to_string(r));
+    if (!(c.rope_theta > 0) || !(c.rms_norm_eps >= 0))
+        detail::throw_invalid(fn, "config.rope_theta / rms_norm_eps", "must be positive");
+}
+
+/// Weights of one layer, HF names (model.layers.N.self_attn.*), nn.Linear layout.
+template <class Scalar>
+struct Qwen3NextAttentionWeights {
+    RowMatrix<Scalar> q_proj_weight;  ///< [H·2d, D], query and gate per head
+    RowMatrix<Scalar> k_proj_weight;  ///< [H_kv·d, D]
+    RowMatrix<Scalar> v_proj_weight;  ///< [H_kv·d, D]
+    RowMatrix<Scalar> o_proj_weight;  ///< [D, H·d]
+    Vector<Scalar> q_norm_weight;     ///< [d]
+    Vector<Scalar> k_norm_weight;     ///< [d]
+    Vector<Scalar> q_proj_bias, k_proj_bias, v_proj_bias, o_proj_bias;  ///< when attention_bias
+
+    /// Visits (HF name, pointer) for every member.
+    template <class F>
+    void for_each(F&& f) {
+        f("q_proj.weight", &q_proj_weight);
+        f("k_proj.weight", &k_proj_weight);
+        f("v_proj.weight", &v_proj_weight);
+        f("o_proj.weight", &o_proj_weight);
+        f("q_norm.weight", &q_norm_weight);
+        f("k_norm.weight", &k_norm_weight);
+        f("q_proj.bias", &q_proj_bias);
+        f("k_proj.bias", &k_proj_bias);
+        f("v_proj.bias", &v_proj_bias);
+        f("o_proj.bias", &o_proj_bias);
+    }
+};
+
+/// Shapes the layer expects, by HF name (biases only with attention_bias).
+inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& c) {
+    const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
+    std::vector<TensorShape> s{{"q_proj.weight", {2 * H * d, D}}, {"k_proj.weight", {Hkv * d, D}},
+                               {"v_proj.weight", {Hkv * d, D}},   {"o_proj.weight", {D, H * d}},
+                               {"q_norm.weight", {d}},            {"k_norm.weight", {d}}};
+    if (c.attention_bias) {
+        s.push_back({"q_proj.bias", {2 * H * d}});
+        s.push_back({"k_proj.bias", {Hkv * d}});
+        s.push_back({"v_proj.bias", {Hkv * d}});
+        s.push_back({"o_proj.bias", {D}});
+    }
+    return s;
+}
+
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
+/// Qwen3-Next gated full attention with a KV cache.
+template <class Scalar>
+class Qwen3NextAttention {
+    static_assert(is_supported_scalar_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
+
+public:
+    /// \throws std::invalid_argument for an invalid config; shape_error for a weight of the wrong
+    ///         shape (naming the HF parameter; e.g. a headwise checkpoint's q_proj has H·d + H
+    ///         rows, not 2·H·d).
+    Qwen3NextAttention(const Qwen3NextConfig& config, const Qwen3NextAttentionWeights<Scalar>& w)
+        : m_config(config) {
+        constexpr const char* fn = "gattn::Qwen3NextAttention";
+        validate_qwen3_next_config(config, fn);
+        const auto shapes = qwen3_next_weight_shapes(config);
+        auto& weights = const_cast<Qwen3NextAttentionWeights<Scalar>&>(w);
+        weights.for_each([&](const char* name, auto* t) {
+            const bool is_vector = std::decay_t<decltype(*t)>::ColsAtCompileTime == 1;
+            const TensorShape* want = nullptr;
+            for (const auto& s : shapes)
+                if (s.name == name) want = &s;
+            const std::string got = is_vector ? gattn::detail::shape_string({t->rows()})
+                                              : gattn::detail::shape_string({t->rows(), t->cols()});
+            if (!want) {
+                if (t->size() != 0)
+                    throw shape_error(std::string(fn) + ": " + name + " must be empty (attention_bias is false), got " + got);
+                return;
+            }
+            const bool ok = is_vector ? t->rows() == want->shape[0]
+                                      : t->rows() == want->shape[0] && t->cols() == want->shape[1];
+            if (!ok) {
+                const std::string exp = want->shape.size() == 1
+                                            ? gattn::detail::shape_string({want->shape[0]})
+                                            : gattn::detail::shape_string({want->shape[0], want->shape[1]});
+                throw shape_error(std::string(fn) + ": " + name + " must have shape " + exp + ", got " + got);
+            }
+        });
+        // One input GEMM [Q | gate | K | V]: q_proj's per-head interleaved rows are reordered here.
+        const Index D = config.hidden_size, H = config.num_attention_heads, Hkv = config.num_key_value_heads;
+        const Index d = config.head_dim;
+        m_w_in.resize(2 * H * d + 2 * Hkv * d, D);
+        Vector<Scalar> bias = Vector<Scalar>::Zero(m_w_in.rows());
+        for (Index h = 0; h < H; ++h) {
+            m_w_in.middleRows(h * d, d) = w.q_proj_weight.middleRows(h * 2 * d, d);
+            m_w_in.middleRows(H * d + h * d, d) = w.q_proj_weight.middleRows(h * 2 * d + d, d);
+            if (config.attention_bias) {
+                bias.segment(h * d, d) = w.q_proj_bias.segment(h * 2 * d, d);
+                bias.segment(H * d + h * d, d) = w.q_proj_bias.segment(h * 2 * d + d, d);
+            }
+        }
+        m_w_in.middleRows(2 * H * d, Hkv * d) = w.k_proj_weight;
+        m_w_in.middleRows(2 * H * d + Hkv * d, Hkv * d) = w.v_proj_weight;
+        if (config.attention_bias) {
+            bias.segment(2 * H * d, Hkv * d) = w.k_proj_bias;
+            bias.segment(2 * H * d + Hkv * d, Hkv * d) = w.v_proj_bias;
+            m_b_in = bias;
+            m_b_o = w.o_proj_bias;
+        }
+        m_w_o = w.o_proj_weight;
+        m_q_norm = w.q_norm_weight;
+        m_k_norm = w.k_norm_weight;
+    }
+
+    const Qwen3NextConfig& config() const noexcept { return m_config; }
+
+    /// A cache sized for this layer: `batch` sequences of up to `capacity` tokens.
+    KVCache<Scalar> make_cache(Index batch, Index capacity) const {
+        return KVCache<Scalar>(batch, capacity, m_config.num_key_value_heads, m_config.head_dim);
+    }
+
+    /// Runs new tokens through the layer and appends their keys and values to the cache.
+    /// \param x         [B·N, D]: N new token slots per sequence (B = cache.batch()).
+    /// \param positions [B·N] position of each token (RoPE), e.g. cache.lengths()[b] + t.
+    /// \param cache     the sequences' cache; counts[b] tokens are appended to sequence b.
+    /// \param out       [B·N, D], written; rows of padding slots (t ≥ counts[b]) are 0.
+    /// \param counts    new tokens per sequence (≤ N; padding at the end); empty = N each.
+    /// \param gate_scores optional [B·N, H·d] σ(gate) for statistics.
+    /// Prefill of N tokens equals N single-token steps: each token attends, causally, to its
+    /// sequence's cached tokens and the new tokens before it (bottom-right alignment per sequence).
+    /// \throws shape_error / std::invalid_argument for bad shapes, counts, or a full cache;
+    ///         nothing is written (cache included) when it throws.
+    void forward(ConstMatrixRef<Scalar> x, const std::vector<Index>& positions, KVCache<Scalar>& cache,
+                 MatrixRef<Scalar> out, std::vector<Index> counts = {},
+                 RowMatrix<Scalar>* gate_scores = nullptr) const {
+        constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
+        const Qwen3NextConfig& c = m_config;
+        const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
+        const Index B = cache.batch();
+        if (x.cols() != D || x.rows() % B != 0)
+            gattn::detail::throw_shape(fn, "x", "[B*N, hidden_size] = [multiple of " + std::to_string(B) + ", " +
+                                                    std::to_string(D) + "]",
+                                       gattn::detail::shape_string({x.rows(), x.cols()}));
+        const Index N = x.rows() / B, rows = x.rows();
+        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, D);
+        if (static_cast<Index>(positions.size()) != rows)
+            gattn::detail::throw_shape(fn, "positions", gattn::detail::shape_string({rows}),
+                                       gattn::detail::shape_string({static_cast<Index>(positions.size())}));
+        if (counts.empty()) counts.assign(static_cast<std::size_t>(B), N);
+        if (static_cast<Index>(counts.size()) != B)
+            gattn::detail::throw_shape(fn, "counts", gattn::detail::shape_string({B}),
+                                       gattn::detail::shape_string({static_cast<Index>(counts.size())}));
+        for (Index b = 0; b < B; ++b) {
+            if (counts[b] < 0 || counts[b] > N)
+                gattn::detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
+                                             "must be in [0, " + std::to_string(N) + "], got " + std::to_string(counts[b]));
+            if (cache.lengths()[b] + counts[b] > cache.capacity())
+                gattn::detail::throw_invalid(fn, "cache", "sequence " + std::to_string(b) + " would exceed the capacity " +
+                                                              std::to_string(cache.capacity()));
+        }
+        if (gattn::detail::overlaps(out.data(), gattn::detail::span_of(out), x.data(), gattn::detail::span_of(x)))
+            gattn::detail::throw_invalid(fn, "out", "must not overlap x");
+        if (cache.keys().cols() != Hkv * d || cache.values().cols() != Hkv * d)
+            gattn::detail::throw_shape(fn, "cache", "[B*capacity, " + std::to_string(Hkv * d) + "] keys and values",
+                                       gattn::detail::shape_string({cache.keys().rows(), cache.keys().cols()}));
+
+        RowMatrix<Scalar> proj(rows, m_w_in.rows());
+        proj.noalias() = x * m_w_in.transpose();
+        if (m_b_in.size()) proj.rowwise() += m_b_in.transpose();
+        Scalar* p = proj.data();
+        const Index ld = proj.outerStride();
+        rms_norm_heads(p, rows, ld, H, d, m_q_norm.data(), c.rms_norm_eps);                 // query
+        rms_norm_heads(p + 2 * H * d, rows, ld, Hkv, d, m_k_norm.data(), c.rms_norm_eps);   // key
+        apply_rope(p, rows, ld, H, d, c.rotary_dim(), positions.data(), c.rope_theta);
+        apply_rope(p + 2 * H * d, rows, ld, Hkv, d, c.rotary_dim(), positions.data(), c.rope_theta);
+
+        cache.append(proj.middleCols(2 * H * d, Hkv * d), proj.middleCols(2 * H * d + Hkv * d, Hkv * d), counts);
+        SdpaOptions<Scalar> opt;
+        opt.scale = 1.0 / std::sqrt(double(d));
+        opt.mask.causal = true;
+        opt.mask.key_lengths = cache.lengths();
+        opt.mask.query_lengths = counts;
+        RowMatrix<Scalar> u(rows, H * d);
+        scaled_dot_product_attention<Scalar>(proj.middleCols(0, H * d), cache.keys(), cache.values(),
+                                             HeadLayout{B, H, Hkv}, u, opt);
+        if (gate_scores) gate_scores->resize(rows, H * d);
+        for (Index r = 0; r < rows; ++r) {
+            const Scalar* z = p + r * ld + H * d;
+            if (gate_scores) activate(GateActivation::Sigmoid, z, gate_scores->data() + r * H * d, static_cast<std::size_t>(H * d));
+            apply_gate(GateActivation::Sigmoid, GateCombine::Multiplicative, u.data() + r * H * d, z,
+                       static_cast<const Scalar*>(nullptr), static_cast<Scalar*>(nullptr), static_cast<std::size_t>(H * d));
+        }
+        out.noalias() = u * m_w_o.transpose();
+        if (m_b_o.size()) out.rowwise() += m_b_o.transpose();
+        for (Index b = 0; b < B; ++b)  // padding slots: no token, no output
+            for (Index t = counts[b]; t < N; ++t) out.row(b * N + t).setZero();
+    }
+
+private:
+    Qwen3NextConfig m_config;
+    RowMatrix<Scalar> m_w_in;  // [H·d query | H·d gate | H_kv·d key | H_kv·d value] × D
+    Vector<Scalar> m_b_in, m_b_o;
+    RowMatrix<Scalar> m_w_o;
+    Vector<Scalar> m_q_norm, m_k_norm;
+};
+
+GATTN_END_ISA_NAMESPACE

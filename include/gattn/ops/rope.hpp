@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Rotary position embedding (RoPE, Su et al. 2021), NeoX "rotate_half" form, optionally
+/// partial (Qwen3-Next rotates the first rotary_dim = head_dim · partial_rotary_factor dims).
+///
+/// For pair i < r/2 of a head (r = rotary_dim), with θ_i = base^(−2i/r) and position p:
+///     y_i       = x_i · cos(p θ_i) − x_{i+r/2} · sin(p θ_i)
+///     y_{i+r/2} = x_{i+r/2} · cos(p θ_i) + x_i · sin(p θ_i)
+/// (Hugging Face transformers, apply_rotary_pos_emb with rotate_half); dims ≥ r pass through.
+/// Angles are computed in double, so long positions keep their accuracy.
+
+#include <cmath>
+#include <vector>
+
+#include "gattn/types.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+
+/// Rotates the first rotary_dim dims of every head of every row in place.
+/// \param x         [rows, heads·d] row-major with row stride `stride`.
+/// \param positions [rows] position of each row's token.
+/// Inner function: shapes are the caller's responsibility (rotary_dim even, ≤ d).
+template <class Scalar>
+void apply_rope(Scalar* x, Index rows, Index stride, Index heads, Index d, Index rotary_dim, const Index* positions,
+                double base) {
+    const Index half = rotary_dim / 2;
+    std::vector<double> inv_freq(static_cast<std::size_t>(half));
+    for (Index i = 0; i < half; ++i) inv_freq[i] = std::pow(base, -2.0 * double(i) / double(rotary_dim));
+    std::vector<Scalar> cos_v(static_cast<std::size_t>(half)), sin_v(static_cast<std::size_t>(half));
+    for (Index r = 0; r < rows; ++r) {
+        for (Index i = 0; i < half; ++i) {
+            const double angle = double(positions[r]) * inv_freq[i];
+            cos_v[i] = static_cast<Scalar>(std::cos(angle));
+            sin_v[i] = static_cast<Scalar>(std::sin(angle));
+        }
+        for (Index h = 0; h < heads; ++h) {
+            Scalar* v = x + r * stride + h * d;
+            for (Index i = 0; i < half; ++i) {
+                const Scalar a = v[i], b = v[i + half];
+                v[i] = a * cos_v[i] - b * sin_v[i];
+                v[i + half] = b * cos_v[i] + a * sin_v[i];
+            }
+        }
+    }
+}
+
+GATTN_END_ISA_NAMESPACE
