@@ -123,7 +123,7 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
     };
     const std::string n = std::to_string(layer);
     std::string prefix;
-    for (const std::string candidate : {"model.layers." + n + ".self_attn.", "model.language_model.layers." + n + ".self_attn."})
+    for (const std::string& candidate : {"model.layers." + n + ".self_attn.", "model.language_model.layers." + n + ".self_attn."})
         if (file_for(candidate + "q_proj.weight")) {
             prefix = candidate;
             break;

@@ -1,0 +1,238 @@
+// Qwen3-Next full attention against a fixture computed by an independent PyTorch implementation
+// of Hugging Face's Qwen3NextAttention (scripts/make_qwen3_next_fixture.py): prefill of a ragged
+// batch, token-by-token decoding and a two-token chunk through the KV cache, plus the loader's
+// errors and the pitfalls that shipped in other ports.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "gattn/gattn.hpp"
+#include "gattn/io/hf_checkpoint.hpp"
+
+namespace {
+
+using gattn::Index;
+using gattn::RowMatrix;
+
+const std::string kDir = std::string(GATTN_TEST_DATA_DIR) + "/qwen3_next";
+constexpr Index kLayer = 3;
+
+template <class Scalar>
+struct Fixture {
+    gattn::SafetensorsFile cases{kDir + "/cases.safetensors"};
+    gattn::Qwen3NextAttention<Scalar> layer = gattn::load_qwen3_next_attention<Scalar>(kDir, kLayer);
+
+    /// [B, n, D] tensor as [B·n, D] rows.
+    RowMatrix<Scalar> rows(const std::string& name) const { return cases.matrix<Scalar>(name); }
+    std::vector<Index> indices(const std::string& name) const {
+        std::vector<Index> out;
+        for (double v : cases.values<double>(name)) out.push_back(static_cast<Index>(v));
+        return out;
+    }
+};
+
+template <class Scalar>
+double tolerance() {
+    return std::is_same_v<Scalar, float> ? 1e-5 : 1e-12;
+}
+
+/// |got − want| ≤ tol·(1 + |want|) on the rows whose slot holds a token (t < counts[b]).
+template <class Scalar>
+void expect_rows_close(const RowMatrix<Scalar>& got, const RowMatrix<double>& want, Index batch,
+                       const std::vector<Index>& counts, const std::string& what) {
+    ASSERT_EQ(got.rows(), want.rows()) << what;
+    const Index n = got.rows() / batch;
+    int bad = 0;
+    for (Index b = 0; b < batch; ++b)
+        for (Index t = 0; t < counts[b]; ++t)
+            for (Index c = 0; c < got.cols(); ++c) {
+                const double g = got(b * n + t, c), w = want(b * n + t, c);
+                if (!(std::abs(g - w) <= tolerance<Scalar>() * (1 + std::abs(w))) && ++bad <= 3)
+                    ADD_FAILURE() << what << " sequence " << b << " token " << t << " col " << c << ": got " << g
+                                  << ", want " << w;
+            }
+    EXPECT_EQ(bad, 0) << what;
+}
+
+template <class Scalar>
+class Qwen3Next : public ::testing::Test {};
+using Scalars = ::testing::Types<float, double>;
+TYPED_TEST_SUITE(Qwen3Next, Scalars);
+
+TYPED_TEST(Qwen3Next, PrefillDecodeAndChunkMatchPyTorch) {
+    using S = TypeParam;
+    Fixture<S> f;
+    auto cache = f.layer.make_cache(2, 16);
+    const std::vector<Index> lengths = f.indices("prefill.lengths");
+    RowMatrix<S> out(14, 64), gates;
+    f.layer.forward(f.rows("prefill.hidden"), f.indices("prefill.positions"), cache, out, lengths, &gates);
+    expect_rows_close<S>(out, f.cases.template matrix<double>("prefill.output"), 2, lengths, "prefill");
+    expect_rows_close<S>(gates, f.cases.template matrix<double>("prefill.gate"), 2, lengths, "prefill gate");
+    EXPECT_EQ(cache.lengths(), (std::vector<Index>{7, 5}));
+    EXPECT_TRUE((out.row(13).array() == 0).all()) << "padding slot output";
+
+    for (int s = 0; s < 3; ++s) {
+        const std::string step = "decode." + std::to_string(s) + ".";
+        RowMatrix<S> y(2, 64);
+        f.layer.forward(f.rows(step + "hidden"), f.indices(step + "positions"), cache, y);
+        expect_rows_close<S>(y, f.cases.template matrix<double>(step + "output"), 2, {1, 1}, step);
+    }
+    RowMatrix<S> y(4, 64);
+    f.layer.forward(f.rows("chunk.hidden"), f.indices("chunk.positions"), cache, y);
+    expect_rows_close<S>(y, f.cases.template matrix<double>("chunk.output"), 2, {2, 2}, "chunk");
+    EXPECT_EQ(cache.lengths(), (std::vector<Index>{12, 10}));
+}
+
+TYPED_TEST(Qwen3Next, PrefillEqualsTokenByTokenDecoding) {
+    using S = TypeParam;
+    Fixture<S> f;
+    const RowMatrix<S> x = f.rows("prefill.hidden");
+    const std::vector<Index> lengths = f.indices("prefill.lengths"), positions = f.indices("prefill.positions");
+    auto prefill_cache = f.layer.make_cache(2, 8);
+    RowMatrix<S> prefill(14, 64);
+    f.layer.forward(x, positions, prefill_cache, prefill, lengths);
+    auto step_cache = f.layer.make_cache(2, 8);
+    for (Index t = 0; t < 7; ++t) {
+        RowMatrix<S> xt(2, 64), yt(2, 64);
+        xt.row(0) = x.row(t);
+        xt.row(1) = x.row(7 + t);
+        const std::vector<Index> counts{1, t < lengths[1] ? 1 : 0};
+        f.layer.forward(xt, {positions[t], positions[7 + t]}, step_cache, yt, counts);
+        for (Index b = 0; b < 2; ++b) {
+            if (t >= lengths[b]) continue;
+            const double err = (yt.row(b) - prefill.row(b * 7 + t)).cwiseAbs().maxCoeff();
+            const double scale = prefill.row(b * 7 + t).cwiseAbs().maxCoeff();
+            EXPECT_LE(err, tolerance<S>() * std::max(1.0, scale)) << "sequence " << b << " token " << t;
+        }
+    }
+    EXPECT_EQ(step_cache.lengths(), prefill_cache.lengths());
+}
+
+/// Weights of the fixture layer, for the pitfall tests.
+gattn::Qwen3NextAttentionWeights<double> fixture_weights(gattn::Qwen3NextConfig& config) {
+    config = gattn::load_qwen3_next_config(kDir + "/config.json", kLayer);
+    return gattn::load_qwen3_next_attention_weights<double>(kDir, kLayer, config);
+}
+
+double prefill_error(const gattn::Qwen3NextConfig& config, const gattn::Qwen3NextAttentionWeights<double>& w) {
+    const gattn::SafetensorsFile cases(kDir + "/cases.safetensors");
+    const gattn::Qwen3NextAttention<double> layer(config, w);
+    auto cache = layer.make_cache(2, 8);
+    RowMatrix<double> out(14, 64);
+    std::vector<Index> positions;
+    for (double p : cases.values<double>("prefill.positions")) positions.push_back(static_cast<Index>(p));
+    layer.forward(cases.matrix<double>("prefill.hidden"), positions, cache, out, {7, 5});
+    const RowMatrix<double> want = cases.matrix<double>("prefill.output");
+    return (out.topRows(12) - want.topRows(12)).cwiseAbs().maxCoeff();  // rows 12, 13 are padding
+}
+
+TEST(Qwen3NextPitfalls, FlatQGateSplitIsCaught) {
+    // Reading q_proj as [all queries | all gates] instead of per-head [q_h | gate_h].
+    gattn::Qwen3NextConfig c;
+    auto w = fixture_weights(c);
+    ASSERT_LT(prefill_error(c, w), 1e-12);
+    const Index H = c.num_attention_heads, d = c.head_dim;
+    RowMatrix<double> flat = w.q_proj_weight;
+    for (Index h = 0; h < H; ++h) {  // what the fused layout would hold if the split were flat
+        flat.middleRows(h * 2 * d, d) = w.q_proj_weight.middleRows(h * d, d);
+        flat.middleRows(h * 2 * d + d, d) = w.q_proj_weight.middleRows(H * d + h * d, d);
+    }
+    auto wrong = w;
+    wrong.q_proj_weight = flat;
+    EXPECT_GT(prefill_error(c, wrong), 1e-3);
+}
+
+TEST(Qwen3NextPitfalls, GqaUsesContiguousGroupsNotModulo) {
+    // With h mod H_kv, heads 1 and 2 would swap KV heads; swapping the KV heads' weights emulates
+    // that mistake and must change the output.
+    gattn::Qwen3NextConfig c;
+    auto w = fixture_weights(c);
+    const Index d = c.head_dim;
+    auto wrong = w;
+    wrong.k_proj_weight.topRows(d) = w.k_proj_weight.bottomRows(d);
+    wrong.k_proj_weight.bottomRows(d) = w.k_proj_weight.topRows(d);
+    wrong.v_proj_weight.topRows(d) = w.v_proj_weight.bottomRows(d);
+    wrong.v_proj_weight.bottomRows(d) = w.v_proj_weight.topRows(d);
+    EXPECT_GT(prefill_error(c, wrong), 1e-3);
+}
+
+TEST(Qwen3NextPitfalls, NormUsesOnePlusWeight) {
+    // A norm computing x̂·w would equal ours with weights w − 1: the fixture must reject it.
+    gattn::Qwen3NextConfig c;
+    auto w = fixture_weights(c);
+    auto wrong = w;
+    wrong.q_norm_weight.array() -= 1.0;
+    wrong.k_norm_weight.array() -= 1.0;
+    EXPECT_GT(prefill_error(c, wrong), 1e-3);
+}
+
+TEST(Qwen3NextPitfalls, GateIgnoresQueryNormAndPositions) {
+    gattn::Qwen3NextConfig c;
+    auto w = fixture_weights(c);
+    const gattn::SafetensorsFile cases(kDir + "/cases.safetensors");
+    const RowMatrix<double> x = cases.matrix<double>("prefill.hidden").topRows(7);
+    auto gates_of = [&](const gattn::Qwen3NextAttentionWeights<double>& weights, Index offset) {
+        const gattn::Qwen3NextAttention<double> layer(c, weights);
+        auto cache = layer.make_cache(1, 8);
+        RowMatrix<double> out(7, 64), gates;
+        std::vector<Index> positions(7);
+        for (Index t = 0; t < 7; ++t) positions[t] = t + offset;
+        layer.forward(x, positions, cache, out, {}, &gates);
+        return std::make_pair(gates, out);
+    };
+    auto other = w;
+    other.q_norm_weight.setConstant(0.7);
+    const auto base = gates_of(w, 0), renormed = gates_of(other, 0), shifted = gates_of(w, 1000);
+    EXPECT_EQ(base.first, renormed.first);
+    EXPECT_EQ(base.first, shifted.first);
+    EXPECT_GT((base.second - renormed.second).cwiseAbs().maxCoeff(), 1e-6) << "q_norm must still act on the query";
+}
+
+TEST(Qwen3NextPitfalls, ScaleIsOneOverRootHeadDim) {
+    gattn::Qwen3NextConfig c;
+    fixture_weights(c);
+    EXPECT_NE(c.head_dim, c.hidden_size / c.num_attention_heads) << "the fixture must tell the two scales apart";
+    EXPECT_EQ(c.rotary_dim(), 8);
+}
+
+TEST(Qwen3NextLoader, ReportsBadCheckpoints) {
+    namespace fs = std::filesystem;
+    EXPECT_THROW(gattn::load_qwen3_next_config(kDir + "/config.json", 1), std::invalid_argument);  // linear layer
+    EXPECT_THROW(gattn::load_qwen3_next_config(kDir + "/config.json", 9), std::invalid_argument);  // out of range
+    EXPECT_THROW(gattn::load_qwen3_next_config(kDir + "/missing.json"), gattn::io_error);
+    const fs::path dir = fs::temp_directory_path() / "gattn_qwen3_next_bad";
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.json") << "{\"hidden_size\": 64,";
+    EXPECT_THROW(gattn::load_qwen3_next_config((dir / "config.json").string()), gattn::io_error);
+    fs::copy_file(kDir + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+    EXPECT_THROW(gattn::load_qwen3_next_attention<float>(dir.string(), kLayer), gattn::io_error);  // no weights
+    // A checkpoint whose layer 3 lacks o_proj: the message names the tensor.
+    try {
+        auto c = gattn::load_qwen3_next_config(kDir + "/config.json", kLayer);
+        c.num_key_value_heads = 4;  // k_proj in the file has 2 heads
+        gattn::load_qwen3_next_attention_weights<float>(kDir, kLayer, c);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("model.layers.3.self_attn.k_proj.weight must have shape [128, 64], got [64, 64]"),
+                  std::string::npos)
+            << e.what();
+    }
+}
+
+TEST(Qwen3NextCache, FullCacheIsRejectedAndLeftIntact) {
+    auto layer = gattn::load_qwen3_next_attention<float>(kDir, kLayer);
+    auto cache = layer.make_cache(1, 4);
+    RowMatrix<float> x = RowMatrix<float>::Random(3, 64), out(3, 64);
+    layer.forward(x, {0, 1, 2}, cache, out);
+    const RowMatrix<float> keys = cache.keys();
+    EXPECT_THROW(layer.forward(x, {3, 4, 5}, cache, out), std::invalid_argument);
+    EXPECT_EQ(cache.lengths(), std::vector<Index>{3});
+    EXPECT_EQ(cache.keys(), keys);
+}
+
+}  // namespace
