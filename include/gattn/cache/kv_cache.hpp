@@ -74,6 +74,20 @@ public:
         }
     }
 
+    /// Rolls sequences back to shorter lengths (e.g. rejected speculative tokens).
+    /// \throws std::invalid_argument when a length is negative or longer than the current one.
+    void truncate(const std::vector<Index>& lengths) {
+        constexpr const char* fn = "gattn::KVCache::truncate";
+        if (lengths.size() != m_lengths.size())
+            detail::throw_shape(fn, "lengths", detail::shape_string({batch()}),
+                                detail::shape_string({static_cast<Index>(lengths.size())}));
+        for (std::size_t b = 0; b < lengths.size(); ++b)
+            if (lengths[b] < 0 || lengths[b] > m_lengths[b])
+                detail::throw_invalid(fn, "lengths[" + std::to_string(b) + "]",
+                                      "must be in [0, " + std::to_string(m_lengths[b]) + "], got " + std::to_string(lengths[b]));
+        m_lengths = lengths;
+    }
+
     /// Forgets every token (lengths back to 0).
     void clear() noexcept {
         for (auto& l : m_lengths) l = 0;
