@@ -176,12 +176,13 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// \param extra  optional log-sum-exp, probabilities, first-key probability.
 /// \throws shape_error when a shape disagrees with the others (message names the argument,
 ///         the expected and the actual shape); std::invalid_argument for bad head counts,
-///         key lengths outside [0, N_k], a window < 1, a non-finite scale, or out overlapping an
-///         input. Nothing is written before validation passes.
+///         key lengths outside [0, N_k] or query lengths outside [0, N_q], a window < 1, a scale
+///         not finite in Scalar, out overlapping an input or the bias, or optional outputs that
+///         are or hold an input. Nothing is written before validation passes.
 /// Accumulation and softmax run in Scalar (float or double). Two kernels, chosen by shape:
 /// query tiles (ops/flash_kernel.hpp) when a KV head serves more than Br/4 (head, query) pairs,
 /// else the decoding kernel with split-KV chunks (ops/decode_kernel.hpp). Compiled with OpenMP,
-/// the work is split over (sequence, KV head, query block) or (sequence, key chunk) tasks; the
+/// the work is split over (sequence, KV head, query tile) or (sequence, key chunk) tasks; the
 /// result is bitwise the same for any thread count and whatever else shares the batch.
 /// Probabilities, when requested, are recomputed row by row from the log-sum-exp (O(N_q·N_k·d)).
 template <class Scalar>
@@ -248,7 +249,7 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
     // The (head, query) pairs of one KV head's GQA group share K and V. Many pairs: tiles with
     // queries in lanes (flash_kernel.hpp), tasks (sequence, KV head, block of Br pairs). Few
     // pairs (decoding): keys in lanes with the keys split into chunks (decode_kernel.hpp), tasks
-    // (sequence, KV head, chunk). The choice depends on shapes only.
+    // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
     using Geometry = kernel::FlashGeometry<Scalar>;
     const Index group = H / Hkv;
     const Index pairs = group * Nq;
