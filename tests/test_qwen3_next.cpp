@@ -13,6 +13,7 @@
 
 #include "gattn/gattn.hpp"
 #include "gattn/io/hf_checkpoint.hpp"
+#include "support/safetensors_writer.hpp"
 
 namespace {
 
@@ -211,7 +212,7 @@ TEST(Qwen3NextLoader, ReportsBadCheckpoints) {
     EXPECT_THROW(gattn::load_qwen3_next_config((dir / "config.json").string()), gattn::io_error);
     fs::copy_file(kDir + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
     EXPECT_THROW(gattn::load_qwen3_next_attention<float>(dir.string(), kLayer), gattn::io_error);  // no weights
-    // A checkpoint whose layer 3 lacks o_proj: the message names the tensor.
+    // A config that disagrees with the checkpoint: the message names the tensor and both shapes.
     try {
         auto c = gattn::load_qwen3_next_config(kDir + "/config.json", kLayer);
         c.num_key_value_heads = 4;  // k_proj in the file has 2 heads
@@ -222,6 +223,81 @@ TEST(Qwen3NextLoader, ReportsBadCheckpoints) {
                   std::string::npos)
             << e.what();
     }
+}
+
+/// A checkpoint directory holding the fixture's config and layer 3 as `tensors` (HF names).
+std::string write_checkpoint(const std::string& name, const std::vector<gattn_test::RawTensor>& tensors,
+                             std::size_t truncate = 0) {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / ("gattn_qwen3_next_" + name);
+    fs::create_directories(dir);
+    fs::copy_file(kDir + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+    gattn_test::write_safetensors((dir / "model.safetensors").string(), tensors, "", truncate);
+    return dir.string();
+}
+
+std::vector<gattn_test::RawTensor> fixture_tensors(const std::string& skip = "") {
+    gattn::Qwen3NextConfig c;
+    const auto w = fixture_weights(c);
+    std::vector<gattn_test::RawTensor> t;
+    auto add = [&](const char* name, const auto& m, bool vec) {
+        if (name != skip)
+            t.push_back(gattn_test::f32_tensor(std::string("model.layers.3.self_attn.") + name, m.template cast<float>(), vec));
+    };
+    add("q_proj.weight", w.q_proj_weight, false);
+    add("k_proj.weight", w.k_proj_weight, false);
+    add("v_proj.weight", w.v_proj_weight, false);
+    add("o_proj.weight", w.o_proj_weight, false);
+    add("q_norm.weight", RowMatrix<double>(w.q_norm_weight.transpose()), true);
+    add("k_norm.weight", RowMatrix<double>(w.k_norm_weight.transpose()), true);
+    return t;
+}
+
+template <class E>
+void expect_load_error(const std::string& dir, const std::string& needle) {
+    try {
+        gattn::load_qwen3_next_attention<float>(dir, kLayer);
+        ADD_FAILURE() << "no exception; expected one mentioning " << needle;
+    } catch (const E& e) {
+        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+}
+
+TEST(Qwen3NextLoader, NamesEveryCheckpointFault) {
+    // The rewritten fixture loads and gives the same output as the original.
+    const auto good = gattn::load_qwen3_next_attention<float>(write_checkpoint("good", fixture_tensors()), kLayer);
+    (void)good;
+    expect_load_error<gattn::io_error>(write_checkpoint("missing", fixture_tensors("o_proj.weight")),
+                                       "missing tensor 'model.layers.3.self_attn.o_proj.weight'");
+    expect_load_error<gattn::io_error>(write_checkpoint("truncated", fixture_tensors(), 100), "truncated");
+    auto ints = fixture_tensors();
+    for (auto& t : ints)
+        if (t.name.find("v_proj") != std::string::npos) t.dtype = "I32";
+    expect_load_error<gattn::io_error>(write_checkpoint("int_weight", ints), "has dtype I32");
+    // A headwise-gate checkpoint: q_proj holds H·d query rows and H gate rows.
+    auto headwise = fixture_tensors("q_proj.weight");
+    headwise.push_back(gattn_test::f32_tensor("model.layers.3.self_attn.q_proj.weight", RowMatrix<float>::Random(132, 64)));
+    expect_load_error<gattn::shape_error>(write_checkpoint("headwise", headwise), "headwise gate checkpoint");
+}
+
+TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / "gattn_qwen3_next_sharded";
+    fs::create_directories(dir);
+    fs::copy_file(kDir + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
+    auto tensors = fixture_tensors();
+    const std::vector<gattn_test::RawTensor> first(tensors.begin(), tensors.begin() + 3), second(tensors.begin() + 3, tensors.end());
+    gattn_test::write_safetensors((dir / "model-00001-of-00002.safetensors").string(), first);
+    gattn_test::write_safetensors((dir / "model-00002-of-00002.safetensors").string(), second);
+    nlohmann::json index;
+    for (const auto& t : first) index["weight_map"][t.name] = "model-00001-of-00002.safetensors";
+    for (const auto& t : second) index["weight_map"][t.name] = "model-00002-of-00002.safetensors";
+    std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+    gattn::Qwen3NextConfig c;
+    const auto want = fixture_weights(c);
+    const auto got = gattn::load_qwen3_next_attention_weights<double>(dir.string(), kLayer, c);
+    EXPECT_EQ(got.o_proj_weight, want.o_proj_weight.cast<float>().cast<double>());
+    EXPECT_EQ(got.k_norm_weight, want.k_norm_weight.cast<float>().cast<double>());
 }
 
 TEST(Qwen3NextCache, FullCacheIsRejectedAndLeftIntact) {

@@ -12,46 +12,24 @@
 #include <nlohmann/json.hpp>
 
 #include "gattn/io/safetensors.hpp"
+#include "support/safetensors_writer.hpp"
 
 namespace {
 
 using gattn::Index;
 
-struct RawTensor {
-    std::string name, dtype;
-    std::vector<Index> shape;
-    std::vector<unsigned char> bytes;
-};
+using gattn_test::bytes_of;
+using gattn_test::RawTensor;
 
 std::string temp_path(const std::string& name) {
     return (std::filesystem::temp_directory_path() / ("gattn_test_" + name + ".safetensors")).string();
 }
 
-/// Writes a safetensors file: 8-byte little-endian header length, JSON header, data.
 std::string write_file(const std::string& name, const std::vector<RawTensor>& tensors,
                        const std::string& header_override = "", std::size_t truncate_data = 0) {
-    nlohmann::json h;
-    h["__metadata__"] = {{"format", "pt"}};
-    std::vector<unsigned char> data;
-    for (const auto& t : tensors) {
-        h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
-        data.insert(data.end(), t.bytes.begin(), t.bytes.end());
-    }
-    std::string header = header_override.empty() ? h.dump() : header_override;
     const std::string path = temp_path(name);
-    std::ofstream f(path, std::ios::binary);
-    std::uint64_t n = header.size();
-    for (int i = 0; i < 8; ++i) f.put(static_cast<char>((n >> (8 * i)) & 0xff));
-    f << header;
-    f.write(reinterpret_cast<const char*>(data.data()), static_cast<std::streamsize>(data.size() - truncate_data));
+    gattn_test::write_safetensors(path, tensors, header_override, truncate_data);
     return path;
-}
-
-template <class T>
-std::vector<unsigned char> bytes_of(const std::vector<T>& v) {
-    std::vector<unsigned char> b(v.size() * sizeof(T));
-    std::memcpy(b.data(), v.data(), b.size());
-    return b;
 }
 
 std::vector<unsigned char> u16_bytes(const std::vector<std::uint16_t>& v) { return bytes_of(v); }

@@ -91,7 +91,9 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
 /// Loads layer `layer`'s attention weights from a checkpoint directory (model.safetensors, or
 /// the shards named by model.safetensors.index.json), trying the prefixes
 /// "model.layers.N.self_attn." and "model.language_model.layers.N.self_attn." (Qwen3.5).
-/// \throws io_error for a missing file or tensor, shape_error for a wrong shape.
+/// \throws io_error for a missing, truncated or malformed file, a missing tensor or a
+///         non-floating-point dtype; shape_error for a wrong shape (naming a headwise-gate
+///         checkpoint's q_proj of H·d + H rows).
 template <class Scalar>
 Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::string& dir, Index layer,
                                                                    const Qwen3NextConfig& config) {
@@ -139,6 +141,9 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
             const SafetensorsFile* f = file_for(full);
             if (!f) throw io_error(std::string(fn) + ": " + dir + ": missing tensor '" + full + "'");
             const TensorInfo& info = f->info(full);
+            if (info.dtype != "F32" && info.dtype != "F16" && info.dtype != "BF16" && info.dtype != "F64")
+                throw io_error(std::string(fn) + ": " + full + " has dtype " + info.dtype +
+                               "; weights must be F32, F16, BF16 or F64");
             if (info.shape != s.shape) {
                 std::string why;
                 if (s.name == "q_proj.weight" && !info.shape.empty() &&
