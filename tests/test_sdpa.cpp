@@ -10,6 +10,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <random>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -822,6 +823,58 @@ TEST(SdpaHardening, NoKeysGivesZerosAndMinusInfinityLogSumExp) {
     const M out = gattn::scaled_dot_product_attention<float>(M::Random(3, 8), M(0, 8), M(0, 8), {1, 2, 2}, {}, extra);
     EXPECT_TRUE((out.array() == 0.0f).all());
     EXPECT_TRUE((lse.array() == -std::numeric_limits<float>::infinity()).all());
+}
+
+}  // namespace
+
+namespace {
+
+// Property test: thousands of random small configurations (both kernels: query tiles and the
+// decoding path) with random mask combinations, float SDPA against the float64 reference.
+TEST(SdpaProperty, RandomConfigurationsMatchReference) {
+    std::mt19937_64 rng(20261129);
+    auto pick = [&](Index lo, Index hi) { return std::uniform_int_distribution<Index>(lo, hi)(rng); };
+    auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
+    int failures = 0;
+    for (int trial = 0; trial < 2000 && failures == 0; ++trial) {
+        const Index B = pick(1, 3), Hkv = pick(1, 3), H = Hkv * pick(1, 4);
+        const Index Nq = coin(0.4) ? 1 : pick(1, 24), Nk = pick(1, 150), dk = pick(1, 40), dv = pick(1, 40);
+        const gattn::RowMatrix<float> q = random_matrix(B * Nq, H * dk, 3 * trial + 1, 2.0).cast<float>();
+        const gattn::RowMatrix<float> k = random_matrix(B * Nk, Hkv * dk, 3 * trial + 2, 2.0).cast<float>();
+        const gattn::RowMatrix<float> v = random_matrix(B * Nk, Hkv * dv, 3 * trial + 3).cast<float>();
+        RefMasks ref;
+        gattn::SdpaOptions<float> opt;
+        ref.causal = opt.mask.causal = coin(0.5);
+        if (coin(0.3)) ref.sliding_window = opt.mask.sliding_window = pick(1, 40);
+        if (coin(0.4))
+            for (Index b = 0; b < B; ++b) ref.key_lengths.push_back(pick(0, Nk));
+        opt.mask.key_lengths = ref.key_lengths;
+        std::unique_ptr<bool[]> bool_data;
+        std::vector<float> bias_data;
+        const std::size_t n = static_cast<std::size_t>(B * H * Nq * Nk);
+        if (coin(0.3)) {
+            bool_data.reset(new bool[n]);
+            for (std::size_t i = 0; i < n; ++i) bool_data[i] = coin(0.85);
+            ref.bool_mask.assign(bool_data.get(), bool_data.get() + n);
+            opt.mask.bool_mask = {bool_data.get(), B, H, Nq, Nk};
+        }
+        if (coin(0.3)) {
+            for (std::size_t i = 0; i < n; ++i)
+                bias_data.push_back(coin(0.1) ? -std::numeric_limits<float>::infinity()
+                                              : std::uniform_real_distribution<float>(-2, 2)(rng));
+            ref.bias.assign(bias_data.begin(), bias_data.end());
+            opt.mask.bias = {bias_data.data(), B, H, Nq, Nk};
+        }
+        const auto want = gattn_test::sdpa_reference(q.cast<double>(), k.cast<double>(), v.cast<double>(), B, H, Hkv, {}, ref);
+        const auto got = gattn::scaled_dot_product_attention<float>(q, k, v, {B, H, Hkv}, opt);
+        const auto stats = expect_close(got, want.out, 1e-5, 1e-4,
+                                        "trial " + std::to_string(trial) + " B=" + std::to_string(B) + " H=" +
+                                            std::to_string(H) + "/" + std::to_string(Hkv) + " Nq=" + std::to_string(Nq) +
+                                            " Nk=" + std::to_string(Nk) + " dk=" + std::to_string(dk) +
+                                            " dv=" + std::to_string(dv));
+        failures += stats.failures > 0;
+    }
+    EXPECT_EQ(failures, 0);
 }
 
 }  // namespace
