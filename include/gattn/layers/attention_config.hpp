@@ -137,6 +137,35 @@ inline std::vector<TensorShape> expected_weight_shapes(const AttentionConfig& c)
     return s;
 }
 
+namespace detail {
+
+/// Checks one parameter against the expected shapes: a tensor the list names must have that
+/// shape, any other must be empty. Throws shape_error "<fn>: <name> must ..., got [..]".
+/// `unused` says why an unlisted tensor is not used (e.g. the gate spec).
+template <class Tensor>
+void check_weight_shape(const char* fn, const char* name, const Tensor& t, const std::vector<TensorShape>& shapes,
+                        const std::string& unused) {
+    const bool is_vector = Tensor::ColsAtCompileTime == 1;
+    const std::string got = is_vector ? shape_string({t.rows()}) : shape_string({t.rows(), t.cols()});
+    const TensorShape* want = nullptr;
+    for (const auto& s : shapes)
+        if (s.name == name) want = &s;
+    if (!want) {
+        if (t.size() != 0)
+            throw shape_error(std::string(fn) + ": " + name + " must be empty: " + unused + ", got " + got);
+        return;
+    }
+    const bool ok = is_vector ? t.rows() == want->shape[0]
+                              : t.rows() == want->shape[0] && t.cols() == want->shape[1];
+    if (!ok) {
+        const std::string expected = want->shape.size() == 1 ? shape_string({want->shape[0]})
+                                                             : shape_string({want->shape[0], want->shape[1]});
+        throw shape_error(std::string(fn) + ": " + name + " must have shape " + expected + ", got " + got);
+    }
+}
+
+}  // namespace detail
+
 /// Parameters the gate adds to one layer (paper Table 1 "Added Param" divided by the layer
 /// count): gate weight rows × D plus gate biases, or H·d_v for gate_theta. When the gate is
 /// fused into a biased q_proj, its bias rows count too.

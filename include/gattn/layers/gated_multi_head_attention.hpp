@@ -138,29 +138,9 @@ public:
         constexpr const char* fn = "gattn::GatedMultiHeadAttention";
         validate_config(config, fn);
         const auto shapes = expected_weight_shapes(config);
+        const std::string unused = "this config (gate " + describe(config.gate) + ") does not use it";
         weights.for_each([&](const char* name, const auto& t) {
-            const TensorShape* want = nullptr;
-            for (const auto& s : shapes)
-                if (s.name == name) want = &s;
-            const bool is_vector = std::decay_t<decltype(t)>::ColsAtCompileTime == 1;
-            if (!want) {
-                if (t.size() != 0)
-                    throw shape_error(std::string(fn) + ": " + name + " must be empty: this config (gate " +
-                                      describe(config.gate) + ") does not use it, got " +
-                                      (is_vector ? gattn::detail::shape_string({t.rows()})
-                                                 : gattn::detail::shape_string({t.rows(), t.cols()})));
-                return;
-            }
-            const bool ok = is_vector ? t.rows() == want->shape[0]
-                                      : (t.rows() == want->shape[0] && t.cols() == want->shape[1]);
-            if (!ok) {
-                const std::string exp = want->shape.size() == 1
-                                            ? gattn::detail::shape_string({want->shape[0]})
-                                            : gattn::detail::shape_string({want->shape[0], want->shape[1]});
-                gattn::detail::throw_shape(fn, name, exp,
-                                           is_vector ? gattn::detail::shape_string({t.rows()})
-                                                     : gattn::detail::shape_string({t.rows(), t.cols()}));
-            }
+            gattn::detail::check_weight_shape(fn, name, t, shapes, unused);
         });
         pack(weights);
     }

@@ -89,6 +89,12 @@ struct Qwen3NextAttentionWeights {
         f("v_proj.bias", &v_proj_bias);
         f("o_proj.bias", &o_proj_bias);
     }
+    /// Visits (HF name, const reference) for every member.
+    template <class F>
+    void for_each(F&& f) const {
+        const_cast<Qwen3NextAttentionWeights*>(this)->for_each(
+            [&](const char* name, auto* p) { f(name, static_cast<const decltype(*p)&>(*p)); });
+    }
 };
 
 /// Shapes the layer expects, by HF name (biases only with attention_bias).
@@ -124,27 +130,8 @@ public:
         constexpr const char* fn = "gattn::Qwen3NextAttention";
         validate_qwen3_next_config(config, fn);
         const auto shapes = qwen3_next_weight_shapes(config);
-        auto& weights = const_cast<Qwen3NextAttentionWeights<Scalar>&>(w);
-        weights.for_each([&](const char* name, auto* t) {
-            const bool is_vector = std::decay_t<decltype(*t)>::ColsAtCompileTime == 1;
-            const TensorShape* want = nullptr;
-            for (const auto& s : shapes)
-                if (s.name == name) want = &s;
-            const std::string got = is_vector ? gattn::detail::shape_string({t->rows()})
-                                              : gattn::detail::shape_string({t->rows(), t->cols()});
-            if (!want) {
-                if (t->size() != 0)
-                    throw shape_error(std::string(fn) + ": " + name + " must be empty (attention_bias is false), got " + got);
-                return;
-            }
-            const bool ok = is_vector ? t->rows() == want->shape[0]
-                                      : t->rows() == want->shape[0] && t->cols() == want->shape[1];
-            if (!ok) {
-                const std::string exp = want->shape.size() == 1
-                                            ? gattn::detail::shape_string({want->shape[0]})
-                                            : gattn::detail::shape_string({want->shape[0], want->shape[1]});
-                throw shape_error(std::string(fn) + ": " + name + " must have shape " + exp + ", got " + got);
-            }
+        w.for_each([&](const char* name, const auto& t) {
+            gattn::detail::check_weight_shape(fn, name, t, shapes, "attention_bias is false");
         });
         // One input GEMM [Q | gate | K | V]: q_proj's per-head interleaved rows are reordered here.
         const Index D = config.hidden_size, H = config.num_attention_heads, Hkv = config.num_key_value_heads;
