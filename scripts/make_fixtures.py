@@ -39,15 +39,15 @@ Usage:
 """
 
 import argparse
-import json
 import math
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from safetensors_io import DTYPES, encode_safetensors, read_safetensors
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "tests" / "data"
@@ -291,64 +291,6 @@ def numpy_forward(cfg, arrays32):
 
 
 # ---------------------------------------------------------------------------
-# safetensors I/O
-# ---------------------------------------------------------------------------
-
-DTYPES = {"F32": np.dtype("<f4"), "F64": np.dtype("<f8")}
-
-
-def dtype_name(array):
-    for name, dtype in DTYPES.items():
-        if array.dtype == dtype:
-            return name
-    raise TypeError(f"unsupported dtype {array.dtype}")
-
-
-def encode_safetensors(arrays, metadata):
-    """Serialize an ordered dict name -> little-endian ndarray to safetensors bytes."""
-    header = {"__metadata__": metadata}
-    chunks = []
-    offset = 0
-    for name, array in arrays.items():
-        data = np.ascontiguousarray(array).tobytes()
-        header[name] = {"dtype": dtype_name(array), "shape": list(array.shape),
-                        "data_offsets": [offset, offset + len(data)]}
-        chunks.append(data)
-        offset += len(data)
-    header_bytes = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    return struct.pack("<Q", len(header_bytes)) + header_bytes + b"".join(chunks)
-
-
-def read_safetensors(path):
-    """Return (metadata, ordered dict name -> ndarray), validating the layout."""
-    blob = Path(path).read_bytes()
-    (header_len,) = struct.unpack_from("<Q", blob, 0)
-    data_start = 8 + header_len
-    if data_start % 8 != 0:
-        raise ValueError(f"{path}: data section starts at unaligned offset {data_start}")
-    header = json.loads(blob[8:data_start].decode("utf-8"))
-    metadata = header.pop("__metadata__", {})
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-        raise ValueError(f"{path}: __metadata__ must map strings to strings")
-    data = blob[data_start:]
-    tensors = {}
-    expected_begin = 0
-    for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
-        begin, end = info["data_offsets"]
-        dtype = DTYPES[info["dtype"]]
-        count = int(np.prod(info["shape"], dtype=np.int64))
-        if begin != expected_begin or end - begin != count * dtype.itemsize:
-            raise ValueError(f"{path}: bad data_offsets for {name}")
-        tensors[name] = np.frombuffer(data[begin:end], dtype=dtype).reshape(info["shape"])
-        expected_begin = end
-    if expected_begin != len(data):
-        raise ValueError(f"{path}: {len(data) - expected_begin} trailing bytes")
-    ordered = {name: tensors[name] for name in header}
-    return metadata, ordered
-
-
-# ---------------------------------------------------------------------------
 # Build and check
 # ---------------------------------------------------------------------------
 
@@ -369,7 +311,7 @@ def max_abs_diff(a, b):
 
 def check_file(path, expected=None):
     """Re-read a fixture and recompute its outputs with the NumPy path."""
-    metadata, arrays = read_safetensors(path)
+    metadata, arrays, _ = read_safetensors(path)
     cfg = config_from_metadata(path.stem, metadata)
     B, N, D, H = cfg.batch, cfg.seq_len, cfg.d_model, cfg.num_heads
 
@@ -413,7 +355,7 @@ def main():
         path = args.out_dir / f"{cfg.name}.safetensors"
         expected = None
         if args.check:
-            metadata, _ = read_safetensors(path)
+            metadata, _, _ = read_safetensors(path)
             stored = {k: v for k, v in metadata.items() if k != "generator"}
             wanted = {k: v for k, v in metadata_for(cfg).items() if k != "generator"}
             assert stored == wanted, f"{path}: metadata does not match the fixture table"
