@@ -1,30 +1,79 @@
 #!/usr/bin/env bash
 # Builds gattn's tests, examples and benchmarks and runs the test suite with ctest once per
-# instruction-set flavour: baseline (the compiler's default, x86-64: SSE2), avx2 (-mavx2 -mfma,
-# x86 only) and native (-march=native, e.g. AVX-512), so every SIMD code path is tested.
+# flavour. Instruction-set flavours (g++): baseline (the compiler's default, x86-64: SSE2), avx2
+# (-mavx2 -mfma, x86 only) and native (-march=native, e.g. AVX-512), so every SIMD code path is
+# tested. Clang flavours (clang++, Debian's clang 14 and LLVM's OpenMP runtime libomp):
+#   clang  the whole suite, examples and benchmarks with -Wall -Wextra -Werror, Release;
+#   asan   the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (-O1 -g,
+#          assertions on, any report fails the test);
+#   tsan   ThreadSanitizer on test_layer, the tests that run threads (std::thread and OpenMP;
+#          libomp's archer tool tells ThreadSanitizer about OpenMP's synchronisation).
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline avx2 native" on x86-64, else
-# "baseline native"), CMAKE_ARGS (extra CMake args).
+# "baseline native"; any of those and "clang asan tsan"), CMAKE_ARGS (extra CMake args).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Drops the per-target and per-test progress lines; failures and summaries stay.
 quiet() { grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)|^ +Start +[0-9]+: |Test +#[0-9]+: .* Passed' || true; }
 
-scripts/deps.sh test
 build="${BUILD_DIR:-build/test}"
 jobs="${JOBS:-$(nproc)}"
 default_flavours="baseline native"
 [ "$(uname -m)" = x86_64 ] && default_flavours="baseline avx2 native"
-for flavour in ${FLAVOURS:-$default_flavours}; do
+flavours="${FLAVOURS:-$default_flavours}"
+case " $flavours " in
+  *" clang "* | *" asan "* | *" tsan "*) scripts/deps.sh clang ;;
+  *) scripts/deps.sh test ;;
+esac
+
+for flavour in $flavours; do
+  cmake_args=(-DCMAKE_BUILD_TYPE=Release)
+  build_args=()   # empty: every target
+  ctest_args=()
+  run_env=()
   case "$flavour" in
     baseline) arch="" ;;
     avx2) arch="-mavx2 -mfma" ;;
     native) arch="-march=native" ;;
+    clang)
+      arch=""
+      cmake_args+=(-DCMAKE_CXX_COMPILER=clang++)
+      ;;
+    asan)
+      arch=""
+      san="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+      cmake_args=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
+                  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" "-DCMAKE_CXX_FLAGS=$san"
+                  "-DCMAKE_EXE_LINKER_FLAGS=$san"
+                  -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF)
+      run_env=(ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1
+               UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1)
+      ;;
+    tsan)
+      arch=""
+      san="-fsanitize=thread -fno-omit-frame-pointer"
+      cmake_args=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
+                  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" "-DCMAKE_CXX_FLAGS=$san"
+                  "-DCMAKE_EXE_LINKER_FLAGS=$san"
+                  -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF)
+      build_args=(--target test_layer)
+      llvm_lib="$(cd "$(clang++ -print-resource-dir)/../.." && pwd)"
+      run_env=(TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1
+               OMP_TOOL_LIBRARIES="$llvm_lib/libarcher.so" ARCHER_OPTIONS=verbose=0)
+      ;;
     *) echo "unknown flavour $flavour" >&2; exit 2 ;;
   esac
   echo "== $flavour build (GATTN_ARCH_FLAGS='$arch')"
-  cmake -S . -B "$build-$flavour" -DCMAKE_BUILD_TYPE=Release -DGATTN_ARCH_FLAGS="$arch" ${CMAKE_ARGS:-} >/dev/null
-  cmake --build "$build-$flavour" -j "$jobs" 2>&1 | quiet
-  ctest --test-dir "$build-$flavour" -j "$jobs" --output-on-failure 2>&1 | quiet
+  cmake -S . -B "$build-$flavour" "${cmake_args[@]}" -DGATTN_ARCH_FLAGS="$arch" ${CMAKE_ARGS:-} >/dev/null
+  cmake --build "$build-$flavour" -j "$jobs" "${build_args[@]}" 2>&1 | quiet
+  if [ "$flavour" = tsan ]; then
+    # Only test_layer is built: select its tests by their suite names.
+    [ -f "$llvm_lib/libarcher.so" ] || { echo "libarcher.so not found in $llvm_lib" >&2; exit 1; }
+    # Suite lines look like "LayerForward." or "PyTorchFixture/0.  # TypeParam = float".
+    suites=$("$build-$flavour/tests/test_layer" --gtest_list_tests |
+             sed -n 's/^\([A-Za-z_][A-Za-z0-9_/]*\)\.\( .*\)\{0,1\}$/\1/p' | sort -u | paste -sd '|')
+    ctest_args=(-R "^($suites)\\.")
+  fi
+  env "${run_env[@]}" ctest --test-dir "$build-$flavour" -j "$jobs" --output-on-failure "${ctest_args[@]}" 2>&1 | quiet
 done
