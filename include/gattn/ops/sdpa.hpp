@@ -192,9 +192,10 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                                   const SdpaOutputs<Scalar>& extra = {}) {
     static_assert(is_supported_scalar_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
     constexpr const char* fn = "gattn::scaled_dot_product_attention";
-    const auto [dk, dv] = gattn::detail::validate_sdpa(fn, query.rows(), query.cols(), key.rows(),
-                                                       key.cols(), value.rows(), value.cols(),
-                                                       heads, options);
+    // Plain variables, not a structured binding: C++17 lambdas cannot capture those.
+    const auto head_dims = gattn::detail::validate_sdpa(fn, query.rows(), query.cols(), key.rows(), key.cols(),
+                                                        value.rows(), value.cols(), heads, options);
+    const Index dk = head_dims.first, dv = head_dims.second;
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
     const Index Nq = B == 0 ? 0 : query.rows() / B;
     const Index Nk = B == 0 ? 0 : key.rows() / B;
