@@ -70,9 +70,11 @@ for flavour in $flavours; do
   if [ "$flavour" = tsan ]; then
     # Only test_layer is built: select its tests by their suite names.
     [ -f "$llvm_lib/libarcher.so" ] || { echo "libarcher.so not found in $llvm_lib" >&2; exit 1; }
-    # Suite lines look like "LayerForward." or "PyTorchFixture/0.  # TypeParam = float".
+    # Suite lines look like "LayerForward." or "PyTorchFixture/0.  # TypeParam = float"; ctest
+    # names typed tests "PyTorchFixture.<test><float>", so the "/0" goes.
     suites=$("$build-$flavour/tests/test_layer" --gtest_list_tests |
-             sed -n 's/^\([A-Za-z_][A-Za-z0-9_/]*\)\.\( .*\)\{0,1\}$/\1/p' | sort -u | paste -sd '|')
+             sed -n 's/^\([A-Za-z_][A-Za-z0-9_/]*\)\.\( .*\)\{0,1\}$/\1/p' | sed 's|/[0-9]*$||' |
+             sort -u | paste -sd '|')
     ctest_args=(-R "^($suites)\\.")
   fi
   env "${run_env[@]}" ctest --test-dir "$build-$flavour" -j "$jobs" --output-on-failure "${ctest_args[@]}" 2>&1 | quiet
