@@ -877,4 +877,19 @@ TEST(SdpaProperty, RandomConfigurationsMatchReference) {
     EXPECT_EQ(failures, 0);
 }
 
+TEST(SdpaHardening, ProbabilitiesStayExactWhenEveryLogitIsHuge) {
+    // A finite "minus infinity" bias on every key (a padded row masked with finfo.min) leaves
+    // the keys visible with equal logits: each gets 1/3, which exp(s − lse) alone would not give.
+    using M = gattn::RowMatrix<float>;
+    const M q = M::Random(1, 4), k = M::Random(3, 4), v = M::Random(3, 4);
+    std::vector<float> bias{-1e30f, -1e30f, -1e30f};
+    gattn::SdpaOptions<float> opt;
+    opt.mask.bias = gattn::MaskView<float>{bias.data(), 1, 1, 1, 3};
+    M probabilities;
+    gattn::SdpaOutputs<float> extra;
+    extra.probabilities = &probabilities;
+    gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, opt, extra);
+    for (Index j = 0; j < 3; ++j) EXPECT_NEAR(probabilities(0, j), 1.0f / 3, 1e-6f);
+}
+
 }  // namespace

@@ -328,24 +328,33 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
     }
 
     if (!extra.probabilities) return;
-    // Analysis output: p_ij = e^(s_ij − lse_i) for the visible keys, recomputed row by row.
+    // Analysis output, recomputed row by row in three passes (max, sum, normalise) so that it is
+    // exact even when every visible logit is huge (the log-sum-exp alone would lose log n).
+    std::vector<Scalar> logits(static_cast<std::size_t>(Nk));
     for (Index b = 0; b < B; ++b)
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
-                const Scalar row_lse = (*lse)(b * Nq + i, h);
-                if (row_lse == kNegInf) continue;
+                if ((*lse)(b * Nq + i, h) == kNegInf) continue;
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
                 const Scalar* k = key.data() + b * Nk * key.outerStride() + (h / group) * dk;
                 const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
                 const Scalar* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
                 Scalar* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
                 const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
+                Scalar m = kNegInf;
                 for (Index j = range.begin; j < range.end; ++j) {
+                    logits[j] = kNegInf;
                     if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == kNegInf)) continue;
                     Scalar sc = simd::dot(q, k + j * key.outerStride(), static_cast<std::size_t>(dk)) * scale;
                     if (bias_row) sc += bias_row[j];
-                    p[j] = simd::exp_scalar<Scalar>(sc - row_lse);
+                    logits[j] = sc;
+                    m = std::max(m, sc);
                 }
+                Scalar l = 0;
+                for (Index j = range.begin; j < range.end; ++j)
+                    if (logits[j] != kNegInf) l += (p[j] = simd::exp_scalar<Scalar>(logits[j] - m));
+                for (Index j = range.begin; j < range.end; ++j)
+                    if (logits[j] != kNegInf) p[j] /= l;
             }
 }
 
