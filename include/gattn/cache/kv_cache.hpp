@@ -19,6 +19,8 @@ namespace gattn {
 template <class Scalar>
 class KVCache {
 public:
+    /// Keys [batch·capacity, num_kv_heads·head_dim], values [batch·capacity,
+    /// num_kv_heads·value_head_dim] (value_head_dim 0 = head_dim), all lengths 0.
     /// \throws std::invalid_argument for sizes < 1.
     KVCache(Index batch, Index capacity, Index num_kv_heads, Index head_dim, Index value_head_dim = 0)
         : m_capacity(capacity), m_lengths(static_cast<std::size_t>(batch > 0 ? batch : 0), 0) {

@@ -160,7 +160,10 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
     return w;
 }
 
-/// Loads layer `layer` of a Qwen3-Next / Qwen3.5 checkpoint directory in one call.
+/// Loads layer `layer` of a Qwen3-Next / Qwen3.5 checkpoint directory in one call
+/// (config.json, then the layer's weights; math in models/qwen3_next_attention.hpp).
+/// \throws io_error (missing/malformed files or tensors), shape_error (wrong weight shape),
+///         std::invalid_argument (a linear-attention or out-of-range layer, an invalid config).
 template <class Scalar>
 Qwen3NextAttention<Scalar> load_qwen3_next_attention(const std::string& dir, Index layer) {
     const Qwen3NextConfig config =

@@ -226,6 +226,7 @@ public:
 
     /// A tensor as a matrix: [shape[0], shape[1]] for 2-D; N-D tensors flatten to
     /// [Π shape[:-1], shape[-1]]; 1-D tensors give [1, n].
+    /// \throws io_error (missing tensor, unsupported dtype, read failure).
     template <class Scalar>
     RowMatrix<Scalar> matrix(const std::string& name) const {
         const TensorInfo& t = info(name);
