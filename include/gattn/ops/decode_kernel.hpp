@@ -114,19 +114,20 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     }
 }
 
-/// Merges chunk states in chunk order and writes the rows' outputs, log-sum-exp and first-key
+/// Merges the states chunks[c·chunk_stride], c < num_chunks, in chunk order and writes the rows' outputs, log-sum-exp and first-key
 /// probability (FlashDecoding's reduction: weights e^(m_c − max m)).
 template <class T>
-void decode_finish(const FlashBlock<T>& blk, const PartialState<T>* const* chunks, Index num_chunks, Index dv) {
+void decode_finish(const FlashBlock<T>& blk, const PartialState<T>* chunks, Index chunk_stride, Index num_chunks,
+                   Index dv) {
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     for (int t = 0; t < blk.count; ++t) {
         T m = kNegInf;
-        for (Index c = 0; c < num_chunks; ++c) m = std::max(m, chunks[c]->m[t]);
+        for (Index c = 0; c < num_chunks; ++c) m = std::max(m, chunks[c * chunk_stride].m[t]);
         T* o = blk.out[t];
         for (Index j = 0; j < dv; ++j) o[j] = 0;
         T l = 0, first = kNegInf;
         for (Index c = 0; c < num_chunks; ++c) {
-            const PartialState<T>& s = *chunks[c];
+            const PartialState<T>& s = chunks[c * chunk_stride];
             if (s.first[t] != kNegInf) first = s.first[t];
             if (s.m[t] == kNegInf) continue;  // chunk saw no visible key: weight 0, skipped
             const T w = simd::exp_scalar<T>(s.m[t] - m);

@@ -320,9 +320,8 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
             for (Index bg = 0; bg < B * Hkv; ++bg) {
                 const Index b = bg / Hkv, g = bg % Hkv;
                 describe_block(blk, b, g, 0);
-                std::vector<const kernel::PartialState<Scalar>*> states(static_cast<std::size_t>(chunks));
-                for (Index c = 0; c < chunks; ++c) states[c] = &partial[(b * chunks + c) * Hkv + g];
-                kernel::decode_finish<Scalar>(blk, states.data(), chunks, dv);
+                // State of (b, chunk c, g) sits at (b·chunks + c)·H_kv + g.
+                kernel::decode_finish<Scalar>(blk, partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
             }
         }
     }
