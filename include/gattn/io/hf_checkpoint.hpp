@@ -36,7 +36,7 @@ inline nlohmann::json read_json(const std::string& path, const char* fn) {
 /// Reads the attention fields of a Qwen3-Next / Qwen3.5 config.json: hidden_size,
 /// num_attention_heads, num_key_value_heads, head_dim (default hidden_size / heads),
 /// rms_norm_eps, rope_theta and partial_rotary_factor (top level or under "rope_parameters"),
-/// attention_bias. A multimodal config's "text_config" is used when present. With layer ≥ 0,
+/// attention_bias, attn_output_gate (default true). A multimodal config's "text_config" is used when present. With layer ≥ 0,
 /// checks that layer_types (or full_attention_interval) makes that layer a full-attention layer.
 /// \throws io_error for a missing or malformed file or field; std::invalid_argument when the
 ///         layer is a linear-attention layer or out of range.
@@ -67,6 +67,7 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
         if (j.contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor");
         else if (rope && rope->contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor", rope);
         if (j.contains("attention_bias")) c.attention_bias = j["attention_bias"].get<bool>();
+        if (j.contains("attn_output_gate")) c.attn_output_gate = j["attn_output_gate"].get<bool>();
     } catch (const nlohmann::json::exception& e) {
         throw io_error(std::string(fn) + ": " + config_json + ": " + e.what());
     }
@@ -146,7 +147,7 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
                                "; weights must be F32, F16, BF16 or F64");
             if (info.shape != s.shape) {
                 std::string why;
-                if (s.name == "q_proj.weight" && !info.shape.empty() &&
+                if (s.name == "q_proj.weight" && config.attn_output_gate && !info.shape.empty() &&
                     info.shape[0] == config.num_attention_heads * config.head_dim + config.num_attention_heads)
                     why = " (a headwise gate checkpoint: H·d + H rows; this layer has an elementwise gate, 2·H·d rows)";
                 throw shape_error(std::string(fn) + ": " + full + " must have shape " + SafetensorsFile::shape_text(s.shape) +

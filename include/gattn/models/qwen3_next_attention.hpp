@@ -13,7 +13,9 @@
 ///   U = SDPA(q, cache k, cache v), causal, scale 1/√head_dim, GQA ⌊h / (H / H_kv)⌋;
 ///   Y = o_proj(U ⊙ σ(gate)).
 /// The gate is the raw q_proj output (before norm and RoPE) and is never cached; the cache holds
-/// k after norm and RoPE, and v as it enters SDPA.
+/// k after norm and RoPE, and v as it enters SDPA. With attn_output_gate = false (the ungated
+/// baseline of the same architecture, as in vLLM's Qwen3-Next config flag) q_proj has H·d rows
+/// and Y = o_proj(U).
 
 #include <cmath>
 #include <string>
@@ -38,6 +40,7 @@ struct Qwen3NextConfig {
     double rope_theta = 10000.0;
     double partial_rotary_factor = 0.25;
     bool attention_bias = false;
+    bool attn_output_gate = true;    ///< false: no gate rows in q_proj, Y = o_proj(U)
 
     Index rotary_dim() const noexcept { return static_cast<Index>(double(head_dim) * partial_rotary_factor); }
 };
@@ -67,7 +70,7 @@ inline void validate_qwen3_next_config(const Qwen3NextConfig& c, const char* fn)
 /// Weights of one layer, HF names (model.layers.N.self_attn.*), nn.Linear layout.
 template <class Scalar>
 struct Qwen3NextAttentionWeights {
-    RowMatrix<Scalar> q_proj_weight;  ///< [H·2d, D], query and gate per head
+    RowMatrix<Scalar> q_proj_weight;  ///< [H·2d, D], query and gate per head ([H·d, D] ungated)
     RowMatrix<Scalar> k_proj_weight;  ///< [H_kv·d, D]
     RowMatrix<Scalar> v_proj_weight;  ///< [H_kv·d, D]
     RowMatrix<Scalar> o_proj_weight;  ///< [D, H·d]
@@ -100,11 +103,12 @@ struct Qwen3NextAttentionWeights {
 /// Shapes the layer expects, by HF name (biases only with attention_bias).
 inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& c) {
     const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
-    std::vector<TensorShape> s{{"q_proj.weight", {2 * H * d, D}}, {"k_proj.weight", {Hkv * d, D}},
+    const Index q_rows = c.attn_output_gate ? 2 * H * d : H * d;
+    std::vector<TensorShape> s{{"q_proj.weight", {q_rows, D}}, {"k_proj.weight", {Hkv * d, D}},
                                {"v_proj.weight", {Hkv * d, D}},   {"o_proj.weight", {D, H * d}},
                                {"q_norm.weight", {d}},            {"k_norm.weight", {d}}};
     if (c.attention_bias) {
-        s.push_back({"q_proj.bias", {2 * H * d}});
+        s.push_back({"q_proj.bias", {q_rows}});
         s.push_back({"k_proj.bias", {Hkv * d}});
         s.push_back({"v_proj.bias", {Hkv * d}});
         s.push_back({"o_proj.bias", {D}});
@@ -135,22 +139,22 @@ public:
         });
         // One input GEMM [Q | gate | K | V]: q_proj's per-head interleaved rows are reordered here.
         const Index D = config.hidden_size, H = config.num_attention_heads, Hkv = config.num_key_value_heads;
-        const Index d = config.head_dim;
-        m_w_in.resize(2 * H * d + 2 * Hkv * d, D);
+        const Index d = config.head_dim, G = gate_width();
+        const Index q_stride = config.attn_output_gate ? 2 * d : d;  // q_proj rows per head
+        m_w_in.resize(H * d + G + 2 * Hkv * d, D);
         Vector<Scalar> bias = Vector<Scalar>::Zero(m_w_in.rows());
         for (Index h = 0; h < H; ++h) {
-            m_w_in.middleRows(h * d, d) = w.q_proj_weight.middleRows(h * 2 * d, d);
-            m_w_in.middleRows(H * d + h * d, d) = w.q_proj_weight.middleRows(h * 2 * d + d, d);
-            if (config.attention_bias) {
-                bias.segment(h * d, d) = w.q_proj_bias.segment(h * 2 * d, d);
-                bias.segment(H * d + h * d, d) = w.q_proj_bias.segment(h * 2 * d + d, d);
-            }
+            m_w_in.middleRows(h * d, d) = w.q_proj_weight.middleRows(h * q_stride, d);
+            if (config.attention_bias) bias.segment(h * d, d) = w.q_proj_bias.segment(h * q_stride, d);
+            if (G == 0) continue;
+            m_w_in.middleRows(H * d + h * d, d) = w.q_proj_weight.middleRows(h * q_stride + d, d);
+            if (config.attention_bias) bias.segment(H * d + h * d, d) = w.q_proj_bias.segment(h * q_stride + d, d);
         }
-        m_w_in.middleRows(2 * H * d, Hkv * d) = w.k_proj_weight;
-        m_w_in.middleRows(2 * H * d + Hkv * d, Hkv * d) = w.v_proj_weight;
+        m_w_in.middleRows(H * d + G, Hkv * d) = w.k_proj_weight;
+        m_w_in.middleRows(H * d + G + Hkv * d, Hkv * d) = w.v_proj_weight;
         if (config.attention_bias) {
-            bias.segment(2 * H * d, Hkv * d) = w.k_proj_bias;
-            bias.segment(2 * H * d + Hkv * d, Hkv * d) = w.v_proj_bias;
+            bias.segment(H * d + G, Hkv * d) = w.k_proj_bias;
+            bias.segment(H * d + G + Hkv * d, Hkv * d) = w.v_proj_bias;
             m_b_in = bias;
             m_b_o = w.o_proj_bias;
         }
@@ -160,6 +164,11 @@ public:
     }
 
     const Qwen3NextConfig& config() const noexcept { return m_config; }
+
+    /// Gate columns per token: H·d with the output gate, 0 without.
+    Index gate_width() const noexcept {
+        return m_config.attn_output_gate ? m_config.num_attention_heads * m_config.head_dim : 0;
+    }
 
     /// A cache sized for this layer: `batch` sequences of up to `capacity` tokens.
     KVCache<Scalar> make_cache(Index batch, Index capacity) const {
@@ -172,14 +181,18 @@ public:
     /// \param cache     the sequences' cache; counts[b] tokens are appended to sequence b.
     /// \param out       [B·N, D], written; rows of padding slots (t ≥ counts[b]) are 0.
     /// \param counts    new tokens per sequence (≤ N; padding at the end); empty = N each.
-    /// \param gate_scores optional [B·N, H·d] σ(gate) for statistics.
+    /// \param gate_scores optional [B·N, H·d] σ(gate) for statistics (paper §4.2 gate scores);
+    ///        resized to [B·N, 0] when attn_output_gate is false.
+    /// \param first_key_probability optional [B·N, H]: attention each query puts on its
+    ///        sequence's first cached token (paper §4.3 first-token attention); 0 on padding rows.
     /// Prefill of N tokens equals N single-token steps: each token attends, causally, to its
     /// sequence's cached tokens and the new tokens before it (bottom-right alignment per sequence).
     /// \throws shape_error / std::invalid_argument for bad shapes, counts, or a full cache;
     ///         nothing is written (cache included) when it throws.
     void forward(ConstMatrixRef<Scalar> x, const std::vector<Index>& positions, KVCache<Scalar>& cache,
                  MatrixRef<Scalar> out, std::vector<Index> counts = {},
-                 RowMatrix<Scalar>* gate_scores = nullptr) const {
+                 RowMatrix<Scalar>* gate_scores = nullptr,
+                 RowMatrix<Scalar>* first_key_probability = nullptr) const {
         constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
         const Qwen3NextConfig& c = m_config;
         const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
@@ -215,27 +228,29 @@ public:
         proj.noalias() = x * m_w_in.transpose();
         if (m_b_in.size()) proj.rowwise() += m_b_in.transpose();
         Scalar* p = proj.data();
-        const Index ld = proj.outerStride();
-        rms_norm_heads(p, rows, ld, H, d, m_q_norm.data(), c.rms_norm_eps);                 // query
-        rms_norm_heads(p + 2 * H * d, rows, ld, Hkv, d, m_k_norm.data(), c.rms_norm_eps);   // key
+        const Index ld = proj.outerStride(), G = gate_width(), k0 = H * d + G;  // k0: first key column
+        rms_norm_heads(p, rows, ld, H, d, m_q_norm.data(), c.rms_norm_eps);        // query
+        rms_norm_heads(p + k0, rows, ld, Hkv, d, m_k_norm.data(), c.rms_norm_eps);  // key
         apply_rope(p, rows, ld, H, d, c.rotary_dim(), positions.data(), c.rope_theta);
-        apply_rope(p + 2 * H * d, rows, ld, Hkv, d, c.rotary_dim(), positions.data(), c.rope_theta);
+        apply_rope(p + k0, rows, ld, Hkv, d, c.rotary_dim(), positions.data(), c.rope_theta);
 
-        cache.append(proj.middleCols(2 * H * d, Hkv * d), proj.middleCols(2 * H * d + Hkv * d, Hkv * d), counts);
+        cache.append(proj.middleCols(k0, Hkv * d), proj.middleCols(k0 + Hkv * d, Hkv * d), counts);
         SdpaOptions<Scalar> opt;
         opt.scale = 1.0 / std::sqrt(double(d));
         opt.mask.causal = true;
         opt.mask.key_lengths = cache.lengths();
         opt.mask.query_lengths = counts;
+        SdpaOutputs<Scalar> extra;
+        extra.first_key_probability = first_key_probability;
         RowMatrix<Scalar> u(rows, H * d);
         scaled_dot_product_attention<Scalar>(proj.middleCols(0, H * d), cache.keys(), cache.values(),
-                                             HeadLayout{B, H, Hkv}, u, opt);
-        if (gate_scores) gate_scores->resize(rows, H * d);
-        for (Index r = 0; r < rows; ++r) {
+                                             HeadLayout{B, H, Hkv}, u, opt, extra);
+        if (gate_scores) gate_scores->resize(rows, G);
+        for (Index r = 0; r < rows && G > 0; ++r) {
             const Scalar* z = p + r * ld + H * d;
-            if (gate_scores) activate(GateActivation::Sigmoid, z, gate_scores->data() + r * H * d, static_cast<std::size_t>(H * d));
+            if (gate_scores) activate(GateActivation::Sigmoid, z, gate_scores->data() + r * G, static_cast<std::size_t>(G));
             apply_gate(GateActivation::Sigmoid, GateCombine::Multiplicative, u.data() + r * H * d, z,
-                       static_cast<const Scalar*>(nullptr), static_cast<Scalar*>(nullptr), static_cast<std::size_t>(H * d));
+                       static_cast<const Scalar*>(nullptr), static_cast<Scalar*>(nullptr), static_cast<std::size_t>(G));
         }
         out.noalias() = u * m_w_o.transpose();
         if (m_b_o.size()) out.rowwise() += m_b_o.transpose();
@@ -245,7 +260,7 @@ public:
 
 private:
     Qwen3NextConfig m_config;
-    RowMatrix<Scalar> m_w_in;  // [H·d query | H·d gate | H_kv·d key | H_kv·d value] × D
+    RowMatrix<Scalar> m_w_in;  // [H·d query | H·d gate (if gated) | H_kv·d key | H_kv·d value] × D
     Vector<Scalar> m_b_in, m_b_o;
     RowMatrix<Scalar> m_w_o;
     Vector<Scalar> m_q_norm, m_k_norm;
