@@ -9,12 +9,16 @@
 ///  - `std::invalid_argument` when an option or a combination of options is invalid,
 ///  - `gattn::io_error` (a `std::runtime_error`) when a file cannot be read or is malformed.
 /// Messages name the function, the argument, what was expected and what was given.
+/// The exception types stay in `gattn` itself (not in the instruction-set namespace, see
+/// config.hpp), so `catch (const gattn::shape_error&)` works whatever flags threw it.
 
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+
+#include "gattn/config.hpp"
 
 namespace gattn {
 
@@ -34,6 +38,9 @@ public:
     using std::runtime_error::runtime_error;
 };
 
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 /// Formats a shape as "[a, b, c]".
@@ -72,4 +79,4 @@ inline void check_shape(const char* function, const std::string& argument, Index
 }
 
 }  // namespace detail
-}  // namespace gattn
+GATTN_END_ISA_NAMESPACE

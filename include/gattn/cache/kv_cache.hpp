@@ -14,7 +14,7 @@
 
 #include "gattn/types.hpp"
 
-namespace gattn {
+GATTN_BEGIN_ISA_NAMESPACE
 
 template <class Scalar>
 class KVCache {
@@ -101,4 +101,4 @@ private:
     RowMatrix<Scalar> m_keys, m_values;
 };
 
-}  // namespace gattn
+GATTN_END_ISA_NAMESPACE

@@ -118,6 +118,10 @@ struct GateSpec {
     bool operator!=(const GateSpec& o) const noexcept { return !(*this == o); }
 };
 
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
 inline const char* to_string(GatePosition p) {
     switch (p) {
         case GatePosition::None: return "none";
@@ -240,4 +244,4 @@ inline std::vector<GateSpec> all_valid_gate_specs() {
     return out;
 }
 
-}  // namespace gattn
+GATTN_END_ISA_NAMESPACE

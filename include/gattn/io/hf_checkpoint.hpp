@@ -17,7 +17,7 @@
 #include "gattn/io/safetensors.hpp"
 #include "gattn/models/qwen3_next_attention.hpp"
 
-namespace gattn {
+GATTN_BEGIN_ISA_NAMESPACE
 
 namespace detail {
 
@@ -172,4 +172,4 @@ Qwen3NextAttention<Scalar> load_qwen3_next_attention(const std::string& dir, Ind
     return Qwen3NextAttention<Scalar>(config, load_qwen3_next_attention_weights<Scalar>(dir, layer, config));
 }
 
-}  // namespace gattn
+GATTN_END_ISA_NAMESPACE

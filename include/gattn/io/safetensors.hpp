@@ -40,6 +40,10 @@ struct TensorInfo {
     }
 };
 
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
 namespace detail {
 
 inline std::size_t dtype_size(const std::string& dtype) noexcept {
@@ -299,4 +303,4 @@ AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file,
     return w;
 }
 
-}  // namespace gattn
+GATTN_END_ISA_NAMESPACE

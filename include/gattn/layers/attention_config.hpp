@@ -34,7 +34,12 @@ struct AttentionConfig {
     Index d_v() const noexcept { return value_head_dim > 0 ? value_head_dim : head_dim; }
 };
 
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
 /// Shape of one named parameter; `shape` has one entry for a bias, two for a weight.
+/// (In the instruction-set namespace: std::vector<TensorShape>'s code differs by instruction set.)
 struct TensorShape {
     std::string name;
     std::vector<Index> shape;
@@ -182,4 +187,4 @@ inline Index gate_parameter_count(const AttentionConfig& c) {
     return w * c.d_model + ((fused ? c.qkv_bias : g.bias) ? w : 0);
 }
 
-}  // namespace gattn
+GATTN_END_ISA_NAMESPACE

@@ -25,6 +25,19 @@
 
 namespace gattn {
 
+/// Per-call options of GatedMultiHeadAttention::forward (masks beyond the config's causal flag
+/// and window, which always apply).
+template <class Scalar>
+struct ForwardOptions {
+    std::vector<Index> key_lengths;  ///< valid tokens per sequence (B entries), padding at the end
+    MaskView<bool> bool_mask;        ///< [B|1, H|1, N|1, N], true = attend
+    MaskView<Scalar> bias;           ///< [B|1, H|1, N|1, N] additive
+};
+
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
 /// Weights of one layer in nn.Linear layout ([out_features, in_features], y = x Wᵀ + b) and
 /// HF names. Unused members stay empty. Fused gate layouts keep the gate rows inside
 /// q_proj_weight in their checkpoint order.
@@ -81,15 +94,6 @@ AttentionWeights<Scalar> make_random_weights(const AttentionConfig& config, std:
     return w;
 }
 
-/// Per-call options of GatedMultiHeadAttention::forward (masks beyond the config's causal flag
-/// and window, which always apply).
-template <class Scalar>
-struct ForwardOptions {
-    std::vector<Index> key_lengths;  ///< valid tokens per sequence (B entries), padding at the end
-    MaskView<bool> bool_mask;        ///< [B|1, H|1, N|1, N], true = attend
-    MaskView<Scalar> bias;           ///< [B|1, H|1, N|1, N] additive
-};
-
 /// What a forward pass can record for analysis (paper Table 4 and Figure 2 statistics).
 template <class Scalar>
 struct ForwardTrace {
@@ -115,10 +119,6 @@ struct ForwardTrace {
                                           : std::numeric_limits<double>::quiet_NaN();
     }
 };
-
-}  // namespace gattn
-
-GATTN_BEGIN_ISA_NAMESPACE
 
 /// Gated multi-head attention layer (arXiv:2505.06708), float or double.
 ///

@@ -45,6 +45,10 @@ struct Qwen3NextConfig {
     Index rotary_dim() const noexcept { return static_cast<Index>(double(head_dim) * partial_rotary_factor); }
 };
 
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
 /// Throws std::invalid_argument naming the field when the config cannot describe a layer.
 inline void validate_qwen3_next_config(const Qwen3NextConfig& c, const char* fn) {
     auto positive = [&](Index v, const char* name) {
@@ -115,10 +119,6 @@ inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& 
     }
     return s;
 }
-
-}  // namespace gattn
-
-GATTN_BEGIN_ISA_NAMESPACE
 
 /// Qwen3-Next gated full attention with a KV cache.
 template <class Scalar>

@@ -61,6 +61,9 @@ struct AttentionMask {
     MaskView<Scalar> bias;
 };
 
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 /// Range [begin, end) of key positions that key lengths, causality and the window allow for one
@@ -91,4 +94,4 @@ inline KeyRange visible_key_range(const AttentionMask<Scalar>& mask, Index b, In
 }
 
 }  // namespace detail
-}  // namespace gattn
+GATTN_END_ISA_NAMESPACE

@@ -58,6 +58,9 @@ struct SdpaOutputs {
     RowMatrix<Scalar>* first_key_probability = nullptr;
 };
 
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 /// Validates an SDPA call; throws shape_error / std::invalid_argument. Returns {d_k, d_v}.
@@ -161,9 +164,6 @@ inline Index span_of(const M& m) noexcept {
 }
 
 }  // namespace detail
-}  // namespace gattn
-
-GATTN_BEGIN_ISA_NAMESPACE
 
 /// Scaled dot-product attention with GQA/MQA, masks and optional log-sum-exp.
 ///
@@ -365,7 +365,7 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
 /// both are −∞ gives 0 and −∞.
 /// \param out_a, out_b [R, H·d_v] partial outputs; \param lse_a, lse_b [R, H] their log-sum-exp.
 /// \param out [R, H·d_v] and \param lse [R, H], written; out may be out_a and lse may be lse_a.
-/// 	hrows shape_error when the shapes disagree.
+/// \throws shape_error when the shapes disagree.
 template <class Scalar>
 void merge_attention(ConstMatrixRef<Scalar> out_a, ConstMatrixRef<Scalar> lse_a, ConstMatrixRef<Scalar> out_b,
                      ConstMatrixRef<Scalar> lse_b, MatrixRef<Scalar> out, MatrixRef<Scalar> lse) {
