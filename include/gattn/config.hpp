@@ -4,13 +4,15 @@
 /// \file
 /// Build configuration: C++17 check, assertions and the instruction-set namespace.
 ///
-/// Every function of gattn that contains SIMD code lives in an inline namespace named after the
-/// instruction set the translation unit is compiled for (e.g. `gattn::isa_avx512f`). Two
-/// translation units built with different -m flags therefore get different symbols and the linker
-/// cannot mix an AVX-512 body into an SSE2 caller (the ODR problem seen in numpy#25274). Plain
-/// option structs, enums and exception types carry no SIMD code and stay in `gattn` itself.
-/// Eigen objects still must not cross such translation units: Eigen's allocation alignment
-/// depends on the instruction set.
+/// Every function gattn defines lives in an inline namespace named after the instruction set the
+/// translation unit is compiled for (e.g. `gattn::isa_avx512f`; code still writes
+/// `gattn::scaled_dot_product_attention`). Two translation units built with different -m flags
+/// therefore get different symbols and the linker cannot mix an AVX-512 body into an SSE2 caller
+/// (the ODR problem seen in numpy#25274). Only exception types, enums and plain option structs
+/// stay in `gattn` itself, so that `catch (const gattn::shape_error&)` works across such units.
+/// Eigen's own functions are shared by all units: they need one EIGEN_MAX_ALIGN_BYTES, which the
+/// gattn::gattn CMake target defines; these headers do not (docs/conventions.md, "Instruction
+/// sets"). Eigen objects must not cross units built with different flags.
 
 #if __cplusplus < 201703L && !(defined(_MSVC_LANG) && _MSVC_LANG >= 201703L)
 #error "gattn requires C++17"

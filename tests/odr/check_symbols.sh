@@ -1,15 +1,24 @@
 #!/usr/bin/env bash
-# Checks with `nm -C` that test_odr holds gattn's SIMD code twice, once per instruction set:
-# symbols in gattn::isa_sse2:: (baseline unit) and gattn::isa_avx2_fma:: (-mavx2 -mfma unit),
-# including scaled_dot_product_attention<float> in both. Then lists, for information, the
-# functions that the two units define under the same name but compiled differently: the linker
-# keeps one copy of each for both units (the ODR hazard that gattn's namespace does not cover).
+# Checks the ODR safety of test_odr, whose two units include gattn with different -m flags:
+#  1. with `nm -C`, that the binary holds gattn's code twice, once per instruction set: symbols in
+#     gattn::isa_sse2:: (baseline unit) and gattn::isa_avx2_fma:: (-mavx2 -mfma unit), including
+#     scaled_dot_product_attention<float> in both;
+#  2. that no function the two units define under one name (the linker keeps one copy for both)
+#     and compile differently belongs to gattn: a function of namespace gattn outside the
+#     instruction-set namespaces, or any function instantiated for such a gattn type (e.g.
+#     std::vector<gattn::X>::push_back). Those fail the check. Eigen's and the standard library's
+#     own functions compiled differently are outside gattn's control: they are listed only.
+# Functions are compared by their instruction mnemonics (objdump), one object per unit.
 # Usage: check_symbols.sh <test_odr binary> <baseline object> <avx2 object>
 set -euo pipefail
 binary="$1"
 # CMake passes $<TARGET_OBJECTS:...> lists; accept them space- or semicolon-separated.
 objects=$(echo "${*:2}" | tr ';' ' ')
 read -r obj_base obj_avx2 _ <<<"$objects"
+if [ -z "${obj_base:-}" ] || [ -z "${obj_avx2:-}" ]; then
+  echo "usage: check_symbols.sh <test_odr binary> <baseline object> <avx2 object>" >&2
+  exit 2
+fi
 
 symbols=$(nm -C "$binary")
 fail=0
@@ -18,19 +27,17 @@ for ns in isa_sse2 isa_avx2_fma; do
   sdpa=$(grep -c "gattn::$ns::scaled_dot_product_attention<float>" <<<"$symbols" || true)
   echo "gattn::$ns:: symbols: $count (scaled_dot_product_attention<float>: $sdpa)"
   if [ "$count" -eq 0 ] || [ "$sdpa" -eq 0 ]; then
-    echo "FAIL: no gattn::$ns:: copy of the SIMD code in $binary" >&2
+    echo "FAIL: no gattn::$ns:: copy of gattn's code in $binary" >&2
     fail=1
   fi
 done
-[ "$fail" -eq 0 ] || exit 1
 
 # Functions defined (weak or global) in both units, compared by their instruction sequence
 # (each object is disassembled once: one line "<mangled name> <mnemonics...>" per function).
-[ -n "${obj_base:-}" ] && [ -n "${obj_avx2:-}" ] || exit 0
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for obj in "$obj_base" "$obj_avx2"; do
-  key=$([ "$obj" = "$obj_base" ] && echo base || echo avx2)
+for key in base avx2; do
+  obj=$([ "$key" = base ] && echo "$obj_base" || echo "$obj_avx2")
   nm "$obj" | awk '$2 ~ /^[TW]$/ {print $3}' | sort -u >"$work/$key.defined"
   objdump -d --no-show-raw-insn "$obj" | awk '
     /^[0-9a-f]+ <.*>:$/ { if (name != "") print name seq; name = substr($2, 2, length($2) - 3); seq = ""; next }
@@ -40,16 +47,52 @@ done
 comm -12 "$work/base.defined" "$work/avx2.defined" >"$work/shared"
 join "$work/shared" "$work/base.code" >"$work/shared.base" || true
 join "$work/shared" "$work/avx2.code" >"$work/shared.avx2" || true
-# Lines: "<tag> <mangled name>" for each shared function whose code differs.
-join -j1 <(awk '{n = $1; $1 = ""; print n "\t" $0}' "$work/shared.base" | sort -t$'\t' -k1,1) \
-         <(awk '{n = $1; $1 = ""; print n "\t" $0}' "$work/shared.avx2" | sort -t$'\t' -k1,1) -t$'\t' |
-  awk -F'\t' '$2 != $3 { print ($3 ~ / v[a-z]/ ? "AVX" : "different"), $1 }' >"$work/differ"
+# "<same|different> <mangled name>" for every shared function.
+join -j1 -t$'\t' <(awk '{n = $1; $1 = ""; print n "\t" $0}' "$work/shared.base" | sort -t$'\t' -k1,1) \
+                 <(awk '{n = $1; $1 = ""; print n "\t" $0}' "$work/shared.avx2" | sort -t$'\t' -k1,1) |
+  awk -F'\t' '{ print ($2 == $3 ? "same" : ($3 ~ / v[a-z]/ ? "avx" : "different")), $1 }' >"$work/compared"
+
+# Owner of a mangled name: "gattn" for a function of namespace gattn (also a lambda or local
+# class inside one) outside the isa_* namespaces, "gattn-type" for another function whose name
+# mentions a gattn entity, "library" otherwise.
+owner() {
+  local rest="${1#_Z}"
+  while [[ "$rest" =~ ^(N[VKRO]*|Z)(.*)$ ]]; do rest="${BASH_REMATCH[2]}"; done
+  if [[ "$rest" == 5gattn* ]] && ! [[ "$rest" =~ ^5gattn[0-9]+isa_ ]]; then
+    echo gattn
+  elif [[ "$(c++filt "$1")" == *gattn::* ]]; then
+    echo gattn-type
+  else
+    echo library
+  fi
+}
+
+gattn_same=0
+gattn_bad=()
+library=()
+while read -r verdict sym; do
+  who=$(owner "$sym")
+  name=$(c++filt "$sym" | cut -c1-180)
+  label=$([ "$verdict" = avx ] && echo "AVX code in the avx2 unit" || echo "different code")
+  if [ "$who" = library ]; then
+    [ "$verdict" = same ] || library+=("[$label] $name")
+  elif [ "$verdict" = same ]; then
+    gattn_same=$((gattn_same + 1))
+  else
+    gattn_bad+=("[$label] $name")
+  fi
+done <"$work/compared"
+
 shared=$(wc -l <"$work/shared")
-differ=$(wc -l <"$work/differ")
-vex=$(grep -c '^AVX ' "$work/differ" || true)
-echo "functions defined in both units under one name: $shared; compiled differently: $differ" \
-     "(with AVX instructions in the avx2 unit: $vex); the linker keeps one copy of each:"
-while read -r tag sym; do
-  label=$([ "$tag" = AVX ] && echo "AVX code in the avx2 unit" || echo "different code")
-  echo "  [$label] $(c++filt "$sym" | cut -c1-160)"
-done <"$work/differ"
+echo "functions defined in both units under one name (the linker keeps one copy): $shared"
+echo "  of gattn or for gattn types, outside the isa_* namespaces: $((gattn_same + ${#gattn_bad[@]}))," \
+     "compiled differently: ${#gattn_bad[@]}"
+for f in "${gattn_bad[@]}"; do echo "    FAIL $f"; done
+echo "  Eigen's and the standard library's, compiled differently (not gattn's code): ${#library[@]}"
+for f in "${library[@]}"; do echo "    $f"; done
+if [ "${#gattn_bad[@]}" -gt 0 ]; then
+  echo "FAIL: gattn code outside the instruction-set namespaces differs between the units;" \
+       "move it into GATTN_BEGIN_ISA_NAMESPACE (gattn/config.hpp)" >&2
+  fail=1
+fi
+exit "$fail"

@@ -25,15 +25,23 @@ enum { GATTN_ODR_D_MODEL = 16 };
     const char* gattn_odr_arch_##suffix(void);                                                   \
     /* gattn's inline SIMD namespace of the unit, e.g. "isa_sse2". */                             \
     const char* gattn_odr_namespace_##suffix(void);                                              \
+    /* Eigen's heap alignment in the unit (EIGEN_DEFAULT_ALIGN_BYTES). */                        \
+    int gattn_odr_eigen_alignment_##suffix(void);                                                \
     /* Number of valid gate specs (gattn::all_valid_gate_specs().size()). */                    \
     int gattn_odr_gate_count_##suffix(void);                                                     \
     /* scaled_dot_product_attention<float>; 0 on success, -1 when gattn threw. */                \
     int gattn_odr_sdpa_##suffix(const GattnOdrSdpaCase* c, const float* q, const float* k,       \
                                 const float* v, float* out);                                     \
     /* Causal GQA layer (d_model 16, 4 heads, 2 KV heads, head_dim 8) with random weights of */  \
-    /* the seed and gate all_valid_gate_specs()[gate]; 0 on success, -1 when gattn threw. */     \
+    /* the seed and gate all_valid_gate_specs()[gate], the last sequence's last key padding; */  \
+    /* 0 on success, -1 when gattn threw. */                                                     \
     int gattn_odr_layer_##suffix(int gate, unsigned seed, const float* x, int batch, int tokens, \
-                                 float* out);
+                                 float* out);                                                    \
+    /* Qwen3-Next layer (same shapes) with random weights of the seed: prefill of x's first */   \
+    /* batch·tokens rows (the second sequence one token short), then one decoding step on the */ \
+    /* last batch rows; x and out are [batch·(tokens + 1), d_model]; 0, or -1 when it threw. */ \
+    int gattn_odr_qwen3_next_##suffix(unsigned seed, const float* x, int batch, int tokens,      \
+                                      float* out);
 
 GATTN_ODR_DECLARE(baseline)
 GATTN_ODR_DECLARE(avx2)

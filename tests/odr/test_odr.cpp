@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: Apache-2.0
 // One executable, two translation units with the same gattn code built for different
-// instruction sets (odr_tu.cpp with the baseline flags and with -mavx2 -mfma). gattn puts its
-// SIMD functions in an inline namespace named after the instruction set (gattn/config.hpp), so
-// each unit keeps its own kernels instead of the linker picking one copy for both (the ODR
-// violation of numpy#25274). This test checks that the units did use different instruction sets
-// and that both compute the same attention and layer outputs; tests/odr/check_symbols.sh checks
-// with `nm -C` that the binary holds both gattn::isa_sse2:: and gattn::isa_avx2_fma:: copies
-// (e.g. of scaled_dot_product_attention<float>), and reports the functions that the two units
-// share under one name but compiled differently.
+// instruction sets (odr_tu.cpp with the baseline flags and with -mavx2 -mfma), exchanging raw
+// buffers only. gattn puts every function it defines in an inline namespace named after the
+// instruction set (gattn/config.hpp), so each unit keeps its own code instead of the linker
+// picking one copy for both (the ODR violation of numpy#25274); tests/odr/check_symbols.sh checks
+// that with `nm` and `objdump`. Eigen's own functions are shared by the units, so both must use
+// one heap alignment: the gattn::gattn target defines EIGEN_MAX_ALIGN_BYTES for them.
+// This test checks that the units did use different instruction sets and one Eigen heap
+// alignment, and that both compute the same attention and layer outputs.
 // Results are compared to 1e-5, not bitwise: the AVX2 unit has 8 lanes and FMA, so it sums and
 // rounds in another order.
 
@@ -70,6 +70,14 @@ TEST(Odr, UnitsUseDifferentInstructionSets) {
     EXPECT_NE(avx2_arch.find("avx2"), std::string::npos) << avx2_arch;
 }
 
+// Eigen's allocation functions (e.g. PlainObjectBase::resize) exist once in the program: with
+// different heap alignments one unit would free the other's memory with the wrong allocator.
+TEST(Odr, UnitsShareEigenHeapAlignment) {
+    const int base = gattn_odr_eigen_alignment_baseline(), avx2 = gattn_odr_eigen_alignment_avx2();
+    std::printf("Eigen heap alignment: baseline unit %d bytes, avx2 unit %d bytes\n", base, avx2);
+    EXPECT_EQ(base, avx2);
+}
+
 TEST(Odr, SdpaAgreesAcrossUnits) {
     REQUIRE_AVX2();
     const int lengths_a[] = {70, 33};
@@ -110,6 +118,16 @@ TEST(Odr, LayerAgreesAcrossUnitsForEveryGate) {
         ASSERT_EQ(gattn_odr_layer_avx2(g, 5u + unsigned(g), x.data(), batch, tokens, avx2.data()), 0) << g;
         expect_agree(base, avx2, "gate spec " + std::to_string(g));
     }
+}
+
+TEST(Odr, Qwen3NextAgreesAcrossUnits) {
+    REQUIRE_AVX2();
+    const int batch = 2, tokens = 7;
+    const auto x = random_values(std::size_t(batch) * (tokens + 1) * GATTN_ODR_D_MODEL, 17);
+    std::vector<float> base(x.size(), -7.0f), avx2 = base;
+    ASSERT_EQ(gattn_odr_qwen3_next_baseline(3u, x.data(), batch, tokens, base.data()), 0);
+    ASSERT_EQ(gattn_odr_qwen3_next_avx2(3u, x.data(), batch, tokens, avx2.data()), 0);
+    expect_agree(base, avx2, "Qwen3-Next prefill and decoding step");
 }
 
 }  // namespace

@@ -1,4 +1,13 @@
-// Builds a gated layer through the installed or vendored package and checks one value by hand.
+// Builds a gated layer through the installed or vendored package and checks one value by hand,
+// and that the target defines the expected EIGEN_MAX_ALIGN_BYTES (before Eigen is included).
+#if GATTN_CONSUMER_EIGEN_ALIGN
+#if !defined(EIGEN_MAX_ALIGN_BYTES) || EIGEN_MAX_ALIGN_BYTES != GATTN_CONSUMER_EIGEN_ALIGN
+#error "gattn::gattn does not define the expected EIGEN_MAX_ALIGN_BYTES"
+#endif
+#elif defined(EIGEN_MAX_ALIGN_BYTES)
+#error "gattn::gattn defines EIGEN_MAX_ALIGN_BYTES although GATTN_EIGEN_MAX_ALIGN_BYTES is empty"
+#endif
+
 #include <gattn/gattn.hpp>
 
 #include <cmath>
