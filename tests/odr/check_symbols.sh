@@ -34,16 +34,19 @@ done
 
 # Functions defined (weak or global) in both units, compared by their instruction sequence
 # (each object is disassembled once: one line "<mangled name> <mnemonics...>" per function).
+# llvm-objdump when there is one: GNU objdump takes seconds on objects with thousands of sections.
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+disassembler=$(command -v llvm-objdump || echo objdump)
 for key in base avx2; do
   obj=$([ "$key" = base ] && echo "$obj_base" || echo "$obj_avx2")
   nm "$obj" | awk '$2 ~ /^[TW]$/ {print $3}' | sort -u >"$work/$key.defined"
-  objdump -d --no-show-raw-insn "$obj" | awk '
+  "$disassembler" -d --no-show-raw-insn "$obj" | awk '
     /^[0-9a-f]+ <.*>:$/ { if (name != "") print name seq; name = substr($2, 2, length($2) - 3); seq = ""; next }
-    /^ +[0-9a-f]+:\t/ { split($0, f, "\t"); split(f[2], w, " "); seq = seq " " w[1] }
-    END { if (name != "") print name seq }' | sort -k1,1 >"$work/$key.code"
+    /^ +[0-9a-f]+: *\t/ { split($0, f, "\t"); split(f[2], w, " "); seq = seq " " w[1] }
+    END { if (name != "") print name seq }' | sort -k1,1 >"$work/$key.code" &
 done
+wait
 comm -12 "$work/base.defined" "$work/avx2.defined" >"$work/shared"
 join "$work/shared" "$work/base.code" >"$work/shared.base" || true
 join "$work/shared" "$work/avx2.code" >"$work/shared.avx2" || true
@@ -52,36 +55,33 @@ join -j1 -t$'\t' <(awk '{n = $1; $1 = ""; print n "\t" $0}' "$work/shared.base" 
                  <(awk '{n = $1; $1 = ""; print n "\t" $0}' "$work/shared.avx2" | sort -t$'\t' -k1,1) |
   awk -F'\t' '{ print ($2 == $3 ? "same" : ($3 ~ / v[a-z]/ ? "avx" : "different")), $1 }' >"$work/compared"
 
-# Owner of a mangled name: "gattn" for a function of namespace gattn (also a lambda or local
-# class inside one) outside the isa_* namespaces, "gattn-type" for another function whose name
-# mentions a gattn entity, "library" otherwise.
-owner() {
-  local rest="${1#_Z}"
-  while [[ "$rest" =~ ^(N[VKRO]*|Z)(.*)$ ]]; do rest="${BASH_REMATCH[2]}"; done
-  if [[ "$rest" == 5gattn* ]] && ! [[ "$rest" =~ ^5gattn[0-9]+isa_ ]]; then
-    echo gattn
-  elif [[ "$(c++filt "$1")" == *gattn::* ]]; then
-    echo gattn-type
-  else
-    echo library
-  fi
-}
+# Classify each shared function (one c++filt call for all names): "gattn" for a function of
+# namespace gattn (also a lambda or local class inside one) outside the isa_* namespaces,
+# "gattn-type" for another function whose name mentions a gattn entity, "library" otherwise.
+cut -d' ' -f2 "$work/compared" | c++filt >"$work/demangled"
+paste -d'\t' "$work/compared" "$work/demangled" | awk -F'\t' '
+  {
+    split($1, f, " "); verdict = f[1]; rest = f[2]; name = $2
+    sub(/^_Z/, "", rest)
+    while (rest ~ /^(N[VKRO]*|Z)/) sub(/^(N[VKRO]*|Z)/, "", rest)
+    if (rest ~ /^5gattn/ && rest !~ /^5gattn[0-9]+isa_/) who = "gattn"
+    else if (index(name, "gattn::") > 0) who = "gattn-type"
+    else who = "library"
+    print verdict "\t" who "\t" substr(name, 1, 180)
+  }' >"$work/classified"
 
-gattn_same=0
+label() { [ "$1" = avx ] && echo "AVX code in the avx2 unit" || echo "different code"; }
+gattn_same=$(awk -F'\t' '$2 != "library" && $1 == "same"' "$work/classified" | wc -l)
 gattn_bad=()
 library=()
-while read -r verdict sym; do
-  who=$(owner "$sym")
-  name=$(c++filt "$sym" | cut -c1-180)
-  label=$([ "$verdict" = avx ] && echo "AVX code in the avx2 unit" || echo "different code")
+while IFS=$'\t' read -r verdict who name; do
+  [ "$verdict" = same ] && continue
   if [ "$who" = library ]; then
-    [ "$verdict" = same ] || library+=("[$label] $name")
-  elif [ "$verdict" = same ]; then
-    gattn_same=$((gattn_same + 1))
+    library+=("[$(label "$verdict")] $name")
   else
-    gattn_bad+=("[$label] $name")
+    gattn_bad+=("[$(label "$verdict")] $name")
   fi
-done <"$work/compared"
+done <"$work/classified"
 
 shared=$(wc -l <"$work/shared")
 echo "functions defined in both units under one name (the linker keeps one copy): $shared"

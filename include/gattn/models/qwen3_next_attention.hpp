@@ -28,9 +28,10 @@
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
 
-namespace gattn {
+GATTN_BEGIN_ISA_NAMESPACE
 
-/// The attention part of a Qwen3-Next / Qwen3.5 config.json.
+/// The attention part of a Qwen3-Next / Qwen3.5 config.json. (In the instruction-set namespace:
+/// rotary_dim() is floating-point code, which the instruction set changes.)
 struct Qwen3NextConfig {
     Index hidden_size = 0;           ///< D
     Index num_attention_heads = 0;   ///< H
@@ -44,10 +45,6 @@ struct Qwen3NextConfig {
 
     Index rotary_dim() const noexcept { return static_cast<Index>(double(head_dim) * partial_rotary_factor); }
 };
-
-}  // namespace gattn
-
-GATTN_BEGIN_ISA_NAMESPACE
 
 /// Throws std::invalid_argument naming the field when the config cannot describe a layer.
 inline void validate_qwen3_next_config(const Qwen3NextConfig& c, const char* fn) {
