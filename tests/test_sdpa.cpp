@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // Scaled dot-product attention against the float64 reference (tests/support/reference.hpp):
 // shapes with odd sizes, GQA/MQA, d_v ≠ d_k, every mask alone and combined, the optional
-// outputs, strided views, fully masked rows, NaN in masked K/V rows, and argument validation.
+// outputs, strided views, fully masked rows, NaN in masked K/V rows, argument validation, and
+// extreme values: logits of ±1e30, denormal inputs, NaN and ±∞ in visible and masked keys.
 
 #include <gtest/gtest.h>
 
@@ -717,6 +718,26 @@ TEST(SdpaValidation, KeyLengthsWrongCount) {
         "key_lengths", f.out);
 }
 
+TEST(SdpaValidation, QueryLengthsWrongCount) {
+    ValidationFixture f;
+    f.opt.mask.query_lengths = {f.Nq};
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "mask.query_lengths must have shape [2], got [1]", f.out);
+}
+
+TEST(SdpaValidation, QueryLengthOutOfRange) {
+    ValidationFixture f;
+    f.opt.mask.query_lengths = {f.Nq, f.Nq + 1};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "mask.query_lengths[1] must be in [0, N_q = 3], got 4", f.out, true);
+    f.opt.mask.query_lengths = {-2, 0};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "mask.query_lengths[0] must be in [0, N_q = 3], got -2", f.out, true);
+}
+
 TEST(SdpaValidation, WindowMustBePositive) {
     ValidationFixture f;
     f.opt.mask.sliding_window = 0;
@@ -765,6 +786,267 @@ TEST(SdpaValidation, OutputOverlappingInput) {
         EXPECT_NE(std::string(e.what()).find("out"), std::string::npos) << e.what();
     }
     EXPECT_TRUE(q == q_before) << "query was modified";
+}
+
+// ---------------------------------------------------------------------------------------------
+// Extreme and non-finite values against the float64 reference, on both kernels: query tiles
+// (many (head, query) pairs per KV head) and the decoding path (one query per sequence; 2100
+// keys make two split-KV chunks, and the chosen keys sit in both).
+
+struct KernelShape {
+    const char* name;
+    Index B, Nq, Nk, H, Hkv, dk, dv;
+};
+const KernelShape kKernelShapes[] = {
+    {"tiles", 2, 37, 70, 4, 2, 8, 12},
+    {"decoding", 2, 1, 2100, 4, 2, 8, 12},
+};
+
+/// Number of (row, head) blocks of a [B·N_q, H·d_v] result that hold a NaN, and that are finite.
+template <class M>
+std::pair<Index, Index> nan_and_finite_blocks(const M& out, Index H) {
+    const Index dv = out.cols() / H;
+    Index nan = 0, finite = 0;
+    for (Index r = 0; r < out.rows(); ++r)
+        for (Index h = 0; h < H; ++h) {
+            const auto block = out.block(r, h * dv, 1, dv);
+            if (block.array().isNaN().any()) ++nan;
+            if (block.allFinite()) ++finite;
+        }
+    return {nan, finite};
+}
+
+/// Additive biases of ±1e30 are finite, so they do not mask: keys with +1e30 take all the weight
+/// and share it equally (the logit's own part is lost in rounding, in float and double alike), a
+/// row whose visible keys all have −1e30 averages them, and −∞ still masks.
+TYPED_TEST(SdpaTyped, HugeBiasLogitsMatchReference) {
+    using S = TypeParam;
+    for (const auto& sh : kKernelShapes) {
+        SCOPED_TRACE(sh.name);
+        const Index B = sh.B, Nq = sh.Nq, Nk = sh.Nk, H = sh.H, Hkv = sh.Hkv;
+        const Mat q = rounded<S>(random_matrix(B * Nq, H * sh.dk, 201));
+        const Mat k = rounded<S>(random_matrix(B * Nk, Hkv * sh.dk, 202));
+        const Mat v = rounded<S>(random_matrix(B * Nk, Hkv * sh.dv, 203));
+        std::vector<S> bias(static_cast<std::size_t>(B * H * Nq * Nk));
+        std::mt19937_64 rng(204);
+        std::uniform_real_distribution<double> u(0.0, 1.0);
+        for (std::size_t row = 0; row < bias.size() / Nk; ++row) {
+            S* b = bias.data() + row * Nk;
+            switch (row % 4) {
+                case 0:  // a mix of everything
+                    for (Index j = 0; j < Nk; ++j) {
+                        const double x = u(rng);
+                        b[j] = x < 0.05 ? S(1e30) : x < 0.4 ? S(-1e30) : x < 0.5 ? -std::numeric_limits<S>::infinity()
+                                                                                 : S(4 * x - 2);
+                    }
+                    break;
+                case 1:  // only −1e30 and −∞: the −1e30 keys share the weight
+                    for (Index j = 0; j < Nk; ++j) b[j] = u(rng) < 0.2 ? -std::numeric_limits<S>::infinity() : S(-1e30);
+                    break;
+                case 2:  // one +1e30 key, which every query of the row sees (key 0)
+                    for (Index j = 0; j < Nk; ++j) b[j] = S(0);
+                    b[0] = S(1e30);
+                    break;
+                default:
+                    for (Index j = 0; j < Nk; ++j) b[j] = S(4 * u(rng) - 2);
+            }
+        }
+        const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+        gattn::SdpaOptions<S> opt;
+        opt.mask.causal = true;
+        opt.mask.bias = {bias.data(), B, H, Nq, Nk};
+        gattn::RowMatrix<S> lse;
+        gattn::SdpaOutputs<S> extra;
+        extra.log_sum_exp = &lse;
+        const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, {B, H, Hkv}, opt, extra);
+        RefMasks rm;
+        rm.causal = true;
+        rm.bias.assign(bias.begin(), bias.end());
+        const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, Hkv, {}, rm);
+        EXPECT_GE(ref.log_sum_exp.maxCoeff(), 1e30) << "the case should have +1e30 logits";
+        EXPECT_TRUE(got.allFinite());
+        using T = Tol<S>;
+        expect_close(got, ref.out, T::atol, T::rtol, "SdpaHugeBias/out", T::nmse);
+        expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaHugeBias/lse");
+    }
+}
+
+/// Logits near ±1e31 from Q·K itself: q and k are small integers times 2^50 and the scale is
+/// 1/8, so every logit is exact in float and double and ties stay ties. The largest logit of a
+/// row (shared equally by tied keys) takes all the weight; the others underflow to 0.
+TYPED_TEST(SdpaTyped, HugeQueryKeyProductsMatchReference) {
+    using S = TypeParam;
+    for (const auto& sh : kKernelShapes) {
+        SCOPED_TRACE(sh.name);
+        const Index B = sh.B, Nq = sh.Nq, Nk = sh.Nk, H = sh.H, Hkv = sh.Hkv;
+        const double two50 = std::ldexp(1.0, 50);
+        const Mat q = (random_matrix(B * Nq, H * sh.dk, 211, 3.49).array().round() * two50).matrix();
+        const Mat k = (random_matrix(B * Nk, Hkv * sh.dk, 212, 3.49).array().round() * two50).matrix();
+        const Mat v = rounded<S>(random_matrix(B * Nk, Hkv * sh.dv, 213));
+        const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+        gattn::SdpaOptions<S> opt;
+        opt.scale = 0.125;
+        opt.mask.causal = true;
+        opt.mask.key_lengths = {Nk, Nk - 9};
+        gattn::RowMatrix<S> lse;
+        gattn::SdpaOutputs<S> extra;
+        extra.log_sum_exp = &lse;
+        const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, {B, H, Hkv}, opt, extra);
+        RefMasks rm;
+        rm.causal = true;
+        rm.key_lengths = opt.mask.key_lengths;
+        const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, Hkv, 0.125, rm);
+        EXPECT_GE(ref.log_sum_exp.cwiseAbs().maxCoeff(), 1e30) << "the case should have logits of 1e30";
+        EXPECT_TRUE(got.allFinite());
+        using T = Tol<S>;
+        expect_close(got, ref.out, T::atol, T::rtol, "SdpaHugeQK/out", T::nmse);
+        expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaHugeQK/lse");
+    }
+}
+
+/// Denormal float inputs. Q, K and V all 1e-40f: the logits underflow to 0 and each row averages
+/// its visible values, 1e-40f. Then values near FLT_MIN: q·k products around FLT_MIN and V of a
+/// few FLT_MIN, so results land among the denormals. Nothing is flushed to zero, nothing becomes
+/// NaN; the tolerance allows one rounding of a denormal per key.
+TEST(SdpaExtremeValues, DenormalFloatInputsMatchReference) {
+    constexpr float kFltMin = std::numeric_limits<float>::min();
+    const double denorm_min = std::numeric_limits<float>::denorm_min();
+    for (const auto& sh : kKernelShapes) {
+        SCOPED_TRACE(sh.name);
+        const Index B = sh.B, Nq = sh.Nq, Nk = sh.Nk, H = sh.H, Hkv = sh.Hkv;
+        const double atol = static_cast<double>(Nk) * denorm_min;
+        gattn::SdpaOptions<float> opt;
+        opt.mask.causal = true;
+        opt.mask.key_lengths = {Nk, Nk - 5};
+        RefMasks rm;
+        rm.causal = true;
+        rm.key_lengths = opt.mask.key_lengths;
+        gattn::RowMatrix<float> lse;
+        gattn::SdpaOutputs<float> extra;
+        extra.log_sum_exp = &lse;
+
+        const gattn::RowMatrix<float> q1 = gattn::RowMatrix<float>::Constant(B * Nq, H * sh.dk, 1e-40f);
+        const gattn::RowMatrix<float> k1 = gattn::RowMatrix<float>::Constant(B * Nk, Hkv * sh.dk, 1e-40f);
+        const gattn::RowMatrix<float> v1 = gattn::RowMatrix<float>::Constant(B * Nk, Hkv * sh.dv, 1e-40f);
+        ASSERT_EQ(std::fpclassify(q1(0, 0)), FP_SUBNORMAL);
+        const auto got1 = gattn::scaled_dot_product_attention<float>(q1, k1, v1, {B, H, Hkv}, opt, extra);
+        const auto ref1 = gattn_test::sdpa_reference(q1.cast<double>(), k1.cast<double>(), v1.cast<double>(), B, H,
+                                                     Hkv, {}, rm);
+        EXPECT_TRUE(got1.allFinite());
+        expect_close(got1, ref1.out, atol, 1e-5, "SdpaDenormal/constant out");
+        expect_close(lse, ref1.log_sum_exp, 1e-5, 1e-5, "SdpaDenormal/constant lse");
+
+        const double qk_scale = std::ldexp(1.0, -63);  // |q·k| terms around 2^-126 = FLT_MIN
+        const gattn::RowMatrix<float> q2 = (random_matrix(B * Nq, H * sh.dk, 221) * qk_scale).cast<float>();
+        const gattn::RowMatrix<float> k2 = (random_matrix(B * Nk, Hkv * sh.dk, 222) * qk_scale).cast<float>();
+        gattn::RowMatrix<float> v2 = (random_matrix(B * Nk, Hkv * sh.dv, 223) * (4.0 * kFltMin)).cast<float>();
+        v2.row(3).setConstant(std::numeric_limits<float>::denorm_min());
+        v2.row(4).setConstant(kFltMin / 3);
+        const auto got2 = gattn::scaled_dot_product_attention<float>(q2, k2, v2, {B, H, Hkv}, opt, extra);
+        const auto ref2 = gattn_test::sdpa_reference(q2.cast<double>(), k2.cast<double>(), v2.cast<double>(), B, H,
+                                                     Hkv, {}, rm);
+        EXPECT_TRUE(got2.allFinite());
+        EXPECT_GT(got2.cwiseAbs().maxCoeff(), 0.0f) << "denormal results were flushed to zero";
+        expect_close(got2, ref2.out, atol, 1e-5, "SdpaDenormal/near FLT_MIN out");
+        expect_close(lse, ref2.log_sum_exp, 1e-5, 1e-5, "SdpaDenormal/near FLT_MIN lse");
+    }
+}
+
+/// NaN in a key that some queries see (one K element of one key, one V element of another) and
+/// +∞ in a third key's K: as IEEE arithmetic says, a query that sees the NaN key gets NaN in
+/// every element of the heads reading it, the NaN value element makes only that element NaN, an
+/// +∞ logit gives NaN (∞ − ∞) and a −∞ logit weight 0. Queries that do not see them (boolean
+/// mask, causal) are unaffected. The reference decides which blocks are NaN.
+TYPED_TEST(SdpaTyped, NonFiniteVisibleKeysReachOnlyTheirQueries) {
+    using S = TypeParam;
+    for (const auto& sh : kKernelShapes) {
+        SCOPED_TRACE(sh.name);
+        const Index B = sh.B, Nq = sh.Nq, Nk = sh.Nk, H = sh.H, Hkv = sh.Hkv;
+        Mat q = rounded<S>(random_matrix(B * Nq, H * sh.dk, 231));
+        Mat k = rounded<S>(random_matrix(B * Nk, Hkv * sh.dk, 232));
+        Mat v = rounded<S>(random_matrix(B * Nk, Hkv * sh.dv, 233));
+        const bool decoding = Nq == 1;
+        const Index nan_key = decoding ? 2060 : 5, nan_value = decoding ? 100 : 20, inf_key = decoding ? 2090 : 12;
+        k(0 * Nk + nan_key, 3) = kNaN;              // sequence 0, KV head 0
+        v(1 * Nk + nan_value, sh.dv + 2) = kNaN;    // sequence 1, KV head 1, element 2
+        k(1 * Nk + inf_key, 1) = kInf;              // sequence 1, KV head 0
+        const std::size_t n = static_cast<std::size_t>(B * H * Nq * Nk);
+        std::unique_ptr<bool[]> allow(new bool[n]);
+        std::mt19937_64 rng(234);
+        for (std::size_t i = 0; i < n; ++i) allow[i] = std::bernoulli_distribution(0.7)(rng);
+        const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+        gattn::SdpaOptions<S> opt;
+        opt.mask.causal = true;
+        opt.mask.bool_mask = {allow.get(), B, H, Nq, Nk};
+        gattn::RowMatrix<S> lse;
+        gattn::SdpaOutputs<S> extra;
+        extra.log_sum_exp = &lse;
+        const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, {B, H, Hkv}, opt, extra);
+        RefMasks rm;
+        rm.causal = true;
+        rm.bool_mask.assign(allow.get(), allow.get() + n);
+        const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, Hkv, {}, rm);
+        const auto [nan_blocks, finite_blocks] = nan_and_finite_blocks(ref.out, H);
+        EXPECT_GT(nan_blocks, 0) << "no query sees the non-finite keys";
+        EXPECT_GT(finite_blocks, 0);
+        using T = Tol<S>;
+        expect_close(got, ref.out, T::atol, T::rtol, "SdpaNonFiniteVisible/out");
+        expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaNonFiniteVisible/lse");
+    }
+}
+
+/// ±∞ and NaN in the K and V rows of keys that key lengths, the causal mask, the window and a
+/// boolean key row hide from every query: the result equals the reference without them.
+TYPED_TEST(SdpaTyped, NonFiniteMaskedKeysDoNotLeak) {
+    using S = TypeParam;
+    for (const auto& sh : kKernelShapes) {
+        SCOPED_TRACE(sh.name);
+        const Index B = sh.B, Nq = sh.Nq, Nk = sh.Nk, H = sh.H, Hkv = sh.Hkv;
+        const Mat q = rounded<S>(random_matrix(B * Nq, H * sh.dk, 241));
+        const Mat k = rounded<S>(random_matrix(B * Nk, Hkv * sh.dk, 242));
+        const Mat v = rounded<S>(random_matrix(B * Nk, Hkv * sh.dv, 243));
+        std::unique_ptr<bool[]> row(new bool[static_cast<std::size_t>(B * Nk)]);
+        std::mt19937_64 rng(244);
+        for (Index i = 0; i < B * Nk; ++i) row[i] = std::bernoulli_distribution(0.8)(rng);
+        gattn::SdpaOptions<S> opt;
+        opt.mask.causal = true;
+        opt.mask.sliding_window = Nq == 1 ? 1000 : 20;
+        opt.mask.key_lengths = {Nk, Nk * 2 / 3};
+        opt.mask.bool_mask = {row.get(), B, 1, 1, Nk};
+        RefMasks rm;
+        rm.causal = true;
+        rm.sliding_window = opt.mask.sliding_window;
+        rm.key_lengths = opt.mask.key_lengths;
+        const Index dims[3] = {B, 1, 1};
+        expand(row.get(), dims, B, H, Nq, Nk, rm.bool_mask);
+        const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, Hkv, {}, rm);
+        Mat kp = k, vp = v;
+        const Index poisoned = poison_invisible_keys(rm, B, H, Nq, Nk, kp, vp);
+        ASSERT_GT(poisoned, 0);
+        // Poisoned rows hold NaN; make every third one +∞ in K and −∞ in V, every third −∞ and +∞.
+        Index seen = 0;
+        for (Index r = 0; r < B * Nk; ++r) {
+            if (!std::isnan(kp(r, 0))) continue;
+            const Index kind = seen++ % 3;
+            if (kind == 1) {
+                kp.row(r).setConstant(kInf);
+                vp.row(r).setConstant(-kInf);
+            } else if (kind == 2) {
+                kp.row(r).setConstant(-kInf);
+                vp.row(r).setConstant(kInf);
+            }
+        }
+        const gattn::RowMatrix<S> qs = q.cast<S>(), ks = kp.cast<S>(), vs = vp.cast<S>();
+        gattn::RowMatrix<S> lse;
+        gattn::SdpaOutputs<S> extra;
+        extra.log_sum_exp = &lse;
+        const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, {B, H, Hkv}, opt, extra);
+        EXPECT_TRUE(got.allFinite());
+        using T = Tol<S>;
+        expect_close(got, ref.out, T::atol, T::rtol, "SdpaNonFiniteMasked/out", T::nmse);
+        expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaNonFiniteMasked/lse");
+        expect_masked_rows_zero(got, ref.log_sum_exp, sh.dv, "SdpaNonFiniteMasked");
+    }
 }
 
 // Inputs found by an adversarial search: each one once crashed, corrupted memory or gave a
