@@ -3,14 +3,20 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "gattn/gattn.hpp"
 #include "gattn/io/safetensors.hpp"
+#include "support/compare.hpp"
 #include "support/fixtures.hpp"
+#include "support/reference.hpp"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -241,37 +247,163 @@ TEST(LayerForward, KeyLengthsMaskPaddedTokens) {
     EXPECT_EQ(RowMatrix<float>(a.bottomRows(6)), RowMatrix<float>(b.bottomRows(6)));
 }
 
-template <class F>
-void expect_throw_untouched(F&& f, const std::string& needle, RowMatrix<float>& out) {
+/// Expects `f` to throw exactly E (shape_error, or a std::invalid_argument that is not a
+/// shape_error) with a message holding `function` and each of `parts` (argument, expected and
+/// actual values), and `out` unchanged.
+TEST(LayerForward, HugeLogitsMatchFloat64Reference) {
+    // Logits of ±1e30 reach the softmax two ways: an additive bias of ±1e30 (finite, so not a
+    // mask: +1e30 keys share all the weight, a row of −1e30 keys averages them) and inputs so
+    // large that Q·K is about 1e30. Both against the float64 layer_reference.
+    const auto c = small_config();  // causal, G1 elementwise gate
+    const auto w = gattn::make_random_weights<float>(c, 17);
+    const gattn::GatedMultiHeadAttention<float> layer(c, w);
+    const auto wd = gattn_test::weights_to_double(w);
+    const Index B = 2, N = 9, H = c.num_heads;
+    const RowMatrix<float> x = gattn_test::random_matrix(B * N, c.d_model, 18).cast<float>();
+    std::vector<float> bias(static_cast<std::size_t>(B * N * N));
+    std::vector<double> dense(static_cast<std::size_t>(B * H * N * N));
+    for (Index b = 0; b < B; ++b)
+        for (Index i = 0; i < N; ++i)
+            for (Index j = 0; j < N; ++j) {
+                const Index kind = (i + 2 * j + b) % 5;
+                const float value = kind == 0   ? 1e30f
+                                    : kind == 1 ? -1e30f
+                                    : kind == 2 ? -std::numeric_limits<float>::infinity()
+                                                : 0.25f * float(j - i);
+                bias[static_cast<std::size_t>((b * N + i) * N + j)] = value;
+                for (Index h = 0; h < H; ++h) dense[static_cast<std::size_t>(((b * H + h) * N + i) * N + j)] = value;
+            }
+    gattn::ForwardOptions<float> opt;
+    opt.bias = {bias.data(), B, 1, N, N};
+    const RowMatrix<float> y = layer.forward(x, B, opt);
+    EXPECT_TRUE(y.allFinite());
+    expect_close<float>(y, gattn_test::layer_reference(c, wd, x.cast<double>(), B, {}, {}, dense).y, "bias of 1e30");
+
+    const RowMatrix<float> huge = x * 1e15f;
+    const RowMatrix<float> y_huge = layer.forward(huge, B);
+    EXPECT_TRUE(y_huge.allFinite());
+    const auto ref = gattn_test::layer_reference(c, wd, huge.cast<double>(), B);
+    EXPECT_GT(ref.probabilities.rowwise().maxCoeff().mean(), 0.99) << "the huge logits should give one-hot rows";
+    expect_close<float>(y_huge, ref.y, "Q.K of 1e30");
+}
+
+TEST(LayerForward, NonFinitePaddedTokensDoNotReachValidTokens) {
+    // Padding tokens full of NaN and ±∞ give NaN keys, values and gates; key_lengths masks them,
+    // so every valid token's output is bitwise the one computed with zeros there, for gates on
+    // the keys' side (G2, G3) and on the queries' side alike.
+    auto specs = std::vector<gattn::GateSpec>{gattn::GateSpec{}, gattn::GateSpec::g1_elementwise(),
+                                              gattn::GateSpec::g1_headwise()};
+    for (auto pos : {gattn::GatePosition::G2, gattn::GatePosition::G3, gattn::GatePosition::G5}) {
+        gattn::GateSpec g;
+        g.position = pos;
+        specs.push_back(g);
+    }
+    for (const auto& spec : specs) {
+        SCOPED_TRACE(gattn::describe(spec));
+        auto c = small_config();
+        c.causal = false;
+        c.gate = spec;
+        const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 13));
+        RowMatrix<float> x = RowMatrix<float>::Random(12, 16);  // 2 sequences of 6 tokens
+        gattn::ForwardOptions<float> opt;
+        opt.key_lengths = {4, 5};
+        x.row(4).setZero();
+        x.row(5).setZero();
+        x.row(11).setZero();
+        const auto clean = layer.forward(x, 2, opt);
+        x.row(4).setConstant(std::numeric_limits<float>::quiet_NaN());
+        x.row(5).setConstant(std::numeric_limits<float>::infinity());
+        x(11, 0) = -std::numeric_limits<float>::infinity();
+        x(11, 1) = std::numeric_limits<float>::quiet_NaN();
+        const auto dirty = layer.forward(x, 2, opt);
+        for (Index r : {0, 1, 2, 3, 6, 7, 8, 9, 10}) {
+            EXPECT_TRUE(dirty.row(r).allFinite()) << "row " << r;
+            EXPECT_EQ(RowMatrix<float>(dirty.row(r)), RowMatrix<float>(clean.row(r))) << "row " << r;
+        }
+    }
+}
+
+template <class E, class F>
+void expect_rejected(F&& f, const std::string& function, const std::vector<std::string>& parts,
+                     const RowMatrix<float>& out) {
     const RowMatrix<float> before = out;
     try {
         f();
-        ADD_FAILURE() << "no exception; expected one mentioning " << needle;
+        ADD_FAILURE() << "no exception; expected one mentioning " << parts.front();
     } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-        EXPECT_NE(std::string(e.what()).find("gattn::"), std::string::npos) << e.what();
+        const std::string what = e.what();
+        const bool is_shape_error = dynamic_cast<const gattn::shape_error*>(&e) != nullptr;
+        EXPECT_EQ(is_shape_error, (std::is_same_v<E, gattn::shape_error>)) << what;
+        EXPECT_EQ(what.rfind(function + ": ", 0), 0u) << what;
+        for (const auto& part : parts) EXPECT_NE(what.find(part), std::string::npos) << "'" << part << "' in " << what;
     }
     EXPECT_EQ(out, before) << "output written although the call was rejected";
 }
 
 TEST(LayerForward, BadInputThrowsAndLeavesOutputUntouched) {
-    const auto c = small_config();
+    const auto c = small_config();  // D = 16, H = 4, H_kv = 2
     const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 1));
-    const RowMatrix<float> x = RowMatrix<float>::Random(6, 16);
+    const RowMatrix<float> x = RowMatrix<float>::Random(6, 16);  // B = 2 sequences of N = 3
     RowMatrix<float> out = RowMatrix<float>::Constant(6, 16, 7.0f);
-    expect_throw_untouched([&] { layer.forward(RowMatrix<float>::Random(6, 15), 2, out); }, "x must have shape", out);
-    expect_throw_untouched([&] { layer.forward(x, 4, out); }, "x must have shape", out);
-    expect_throw_untouched([&] { layer.forward(x, -1, out); }, "batch", out);
-    RowMatrix<float> small(6, 8);
-    EXPECT_THROW(layer.forward(x, 2, small), gattn::shape_error);
+    const std::string fn = "gattn::GatedMultiHeadAttention::forward";
+    using gattn::shape_error;
+    using std::invalid_argument;
+    expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(6, 15), 2, out); }, fn,
+                                 {"x must have shape [B*N, d_model] = [multiple of 2, 16]", "got [6, 15]"}, out);
+    expect_rejected<shape_error>([&] { layer.forward(x, 4, out); }, fn,
+                                 {"x must have shape", "[multiple of 4, 16]", "got [6, 16]"}, out);
+    expect_rejected<invalid_argument>([&] { layer.forward(x, -1, out); }, fn, {"batch must be >= 0, got -1"}, out);
+    RowMatrix<float> narrow = RowMatrix<float>::Constant(6, 8, 7.0f);
+    expect_rejected<shape_error>([&] { layer.forward(x, 2, narrow); }, fn, {"out must have shape [6, 16], got [6, 8]"},
+                                 narrow);
+
     gattn::ForwardOptions<float> opt;
     opt.key_lengths = {3, 4};
-    expect_throw_untouched([&] { layer.forward(x, 2, out, opt); }, "key_lengths[1]", out);
+    expect_rejected<invalid_argument>([&] { layer.forward(x, 2, out, opt); }, fn,
+                                      {"options.key_lengths[1] must be in [0, N_k = 3], got 4"}, out);
+    opt.key_lengths = {-1, 3};
+    expect_rejected<invalid_argument>([&] { layer.forward(x, 2, out, opt); }, fn,
+                                      {"options.key_lengths[0] must be in [0, N_k = 3], got -1"}, out);
     opt.key_lengths = {3};
-    expect_throw_untouched([&] { layer.forward(x, 2, out, opt); }, "key_lengths", out);
+    expect_rejected<shape_error>([&] { layer.forward(x, 2, out, opt); }, fn,
+                                 {"options.key_lengths must have shape [2], got [1]"}, out);
+    opt.key_lengths = {3, 3, 3};
+    expect_rejected<shape_error>([&] { layer.forward(x, 2, out, opt); }, fn,
+                                 {"options.key_lengths must have shape [2], got [3]"}, out);
+
+    // Masks are [B|1, H|1, N|1, N]: here [1|2, 1|4, 1|3, 3].
+    std::unique_ptr<bool[]> allow(new bool[256]);
+    std::fill(allow.get(), allow.get() + 256, true);
+    std::vector<float> bias(256, 0.0f);
+    const std::string mask_shape = "must have shape [1|2, 1|4, 1|3, 3], got ";
+    const gattn::MaskView<bool> bad_bool[] = {{allow.get(), 1, 3, 1, 3}, {allow.get(), 3, 1, 1, 3},
+                                              {allow.get(), 1, 1, 2, 3}, {allow.get(), 1, 1, 1, 4}};
+    const char* bad_dims[] = {"[1, 3, 1, 3]", "[3, 1, 1, 3]", "[1, 1, 2, 3]", "[1, 1, 1, 4]"};
+    for (int i = 0; i < 4; ++i) {
+        gattn::ForwardOptions<float> o;
+        o.bool_mask = bad_bool[i];
+        expect_rejected<shape_error>([&] { layer.forward(x, 2, out, o); }, fn,
+                                     {"options.bool_mask " + mask_shape + bad_dims[i]}, out);
+        gattn::ForwardOptions<float> ob;
+        ob.bias = {bias.data(), bad_bool[i].batch, bad_bool[i].heads, bad_bool[i].query_len, bad_bool[i].key_len};
+        expect_rejected<shape_error>([&] { layer.forward(x, 2, out, ob); }, fn,
+                                     {"options.bias " + mask_shape + bad_dims[i]}, out);
+    }
     RowMatrix<float> same = x;
-    EXPECT_THROW(layer.forward(same, 2, same), std::invalid_argument);
-    EXPECT_EQ(same, x);
+    expect_rejected<invalid_argument>([&] { layer.forward(same, 2, same); }, fn, {"out must not overlap x"}, same);
+}
+
+TEST(LayerConstruction, WindowBelowOneIsRejected) {
+    for (const Index w : {Index(0), Index(-3)}) {
+        auto c = small_config();
+        c.sliding_window = w;
+        auto weights_config = small_config();
+        const auto w_ok = gattn::make_random_weights<float>(weights_config, 1);
+        RowMatrix<float> unused;
+        expect_rejected<std::invalid_argument>(
+            [&] { gattn::GatedMultiHeadAttention<float> l(c, w_ok); }, "gattn::GatedMultiHeadAttention",
+            {"config.sliding_window must be >= 1 (it counts the diagonal), got " + std::to_string(w)}, unused);
+    }
 }
 
 TEST(LayerForward, EmptyBatchGivesEmptyOutput) {
