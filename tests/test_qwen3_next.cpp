@@ -1,14 +1,18 @@
 // Qwen3-Next full attention against a fixture computed by an independent PyTorch implementation
 // of Hugging Face's Qwen3NextAttention (scripts/make_qwen3_next_fixture.py): prefill of a ragged
 // batch, token-by-token decoding and a two-token chunk through the KV cache, plus the loader's
-// errors and the pitfalls that shipped in other ports.
+// errors and the pitfalls that shipped in other ports, bad arguments, and NaN or ±∞ in unused cache
+// slots and padding.
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gattn/gattn.hpp"
@@ -112,6 +116,56 @@ TYPED_TEST(Qwen3Next, PrefillEqualsTokenByTokenDecoding) {
         }
     }
     EXPECT_EQ(step_cache.lengths(), prefill_cache.lengths());
+}
+
+/// NaN and ±∞ in the cache rows past each sequence's length (left there by a rolled-back
+/// speculative step, say) and in the input rows of padding slots are never read into a result:
+/// prefill and decoding give bitwise the outputs and first-token attention of a zeroed cache and
+/// finite padding, and padding rows stay exactly 0.
+TYPED_TEST(Qwen3Next, NonFiniteUnusedCacheSlotsNeverReachTheOutput) {
+    using S = TypeParam;
+    Fixture<S> f;
+    const std::vector<Index> lengths = f.indices("prefill.lengths"), positions = f.indices("prefill.positions");
+    const RowMatrix<S> x = f.rows("prefill.hidden");
+    const Index capacity = 16, B = 2, N = x.rows() / B;
+    constexpr S kNaN = std::numeric_limits<S>::quiet_NaN(), kInf = std::numeric_limits<S>::infinity();
+    auto clean = f.layer.make_cache(B, capacity), dirty = f.layer.make_cache(B, capacity);
+    const Index kv_cols = dirty.keys().cols();
+    RowMatrix<S> junk_k(B * capacity, kv_cols), junk_v(B * capacity, dirty.values().cols());
+    for (Index r = 0; r < junk_k.rows(); ++r) {
+        junk_k.row(r).setConstant(r % 3 == 0 ? kNaN : r % 3 == 1 ? kInf : -kInf);
+        junk_v.row(r).setConstant(r % 3 == 0 ? -kInf : r % 3 == 1 ? kNaN : kInf);
+    }
+    dirty.append(junk_k, junk_v, {capacity, capacity});
+    dirty.truncate({0, 0});
+    clean.append(RowMatrix<S>::Zero(B * capacity, kv_cols), RowMatrix<S>::Zero(B * capacity, kv_cols),
+                 {capacity, capacity});
+    clean.truncate({0, 0});
+
+    RowMatrix<S> x_dirty = x;
+    for (Index b = 0; b < B; ++b)
+        for (Index t = lengths[b]; t < N; ++t) x_dirty.row(b * N + t).setConstant(t % 2 ? kNaN : -kInf);
+    ASSERT_LT(lengths[1], N) << "the case should have padding slots";
+    RowMatrix<S> out_clean(B * N, 64), out_dirty(B * N, 64), first_clean, first_dirty;
+    f.layer.forward(x, positions, clean, out_clean, lengths, nullptr, &first_clean);
+    f.layer.forward(x_dirty, positions, dirty, out_dirty, lengths, nullptr, &first_dirty);
+    EXPECT_TRUE(out_dirty.allFinite());
+    EXPECT_EQ(out_dirty, out_clean);
+    EXPECT_EQ(first_dirty, first_clean);
+    for (Index b = 0; b < B; ++b) {
+        for (Index t = lengths[b]; t < N; ++t) EXPECT_TRUE((out_dirty.row(b * N + t).array() == S(0)).all());
+        // The slots past the new length still hold the junk: it was there to be read.
+        EXPECT_FALSE(dirty.keys().row(b * capacity + lengths[b]).allFinite());
+        EXPECT_FALSE(dirty.values().row(b * capacity + capacity - 1).allFinite());
+    }
+    for (int s = 0; s < 3; ++s) {
+        const std::string step = "decode." + std::to_string(s) + ".";
+        RowMatrix<S> y_clean(B, 64), y_dirty(B, 64);
+        f.layer.forward(f.rows(step + "hidden"), f.indices(step + "positions"), clean, y_clean);
+        f.layer.forward(f.rows(step + "hidden"), f.indices(step + "positions"), dirty, y_dirty);
+        EXPECT_TRUE(y_dirty.allFinite()) << step;
+        EXPECT_EQ(y_dirty, y_clean) << step;
+    }
 }
 
 /// Weights of the fixture layer, for the pitfall tests.
@@ -300,6 +354,63 @@ TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {
     EXPECT_EQ(got.k_norm_weight, want.k_norm_weight.cast<float>().cast<double>());
 }
 
+/// Expects `f` to throw exactly E (shape_error, or a std::invalid_argument that is not one) with a
+/// message starting with Qwen3NextAttention::forward and holding each of `parts`.
+template <class E, class F>
+void expect_rejected(F&& f, const std::vector<std::string>& parts) {
+    try {
+        f();
+        ADD_FAILURE() << "no exception; expected one mentioning " << parts.front();
+    } catch (const std::invalid_argument& e) {
+        const std::string what = e.what();
+        EXPECT_EQ(dynamic_cast<const gattn::shape_error*>(&e) != nullptr, (std::is_same_v<E, gattn::shape_error>))
+            << what;
+        EXPECT_EQ(what.rfind("gattn::Qwen3NextAttention::forward: ", 0), 0u) << what;
+        for (const auto& part : parts) EXPECT_NE(what.find(part), std::string::npos) << "'" << part << "' in " << what;
+    }
+}
+
+TEST(Qwen3NextValidation, BadArgumentsLeaveOutputAndCacheUntouched) {
+    const auto layer = gattn::load_qwen3_next_attention<float>(kDir, kLayer);  // hidden_size 64
+    auto cache = layer.make_cache(2, 8);
+    RowMatrix<float> first(4, 64);
+    layer.forward(RowMatrix<float>::Random(4, 64), {0, 1, 0, 1}, cache, first, {2, 1});
+    const RowMatrix<float> keys = cache.keys(), values = cache.values();
+    const std::vector<Index> lengths = cache.lengths();
+    const RowMatrix<float> x = RowMatrix<float>::Random(6, 64);  // 2 sequences of 3 slots
+    const std::vector<Index> pos{2, 3, 4, 1, 2, 3};
+    RowMatrix<float> out = RowMatrix<float>::Constant(6, 64, 7.0f);
+    using gattn::shape_error;
+    using std::invalid_argument;
+    expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(6, 63), pos, cache, out); },
+                                 {"x must have shape [B*N, hidden_size] = [multiple of 2, 64]", "got [6, 63]"});
+    expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(5, 64), {1, 2, 3, 4, 5}, cache, out); },
+                                 {"x must have shape", "got [5, 64]"});
+    RowMatrix<float> narrow = RowMatrix<float>::Constant(6, 32, 7.0f);
+    expect_rejected<shape_error>([&] { layer.forward(x, pos, cache, narrow); }, {"out must have shape [6, 64], got [6, 32]"});
+    EXPECT_TRUE((narrow.array() == 7.0f).all());
+    expect_rejected<shape_error>([&] { layer.forward(x, {2, 3, 4, 1, 2}, cache, out); },
+                                 {"positions must have shape [6], got [5]"});
+    expect_rejected<shape_error>([&] { layer.forward(x, pos, cache, out, {3}); }, {"counts must have shape [2], got [1]"});
+    expect_rejected<invalid_argument>([&] { layer.forward(x, pos, cache, out, {3, 4}); },
+                                      {"counts[1] must be in [0, 3], got 4"});
+    expect_rejected<invalid_argument>([&] { layer.forward(x, pos, cache, out, {-1, 0}); },
+                                      {"counts[0] must be in [0, 3], got -1"});
+    const RowMatrix<float> x7 = RowMatrix<float>::Random(14, 64);
+    RowMatrix<float> out7 = RowMatrix<float>::Constant(14, 64, 7.0f);
+    expect_rejected<invalid_argument>([&] { layer.forward(x7, std::vector<Index>(14, 3), cache, out7, {7, 0}); },
+                                      {"cache sequence 0 would exceed the capacity 8"});
+    EXPECT_TRUE((out7.array() == 7.0f).all());
+    RowMatrix<float> same = x;
+    expect_rejected<invalid_argument>([&] { layer.forward(same, pos, cache, same); }, {"out must not overlap x"});
+    EXPECT_EQ(same, x);
+    EXPECT_TRUE((out.array() == 7.0f).all()) << "output written although the call was rejected";
+    EXPECT_EQ(cache.lengths(), lengths);
+    // Bytes, not values: the unused slots are uninitialised and may hold NaN.
+    EXPECT_EQ(std::memcmp(cache.keys().data(), keys.data(), sizeof(float) * std::size_t(keys.size())), 0);
+    EXPECT_EQ(std::memcmp(cache.values().data(), values.data(), sizeof(float) * std::size_t(values.size())), 0);
+}
+
 TEST(Qwen3NextCache, FullCacheIsRejectedAndLeftIntact) {
     auto layer = gattn::load_qwen3_next_attention<float>(kDir, kLayer);
     auto cache = layer.make_cache(1, 4);
@@ -308,7 +419,8 @@ TEST(Qwen3NextCache, FullCacheIsRejectedAndLeftIntact) {
     const RowMatrix<float> keys = cache.keys();
     EXPECT_THROW(layer.forward(x, {3, 4, 5}, cache, out), std::invalid_argument);
     EXPECT_EQ(cache.lengths(), std::vector<Index>{3});
-    EXPECT_EQ(cache.keys(), keys);
+    // Bytes, not values: the unused slot is uninitialised and may hold NaN.
+    EXPECT_EQ(std::memcmp(cache.keys().data(), keys.data(), sizeof(float) * std::size_t(keys.size())), 0);
 }
 
 }  // namespace
