@@ -428,6 +428,16 @@ void run_layer(Reader& in) {
 
 }  // namespace
 
+#define GATTN_FUZZ_STR2(x) #x
+#define GATTN_FUZZ_STR(x) GATTN_FUZZ_STR2(x)
+
+// Says which of gattn's instruction-set builds runs (scripts/fuzz.sh fuzzes more than one).
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+    std::fprintf(stderr, "fuzz_sdpa: gattn::%s, xsimd arch %s\n", GATTN_FUZZ_STR(GATTN_ISA_NAMESPACE),
+                 gattn::simd::arch_name());
+    return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
     if (size < 2) return 0;
     // The first byte picks the SDPA check (3 of 4 values) or the layer check.
