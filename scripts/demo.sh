@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# Builds and runs the main example: a gated attention layer produced by PyTorch
-# (tests/data/demo_layer.safetensors) run through gattn and compared with PyTorch's output.
+# The main example: two byte-level language models trained on Debian's fortunes (assets/tiny_lm;
+# a baseline and its G1-gated twin) run through gattn. Prints a greedy sample from each, their
+# held-out perplexity, tokens per second, and first-token attention / gate score / largest
+# activation per layer; draws first-token attention per layer and head as a PNG heat map.
 # Environment: BUILD_DIR (default build/demo), JOBS (default: all cores),
 # GATTN_ARCH_FLAGS (default -march=native).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/deps.sh library
+scripts/deps.sh library python3-matplotlib
 build="${BUILD_DIR:-build/demo}"
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DGATTN_BUILD_TESTS=OFF \
       -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_ARCH_FLAGS="${GATTN_ARCH_FLAGS--march=native}" >/dev/null
-cmake --build "$build" -j "${JOBS:-$(nproc)}" --target layer_from_pytorch >/dev/null
-"$build/examples/layer_from_pytorch" tests/data/demo_layer.safetensors
+cmake --build "$build" -j "${JOBS:-$(nproc)}" --target tiny_lm >/dev/null
+"$build/examples/tiny_lm" assets/tiny_lm "$build/tiny_lm_sink.csv"
+/usr/bin/python3 scripts/plot_sink.py "$build/tiny_lm_sink.csv" "$build/sink_heatmap.png"
