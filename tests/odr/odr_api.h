@@ -27,6 +27,10 @@ enum { GATTN_ODR_D_MODEL = 16 };
     const char* gattn_odr_namespace_##suffix(void);                                              \
     /* Eigen's heap alignment in the unit (EIGEN_DEFAULT_ALIGN_BYTES). */                        \
     int gattn_odr_eigen_alignment_##suffix(void);                                                \
+    /* Calls a scaled_dot_product_attention<float> with a bad shape: throws gattn::shape_error. */ \
+    void gattn_odr_throw_shape_error_##suffix(void);                                             \
+    /* Calls f: 1 when it threw gattn::shape_error (caught as such), 2 for another exception. */  \
+    int gattn_odr_catch_shape_error_##suffix(void (*f)(void));                                   \
     /* Number of valid gate specs (gattn::all_valid_gate_specs().size()). */                    \
     int gattn_odr_gate_count_##suffix(void);                                                     \
     /* scaled_dot_product_attention<float>; 0 on success, -1 when gattn threw. */                \

@@ -36,6 +36,22 @@ const char* GATTN_ODR_NAME(gattn_odr_namespace_)(void) { return GATTN_ODR_STR(GA
 
 int GATTN_ODR_NAME(gattn_odr_eigen_alignment_)(void) { return EIGEN_DEFAULT_ALIGN_BYTES; }
 
+void GATTN_ODR_NAME(gattn_odr_throw_shape_error_)(void) {
+    const gattn::RowMatrix<float> q(2, 8), k(2, 6), v(2, 8);  // key width 6 does not fit d_k = 8
+    gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1});
+}
+
+int GATTN_ODR_NAME(gattn_odr_catch_shape_error_)(void (*f)(void)) {
+    try {
+        f();
+    } catch (const gattn::shape_error&) {
+        return 1;
+    } catch (...) {
+        return 2;
+    }
+    return 0;
+}
+
 int GATTN_ODR_NAME(gattn_odr_gate_count_)(void) {
     return static_cast<int>(gattn::all_valid_gate_specs().size());
 }

@@ -7,7 +7,8 @@
 // that with `nm` and `objdump`. Eigen's own functions are shared by the units, so both must use
 // one heap alignment: the gattn::gattn target defines EIGEN_MAX_ALIGN_BYTES for them.
 // This test checks that the units did use different instruction sets and one Eigen heap
-// alignment, and that both compute the same attention and layer outputs.
+// alignment, that one unit catches the other's gattn::shape_error, and that both compute the
+// same attention, layer and Qwen3-Next outputs.
 // Results are compared to 1e-5, not bitwise: the AVX2 unit has 8 lanes and FMA, so it sums and
 // rounds in another order.
 
@@ -76,6 +77,14 @@ TEST(Odr, UnitsShareEigenHeapAlignment) {
     const int base = gattn_odr_eigen_alignment_baseline(), avx2 = gattn_odr_eigen_alignment_avx2();
     std::printf("Eigen heap alignment: baseline unit %d bytes, avx2 unit %d bytes\n", base, avx2);
     EXPECT_EQ(base, avx2);
+}
+
+// Exception types stay outside the instruction-set namespaces: one unit catches what the other
+// throws as gattn::shape_error.
+TEST(Odr, ShapeErrorIsCaughtAcrossUnits) {
+    REQUIRE_AVX2();
+    EXPECT_EQ(gattn_odr_catch_shape_error_baseline(&gattn_odr_throw_shape_error_avx2), 1);
+    EXPECT_EQ(gattn_odr_catch_shape_error_avx2(&gattn_odr_throw_shape_error_baseline), 1);
 }
 
 TEST(Odr, SdpaAgreesAcrossUnits) {
