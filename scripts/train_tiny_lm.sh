@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Trains the two tiny byte-level language models (baseline and gated attention) on the Debian
+# fortunes and exports them with float64 references to assets/tiny_lm/ (about 12 minutes on
+# two cores). Arguments go to scripts/train_tiny_lm.py, e.g. --quick or --check.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+scripts/deps.sh library fortunes python3-torch python3-numpy
+# Debian's torch and numpy live in the system interpreter, not in whatever python3 is on PATH.
+exec /usr/bin/python3 scripts/train_tiny_lm.py "$@"
