@@ -41,9 +41,9 @@ std::string read_file(const std::string& path) {
     return s.str();
 }
 
-// Logit tolerance: float accumulates ~1e-6 relative error per layer; double is exact to rounding.
+// Logit tolerance: measured errors are 2e-5 (float) and 3e-14 (double) on logits of magnitude ~10.
 template <class Scalar>
-constexpr double kLogitTol = std::is_same_v<Scalar, double> ? 1e-9 : 2e-4;
+constexpr double kLogitTol = std::is_same_v<Scalar, double> ? 1e-11 : 2e-4;
 
 template <class Scalar>
 class TinyLM : public ::testing::Test {};

@@ -92,7 +92,7 @@ Report run(const std::string& dir, const std::string& name, const std::string& h
 int main(int argc, char** argv) {
     const std::string dir = argc > 1 ? argv[1] : "assets/tiny_lm";
     const std::string csv = argc > 2 ? argv[2] : "tiny_lm_sink.csv";
-    const std::string prompt = argc > 3 ? argv[3] : "Q: What is the meaning of life?\nA: ";
+    const std::string prompt = argc > 3 ? argv[3] : "Q: How many programmers does it take to change a light bulb?\nA: ";
     try {
         std::ifstream in(dir + "/heldout.txt", std::ios::binary);
         if (!in) throw gattn::io_error("cannot open " + dir + "/heldout.txt");
