@@ -48,6 +48,33 @@ TYPED_TEST(Kernels, ExpMatchesDoubleAcrossTheRange) {
     EXPECT_TRUE(std::isnan(s[5]));
 }
 
+// The softmax exp (x ≤ 0 only): same accuracy down to the smallest normal result (a result
+// just below it may be 0), exact 0 further down and for −∞, NaN kept.
+TYPED_TEST(Kernels, ExpNonPositiveMatchesDoubleDownToZero) {
+    using T = TypeParam;
+    const double lowest = std::log(static_cast<double>(std::numeric_limits<T>::min()));
+    std::vector<T> x;
+    for (double v = lowest; v <= 0.0; v += -lowest / 9973.0) x.push_back(static_cast<T>(v));
+    x.push_back(T(0));
+    x.push_back(-std::numeric_limits<T>::denorm_min());
+    std::vector<T> y(x.size());
+    simd::transform(x.data(), y.data(), x.size(), [](const auto& b) { return simd::exp_nonpositive<T>(b); });
+    for (std::size_t i = 0; i < x.size(); ++i) {
+        const double want = std::exp(static_cast<double>(x[i]));
+        if (want < static_cast<double>(std::numeric_limits<T>::min()) && y[i] == T(0)) continue;
+        ASSERT_LE(std::abs(y[i] - want), rel_tol<T>() * want) << "exp(" << x[i] << ")";
+    }
+    const T inf = std::numeric_limits<T>::infinity();
+    const std::vector<T> special{-inf, static_cast<T>(lowest - 1), T(-1e30), std::numeric_limits<T>::quiet_NaN()};
+    std::vector<T> s(special.size());
+    simd::transform(special.data(), s.data(), special.size(),
+                    [](const auto& b) { return simd::exp_nonpositive<T>(b); });
+    EXPECT_EQ(s[0], T(0));
+    EXPECT_EQ(s[1], T(0));
+    EXPECT_EQ(s[2], T(0));
+    EXPECT_TRUE(std::isnan(s[3]));
+}
+
 TYPED_TEST(Kernels, ActivationsMatchDoubleAndSaturateExactly) {
     using T = TypeParam;
     std::vector<T> z;

@@ -103,7 +103,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                 simd::scale(alpha, acc, static_cast<std::size_t>(dv));
             }
             m = m_new;
-            const B pv = simd::exp<T>(sv - B(m_new));
+            const B pv = simd::exp_nonpositive<T>(sv - B(m_new));
             pv.store_aligned(p);
             st.l[t] += simd::reduce_sum(pv);
             for (Index kk = 0; kk < nk; ++kk)

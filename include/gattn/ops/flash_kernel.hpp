@@ -252,14 +252,14 @@ void flash_attention_block(const FlashBlock<T>& blk, const T* key, Index key_str
             // A lane with no visible key so far keeps m = −∞: shift by 0 so that no
             // (−∞) − (−∞) is formed; its P are e^(−∞) = 0 and its α is e^(−∞) = 0.
             shift[c] = xsimd::select(m_new == B(kNegInf), B(T(0)), m_new);
-            alpha[c] = simd::exp<T>(m[c] - shift[c]);
+            alpha[c] = simd::exp_nonpositive<T>(m[c] - shift[c]);
             m[c] = m_new;
             lsum[c] = B(T(0));
         }
         for (Index kk = 0; kk < nk; ++kk) {
             T* row = st + kk * W;
             for (int c = 0; c < C; ++c) {
-                const B p = simd::exp<T>(B::load_aligned(row + c * L) - shift[c]);
+                const B p = simd::exp_nonpositive<T>(B::load_aligned(row + c * L) - shift[c]);
                 p.store_aligned(row + c * L);
                 lsum[c] += p;
             }

@@ -19,12 +19,12 @@
 GATTN_BEGIN_ISA_NAMESPACE
 namespace simd {
 
-/// e^x, register level. float: Cephes expf polynomial (degree 6 after Cody-Waite reduction,
-/// ≈1 ulp); double: Cephes exp (Padé form, ≈1 ulp). Results below the smallest normal number
-/// are exactly 0 (so e^−∞ = 0 and no denormals), above the largest finite number +∞; NaN
-/// propagates.
-template <class T>
-inline Batch<T> exp(const Batch<T>& x) noexcept {
+namespace detail {
+
+// NonPositive: the caller guarantees x ≤ 0 (or −∞, NaN), as for softmax's e^(s − max); the
+// upper clamp goes and 2^n, n in [−126, 0], is one normal factor instead of two.
+template <class T, bool NonPositive>
+inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
     if constexpr (std::is_same_v<T, float>) {
         using B = Batch<float>;
         using I = xsimd::batch<std::int32_t, Arch>;
@@ -32,7 +32,8 @@ inline Batch<T> exp(const Batch<T>& x) noexcept {
         const B hi(88.8f);  // just above ln(FLT_MAX): p·2^128 overflows to +∞
         // Operand order matters: vmaxps/vminps return their second operand when either is
         // NaN, so NaN flows through; +∞ clamps to hi, where the result overflows to +∞.
-        const B xc = xsimd::min(hi, xsimd::max(lo, x));
+        B xc = xsimd::max(lo, x);
+        if constexpr (!NonPositive) xc = xsimd::min(hi, xc);
         const B n = xsimd::nearbyint(xc * B(1.44269504088896341f));
         B r = xsimd::fnma(n, B(0.693359375f), xc);  // Cody-Waite: ln2 = hi + lo
         r = xsimd::fnma(n, B(-2.12194440e-4f), r);
@@ -43,13 +44,17 @@ inline Batch<T> exp(const Batch<T>& x) noexcept {
         p = xsimd::fma(p, r, B(1.6666665459e-1f));
         p = xsimd::fma(p, r, B(5.0000001201e-1f));
         p = xsimd::fma(p, r * r, r + B(1.0f));
-        // 2^n as two factors so that n in [-126, 128] never leaves the normal exponent range.
         const I ni = xsimd::to_int(n);
-        const I n1 = ni >> 1;
-        const I n2 = ni - n1;
-        const B s1 = xsimd::bitwise_cast<B>((n1 + I(127)) << 23);
-        const B s2 = xsimd::bitwise_cast<B>((n2 + I(127)) << 23);
-        return xsimd::select(x < lo, B(0.0f), p * s1 * s2);
+        if constexpr (NonPositive) {
+            return xsimd::select(x < lo, B(0.0f), p * xsimd::bitwise_cast<B>((ni + I(127)) << 23));
+        } else {
+            // 2^n as two factors so that n in [-126, 128] never leaves the normal exponent range.
+            const I n1 = ni >> 1;
+            const I n2 = ni - n1;
+            const B s1 = xsimd::bitwise_cast<B>((n1 + I(127)) << 23);
+            const B s2 = xsimd::bitwise_cast<B>((n2 + I(127)) << 23);
+            return xsimd::select(x < lo, B(0.0f), p * s1 * s2);
+        }
     } else {
         // Cephes exp (double): Padé form 1 + 2x·P(x²) / (Q(x²) − x·P(x²)) after Cody-Waite
         // reduction, ≈1 ulp. Clamping first keeps ±∞ and NaN out of the integer conversion.
@@ -57,7 +62,8 @@ inline Batch<T> exp(const Batch<T>& x) noexcept {
         using I = xsimd::batch<std::int64_t, Arch>;
         const B lo(-708.3964185322641);  // ln(DBL_MIN)
         const B hi(710.0);  // just above ln(DBL_MAX): e·2^1024 overflows to +∞
-        const B xc = xsimd::min(hi, xsimd::max(lo, x));  // NaN flows through (second operand)
+        B xc = xsimd::max(lo, x);  // NaN flows through (second operand)
+        if constexpr (!NonPositive) xc = xsimd::min(hi, xc);
         const B n = xsimd::nearbyint(xc * B(1.4426950408889634));
         B r = xsimd::fnma(n, B(6.93145751953125e-1), xc);
         r = xsimd::fnma(n, B(1.42860682030941723212e-6), r);
@@ -69,12 +75,34 @@ inline Batch<T> exp(const Batch<T>& x) noexcept {
         q = xsimd::fma(q, rr, B(2.00000000000000000009e0));
         const B e = xsimd::fma(B(2.0), p / (q - p), B(1.0));
         const I ni = xsimd::to_int(xsimd::select(xsimd::isnan(n), B(0.0), n));
-        const I n1 = ni >> 1;
-        const I n2 = ni - n1;
-        const B s1 = xsimd::bitwise_cast<B>((n1 + I(1023)) << 52);
-        const B s2 = xsimd::bitwise_cast<B>((n2 + I(1023)) << 52);
-        return xsimd::select(x < lo, B(0.0), e * s1 * s2);
+        if constexpr (NonPositive) {
+            return xsimd::select(x < lo, B(0.0), e * xsimd::bitwise_cast<B>((ni + I(1023)) << 52));
+        } else {
+            const I n1 = ni >> 1;
+            const I n2 = ni - n1;
+            const B s1 = xsimd::bitwise_cast<B>((n1 + I(1023)) << 52);
+            const B s2 = xsimd::bitwise_cast<B>((n2 + I(1023)) << 52);
+            return xsimd::select(x < lo, B(0.0), e * s1 * s2);
+        }
     }
+}
+
+}  // namespace detail
+
+/// e^x, register level. float: Cephes expf polynomial (degree 6 after Cody-Waite reduction,
+/// ≈1 ulp); double: Cephes exp (Padé form, ≈1 ulp). Results below the smallest normal number
+/// are exactly 0 (so e^−∞ = 0 and no denormals), above the largest finite number +∞; NaN
+/// propagates.
+template <class T>
+inline Batch<T> exp(const Batch<T>& x) noexcept {
+    return detail::exp_impl<T, false>(x);
+}
+
+/// e^x for x ≤ 0 (softmax's e^(s − max)): the same values as exp there, with fewer operations.
+/// −∞ gives 0 and NaN propagates; x > 0 is outside its contract.
+template <class T>
+inline Batch<T> exp_nonpositive(const Batch<T>& x) noexcept {
+    return detail::exp_impl<T, true>(x);
 }
 
 /// σ(x) = 1 / (1 + e^−x). Saturates to exactly 0 below about −88 (float) and to exactly 1 for
