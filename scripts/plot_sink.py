@@ -26,7 +26,7 @@ def read(path):
     for name, grid in models.items():
         layers = 1 + max(l for l, _ in grid)
         heads = 1 + max(h for _, h in grid)
-        out[name] = [[grid[(l, h)] for h in range(heads)] for l in range(layers)]
+        out[name] = [[100.0 * grid[(l, h)] for h in range(heads)] for l in range(layers)]  # percent
     return out
 
 
@@ -40,14 +40,14 @@ def main():
         im = ax.imshow(m, cmap="viridis", vmin=0.0, vmax=vmax, aspect="auto")
         for l, row in enumerate(m):
             for h, v in enumerate(row):
-                ax.text(h, l, f"{100 * v:.1f}%", ha="center", va="center", fontsize=8,
+                ax.text(h, l, f"{v:.1f}%", ha="center", va="center", fontsize=8,
                         color="white" if v < 0.6 * vmax else "black")
         ax.set_title(name)
         ax.set_xlabel("head")
         ax.set_ylabel("layer")
         ax.set_xticks(range(len(m[0])))
         ax.set_yticks(range(len(m)))
-    fig.colorbar(im, ax=axes[0].tolist(), label="attention on the first token")
+    fig.colorbar(im, ax=axes[0].tolist(), label="attention on the first token (%)")
     fig.suptitle("First-token attention on held-out text", y=1.02)
     fig.savefig(sys.argv[2], dpi=120, bbox_inches="tight")
     print(f"heat map: {sys.argv[2]}")

@@ -56,7 +56,7 @@ stored logits and heldout_nll to 1e-10 and produce the same greedy tokens.
 
 Usage:
   scripts/train_tiny_lm.sh                                # same as the next line, deps checked
-  /usr/bin/python3 scripts/train_tiny_lm.py               # train, export, check (~12 min)
+  /usr/bin/python3 scripts/train_tiny_lm.py               # train, export, check (10-20 min on 2 cores)
   /usr/bin/python3 scripts/train_tiny_lm.py --quick       # 20 steps into a temporary directory
   /usr/bin/python3 scripts/train_tiny_lm.py --check       # only check the existing files
 """

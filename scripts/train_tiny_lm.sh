@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Trains the two tiny byte-level language models (baseline and gated attention) on the Debian
-# fortunes and exports them with float64 references to assets/tiny_lm/ (about 12 minutes on
-# two cores). Arguments go to scripts/train_tiny_lm.py, e.g. --quick or --check.
+# fortunes and exports them with float64 references to assets/tiny_lm/ (about 9 CPU-minutes per
+# model, trained at once: 10 to 20 minutes on two cores). Arguments go to
+# scripts/train_tiny_lm.py, e.g. --quick or --check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -14,11 +14,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -87,10 +90,21 @@ public:
 
     /// Runs N new tokens of each of B sequences (tokens [B·N], sequence-major) after what the
     /// caches hold, appends them to the caches and returns the logits [B·N, vocab].
+    /// Throws std::invalid_argument for a wrong number of caches or tokens, a token outside the
+    /// vocabulary, or a full cache.
     Matrix<Scalar> forward(const std::vector<int>& tokens, std::vector<gattn::KVCache<Scalar>>& caches,
                            LayerStats<Scalar>* stats = nullptr) const {
-        const Index B = caches.at(0).batch(), rows = static_cast<Index>(tokens.size()), N = rows / B;
-        if (rows % B != 0) throw std::invalid_argument("tiny_lm::forward: tokens must hold B*N entries");
+        if (caches.size() != blocks_.size())
+            throw std::invalid_argument("tiny_lm::forward: caches: expected one per layer (" +
+                                        std::to_string(blocks_.size()) + "), got " + std::to_string(caches.size()));
+        const Index B = caches[0].batch(), rows = static_cast<Index>(tokens.size()), N = rows / B;
+        if (rows == 0 || rows % B != 0)
+            throw std::invalid_argument("tiny_lm::forward: tokens: expected B*N > 0 entries for B = " +
+                                        std::to_string(B) + ", got " + std::to_string(rows));
+        for (int t : tokens)
+            if (t < 0 || t >= vocab_size_)
+                throw std::invalid_argument("tiny_lm::forward: token " + std::to_string(t) + " outside [0, " +
+                                            std::to_string(vocab_size_) + ")");
         std::vector<Index> positions(static_cast<std::size_t>(rows));
         for (Index r = 0; r < rows; ++r) positions[r] = caches[0].lengths()[r / N] + r % N;
 
@@ -120,6 +134,7 @@ public:
     /// Greedy decoding: prefills `prompt` into fresh caches, then appends the arg-max token
     /// `count` times. Returns the generated tokens.
     std::vector<int> generate(const std::vector<int>& prompt, Index count) const {
+        if (prompt.empty()) throw std::invalid_argument("tiny_lm::generate: prompt: expected at least one token");
         auto caches = make_caches(1, static_cast<Index>(prompt.size()) + count);
         std::vector<int> out;
         Matrix<Scalar> logits = forward(prompt, caches);
@@ -172,11 +187,15 @@ inline std::string decode(const std::vector<int>& tokens) {
 /// `window` bytes (at most `max_windows`; a final partial window is dropped). Each window is an
 /// independent sequence starting at position 0; bytes 1…window−1 are predicted from their
 /// prefixes. Runs `batch` windows at a time; `stats_each` (optional) sees each batch's stats.
+/// Throws std::invalid_argument when the text holds no full window.
 template <class Scalar, class F = std::nullptr_t>
 double heldout_nll(const TinyLM<Scalar>& model, const std::string& text, Index window, Index max_windows,
                    Index batch = 8, F&& stats_each = nullptr) {
     const std::vector<int> all = encode(text);
     const Index windows = std::min<Index>(max_windows, static_cast<Index>(all.size()) / window);
+    if (windows < 1 || window < 2)
+        throw std::invalid_argument("tiny_lm::heldout_nll: text: expected at least one window of " +
+                                    std::to_string(window) + " >= 2 bytes, got " + std::to_string(all.size()));
     double nll = 0;
     Index predictions = 0;
     for (Index w0 = 0; w0 < windows; w0 += batch) {
@@ -196,7 +215,7 @@ double heldout_nll(const TinyLM<Scalar>& model, const std::string& text, Index w
         }
         if constexpr (want_stats) stats_each(stats, B);
     }
-    return predictions ? nll / double(predictions) : 0.0;
+    return nll / double(predictions);
 }
 
 }  // namespace tiny_lm
