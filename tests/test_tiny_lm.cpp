@@ -65,14 +65,14 @@ void check_model(const std::string& name) {
     sequence.insert(sequence.end(), ref.generated.begin(), ref.generated.end() - 1);
     {
         auto caches = model.make_caches(1, static_cast<gattn::Index>(sequence.size()));
-        const auto logits = model.forward(sequence, caches).template cast<double>();
+        const gattn::RowMatrix<double> logits = model.forward(sequence, caches).template cast<double>();
         EXPECT_LE((logits - ref.logits).cwiseAbs().maxCoeff(), kLogitTol<Scalar>);
     }
 
     // Greedy decoding through the KV cache: the same tokens as PyTorch, step logits agree.
     EXPECT_EQ(model.generate(ref.prompt, 64), ref.generated);
     auto caches = model.make_caches(1, static_cast<gattn::Index>(sequence.size()));
-    auto logits = model.forward(ref.prompt, caches).template cast<double>().eval();
+    gattn::RowMatrix<double> logits = model.forward(ref.prompt, caches).template cast<double>();
     const gattn::Index P = static_cast<gattn::Index>(ref.prompt.size());
     EXPECT_LE((logits - ref.logits.topRows(P)).cwiseAbs().maxCoeff(), kLogitTol<Scalar>);
     for (gattn::Index t = 0; t + 1 < 64; ++t) {

@@ -207,7 +207,7 @@ double heldout_nll(const TinyLM<Scalar>& model, const std::string& text, Index w
         const Matrix<Scalar> logits = model.forward(tokens, caches, want_stats ? &stats : nullptr);
         for (Index r = 0; r < B * window; ++r) {
             if (r % window == window - 1) continue;  // the window's last byte predicts nothing
-            const auto row = logits.row(r).template cast<double>();
+            const Eigen::RowVectorXd row = logits.row(r).template cast<double>();
             const double m = row.maxCoeff();
             const double lse = m + std::log((row.array() - m).exp().sum());
             nll += lse - row(tokens[r + 1]);
