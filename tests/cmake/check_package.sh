@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs gattn into a temporary prefix and builds the consumer project against it with
-# find_package (once as is, once with GATTN_EIGEN_MAX_ALIGN_BYTES empty: no Eigen definition),
+# find_package (once as is: no Eigen definition, once with GATTN_EIGEN_MAX_ALIGN_BYTES=64),
 # then builds the consumer again with gattn vendored through add_subdirectory.
 # Usage: check_package.sh <gattn source dir> <scratch dir>
 set -euo pipefail
@@ -15,9 +15,9 @@ test -f "$work/prefix/share/cmake/gattn/gattnConfig.cmake"
 cmake -S "$src/tests/cmake/consumer" -B "$work/package" -DCMAKE_PREFIX_PATH="$work/prefix" >/dev/null
 cmake --build "$work/package" >/dev/null
 "$work/package/consumer"
-cmake -S "$src/tests/cmake/consumer" -B "$work/package-no-eigen-definition" -DCMAKE_PREFIX_PATH="$work/prefix" \
-      -DGATTN_EIGEN_MAX_ALIGN_BYTES= -DGATTN_CONSUMER_EIGEN_ALIGN=0 >/dev/null
-cmake --build "$work/package-no-eigen-definition" >/dev/null
+cmake -S "$src/tests/cmake/consumer" -B "$work/package-eigen-definition" -DCMAKE_PREFIX_PATH="$work/prefix" \
+      -DGATTN_EIGEN_MAX_ALIGN_BYTES=64 -DGATTN_CONSUMER_EIGEN_ALIGN=64 >/dev/null
+cmake --build "$work/package-eigen-definition" >/dev/null
 cmake -S "$src/tests/cmake/consumer" -B "$work/subdirectory" -DGATTN_CONSUME=subdirectory \
       -DGATTN_SOURCE_DIR="$src" >/dev/null
 cmake --build "$work/subdirectory" >/dev/null

@@ -5,7 +5,8 @@
 // instruction set (gattn/config.hpp), so each unit keeps its own code instead of the linker
 // picking one copy for both (the ODR violation of numpy#25274); tests/odr/check_symbols.sh checks
 // that with `nm` and `objdump`. Eigen's own functions are shared by the units, so both must use
-// one heap alignment: the gattn::gattn target defines EIGEN_MAX_ALIGN_BYTES for them.
+// one heap alignment: both get EIGEN_MAX_ALIGN_BYTES=64 (tests/CMakeLists.txt), as a program
+// that mixes -m flags must give every unit.
 // This test checks that the units did use different instruction sets and one Eigen heap
 // alignment, that one unit catches the other's gattn::shape_error, and that both compute the
 // same attention, layer and Qwen3-Next outputs.
