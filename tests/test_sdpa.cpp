@@ -73,6 +73,8 @@ const Shape kShapes[] = {
     {"QLongerN113Dv1", 1, 113, 17, 3, 3, 8, 1},
     {"Dk1Dv8", 2, 17, 16, 1, 1, 1, 8},
     {"KeysN113Dk128Dv40", 1, 16, 113, 8, 2, 128, 40},
+    // Enough query blocks per KV head that several of them walk the keys together.
+    {"N250GqaGroupedBlocks", 2, 250, 250, 4, 2, 24, 20},
 };
 
 enum class MaskKind {

@@ -44,19 +44,26 @@ struct FlashGeometry {
 #endif
     static constexpr int kQueries = kCols * kLanes;  // Br: queries per block
     static constexpr int kKeys = 64;  // Bc: keys per block
+    // Query blocks that walk the keys together: each key block (and the memory pages of its
+    // rows, which in a [N, H·d] layout are one page per row) is used by all of them while it
+    // is in cache and in the TLB.
+    static constexpr int kGroupBlocks = 4;
 };
 
-/// Per-thread scratch of the kernel (64-byte aligned through Eigen's allocator).
+/// Per-thread scratch of the kernel (64-byte aligned through Eigen's allocator): one Qᵀ and
+/// one Oᵀ per query block of a group, one Sᵀ tile shared by them.
 template <class T>
 struct FlashScratch {
     using G = FlashGeometry<T>;
-    RowMatrix<T> qt;  // [d_k, Br]  scale·Qᵀ
-    RowMatrix<T> st;  // [Bc, Br]   Sᵀ, then Pᵀ
-    RowMatrix<T> ot;  // [d_v, Br]  Oᵀ (unnormalised)
+    RowMatrix<T> qt[G::kGroupBlocks];  // [d_k, Br]  scale·Qᵀ
+    RowMatrix<T> ot[G::kGroupBlocks];  // [d_v, Br]  Oᵀ (unnormalised)
+    RowMatrix<T> st;                   // [Bc, Br]   Sᵀ, then Pᵀ
     void reserve(Index dk, Index dv) {
-        qt.resize(dk, G::kQueries);
+        for (int i = 0; i < G::kGroupBlocks; ++i) {
+            qt[i].resize(dk, G::kQueries);
+            ot[i].resize(dv, G::kQueries);
+        }
         st.resize(G::kKeys, G::kQueries);
-        ot.resize(dv, G::kQueries);
     }
 };
 
@@ -168,125 +175,223 @@ inline void values_rows(const T* value, Index value_stride, const T* pt, Index n
     }
 }
 
-/// Runs one query block against the keys [0, N_k) of one KV head.
-/// key/value point at key 0 of the head (row strides key_stride/value_stride); the block's
-/// queries are unscaled. Writes out, log-sum-exp and first-key probability for its lanes.
+/// Online-softmax state of one query block: per-lane running max m and sum l, the lanes'
+/// visible key ranges, and the union and intersection of those ranges.
 template <class T>
-void flash_attention_block(const FlashBlock<T>& blk, const T* key, Index key_stride, const T* value,
-                           Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s) {
+struct FlashState {
+    using B = simd::Batch<T>;
+    using G = FlashGeometry<T>;
+    B m[G::kCols], l[G::kCols];
+    alignas(64) T lane_begin[G::kQueries];
+    alignas(64) T lane_end[G::kQueries];
+    alignas(64) T first_score[G::kQueries];
+    Index union_begin, union_end, common_begin, common_end;
+    bool elementwise;
+    /// First key block this query block visits (key blocks start at multiples of Bc, so a
+    /// lane's blocking and rounding do not depend on which other lanes share its block).
+    Index first_block() const { return union_begin / G::kKeys * G::kKeys; }
+};
+
+// Eigen's packet types are vector registers with attributes that a template argument drops
+// (harmless here: the packets never leave these functions).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+
+/// Qᵀ[d][t] = scale · query_t[d] for the block's lanes, 0 in padding lanes: square tiles
+/// transposed in registers (Eigen's packet transpose), the tail of d_k element by element.
+template <class T>
+void pack_queries(const FlashBlock<T>& blk, Index dk, T scale, T* qt) {
+    namespace ei = Eigen::internal;
+    using Packet = typename ei::packet_traits<T>::type;
+    constexpr int P = ei::unpacket_traits<Packet>::size, W = FlashGeometry<T>::kQueries;
+    static_assert(W % P == 0, "query block must hold whole packet tiles");
+    const Packet s = ei::pset1<Packet>(scale), zero = ei::pset1<Packet>(T(0));
+    const Index d_vec = dk / P * P;
+    for (int t0 = 0; t0 < W; t0 += P) {
+        for (Index d0 = 0; d0 < d_vec; d0 += P) {
+            ei::PacketBlock<Packet, P> tile;
+            for (int i = 0; i < P; ++i)
+                tile.packet[i] = t0 + i < blk.count ? ei::ploadu<Packet>(blk.q[t0 + i] + d0) : zero;
+            ei::ptranspose(tile);
+            for (int i = 0; i < P; ++i) ei::pstoreu(qt + (d0 + i) * W + t0, ei::pmul(tile.packet[i], s));
+        }
+        for (int t = t0; t < t0 + P; ++t)
+            for (Index d = d_vec; d < dk; ++d) qt[d * W + t] = t < blk.count ? blk.q[t][d] * scale : T(0);
+    }
+}
+
+/// out_t[j] = Oᵀ[j][t] · inv[t] for the block's lanes: the transpose of pack_queries.
+template <class T>
+void unpack_outputs(const FlashBlock<T>& blk, const T* ot, Index dv, const T* inv) {
+    namespace ei = Eigen::internal;
+    using Packet = typename ei::packet_traits<T>::type;
+    constexpr int P = ei::unpacket_traits<Packet>::size, W = FlashGeometry<T>::kQueries;
+    const Index j_vec = dv / P * P;
+    for (int t0 = 0; t0 < blk.count; t0 += P) {
+        const int lanes = std::min(P, blk.count - t0);
+        for (Index j0 = 0; j0 < j_vec; j0 += P) {
+            ei::PacketBlock<Packet, P> tile;
+            for (int i = 0; i < P; ++i) tile.packet[i] = ei::ploadu<Packet>(ot + (j0 + i) * W + t0);
+            ei::ptranspose(tile);
+            for (int i = 0; i < lanes; ++i)
+                ei::pstoreu(blk.out[t0 + i] + j0, ei::pmul(tile.packet[i], ei::pset1<Packet>(inv[t0 + i])));
+        }
+        for (int t = t0; t < t0 + lanes; ++t)
+            for (Index j = j_vec; j < dv; ++j) blk.out[t][j] = ot[j * W + t] * inv[t];
+    }
+}
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+/// Prepares a query block: ranges, scale·Qᵀ (padding lanes zero), Oᵀ = 0, m = −∞, l = 0.
+template <class T>
+void flash_begin(const FlashBlock<T>& blk, Index dk, Index dv, T scale, T* qt, T* ot, FlashState<T>& st) {
+    using B = simd::Batch<T>;
+    using G = FlashGeometry<T>;
+    constexpr int C = G::kCols, W = G::kQueries;
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    st.union_begin = std::numeric_limits<Index>::max();
+    st.union_end = 0;
+    st.common_begin = 0;
+    st.common_end = std::numeric_limits<Index>::max();
+    st.elementwise = false;
+    for (int t = 0; t < blk.count; ++t) {
+        if (blk.bool_row[t] || blk.bias_row[t]) st.elementwise = true;
+        st.common_begin = std::max(st.common_begin, blk.begin[t]);
+        st.common_end = std::min(st.common_end, blk.end[t]);
+        if (blk.begin[t] >= blk.end[t]) continue;
+        st.union_begin = std::min(st.union_begin, blk.begin[t]);
+        st.union_end = std::max(st.union_end, blk.end[t]);
+    }
+    pack_queries(blk, dk, scale, qt);
+    std::fill(ot, ot + dv * W, T(0));
+    for (int c = 0; c < C; ++c) {
+        st.m[c] = B(kNegInf);
+        st.l[c] = B(T(0));
+    }
+    // Per-lane range bounds as T, to mask a key with one vector compare per register.
+    for (int t = 0; t < W; ++t) {
+        st.lane_begin[t] = t < blk.count ? static_cast<T>(blk.begin[t]) : T(0);
+        st.lane_end[t] = t < blk.count ? static_cast<T>(blk.end[t]) : T(0);
+        st.first_score[t] = kNegInf;
+    }
+}
+
+/// One key block [k0, k0 + Bc) ∩ [0, union_end) of a query block: scores, mask, online softmax
+/// and Oᵀ update. key/value point at key 0 of the head.
+template <class T>
+void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const T* key, Index key_stride,
+                const T* value, Index value_stride, Index dk, Index dv, const T* qt, T* st, T* ot) {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-
-    // Union and intersection of the lanes' visible key ranges.
-    Index union_begin = std::numeric_limits<Index>::max(), union_end = 0;
-    Index common_begin = 0, common_end = std::numeric_limits<Index>::max();
-    bool elementwise = false;
-    for (int t = 0; t < blk.count; ++t) {
-        if (blk.bool_row[t] || blk.bias_row[t]) elementwise = true;
-        common_begin = std::max(common_begin, blk.begin[t]);
-        common_end = std::min(common_end, blk.end[t]);
-        if (blk.begin[t] >= blk.end[t]) continue;
-        union_begin = std::min(union_begin, blk.begin[t]);
-        union_end = std::max(union_end, blk.end[t]);
-    }
-
-    // scale·Qᵀ, padding lanes zero.
-    T* qt = s.qt.data();
-    for (int t = 0; t < W; ++t) {
-        const T* q = blk.q[t];  // read each query row once, in order
-        if (t < blk.count)
-            for (Index d = 0; d < dk; ++d) qt[d * W + t] = q[d] * scale;
-        else
-            for (Index d = 0; d < dk; ++d) qt[d * W + t] = T(0);
-    }
-    std::fill(s.ot.data(), s.ot.data() + dv * W, T(0));
-    B m[C], l[C];
-    for (int c = 0; c < C; ++c) {
-        m[c] = B(kNegInf);
-        l[c] = B(T(0));
-    }
-    // Per-lane range bounds as T, to mask a key with one vector compare per register.
-    alignas(64) T lane_begin[W], lane_end[W], first_score[W];
-    for (int t = 0; t < W; ++t) {
-        lane_begin[t] = t < blk.count ? static_cast<T>(blk.begin[t]) : T(0);
-        lane_end[t] = t < blk.count ? static_cast<T>(blk.end[t]) : T(0);
-        first_score[t] = kNegInf;
-    }
-
-    T* st = s.st.data();
-    // Key blocks start at multiples of Bc, so a lane's blocking (and rounding) does not depend
-    // on which other lanes share its query block.
-    for (Index k0 = union_begin / G::kKeys * G::kKeys; k0 < union_end; k0 += G::kKeys) {
-        const Index nk = std::min<Index>(G::kKeys, union_end - k0);
-        const bool full = !elementwise && common_begin <= k0 && k0 + nk <= common_end;
-        B bmax[C];
+    const Index nk = std::min<Index>(G::kKeys, state.union_end - k0);
+    const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end;
+    B bmax[C];
+    for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
+    if (full)
+        scores_rows<T, G::kRows, false>(key + k0 * key_stride, key_stride, qt, dk, st, k0, nk, state.lane_begin,
+                                        state.lane_end, bmax);
+    else
+        scores_rows<T, G::kRows, true>(key + k0 * key_stride, key_stride, qt, dk, st, k0, nk, state.lane_begin,
+                                       state.lane_end, bmax);
+    if (state.elementwise && !full) {
+        // Boolean mask and additive bias, per lane; then the block max again.
         for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
-        if (full)
-            scores_rows<T, G::kRows, false>(key + k0 * key_stride, key_stride, qt, dk, st, k0, nk, lane_begin,
-                                            lane_end, bmax);
-        else
-            scores_rows<T, G::kRows, true>(key + k0 * key_stride, key_stride, qt, dk, st, k0, nk, lane_begin,
-                                           lane_end, bmax);
-        if (elementwise && !full) {
-            // Boolean mask and additive bias, per lane; then the block max again.
-            for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
-            for (Index kk = 0; kk < nk; ++kk) {
-                T* row = st + kk * W;
-                const Index j = k0 + kk;
-                for (int t = 0; t < blk.count; ++t) {
-                    if (blk.bool_row[t] && !blk.bool_row[t][j]) row[t] = kNegInf;
-                    if (blk.bias_row[t])
-                        row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
-                }
-                for (int c = 0; c < C; ++c) bmax[c] = xsimd::max(bmax[c], B::load_aligned(row + c * L));
-            }
-        }
-        if (k0 == 0)
-            for (int t = 0; t < W; ++t) first_score[t] = st[t];
-
-        B alpha[C], shift[C], lsum[C];
-        for (int c = 0; c < C; ++c) {
-            const B m_new = xsimd::max(m[c], bmax[c]);
-            // A lane with no visible key so far keeps m = −∞: shift by 0 so that no
-            // (−∞) − (−∞) is formed; its P are e^(−∞) = 0 and its α is e^(−∞) = 0.
-            shift[c] = xsimd::select(m_new == B(kNegInf), B(T(0)), m_new);
-            alpha[c] = simd::exp_nonpositive<T>(m[c] - shift[c]);
-            m[c] = m_new;
-            lsum[c] = B(T(0));
-        }
         for (Index kk = 0; kk < nk; ++kk) {
             T* row = st + kk * W;
-            for (int c = 0; c < C; ++c) {
-                const B p = simd::exp_nonpositive<T>(B::load_aligned(row + c * L) - shift[c]);
-                p.store_aligned(row + c * L);
-                lsum[c] += p;
+            const Index j = k0 + kk;
+            for (int t = 0; t < blk.count; ++t) {
+                if (blk.bool_row[t] && !blk.bool_row[t][j]) row[t] = kNegInf;
+                if (blk.bias_row[t]) row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
             }
+            for (int c = 0; c < C; ++c) bmax[c] = xsimd::max(bmax[c], B::load_aligned(row + c * L));
         }
-        for (int c = 0; c < C; ++c) l[c] = xsimd::fma(l[c], alpha[c], lsum[c]);
-        if (full)
-            values_rows<T, G::kRows, false>(value + k0 * value_stride, value_stride, st, nk, alpha, s.ot.data(), dv);
-        else
-            values_rows<T, G::kRows, true>(value + k0 * value_stride, value_stride, st, nk, alpha, s.ot.data(), dv);
     }
+    if (k0 == 0)
+        for (int t = 0; t < W; ++t) state.first_score[t] = st[t];
 
+    B alpha[C], shift[C], lsum[C];
+    for (int c = 0; c < C; ++c) {
+        const B m_new = xsimd::max(state.m[c], bmax[c]);
+        // A lane with no visible key so far keeps m = −∞: shift by 0 so that no
+        // (−∞) − (−∞) is formed; its P are e^(−∞) = 0 and its α is e^(−∞) = 0.
+        shift[c] = xsimd::select(m_new == B(kNegInf), B(T(0)), m_new);
+        alpha[c] = simd::exp_nonpositive<T>(state.m[c] - shift[c]);
+        state.m[c] = m_new;
+        lsum[c] = B(T(0));
+    }
+    for (Index kk = 0; kk < nk; ++kk) {
+        T* row = st + kk * W;
+        for (int c = 0; c < C; ++c) {
+            const B p = simd::exp_nonpositive<T>(B::load_aligned(row + c * L) - shift[c]);
+            p.store_aligned(row + c * L);
+            lsum[c] += p;
+        }
+    }
+    for (int c = 0; c < C; ++c) state.l[c] = xsimd::fma(state.l[c], alpha[c], lsum[c]);
+    if (full)
+        values_rows<T, G::kRows, false>(value + k0 * value_stride, value_stride, st, nk, alpha, ot, dv);
+    else
+        values_rows<T, G::kRows, true>(value + k0 * value_stride, value_stride, st, nk, alpha, ot, dv);
+}
+
+/// Writes a query block's outputs: O = Oᵀᵀ / l (0 for a lane that sees no key), log-sum-exp and
+/// first-key probability.
+template <class T>
+void flash_finish(const FlashBlock<T>& blk, const FlashState<T>& state, const T* ot, Index dv) {
+    using G = FlashGeometry<T>;
+    constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     alignas(64) T m_lane[W], l_lane[W];
     for (int c = 0; c < C; ++c) {
-        m[c].store_aligned(m_lane + c * L);
-        l[c].store_aligned(l_lane + c * L);
+        state.m[c].store_aligned(m_lane + c * L);
+        state.l[c].store_aligned(l_lane + c * L);
     }
-    const T* ot = s.ot.data();
+    alignas(64) T inv[W];
+    for (int t = 0; t < W; ++t) {
+        const T lt = l_lane[t];
+        // 0 for a lane that sees no key (its Oᵀ column is exactly 0), NaN stays NaN.
+        inv[t] = !(lt > 0) && !std::isnan(lt) ? T(0) : T(1) / lt;
+    }
+    unpack_outputs(blk, ot, dv, inv);
     for (int t = 0; t < blk.count; ++t) {
         const T lt = l_lane[t];
         const bool empty = !(lt > 0) && !std::isnan(lt);
-        const T inv = empty ? T(0) : T(1) / lt;
-        T* o = blk.out[t];
-        for (Index j = 0; j < dv; ++j) o[j] = empty ? T(0) : ot[j * W + t] * inv;
         if (blk.lse[t]) *blk.lse[t] = empty ? kNegInf : m_lane[t] + std::log(lt);
         if (blk.first_key[t])
-            *blk.first_key[t] = empty ? T(0) : simd::exp_scalar<T>(first_score[t] - m_lane[t]) * inv;
+            *blk.first_key[t] = empty ? T(0) : simd::exp_scalar<T>(state.first_score[t] - m_lane[t]) * inv[t];
     }
+}
+
+/// Runs up to kGroupBlocks query blocks of one KV head against its keys [0, N_k), key block by
+/// key block, each query block exactly as if it ran alone (the result does not depend on the
+/// grouping). key/value point at key 0 of the head (row strides key_stride/value_stride); the
+/// blocks' queries are unscaled. Writes out, log-sum-exp and first-key probability of their lanes.
+template <class T>
+void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const T* key, Index key_stride,
+                            const T* value, Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s) {
+    using G = FlashGeometry<T>;
+    GATTN_DEBUG_ASSERT(count >= 1 && count <= G::kGroupBlocks);
+    FlashState<T> state[G::kGroupBlocks];
+    Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
+    for (int i = 0; i < count; ++i) {
+        flash_begin(blocks[i], dk, dv, scale, s.qt[i].data(), s.ot[i].data(), state[i]);
+        if (state[i].union_begin >= state[i].union_end) continue;
+        k_begin = std::min(k_begin, state[i].first_block());
+        k_end = std::max(k_end, state[i].union_end);
+    }
+    for (Index k0 = k_begin; k0 < k_end; k0 += G::kKeys)
+        for (int i = 0; i < count; ++i)
+            if (state[i].union_begin < state[i].union_end && state[i].first_block() <= k0 && k0 < state[i].union_end)
+                flash_step(blocks[i], state[i], k0, key, key_stride, value, value_stride, dk, dv, s.qt[i].data(),
+                           s.st.data(), s.ot[i].data());
+    for (int i = 0; i < count; ++i) flash_finish(blocks[i], state[i], s.ot[i].data(), dv);
 }
 
 }  // namespace kernel

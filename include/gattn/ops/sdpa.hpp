@@ -20,6 +20,10 @@
 #include <string>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "gattn/ops/decode_kernel.hpp"
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/ops/mask.hpp"
@@ -257,8 +261,23 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
     const bool decode = pairs <= Geometry::kQueries / 4;
     const Index blocks = decode ? 1 : (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
     const Index chunks = decode ? (Nk + kernel::kChunkKeys - 1) / kernel::kChunkKeys : 1;
-    // Decoding tasks cover all KV heads of a sequence's chunk; prefill tasks one KV head's block.
-    const Index tasks = decode ? B * chunks : B * Hkv * blocks;
+    // A prefill task runs up to kGroupBlocks query blocks of one KV head together (they share
+    // each key block while it is in cache), as long as that leaves 4 tasks per thread. Each
+    // query block's arithmetic is the same in any grouping, so this changes no result.
+    Index per_task = 1;
+    if (!decode) {
+#ifdef _OPENMP
+        const Index threads = omp_get_max_threads();
+#else
+        const Index threads = 1;
+#endif
+        while (per_task * 2 <= Geometry::kGroupBlocks &&
+               B * Hkv * ((blocks + per_task * 2 - 1) / (per_task * 2)) >= 4 * threads)
+            per_task *= 2;
+    }
+    const Index block_tasks = (blocks + per_task - 1) / per_task;
+    // Decoding tasks cover all KV heads of a sequence's chunk; prefill tasks one KV head's blocks.
+    const Index tasks = decode ? B * chunks : B * Hkv * block_tasks;
     const Index ldq = query.outerStride(), ldo = out.outerStride();
     // Fills the block description of pairs [t0, t0 + count) of KV head g in sequence b.
     auto describe_block = [&](kernel::FlashBlock<Scalar>& blk, Index b, Index g, Index t0) {
@@ -285,7 +304,7 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
     {
         kernel::FlashScratch<Scalar> scratch;
         if (!decode) scratch.reserve(dk, dv);
-        kernel::FlashBlock<Scalar> blk;
+        kernel::FlashBlock<Scalar> blk[Geometry::kGroupBlocks];
         std::vector<kernel::FlashBlock<Scalar>> group_blocks(decode ? static_cast<std::size_t>(Hkv) : 0);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -304,10 +323,12 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                                              value.data() + b * Nk * value.outerStride(), value.outerStride(),
                                              dk, dv, scale);
             } else {
-                const Index block = task % blocks, g = (task / blocks) % Hkv, b = task / (blocks * Hkv);
-                describe_block(blk, b, g, block * Geometry::kQueries);
-                kernel::flash_attention_block<Scalar>(
-                    blk, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
+                const Index first = task % block_tasks * per_task, g = (task / block_tasks) % Hkv,
+                            b = task / (block_tasks * Hkv);
+                const int count = static_cast<int>(std::min(per_task, blocks - first));
+                for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
+                kernel::flash_attention_blocks<Scalar>(
+                    blk, count, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
                     value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(), dk, dv, scale,
                     scratch);
             }
@@ -319,9 +340,9 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
 #endif
             for (Index bg = 0; bg < B * Hkv; ++bg) {
                 const Index b = bg / Hkv, g = bg % Hkv;
-                describe_block(blk, b, g, 0);
+                describe_block(blk[0], b, g, 0);
                 // State of (b, chunk c, g) sits at (b·chunks + c)·H_kv + g.
-                kernel::decode_finish<Scalar>(blk, partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
+                kernel::decode_finish<Scalar>(blk[0], partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
             }
         }
     }
