@@ -75,6 +75,30 @@ TYPED_TEST(Kernels, ExpNonPositiveMatchesDoubleDownToZero) {
     EXPECT_TRUE(std::isnan(s[3]));
 }
 
+TEST(KernelsFloat, Exp2NonPositiveMatchesDoubleDownToZero) {
+    // Every 2^x over [−126, 0] on a fine grid, all half-integers (the ends of the polynomial's
+    // range), and the special values.
+    std::vector<float> x;
+    for (double v = -126.0; v <= 0.0; v += 126.0 / 19997.0) x.push_back(static_cast<float>(v));
+    for (int i = -252; i <= 0; ++i) x.push_back(0.5f * static_cast<float>(i));
+    x.push_back(-std::numeric_limits<float>::denorm_min());
+    std::vector<float> y(x.size());
+    simd::transform(x.data(), y.data(), x.size(), [](const auto& b) { return simd::exp2_nonpositive(b); });
+    for (std::size_t i = 0; i < x.size(); ++i) {
+        const double want = std::exp2(static_cast<double>(x[i]));
+        ASSERT_LE(std::abs(y[i] - want), 2e-7 * want) << "exp2(" << x[i] << ")";
+    }
+    const float inf = std::numeric_limits<float>::infinity();
+    const std::vector<float> special{-inf, -126.0001f, -127.0f, -1e30f, std::numeric_limits<float>::quiet_NaN()};
+    std::vector<float> s(special.size());
+    simd::transform(special.data(), s.data(), special.size(), [](const auto& b) { return simd::exp2_nonpositive(b); });
+    EXPECT_EQ(s[0], 0.0f);
+    EXPECT_EQ(s[1], 0.0f);
+    EXPECT_EQ(s[2], 0.0f);
+    EXPECT_EQ(s[3], 0.0f);
+    EXPECT_TRUE(std::isnan(s[4]));
+}
+
 TYPED_TEST(Kernels, ActivationsMatchDoubleAndSaturateExactly) {
     using T = TypeParam;
     std::vector<T> z;

@@ -3,7 +3,8 @@
 
 /// \file
 /// The few xsimd calls whose names changed between xsimd 8.1 (Debian bookworm) and later
-/// releases. This is the only file that tests XSIMD_VERSION_MAJOR.
+/// releases (this is the only file that tests XSIMD_VERSION_MAJOR), and the compiler's
+/// prefetch hint.
 
 #include <xsimd/xsimd.hpp>
 
@@ -57,6 +58,19 @@ inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
     alignas(64) T sums[kLanes<T>];
     for (std::size_t i = 0; i < kLanes<T>; ++i) sums[i] = reduce_sum(rows[i]);
     return Batch<T>::load_aligned(sums);
+}
+
+/// Elements of T in one 64-byte cache line.
+template <class T>
+inline constexpr std::size_t kLineElems = 64 / sizeof(T);
+
+/// Asks for the cache line holding p to be brought into L1 (a hint: never faults, any address).
+inline void prefetch(const void* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 0, 3);
+#else
+    (void)p;
+#endif
 }
 
 /// Name of the instruction set, for benchmark labels and diagnostics.

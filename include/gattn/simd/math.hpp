@@ -107,6 +107,34 @@ inline Batch<T> exp_nonpositive(const Batch<T>& x) noexcept {
     return detail::exp_impl<T, true>(x);
 }
 
+/// 2^x for x ≤ 0, float, register level: x = n + r with n = round(x) (exact, |r| ≤ ½),
+/// 2^r = 1 + r·q(r) with q a degree-5 polynomial fitted for relative error on [−½, ½]
+/// (≤ 1e-7 relative, ≈2 ulp, measured against double), times 2^n (AVX-512: vscalefps).
+/// Results below the smallest normal number are 0, −∞ gives 0, NaN propagates; x > 0 is
+/// outside its contract. Softmax in base 2 needs no multiply by log₂e and no Cody-Waite
+/// split. Never throws.
+inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
+    using B = Batch<float>;
+    const B lo(-126.0f);  // 2^−126 = FLT_MIN; below it the result is 0
+    const B xc = xsimd::max(lo, x);  // NaN flows through (second operand)
+    const B n = xsimd::nearbyint(xc);
+    const B r = xc - n;
+    B q(1.5353361959569156e-4f);
+    q = xsimd::fma(q, r, B(1.3398875016719103e-3f));
+    q = xsimd::fma(q, r, B(9.6184369176626205e-3f));
+    q = xsimd::fma(q, r, B(5.5503323674201965e-2f));
+    q = xsimd::fma(q, r, B(2.4022647738456726e-1f));
+    q = xsimd::fma(q, r, B(6.9314718246459961e-1f));
+    const B p = xsimd::fma(q, r, B(1.0f));
+#if defined(__AVX512F__)
+    const B y(_mm512_scalef_ps(p, n));  // p·2^n in one instruction
+#else
+    using I = xsimd::batch<std::int32_t, Arch>;
+    const B y = p * xsimd::bitwise_cast<B>((xsimd::to_int(n) + I(127)) << 23);
+#endif
+    return xsimd::select(x < lo, B(0.0f), y);
+}
+
 /// σ(x) = 1 / (1 + e^−x). Saturates to exactly 0 below about −88 (float) and to exactly 1 for
 /// large x; σ(NaN) = NaN.
 template <class T>
