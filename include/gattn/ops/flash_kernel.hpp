@@ -58,8 +58,9 @@ struct FlashGeometry {
     static constexpr int kKeys = 64;  // Bc: keys per block
     // Query blocks that walk the keys together: each key block (and the memory pages of its
     // rows, which in a [N, H·d] layout are one page per row) is used by all of them while it
-    // is in cache and in the TLB.
-    static constexpr int kGroupBlocks = 4;
+    // is in L2 and in the TLB, so K and V come from L3 N/(8·Br) times instead of N/Br. Their
+    // Qᵀ and Oᵀ (8 × 64 KiB at d = 128, float on AVX-512) stay in L2.
+    static constexpr int kGroupBlocks = 8;
 };
 
 /// Per-thread scratch of the kernel (64-byte aligned through Eigen's allocator): one Qᵀ and
@@ -70,8 +71,8 @@ struct FlashScratch {
     RowMatrix<T> qt[G::kGroupBlocks];  // [d_k, Br]  scale·Qᵀ
     RowMatrix<T> ot[G::kGroupBlocks];  // [d_v, Br]  Oᵀ (unnormalised)
     RowMatrix<T> st;                   // [Bc, Br]   Sᵀ, then Pᵀ
-    void reserve(Index dk, Index dv) {
-        for (int i = 0; i < G::kGroupBlocks; ++i) {
+    void reserve(Index dk, Index dv, int group_blocks) {
+        for (int i = 0; i < group_blocks; ++i) {
             qt[i].resize(dk, G::kQueries);
             ot[i].resize(dv, G::kQueries);
         }

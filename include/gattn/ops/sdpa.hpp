@@ -303,8 +303,8 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
 #endif
     {
         kernel::FlashScratch<Scalar> scratch;
-        if (!decode) scratch.reserve(dk, dv);
-        kernel::FlashBlock<Scalar> blk[Geometry::kGroupBlocks];
+        if (!decode) scratch.reserve(dk, dv, static_cast<int>(per_task));
+        std::vector<kernel::FlashBlock<Scalar>> blk(static_cast<std::size_t>(per_task));  // KiBs each: heap
         std::vector<kernel::FlashBlock<Scalar>> group_blocks(decode ? static_cast<std::size_t>(Hkv) : 0);
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
@@ -328,7 +328,7 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                 const int count = static_cast<int>(std::min(per_task, blocks - first));
                 for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
                 kernel::flash_attention_blocks<Scalar>(
-                    blk, count, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
+                    blk.data(), count, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
                     value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(), dk, dv, scale,
                     scratch);
             }
