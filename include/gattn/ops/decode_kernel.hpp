@@ -40,6 +40,37 @@ struct PartialState {
     }
 };
 
+/// acc[j] += Σ_kk p[kk]·V[kk][j] over kk < nk in order, one fused multiply-add per key, in
+/// registers across the keys (8 at a time). A key whose p is 0 is skipped (its V row may be
+/// masked garbage, even NaN).
+template <class T>
+inline void accumulate_values(const T* p, Index nk, const T* value, Index value_stride, T* acc, Index dv) noexcept {
+    using B = simd::Batch<T>;
+    constexpr Index L = static_cast<Index>(simd::kLanes<T>), R = 8;
+    auto skipped = [&](Index kk) { return p[kk] == T(0); };  // NaN compares unequal: kept
+    Index j = 0;
+    for (; j + R * L <= dv; j += R * L) {
+        B a[R];
+        for (Index r = 0; r < R; ++r) a[r] = B::load_unaligned(acc + j + r * L);
+        for (Index kk = 0; kk < nk; ++kk) {
+            if (skipped(kk)) continue;
+            const B pk(p[kk]);
+            const T* v = value + kk * value_stride + j;
+            for (Index r = 0; r < R; ++r) a[r] = xsimd::fma(pk, B::load_unaligned(v + r * L), a[r]);
+        }
+        for (Index r = 0; r < R; ++r) a[r].store_unaligned(acc + j + r * L);
+    }
+    for (; j + L <= dv; j += L) {
+        B a = B::load_unaligned(acc + j);
+        for (Index kk = 0; kk < nk; ++kk)
+            if (!skipped(kk)) a = xsimd::fma(B(p[kk]), B::load_unaligned(value + kk * value_stride + j), a);
+        a.store_unaligned(acc + j);
+    }
+    for (; j < dv; ++j)
+        for (Index kk = 0; kk < nk; ++kk)
+            if (!skipped(kk)) acc[j] = std::fma(p[kk], value[kk * value_stride + j], acc[j]);
+}
+
 /// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
 /// [k_begin, k_end), accumulating into states[g]. key/value point at key 0, head 0 of the
 /// sequence. The KV heads are walked inside each key block, so a [N, H_kv·d] cache is read
@@ -56,6 +87,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     B dots[L];
     for (Index j0 = k_begin; j0 < k_end; j0 += L) {
         const Index nk = std::min(L, k_end - j0);
+        // The next block's K and V rows (all KV heads), a block ahead of their use: decoding
+        // streams the cache once, from memory when it is long.
+        for (Index kk = j0 + L; kk < std::min(j0 + 2 * L, k_end); ++kk) {
+            const T* k = key_base + kk * key_stride;
+            const T* v = value_base + kk * value_stride;
+            for (Index e = 0; e < num_kv_heads * dk; e += simd::kLineElems<T>) simd::prefetch(k + e);
+            for (Index e = 0; e < num_kv_heads * dv; e += simd::kLineElems<T>) simd::prefetch(v + e);
+        }
         for (Index g = 0; g < num_kv_heads; ++g) {
         const FlashBlock<T>& blk = blks[g];
         PartialState<T>& st = states[g];
@@ -74,21 +113,26 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                 dots[kk] = a;
             }
             (simd::reduce_sum_rows<T>(dots) * B(scale)).store_aligned(s);
-            for (Index kk = 0; kk < L; ++kk) {
-                const Index j = j0 + kk;
-                if (kk < nk && dk_vec < dk) {
-                    const T* k = key + j * key_stride;
+            if (dk_vec < dk)
+                for (Index kk = 0; kk < nk; ++kk) {
+                    const T* k = key + (j0 + kk) * key_stride;
                     T tail = 0;
                     for (Index d = dk_vec; d < dk; ++d) tail += q[d] * k[d];
                     s[kk] += tail * scale;
                 }
-                bool visible = j >= lo && j < hi;
-                if (visible && blk.bool_row[t] && !blk.bool_row[t][j]) visible = false;
-                if (visible && blk.bias_row[t]) {
-                    if (blk.bias_row[t][j] == kNegInf) visible = false;
-                    else s[kk] += blk.bias_row[t][j];
+            if (lo == j0 && hi == j0 + nk && !blk.bool_row[t] && !blk.bias_row[t]) {
+                for (Index kk = nk; kk < L; ++kk) s[kk] = kNegInf;  // every key of the block visible
+            } else {
+                for (Index kk = 0; kk < L; ++kk) {
+                    const Index j = j0 + kk;
+                    bool visible = j >= lo && j < hi;
+                    if (visible && blk.bool_row[t] && !blk.bool_row[t][j]) visible = false;
+                    if (visible && blk.bias_row[t]) {
+                        if (blk.bias_row[t][j] == kNegInf) visible = false;
+                        else s[kk] += blk.bias_row[t][j];
+                    }
+                    if (!visible) s[kk] = kNegInf;
                 }
-                if (!visible) s[kk] = kNegInf;
             }
             if (j0 == 0) st.first[t] = s[0];
             const B sv = B::load_aligned(s);
@@ -106,9 +150,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             const B pv = simd::exp_nonpositive<T>(sv - B(m_new));
             pv.store_aligned(p);
             st.l[t] += simd::reduce_sum(pv);
-            for (Index kk = 0; kk < nk; ++kk)
-                if (p[kk] != T(0) || std::isnan(p[kk]))
-                    simd::axpy(p[kk], value + (j0 + kk) * value_stride, acc, static_cast<std::size_t>(dv));
+            accumulate_values(p, nk, value + j0 * value_stride, value_stride, acc, dv);
         }
         }
     }

@@ -6,10 +6,12 @@
 /// releases (this is the only file that tests XSIMD_VERSION_MAJOR), and the compiler's
 /// prefetch hint.
 
+#include <Eigen/Core>
 #include <xsimd/xsimd.hpp>
 
 #include <algorithm>
 #include <cstddef>
+#include <type_traits>
 
 #include "gattn/config.hpp"
 
@@ -51,14 +53,41 @@ inline T reduce_max(const Batch<T>& x) noexcept {
 #endif
 }
 
-/// Register whose lane i is the sum of rows[i] (rows has kLanes<T> registers). Written out
-/// rather than xsimd::haddp, whose AVX-512 float version in xsimd 8.1 permutes the lanes.
+// Eigen's packet types are vector registers whose attributes a template argument drops
+// (harmless: the packets stay inside these functions).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wignored-attributes"
+#endif
+
+/// Register whose lane i is the sum of rows[i] (rows has kLanes<T> registers): the rows
+/// transposed in registers (Eigen's packet transpose, when Eigen's packet is this register)
+/// and added pairwise; otherwise lane by lane. Not xsimd::haddp, whose AVX-512 float version
+/// in xsimd 8.1 permutes the lanes.
 template <class T>
 inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
-    alignas(64) T sums[kLanes<T>];
-    for (std::size_t i = 0; i < kLanes<T>; ++i) sums[i] = reduce_sum(rows[i]);
-    return Batch<T>::load_aligned(sums);
+    constexpr std::size_t L = kLanes<T>;
+    using Packet = typename Eigen::internal::packet_traits<T>::type;
+    using Register = typename Batch<T>::register_type;
+    if constexpr (std::is_same_v<Packet, Register> && Eigen::internal::unpacket_traits<Packet>::size == L) {
+        Eigen::internal::PacketBlock<Packet, static_cast<int>(L)> tile;
+        for (std::size_t i = 0; i < L; ++i) tile.packet[i] = static_cast<Register>(rows[i]);
+        Eigen::internal::ptranspose(tile);
+        Batch<T> sums[L];
+        for (std::size_t i = 0; i < L; ++i) sums[i] = Batch<T>(tile.packet[i]);
+        for (std::size_t step = 1; step < L; step *= 2)
+            for (std::size_t i = 0; i + step < L; i += 2 * step) sums[i] += sums[i + step];
+        return sums[0];
+    } else {
+        alignas(64) T sums[L];
+        for (std::size_t i = 0; i < L; ++i) sums[i] = reduce_sum(rows[i]);
+        return Batch<T>::load_aligned(sums);
+    }
 }
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 /// Elements of T in one 64-byte cache line.
 template <class T>
