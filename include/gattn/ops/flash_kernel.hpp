@@ -167,14 +167,14 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
 }
 
 /// Sᵀ rows for keys [j0, j0 + nk): tiles of R keys, then the rest with R − 1. A tile prefetches
-/// the next tile's key rows, the last one those at `after`.
+/// the next whole tile's key rows, the last ones the R rows at `after` (within the keys).
 template <class T, int R, bool Masked>
 inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0, Index nk,
                         const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* after) noexcept {
     using G = FlashGeometry<T>;
     Index kk = 0;
     for (; kk + R <= nk; kk += R) {
-        const T* next = kk + R < nk ? key + (kk + R) * key_stride : after;
+        const T* next = kk + 2 * R <= nk ? key + (kk + R) * key_stride : after;  // never past the block
         scores_tile<T, R, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
                                   lane_begin, lane_end, bmax, next);
     }
