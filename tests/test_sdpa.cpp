@@ -1177,3 +1177,95 @@ TEST(SdpaHardening, ProbabilitiesStayExactWhenEveryLogitIsHuge) {
 }
 
 }  // namespace
+
+TEST(SdpaHardening, FloatMaskIsExactBeyondTwoToThe24Keys) {
+    // Key positions above 2^24 are not all representable in float: the masks must not round
+    // them. Logits are all 0, so each output is the mean of V over the query's window; V is
+    // a small integer ramp near the end, 0 elsewhere. Prefill tiles (64 queries) and decoding
+    // (8 queries) both.
+    using M = gattn::RowMatrix<float>;
+    const Index nk = (Index(1) << 24) + 64, window = 48, ramp = 200;
+    M k = M::Zero(nk, 1), v = M::Zero(nk, 1);
+    for (Index j = nk - ramp; j < nk; ++j) v(j, 0) = static_cast<float>(j - (nk - ramp));
+    for (const Index nq : {Index(64), Index(8)}) {
+        SCOPED_TRACE("N_q = " + std::to_string(nq));
+        const M q = M::Zero(nq, 1);
+        gattn::SdpaOptions<float> opt;
+        opt.mask.causal = true;
+        opt.mask.sliding_window = window;
+        const M out = gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, opt);
+        for (Index i = 0; i < nq; ++i) {
+            const Index last = i + nk - nq;  // bottom-right aligned: keys (last − w, last]
+            double sum = 0;
+            for (Index j = last - window + 1; j <= last; ++j) sum += v(j, 0);
+            EXPECT_NEAR(out(i, 0), sum / window, 1e-4) << "query " << i;
+        }
+    }
+}
+
+TYPED_TEST(SdpaTyped, NaNScoreOfTheOnlyVisibleKeyOfABlockReachesTheRow) {
+    // Even rows see keys 3 and 20, odd rows key 3 alone; K row 20 is NaN. Even rows are NaN
+    // (a NaN logit makes the softmax NaN), odd rows equal V row 3. One query (decoding) and
+    // 24 (query tiles).
+    using S = TypeParam;
+    using M = gattn::RowMatrix<S>;
+    const Index nk = 40, d = 4;
+    M k = M::Constant(nk, d, S(0.25)), v(nk, d);
+    for (Index j = 0; j < nk; ++j)
+        for (Index c = 0; c < d; ++c) v(j, c) = static_cast<S>(j + 0.5 * c);
+    k.row(20).setConstant(std::numeric_limits<S>::quiet_NaN());
+    for (const Index nq : {Index(1), Index(24)}) {
+        SCOPED_TRACE("N_q = " + std::to_string(nq));
+        const M q = M::Constant(nq, d, S(0.5));
+        std::unique_ptr<bool[]> allow(new bool[static_cast<std::size_t>(nq * nk)]());
+        for (Index i = 0; i < nq; ++i) {
+            allow[static_cast<std::size_t>(i * nk + 3)] = true;
+            allow[static_cast<std::size_t>(i * nk + 20)] = i % 2 == 0;
+        }
+        gattn::SdpaOptions<S> opt;
+        opt.mask.bool_mask = {allow.get(), 1, 1, nq, nk};
+        M lse;
+        gattn::SdpaOutputs<S> extra;
+        extra.log_sum_exp = &lse;
+        const M out = gattn::scaled_dot_product_attention<S>(q, k, v, {1, 1, 1}, opt, extra);
+        for (Index i = 0; i < nq; ++i) {
+            if (i % 2 == 0) {
+                EXPECT_TRUE(out.row(i).array().isNaN().all()) << "row " << i << ": " << out.row(i);
+                EXPECT_TRUE(std::isnan(lse(i, 0))) << "row " << i;
+            } else {
+                EXPECT_EQ(out.row(i), v.row(3)) << "row " << i;
+            }
+        }
+    }
+}
+
+TEST(SdpaHardening, NaNValueOfAVisibleKeyWhoseWeightUnderflowsReachesTheRow) {
+    // Logits 0, −200, 0: key 1's weight e^−200 underflows to 0 in float, and 0·NaN = NaN, as
+    // the float64 reference (weight 1.4e-87) also gives. Where key 1 is masked its NaN must
+    // not leak: those rows are (V₀ + V₂)/2 = 2. Decoding (2 queries) and query tiles (24),
+    // each with the mask (partial tiles) and, for the all-visible rows, without (full tiles).
+    using M = gattn::RowMatrix<float>;
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    M k(3, 1), v(3, 1);
+    k << 0.0f, -200.0f, 0.0f;
+    v << 1.0f, nan, 3.0f;
+    for (const Index nq : {Index(2), Index(24)}) {
+        SCOPED_TRACE("N_q = " + std::to_string(nq));
+        const M q = M::Constant(nq, 1, 1.0f);
+        std::unique_ptr<bool[]> allow(new bool[static_cast<std::size_t>(nq * 3)]);
+        for (Index i = 0; i < nq; ++i)
+            for (Index j = 0; j < 3; ++j) allow[static_cast<std::size_t>(i * 3 + j)] = j != 1 || i % 2 == 0;
+        gattn::SdpaOptions<float> opt;
+        opt.scale = 1.0;
+        const M all_visible = gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, opt);
+        EXPECT_TRUE(all_visible.array().isNaN().all()) << all_visible.transpose();
+        opt.mask.bool_mask = {allow.get(), 1, 1, nq, 3};
+        const M out = gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, opt);
+        for (Index i = 0; i < nq; ++i) {
+            if (i % 2 == 0)
+                EXPECT_TRUE(std::isnan(out(i, 0))) << "row " << i << ": " << out(i, 0);
+            else
+                EXPECT_EQ(out(i, 0), 2.0f) << "row " << i;
+        }
+    }
+}

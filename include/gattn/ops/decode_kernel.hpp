@@ -41,13 +41,14 @@ struct PartialState {
 };
 
 /// acc[j] += Σ_kk p[kk]·V[kk][j] over kk < nk in order, one fused multiply-add per key, in
-/// registers across the keys (8 at a time). A key whose p is 0 is skipped (its V row may be
-/// masked garbage, even NaN).
+/// registers across the keys (8 at a time). A masked key (score −∞) is skipped, its V row may
+/// be garbage, even NaN; a visible key whose weight underflowed to 0 is not (0·NaN = NaN).
 template <class T>
-inline void accumulate_values(const T* p, Index nk, const T* value, Index value_stride, T* acc, Index dv) noexcept {
+inline void accumulate_values(const T* score, const T* p, Index nk, const T* value, Index value_stride, T* acc,
+                              Index dv) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>), R = 8;
-    auto skipped = [&](Index kk) { return p[kk] == T(0); };  // NaN compares unequal: kept
+    auto skipped = [&](Index kk) { return score[kk] == -std::numeric_limits<T>::infinity(); };
     Index j = 0;
     for (; j + R * L <= dv; j += R * L) {
         B a[R];
@@ -85,6 +86,19 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     const Index dk_vec = dk / L * L;
     alignas(64) T s[L], p[L];
     B dots[L];
+    // Only the key blocks some row can see (a sliding window or short lengths leave most of a
+    // long cache unread); blocks stay at k_begin + multiples of L, so nothing else changes.
+    Index visible_begin = k_end, visible_end = k_begin;
+    for (Index g = 0; g < num_kv_heads; ++g)
+        for (int t = 0; t < blks[g].count; ++t) {
+            const Index lo = std::max(k_begin, blks[g].begin[t]), hi = std::min(k_end, blks[g].end[t]);
+            if (lo >= hi) continue;
+            visible_begin = std::min(visible_begin, lo);
+            visible_end = std::max(visible_end, hi);
+        }
+    if (visible_begin >= visible_end) return;
+    k_begin += (visible_begin - k_begin) / L * L;
+    k_end = visible_end;
     for (Index j0 = k_begin; j0 < k_end; j0 += L) {
         const Index nk = std::min(L, k_end - j0);
         // The next block's K and V rows (all KV heads), a block ahead of their use: decoding
@@ -136,7 +150,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             }
             if (j0 == 0) st.first[t] = s[0];
             const B sv = B::load_aligned(s);
-            const T bmax = simd::reduce_max(sv);
+            // A NaN score (NaN in a visible key) must reach the row: reduce_max skips NaN lanes.
+            const T bmax = xsimd::any(xsimd::isnan(sv)) ? std::numeric_limits<T>::quiet_NaN() : simd::reduce_max(sv);
             if (bmax == kNegInf) continue;
             T& m = st.m[t];
             T* acc = st.acc.data() + t * dv;
@@ -150,7 +165,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             const B pv = simd::exp_nonpositive<T>(sv - B(m_new));
             pv.store_aligned(p);
             st.l[t] += simd::reduce_sum(pv);
-            accumulate_values(p, nk, value + j0 * value_stride, value_stride, acc, dv);
+            accumulate_values(s, p, nk, value + j0 * value_stride, value_stride, acc, dv);
         }
         }
     }

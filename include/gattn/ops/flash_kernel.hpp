@@ -15,8 +15,9 @@
 /// Per key block: Sᵀ = K·(scale·Qᵀ); mask (partial blocks only); block max; α = e^(m − m_new);
 /// Pᵀ = e^(Sᵀ − m_new); l = α·l + Σ Pᵀ; Oᵀ = α·Oᵀ + Vᵀ·Pᵀ. A key block that no query of the
 /// block can see is skipped, so causal attention costs about half of full attention.
-/// In partial blocks a masked key gets P = 0 and is skipped in Vᵀ·Pᵀ by a select (never
-/// multiplied by 0), so NaN in masked K or V cannot reach the output.
+/// In partial blocks a masked key is marked P = −1 and skipped in Vᵀ·Pᵀ by a select (never
+/// multiplied by 0), so NaN in masked K or V cannot reach the output, while a visible key
+/// whose weight underflows to 0 still carries NaN in its V, as IEEE arithmetic does.
 
 #include <algorithm>
 #include <cmath>
@@ -97,8 +98,9 @@ struct FlashBlock {
 };
 
 /// Sᵀ[kk][·] = Σ_c K[k0 + kk][c] · Qᵀ[c][·] for kk in [0, R): R keys × kCols registers.
-/// The epilogue masks keys outside each lane's range [lane_begin, lane_end) to −∞ (Masked) and
-/// folds the tile into the block max, so Sᵀ is not read again for the max.
+/// The epilogue masks keys outside each lane's range [lane_begin, lane_end) (relative to the
+/// key block, like j0) to −∞ (Masked) and folds the tile into the block max, so Sᵀ is not
+/// read again for the max.
 template <class T, int R, bool Masked>
 inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0,
                         const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* next_key) noexcept {
@@ -135,7 +137,7 @@ inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T
 }
 
 /// Oᵀ[j + r][·] = α·Oᵀ[j + r][·] + Σ_kk V[k0 + kk][j + r] · Pᵀ[kk][·] for r in [0, R).
-/// Masked: a lane whose P is 0 skips the key (select, not a multiply by 0).
+/// Masked: a lane whose P is −1 (a masked key) skips the key (select, not a multiply by 0).
 template <class T, int R, bool Masked>
 inline void values_tile(const T* value, Index value_stride, const T* pt, Index nk,
                         const simd::Batch<T>* alpha, T* ot) noexcept {
@@ -152,8 +154,8 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
         for (int r = 0; r < R; ++r) {
             const B vb(v[r]);
             for (int c = 0; c < C; ++c) {
-                if constexpr (Masked)
-                    acc[r][c] = xsimd::select(pv[c] != B(T(0)), xsimd::fma(vb, pv[c], acc[r][c]), acc[r][c]);
+                if constexpr (Masked)  // P < 0: a masked key; NaN compares false and is kept
+                    acc[r][c] = xsimd::select(pv[c] < B(T(0)), acc[r][c], xsimd::fma(vb, pv[c], acc[r][c]));
                 else
                     acc[r][c] = xsimd::fma(vb, pv[c], acc[r][c]);
             }
@@ -196,15 +198,13 @@ inline void values_rows(const T* value, Index value_stride, const T* pt, Index n
     }
 }
 
-/// Online-softmax state of one query block: per-lane running max m and sum l, the lanes'
-/// visible key ranges, and the union and intersection of those ranges.
+/// Online-softmax state of one query block: per-lane running max m and sum l, each lane's
+/// first score, and the union and intersection of the lanes' visible key ranges.
 template <class T>
 struct FlashState {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     B m[G::kCols], l[G::kCols];
-    alignas(64) T lane_begin[G::kQueries];
-    alignas(64) T lane_end[G::kQueries];
     alignas(64) T first_score[G::kQueries];
     Index union_begin, union_end, common_begin, common_end;
     bool elementwise;
@@ -294,12 +294,7 @@ void flash_begin(const FlashBlock<T>& blk, Index dk, Index dv, T scale, T* qt, T
         st.m[c] = B(kNegInf);
         st.l[c] = B(T(0));
     }
-    // Per-lane range bounds as T, to mask a key with one vector compare per register.
-    for (int t = 0; t < W; ++t) {
-        st.lane_begin[t] = t < blk.count ? static_cast<T>(blk.begin[t]) : T(0);
-        st.lane_end[t] = t < blk.count ? static_cast<T>(blk.end[t]) : T(0);
-        st.first_score[t] = kNegInf;
-    }
+    for (int t = 0; t < W; ++t) st.first_score[t] = kNegInf;
 }
 
 /// One key block [k0, k0 + Bc) ∩ [0, union_end) of a query block: scores, mask, online softmax
@@ -317,12 +312,20 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
     // After the block, its first rows again: the group's next query block starts there.
     const T* block = key + k0 * key_stride;
-    if (full)
-        scores_rows<T, G::kRows, false>(block, key_stride, qt, dk, st, k0, nk, state.lane_begin, state.lane_end,
-                                        bmax, block);
-    else
-        scores_rows<T, G::kRows, true>(block, key_stride, qt, dk, st, k0, nk, state.lane_begin, state.lane_end,
-                                       bmax, block);
+    if (full) {
+        scores_rows<T, G::kRows, false>(block, key_stride, qt, dk, st, 0, nk, nullptr, nullptr, bmax, block);
+    } else {
+        // Each lane's visible range relative to k0, clamped to [−1, Bc + 1]: small integers, exact
+        // in T however large N_k is, so one vector compare per register masks a key. Padding
+        // lanes see nothing.
+        alignas(64) T lane_begin[W], lane_end[W];
+        for (int t = 0; t < W; ++t) {
+            const Index b = t < blk.count ? blk.begin[t] - k0 : 0, e = t < blk.count ? blk.end[t] - k0 : 0;
+            lane_begin[t] = static_cast<T>(std::clamp<Index>(b, -1, G::kKeys + 1));
+            lane_end[t] = static_cast<T>(std::clamp<Index>(e, -1, G::kKeys + 1));
+        }
+        scores_rows<T, G::kRows, true>(block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, block);
+    }
     if (state.elementwise && !full) {
         // Boolean mask and additive bias, per lane; then the block max again.
         for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
@@ -349,12 +352,26 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         state.m[c] = m_new;
         lsum[c] = B(T(0));
     }
-    for (Index kk = 0; kk < nk; ++kk) {
-        T* row = st + kk * W;
-        for (int c = 0; c < C; ++c) {
-            const B p = softmax_exp<T>(B::load_aligned(row + c * L) - shift[c]);
-            p.store_aligned(row + c * L);
-            lsum[c] += p;
+    if (full) {
+        for (Index kk = 0; kk < nk; ++kk) {
+            T* row = st + kk * W;
+            for (int c = 0; c < C; ++c) {
+                const B p = softmax_exp<T>(B::load_aligned(row + c * L) - shift[c]);
+                p.store_aligned(row + c * L);
+                lsum[c] += p;
+            }
+        }
+    } else {
+        // A masked key (score −∞) is stored as P = −1, which values_tile skips; a visible key
+        // whose weight underflows keeps P = 0 and is multiplied like any other (0·NaN = NaN).
+        for (Index kk = 0; kk < nk; ++kk) {
+            T* row = st + kk * W;
+            for (int c = 0; c < C; ++c) {
+                const B sc = B::load_aligned(row + c * L);
+                const B p = softmax_exp<T>(sc - shift[c]);
+                lsum[c] += p;
+                xsimd::select(sc == B(kNegInf), B(T(-1)), p).store_aligned(row + c * L);
+            }
         }
     }
     for (int c = 0; c < C; ++c) state.l[c] = xsimd::fma(state.l[c], alpha[c], lsum[c]);
