@@ -6,6 +6,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -1217,13 +1218,13 @@ TYPED_TEST(SdpaTyped, NaNScoreOfTheOnlyVisibleKeyOfABlockReachesTheRow) {
     for (const Index nq : {Index(1), Index(24)}) {
         SCOPED_TRACE("N_q = " + std::to_string(nq));
         const M q = M::Constant(nq, d, S(0.5));
-        std::unique_ptr<bool[]> allow(new bool[static_cast<std::size_t>(nq * nk)]());
+        std::array<bool, 24 * 40> allow{};
         for (Index i = 0; i < nq; ++i) {
             allow[static_cast<std::size_t>(i * nk + 3)] = true;
             allow[static_cast<std::size_t>(i * nk + 20)] = i % 2 == 0;
         }
         gattn::SdpaOptions<S> opt;
-        opt.mask.bool_mask = {allow.get(), 1, 1, nq, nk};
+        opt.mask.bool_mask = {allow.data(), 1, 1, nq, nk};
         M lse;
         gattn::SdpaOutputs<S> extra;
         extra.log_sum_exp = &lse;
@@ -1252,14 +1253,14 @@ TEST(SdpaHardening, NaNValueOfAVisibleKeyWhoseWeightUnderflowsReachesTheRow) {
     for (const Index nq : {Index(2), Index(24)}) {
         SCOPED_TRACE("N_q = " + std::to_string(nq));
         const M q = M::Constant(nq, 1, 1.0f);
-        std::unique_ptr<bool[]> allow(new bool[static_cast<std::size_t>(nq * 3)]);
+        std::array<bool, 24 * 3> allow{};
         for (Index i = 0; i < nq; ++i)
             for (Index j = 0; j < 3; ++j) allow[static_cast<std::size_t>(i * 3 + j)] = j != 1 || i % 2 == 0;
         gattn::SdpaOptions<float> opt;
         opt.scale = 1.0;
         const M all_visible = gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, opt);
         EXPECT_TRUE(all_visible.array().isNaN().all()) << all_visible.transpose();
-        opt.mask.bool_mask = {allow.get(), 1, 1, nq, 3};
+        opt.mask.bool_mask = {allow.data(), 1, 1, nq, 3};
         const M out = gattn::scaled_dot_product_attention<float>(q, k, v, {1, 1, 1}, opt);
         for (Index i = 0; i < nq; ++i) {
             if (i % 2 == 0)
