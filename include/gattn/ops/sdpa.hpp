@@ -186,8 +186,9 @@ inline Index span_of(const M& m) noexcept {
 /// Accumulation and softmax run in Scalar (float or double). Two kernels, chosen by shape:
 /// query tiles (ops/flash_kernel.hpp) when a KV head serves more than Br/4 (head, query) pairs,
 /// else the decoding kernel with split-KV chunks (ops/decode_kernel.hpp). Compiled with OpenMP,
-/// the work is split over (sequence, KV head, query tile) or (sequence, key chunk) tasks; the
-/// result is bitwise the same for any thread count and whatever else shares the batch.
+/// the work is split over (sequence, KV head, up to 8 query tiles) or (sequence, key chunk)
+/// tasks; the result is bitwise the same for any thread count and whatever else shares the
+/// batch.
 /// Probabilities, when requested, are recomputed row by row from the log-sum-exp (O(N_q·N_k·d)).
 template <class Scalar>
 void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
