@@ -21,6 +21,26 @@ namespace simd {
 
 namespace detail {
 
+/// 2^n for integer lanes n in T's normal exponent range, built from the exponent bits.
+template <class T, class I>
+inline Batch<T> pow2(const I& n) noexcept {
+    constexpr int kMantissaBits = std::numeric_limits<T>::digits - 1;   // 23, 52
+    constexpr int kBias = std::numeric_limits<T>::max_exponent - 1;      // 127, 1023
+    return xsimd::bitwise_cast<Batch<T>>((n + I(kBias)) << kMantissaBits);
+}
+
+/// p·2^n. NonPositive: n in [min exponent, 0], one normal factor; otherwise two factors, so
+/// that n up to the largest exponent + 1 never leaves the normal range.
+template <class T, bool NonPositive, class I>
+inline Batch<T> times_pow2(const Batch<T>& p, const I& n) noexcept {
+    if constexpr (NonPositive) {
+        return p * pow2<T>(n);
+    } else {
+        const I n1 = n >> 1;
+        return p * pow2<T>(n1) * pow2<T>(n - n1);
+    }
+}
+
 // NonPositive: the caller guarantees x ≤ 0 (or −∞, NaN), as for softmax's e^(s − max); the
 // upper clamp goes and 2^n, n in [−126, 0], is one normal factor instead of two.
 template <class T, bool NonPositive>
@@ -45,16 +65,7 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
         p = xsimd::fma(p, r, B(5.0000001201e-1f));
         p = xsimd::fma(p, r * r, r + B(1.0f));
         const I ni = xsimd::to_int(n);
-        if constexpr (NonPositive) {
-            return xsimd::select(x < lo, B(0.0f), p * xsimd::bitwise_cast<B>((ni + I(127)) << 23));
-        } else {
-            // 2^n as two factors so that n in [-126, 128] never leaves the normal exponent range.
-            const I n1 = ni >> 1;
-            const I n2 = ni - n1;
-            const B s1 = xsimd::bitwise_cast<B>((n1 + I(127)) << 23);
-            const B s2 = xsimd::bitwise_cast<B>((n2 + I(127)) << 23);
-            return xsimd::select(x < lo, B(0.0f), p * s1 * s2);
-        }
+        return xsimd::select(x < lo, B(0.0f), times_pow2<float, NonPositive>(p, ni));
     } else {
         // Cephes exp (double): Padé form 1 + 2x·P(x²) / (Q(x²) − x·P(x²)) after Cody-Waite
         // reduction, ≈1 ulp. Clamping first keeps ±∞ and NaN out of the integer conversion.
@@ -75,15 +86,7 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
         q = xsimd::fma(q, rr, B(2.00000000000000000009e0));
         const B e = xsimd::fma(B(2.0), p / (q - p), B(1.0));
         const I ni = xsimd::to_int(xsimd::select(xsimd::isnan(n), B(0.0), n));
-        if constexpr (NonPositive) {
-            return xsimd::select(x < lo, B(0.0), e * xsimd::bitwise_cast<B>((ni + I(1023)) << 52));
-        } else {
-            const I n1 = ni >> 1;
-            const I n2 = ni - n1;
-            const B s1 = xsimd::bitwise_cast<B>((n1 + I(1023)) << 52);
-            const B s2 = xsimd::bitwise_cast<B>((n2 + I(1023)) << 52);
-            return xsimd::select(x < lo, B(0.0), e * s1 * s2);
-        }
+        return xsimd::select(x < lo, B(0.0), times_pow2<double, NonPositive>(e, ni));
     }
 }
 
@@ -129,8 +132,7 @@ inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
 #if defined(__AVX512F__)
     const B y(_mm512_scalef_ps(p, n));  // p·2^n in one instruction
 #else
-    using I = xsimd::batch<std::int32_t, Arch>;
-    const B y = p * xsimd::bitwise_cast<B>((xsimd::to_int(n) + I(127)) << 23);
+    const B y = detail::times_pow2<float, true>(p, xsimd::to_int(n));
 #endif
     return xsimd::select(x < lo, B(0.0f), y);
 }
