@@ -112,7 +112,9 @@ inline Batch<T> exp_nonpositive(const Batch<T>& x) noexcept {
 
 /// 2^x for x ≤ 0, float, register level: x = n + r with n = round(x) (exact, |r| ≤ ½),
 /// 2^r = 1 + r·q(r) with q a degree-5 polynomial fitted for relative error on [−½, ½]
-/// (≤ 1e-7 relative, ≈2 ulp, measured against double), times 2^n (AVX-512: vscalefps).
+/// (weighted least squares on 2000 Chebyshev nodes, Lawson-iterated towards minimax; near the
+/// Taylor coefficients (ln 2)^k / k!), ≤ 1e-7 relative, ≈2 ulp, measured against double;
+/// times 2^n (AVX-512: vscalefps).
 /// Results below the smallest normal number are 0, −∞ gives 0, NaN propagates; x > 0 is
 /// outside its contract. Softmax in base 2 needs no multiply by log₂e and no Cody-Waite
 /// split. Never throws.
