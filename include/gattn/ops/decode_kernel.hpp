@@ -9,8 +9,9 @@
 /// Per chunk and query row: for each block of L keys (L = SIMD lanes), L dot products over d_k
 /// (features in lanes) reduce into one register of L logits, then the online
 /// softmax runs on that register and Σ p_j v_j is accumulated over d_v. All query rows of a GQA
-/// group walk the same key block while it is in L1, so K and V stream from memory once.
-/// A masked key gets p = 0 and is skipped in the value sum (never multiplied by 0).
+/// group walk the same key block while it is in L1, so K and V stream from memory once, and
+/// up to kDecodeRows rows at a time share each K and V register load.
+/// A masked key is skipped in the value sum (never multiplied by 0).
 /// Chunks are cut at fixed key positions (multiples of kChunkKeys), never by thread count, and
 /// merged in order, so results do not depend on the number of threads.
 
@@ -42,36 +43,93 @@ struct PartialState {
     }
 };
 
-/// acc[j] += Σ_kk p[kk]·V[kk][j] over kk < nk in order, one fused multiply-add per key, in
-/// registers across the keys (8 at a time). A masked key (score −∞) is skipped, its V row may
-/// be garbage, even NaN; a visible key whose weight underflowed to 0 is not (0·NaN = NaN).
-template <class T>
-inline void accumulate_values(const T* score, const T* p, Index nk, const T* value, Index value_stride, T* acc,
-                              Index dv) noexcept {
+/// Query rows of one KV head that share each load of K and V: 4 with 32 vector registers
+/// (AVX-512), 2 with 16. Loading a key block once per group instead of once per row matters
+/// for GQA, whose rows (8 in Qwen3-Next) would otherwise each stream the block through L1.
+/// The value sum keeps up to kDecodeValueRegisters accumulators.
+#if defined(__AVX512F__)
+inline constexpr int kDecodeRows = 4, kDecodeValueRegisters = 16;
+#else
+inline constexpr int kDecodeRows = 2, kDecodeValueRegisters = 8;
+#endif
+
+/// dots[r][kk] = Σ over vector steps of q_r[d]·K[kk][d] (one register of partial sums per
+/// row and key, d < dk_vec), for R rows and keys kk < nk; registers for kk in [nk, L) are 0.
+/// Four keys at a time: each K vector feeds the R rows, and 4·R independent FMA chains
+/// hide the FMA latency. Each (row, key) chain runs over d in order, as for one row alone.
+template <class T, int R>
+inline void group_logits(const T* const* q, const T* key, Index key_stride, Index nk, Index dk_vec,
+                         simd::Batch<T> (*dots)[simd::kLanes<T>]) noexcept {
     using B = simd::Batch<T>;
-    constexpr Index L = static_cast<Index>(simd::kLanes<T>), R = 8;
-    auto skipped = [&](Index kk) { return score[kk] == -std::numeric_limits<T>::infinity(); };
-    Index j = 0;
-    for (; j + R * L <= dv; j += R * L) {
-        B a[R];
-        for (Index r = 0; r < R; ++r) a[r] = B::load_unaligned(acc + j + r * L);
-        for (Index kk = 0; kk < nk; ++kk) {
-            if (skipped(kk)) continue;
-            const B pk(p[kk]);
-            const T* v = value + kk * value_stride + j;
-            for (Index r = 0; r < R; ++r) a[r] = xsimd::fma(pk, B::load_unaligned(v + r * L), a[r]);
+    constexpr Index L = static_cast<Index>(simd::kLanes<T>);
+    Index kk = 0;
+    for (; kk + 4 <= nk; kk += 4) {
+        const T* k = key + kk * key_stride;
+        B a[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) a[r][i] = B(T(0));
+        for (Index d = 0; d < dk_vec; d += L) {
+            B kv[4];
+            for (int i = 0; i < 4; ++i) kv[i] = B::load_unaligned(k + i * key_stride + d);
+            for (int r = 0; r < R; ++r) {
+                const B qd = B::load_unaligned(q[r] + d);
+                for (int i = 0; i < 4; ++i) a[r][i] = xsimd::fma(qd, kv[i], a[r][i]);
+            }
         }
-        for (Index r = 0; r < R; ++r) a[r].store_unaligned(acc + j + r * L);
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) dots[r][kk + i] = a[r][i];
     }
-    for (; j + L <= dv; j += L) {
-        B a = B::load_unaligned(acc + j);
-        for (Index kk = 0; kk < nk; ++kk)
-            if (!skipped(kk)) a = xsimd::fma(B(p[kk]), B::load_unaligned(value + kk * value_stride + j), a);
-        a.store_unaligned(acc + j);
+    for (; kk < L; ++kk)
+        for (int r = 0; r < R; ++r) {
+            B a(T(0));
+            if (kk < nk) {
+                const T* k = key + kk * key_stride;
+                for (Index d = 0; d < dk_vec; d += L) a = xsimd::fma(B::load_unaligned(q[r] + d), B::load_unaligned(k + d), a);
+            }
+            dots[r][kk] = a;
+        }
+}
+
+/// acc_r[j] += Σ_kk p[r][kk]·V[kk][j] for R rows, over kk < nk in order, one fused
+/// multiply-add per key, in registers across the keys; each V vector feeds the R rows. A
+/// masked key (score −∞) is skipped, its V row may be garbage, even NaN; a visible key whose
+/// weight underflowed to 0 is not (0·NaN = NaN).
+template <class T, int R>
+inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::kLanes<T>], Index nk,
+                         const T* value, Index value_stride, T* const* acc, Index dv) noexcept {
+    using B = simd::Batch<T>;
+    constexpr Index L = static_cast<Index>(simd::kLanes<T>);
+    constexpr int C = std::min(8, kDecodeValueRegisters / (R > 2 ? 4 : R));  // registers of d_v per row
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    Index j = 0;
+    for (; j + C * L <= dv; j += C * L) {
+        B a[R][C];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) a[r][c] = B::load_unaligned(acc[r] + j + c * L);
+        for (Index kk = 0; kk < nk; ++kk) {
+            const T* v = value + kk * value_stride + j;
+            B vb[C];
+            for (int c = 0; c < C; ++c) vb[c] = B::load_unaligned(v + c * L);
+            for (int r = 0; r < R; ++r) {
+                if (score[r][kk] == kNegInf) continue;
+                const B pk(p[r][kk]);
+                for (int c = 0; c < C; ++c) a[r][c] = xsimd::fma(pk, vb[c], a[r][c]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < C; ++c) a[r][c].store_unaligned(acc[r] + j + c * L);
     }
+    for (; j + L <= dv; j += L)
+        for (int r = 0; r < R; ++r) {
+            B a = B::load_unaligned(acc[r] + j);
+            for (Index kk = 0; kk < nk; ++kk)
+                if (score[r][kk] != kNegInf) a = xsimd::fma(B(p[r][kk]), B::load_unaligned(value + kk * value_stride + j), a);
+            a.store_unaligned(acc[r] + j);
+        }
     for (; j < dv; ++j)
-        for (Index kk = 0; kk < nk; ++kk)
-            if (!skipped(kk)) acc[j] = std::fma(p[kk], value[kk * value_stride + j], acc[j]);
+        for (int r = 0; r < R; ++r)
+            for (Index kk = 0; kk < nk; ++kk)
+                if (score[r][kk] != kNegInf) acc[r][j] = std::fma(p[r][kk], value[kk * value_stride + j], acc[r][j]);
 }
 
 /// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
@@ -86,8 +144,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     const Index dk_vec = dk / L * L;
-    alignas(64) T s[L], p[L];
-    B dots[L];
+    alignas(64) T s[kDecodeRows][L], p[kDecodeRows][L];  // logits (−∞: skipped) and weights
+    B dots[kDecodeRows][L];
     // Only the key blocks some row can see (a sliding window or short lengths leave most of a
     // long cache unread); blocks stay at k_begin + multiples of L, so nothing else changes.
     Index visible_begin = k_end, visible_end = k_begin;
@@ -116,75 +174,83 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         PartialState<T>& st = states[g];
         const T* key = key_base + g * dk;
         const T* value = value_base + g * dv;
-        for (int t = 0; t < blk.count; ++t) {
-            const Index lo = std::max(j0, blk.begin[t]), hi = std::min(j0 + nk, blk.end[t]);
-            if (lo >= hi) continue;  // no visible key of this block for this row
-            const T* q = blk.q[t];
-            // Four keys at a time: four independent FMA chains instead of one chain per key.
-            Index kk = 0;
-            for (; kk + 4 <= nk; kk += 4) {
-                const T* k = key + (j0 + kk) * key_stride;
-                B a0(T(0)), a1(T(0)), a2(T(0)), a3(T(0));
-                for (Index d = 0; d < dk_vec; d += L) {
-                    const B qd = B::load_unaligned(q + d);
-                    a0 = xsimd::fma(qd, B::load_unaligned(k + d), a0);
-                    a1 = xsimd::fma(qd, B::load_unaligned(k + key_stride + d), a1);
-                    a2 = xsimd::fma(qd, B::load_unaligned(k + 2 * key_stride + d), a2);
-                    a3 = xsimd::fma(qd, B::load_unaligned(k + 3 * key_stride + d), a3);
-                }
-                dots[kk] = a0;
-                dots[kk + 1] = a1;
-                dots[kk + 2] = a2;
-                dots[kk + 3] = a3;
+        for (int t0 = 0; t0 < blk.count; t0 += kDecodeRows) {
+            const int rows = std::min(kDecodeRows, blk.count - t0);
+            bool any = false;
+            for (int r = 0; r < rows; ++r)
+                any = any || std::max(j0, blk.begin[t0 + r]) < std::min(j0 + nk, blk.end[t0 + r]);
+            if (!any) continue;  // no row of the group sees a key of this block
+            const T* const* q = blk.q + t0;
+            const T* key_block = key + j0 * key_stride;
+            switch (rows) {
+                case 1: group_logits<T, 1>(q, key_block, key_stride, nk, dk_vec, dots); break;
+                case 2: group_logits<T, 2>(q, key_block, key_stride, nk, dk_vec, dots); break;
+#if defined(__AVX512F__)
+                case 3: group_logits<T, 3>(q, key_block, key_stride, nk, dk_vec, dots); break;
+                case 4: group_logits<T, 4>(q, key_block, key_stride, nk, dk_vec, dots); break;
+#endif
+                default: GATTN_DEBUG_ASSERT(false);
             }
-            for (; kk < L; ++kk) {
-                B a(T(0));
-                if (kk < nk) {
-                    const T* k = key + (j0 + kk) * key_stride;
-                    for (Index d = 0; d < dk_vec; d += L) a = xsimd::fma(B::load_unaligned(q + d), B::load_unaligned(k + d), a);
+            T* acc[kDecodeRows];
+            for (int r = 0; r < rows; ++r) {
+                const int t = t0 + r;
+                T* sr = s[r];
+                acc[r] = st.acc.data() + t * dv;
+                const Index lo = std::max(j0, blk.begin[t]), hi = std::min(j0 + nk, blk.end[t]);
+                if (lo >= hi) {  // no visible key of this block for this row: no value to add
+                    for (Index kk = 0; kk < L; ++kk) sr[kk] = kNegInf;
+                    continue;
                 }
-                dots[kk] = a;
-            }
-            (simd::reduce_sum_rows<T>(dots) * B(scale)).store_aligned(s);
-            if (dk_vec < dk)
-                for (Index kk = 0; kk < nk; ++kk) {
-                    const T* k = key + (j0 + kk) * key_stride;
-                    T tail = 0;
-                    for (Index d = dk_vec; d < dk; ++d) tail += q[d] * k[d];
-                    s[kk] += tail * scale;
-                }
-            if (lo == j0 && hi == j0 + nk && !blk.bool_row[t] && !blk.bias_row[t]) {
-                for (Index kk = nk; kk < L; ++kk) s[kk] = kNegInf;  // every key of the block visible
-            } else {
-                for (Index kk = 0; kk < L; ++kk) {
-                    const Index j = j0 + kk;
-                    bool visible = j >= lo && j < hi;
-                    if (visible && blk.bool_row[t] && !blk.bool_row[t][j]) visible = false;
-                    if (visible && blk.bias_row[t]) {
-                        if (blk.bias_row[t][j] == kNegInf) visible = false;
-                        else s[kk] += blk.bias_row[t][j];
+                const T* qt = blk.q[t];
+                (simd::reduce_sum_rows<T>(dots[r]) * B(scale)).store_aligned(sr);
+                if (dk_vec < dk)
+                    for (Index kk = 0; kk < nk; ++kk) {
+                        const T* k = key + (j0 + kk) * key_stride;
+                        T tail = 0;
+                        for (Index d = dk_vec; d < dk; ++d) tail += qt[d] * k[d];
+                        sr[kk] += tail * scale;
                     }
-                    if (!visible) s[kk] = kNegInf;
+                if (lo == j0 && hi == j0 + nk && !blk.bool_row[t] && !blk.bias_row[t]) {
+                    for (Index kk = nk; kk < L; ++kk) sr[kk] = kNegInf;  // every key of the block visible
+                } else {
+                    for (Index kk = 0; kk < L; ++kk) {
+                        const Index j = j0 + kk;
+                        bool visible = j >= lo && j < hi;
+                        if (visible && blk.bool_row[t] && !blk.bool_row[t][j]) visible = false;
+                        if (visible && blk.bias_row[t]) {
+                            if (blk.bias_row[t][j] == kNegInf) visible = false;
+                            else sr[kk] += blk.bias_row[t][j];
+                        }
+                        if (!visible) sr[kk] = kNegInf;
+                    }
                 }
+                if (j0 == 0) st.first[t] = sr[0];
+                const B sv = B::load_aligned(sr);
+                // A NaN score (NaN in a visible key) must reach the row: reduce_max skips NaN lanes.
+                const T bmax = xsimd::any(xsimd::isnan(sv)) ? std::numeric_limits<T>::quiet_NaN() : simd::reduce_max(sv);
+                if (bmax == kNegInf) continue;  // every logit −∞: every key skipped below
+                T& m = st.m[t];
+                const T m_new = std::isnan(bmax) ? bmax : std::max(m, bmax);
+                if (m != kNegInf && m_new != m) {
+                    const T alpha = simd::exp_scalar<T>(m - m_new);
+                    st.l[t] *= alpha;
+                    simd::scale(alpha, acc[r], static_cast<std::size_t>(dv));
+                }
+                m = m_new;
+                const B pv = simd::exp_nonpositive<T>(sv - B(m_new));
+                pv.store_aligned(p[r]);
+                st.l[t] += simd::reduce_sum(pv);
             }
-            if (j0 == 0) st.first[t] = s[0];
-            const B sv = B::load_aligned(s);
-            // A NaN score (NaN in a visible key) must reach the row: reduce_max skips NaN lanes.
-            const T bmax = xsimd::any(xsimd::isnan(sv)) ? std::numeric_limits<T>::quiet_NaN() : simd::reduce_max(sv);
-            if (bmax == kNegInf) continue;
-            T& m = st.m[t];
-            T* acc = st.acc.data() + t * dv;
-            const T m_new = std::isnan(bmax) ? bmax : std::max(m, bmax);
-            if (m != kNegInf && m_new != m) {
-                const T alpha = simd::exp_scalar<T>(m - m_new);
-                st.l[t] *= alpha;
-                simd::scale(alpha, acc, static_cast<std::size_t>(dv));
+            const T* value_block = value + j0 * value_stride;
+            switch (rows) {
+                case 1: group_values<T, 1>(s, p, nk, value_block, value_stride, acc, dv); break;
+                case 2: group_values<T, 2>(s, p, nk, value_block, value_stride, acc, dv); break;
+#if defined(__AVX512F__)
+                case 3: group_values<T, 3>(s, p, nk, value_block, value_stride, acc, dv); break;
+                case 4: group_values<T, 4>(s, p, nk, value_block, value_stride, acc, dv); break;
+#endif
+                default: GATTN_DEBUG_ASSERT(false);
             }
-            m = m_new;
-            const B pv = simd::exp_nonpositive<T>(sv - B(m_new));
-            pv.store_aligned(p);
-            st.l[t] += simd::reduce_sum(pv);
-            accumulate_values(s, p, nk, value + j0 * value_stride, value_stride, acc, dv);
         }
         }
     }
