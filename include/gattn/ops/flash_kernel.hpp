@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "gattn/ops/mask.hpp"
@@ -113,30 +114,36 @@ struct FlashBlock {
 /// The epilogue masks keys outside each lane's range [lane_begin, lane_end) (relative to the
 /// key block, like j0) to −∞ (Masked) and folds the tile into the block max, so Sᵀ is not
 /// read again for the max.
-template <class T, int R, bool Masked>
+/// C0 > 0 (masked tiles only): the first C0 registers of queries see none of the R keys, so
+/// their products are skipped and their Sᵀ entries set to −∞ (the diagonal blocks of causal
+/// attention).
+template <class T, int R, bool Masked, int C0 = 0>
 inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0,
                         const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* next_key) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
+    static_assert(C0 == 0 || Masked, "only masked tiles skip query registers");
     B acc[R][C];
     for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = B(T(0));
+        for (int c = C0; c < C; ++c) acc[r][c] = B(T(0));
     for (Index d = 0; d < dk; ++d) {
         // The rows of the next tile, a cache line each time these rows enter a new line: rows
         // H·d apart are one page each, which the hardware prefetchers do not follow.
         if (d % simd::kLineElems<T> == 0)
             for (int r = 0; r < R; ++r) simd::prefetch(next_key + r * key_stride + d);
         B qv[C];
-        for (int c = 0; c < C; ++c) qv[c] = B::load_aligned(qt + d * W + c * L);
+        for (int c = C0; c < C; ++c) qv[c] = B::load_aligned(qt + d * W + c * L);
         for (int r = 0; r < R; ++r) {
             const B kb(key[r * key_stride + d]);
-            for (int c = 0; c < C; ++c) acc[r][c] = xsimd::fma(kb, qv[c], acc[r][c]);
+            for (int c = C0; c < C; ++c) acc[r][c] = xsimd::fma(kb, qv[c], acc[r][c]);
         }
     }
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C0; ++c) B(-std::numeric_limits<T>::infinity()).store_aligned(st + r * W + c * L);
     for (int r = 0; r < R; ++r) {
         const B j(static_cast<T>(j0 + r));
-        for (int c = 0; c < C; ++c) {
+        for (int c = C0; c < C; ++c) {
             B v = acc[r][c];
             if constexpr (Masked) {
                 const auto visible = (B::load_aligned(lane_begin + c * L) <= j) & (j < B::load_aligned(lane_end + c * L));
@@ -149,28 +156,46 @@ inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T
 }
 
 /// Oᵀ[j + r][·] = α·Oᵀ[j + r][·] + Σ_kk V[k0 + kk][j + r] · Pᵀ[kk][·] for r in [0, R).
-/// Masked: a lane whose P is −1 (a masked key) skips the key (select, not a multiply by 0).
+/// Masked: a lane whose P is −1 (a masked key) skips the key (select, not a multiply by 0),
+/// and the first dead[kk] query registers, which see no key kk, are not visited for it.
 template <class T, int R, bool Masked>
 inline void values_tile(const T* value, Index value_stride, const T* pt, Index nk,
-                        const simd::Batch<T>* alpha, T* ot) noexcept {
+                        const simd::Batch<T>* alpha, T* ot, const int* dead) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
     B acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = B(T(0));
-    for (Index kk = 0; kk < nk; ++kk) {
+    // Key kk into the registers of queries c ≥ C0 (P < 0: a masked key; NaN compares false
+    // and is kept).
+    auto add_key = [&](Index kk, auto first_live) {
+        constexpr int C0 = decltype(first_live)::value;
         B pv[C];
-        for (int c = 0; c < C; ++c) pv[c] = B::load_aligned(pt + kk * W + c * L);
+        for (int c = C0; c < C; ++c) pv[c] = B::load_aligned(pt + kk * W + c * L);
         const T* v = value + kk * value_stride;
         for (int r = 0; r < R; ++r) {
             const B vb(v[r]);
-            for (int c = 0; c < C; ++c) {
-                if constexpr (Masked)  // P < 0: a masked key; NaN compares false and is kept
+            for (int c = C0; c < C; ++c) {
+                if constexpr (Masked)
                     acc[r][c] = xsimd::select(pv[c] < B(T(0)), acc[r][c], xsimd::fma(vb, pv[c], acc[r][c]));
                 else
                     acc[r][c] = xsimd::fma(vb, pv[c], acc[r][c]);
             }
+        }
+    };
+    for (Index kk = 0; kk < nk; ++kk) {
+        if constexpr (Masked) {
+            static_assert(C <= 4, "dispatch below covers up to 4 query registers");
+            switch (dead[kk]) {
+                case 0: add_key(kk, std::integral_constant<int, 0>{}); break;
+                case 1: if constexpr (C > 1) add_key(kk, std::integral_constant<int, 1>{}); break;
+                case 2: if constexpr (C > 2) add_key(kk, std::integral_constant<int, 2>{}); break;
+                case 3: if constexpr (C > 3) add_key(kk, std::integral_constant<int, 3>{}); break;
+                default: break;  // no query of the block sees key kk
+            }
+        } else {
+            add_key(kk, std::integral_constant<int, 0>{});
         }
     }
     for (int r = 0; r < R; ++r)
@@ -180,33 +205,60 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
         }
 }
 
+/// Masked tile whose first c0 query registers see none of its keys (c0 = kCols: none does).
+template <class T, int R, int C0 = 0>
+inline void scores_tile_skipping(int c0, const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0,
+                                 const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax,
+                                 const T* next_key) noexcept {
+    using G = FlashGeometry<T>;
+    if constexpr (C0 < G::kCols) {
+        if (c0 == C0)
+            scores_tile<T, R, true, C0>(key, key_stride, qt, dk, st, j0, lane_begin, lane_end, bmax, next_key);
+        else
+            scores_tile_skipping<T, R, C0 + 1>(c0, key, key_stride, qt, dk, st, j0, lane_begin, lane_end, bmax, next_key);
+    } else {
+        std::fill(st, st + R * G::kQueries, -std::numeric_limits<T>::infinity());
+    }
+}
+
 /// Sᵀ rows for keys [j0, j0 + nk): tiles of R keys, then the rest with R − 1. A tile prefetches
 /// the next whole tile's key rows, the last ones the R rows at `after` (within the keys).
+/// Masked: dead[kk] is the number of leading query registers that see no key j0 + kk.
 template <class T, int R, bool Masked>
 inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0, Index nk,
-                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* after) noexcept {
+                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* after,
+                        const int* dead) noexcept {
     using G = FlashGeometry<T>;
     Index kk = 0;
     for (; kk + R <= nk; kk += R) {
         const T* next = kk + 2 * R <= nk ? key + (kk + R) * key_stride : after;  // never past the block
-        scores_tile<T, R, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
-                                  lane_begin, lane_end, bmax, next);
+        if constexpr (Masked) {
+            const int c0 = *std::min_element(dead + kk, dead + kk + R);
+            scores_tile_skipping<T, R>(c0, key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries,
+                                       j0 + kk, lane_begin, lane_end, bmax, next);
+        } else {
+            scores_tile<T, R, false>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
+                                     lane_begin, lane_end, bmax, next);
+        }
     }
     if constexpr (R > 1) {
         if (kk < nk)
             scores_rows<T, R - 1, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries,
-                                          j0 + kk, nk - kk, lane_begin, lane_end, bmax, after);
+                                          j0 + kk, nk - kk, lane_begin, lane_end, bmax, after,
+                                          Masked ? dead + kk : nullptr);
     }
 }
 
 template <class T, int R, bool Masked>
 inline void values_rows(const T* value, Index value_stride, const T* pt, Index nk, const simd::Batch<T>* alpha,
-                        T* ot, Index dv) noexcept {
+                        T* ot, Index dv, const int* dead) noexcept {
     using G = FlashGeometry<T>;
     Index j = 0;
-    for (; j + R <= dv; j += R) values_tile<T, R, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries);
+    for (; j + R <= dv; j += R)
+        values_tile<T, R, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, dead);
     if constexpr (R > 1) {
-        if (j < dv) values_rows<T, R - 1, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, dv - j);
+        if (j < dv)
+            values_rows<T, R - 1, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, dv - j, dead);
     }
 }
 
@@ -322,21 +374,37 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end;
     B bmax[C];
     for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
+    int dead[G::kKeys];  // partial blocks: leading query registers that see no key kk
     // After the block, its first rows again: the group's next query block starts there.
     const T* block = key_block;
     if (full) {
-        scores_rows<T, G::kRows, false>(block, key_stride, qt, dk, st, 0, nk, nullptr, nullptr, bmax, block);
+        scores_rows<T, G::kRows, false>(block, key_stride, qt, dk, st, 0, nk, nullptr, nullptr, bmax, block, nullptr);
     } else {
         // Each lane's visible range relative to k0, clamped to [−1, Bc + 1]: small integers, exact
         // in T however large N_k is, so one vector compare per register masks a key. Padding
         // lanes see nothing.
         alignas(64) T lane_begin[W], lane_end[W];
+        Index col_begin[C], col_end[C];  // per query register: the union of its lanes' ranges
+        for (int c = 0; c < C; ++c) {
+            col_begin[c] = std::numeric_limits<Index>::max();
+            col_end[c] = std::numeric_limits<Index>::min();
+        }
         for (int t = 0; t < W; ++t) {
             const Index b = t < blk.count ? blk.begin[t] - k0 : 0, e = t < blk.count ? blk.end[t] - k0 : 0;
             lane_begin[t] = static_cast<T>(std::clamp<Index>(b, -1, G::kKeys + 1));
             lane_end[t] = static_cast<T>(std::clamp<Index>(e, -1, G::kKeys + 1));
+            if (b < e) {
+                col_begin[t / L] = std::min(col_begin[t / L], b);
+                col_end[t / L] = std::max(col_end[t / L], e);
+            }
         }
-        scores_rows<T, G::kRows, true>(block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, block);
+        // Leading query registers that see no key kk (causal: the diagonal block's upper part).
+        for (Index kk = 0; kk < nk; ++kk) {
+            int c = 0;
+            while (c < C && !(col_begin[c] <= kk && kk < col_end[c])) ++c;
+            dead[kk] = c;
+        }
+        scores_rows<T, G::kRows, true>(block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, block, dead);
     }
     if (state.elementwise && !full) {
         // Boolean mask and additive bias, per lane; then the block max again.
@@ -388,9 +456,9 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     }
     for (int c = 0; c < C; ++c) state.l[c] = xsimd::fma(state.l[c], alpha[c], lsum[c]);
     if (full)
-        values_rows<T, G::kRows, false>(value_block, value_stride, st, nk, alpha, ot, dv);
+        values_rows<T, G::kRows, false>(value_block, value_stride, st, nk, alpha, ot, dv, nullptr);
     else
-        values_rows<T, G::kRows, true>(value_block, value_stride, st, nk, alpha, ot, dv);
+        values_rows<T, G::kRows, true>(value_block, value_stride, st, nk, alpha, ot, dv, dead);
 }
 
 /// Writes a query block's outputs: O = Oᵀᵀ / l (0 for a lane that sees no key), log-sum-exp and
