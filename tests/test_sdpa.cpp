@@ -1177,8 +1177,6 @@ TEST(SdpaHardening, ProbabilitiesStayExactWhenEveryLogitIsHuge) {
     for (Index j = 0; j < 3; ++j) EXPECT_NEAR(probabilities(0, j), 1.0f / 3, 1e-6f);
 }
 
-}  // namespace
-
 TEST(SdpaHardening, FloatMaskIsExactBeyondTwoToThe24Keys) {
     // Key positions above 2^24 are not all representable in float: the masks must not round
     // them. Logits are all 0, so each output is the mean of V over the query's window; V is
@@ -1270,3 +1268,5 @@ TEST(SdpaHardening, NaNValueOfAVisibleKeyWhoseWeightUnderflowsReachesTheRow) {
         }
     }
 }
+
+}  // namespace

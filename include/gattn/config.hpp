@@ -45,6 +45,17 @@
     }                                                                                      \
     }
 
+/// Around code that passes Eigen's packet types (vector registers) as template arguments:
+/// g++ warns that their attributes are dropped, which is harmless while the packets stay
+/// inside the function.
+#if defined(__GNUC__) && !defined(__clang__)
+#define GATTN_EIGEN_PACKETS_BEGIN _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wignored-attributes\"")
+#define GATTN_EIGEN_PACKETS_END _Pragma("GCC diagnostic pop")
+#else
+#define GATTN_EIGEN_PACKETS_BEGIN
+#define GATTN_EIGEN_PACKETS_END
+#endif
+
 /// Internal consistency check inside kernels (input is validated at the public boundary);
 /// compiled out under NDEBUG. Users may define it before including gattn.
 #ifndef GATTN_DEBUG_ASSERT

@@ -170,88 +170,75 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             for (Index e = 0; e < num_kv_heads * dv; e += simd::kLineElems<T>) simd::prefetch(v + e);
         }
         for (Index g = 0; g < num_kv_heads; ++g) {
-        const FlashBlock<T>& blk = blks[g];
-        PartialState<T>& st = states[g];
-        const T* key = key_base + g * dk;
-        const T* value = value_base + g * dv;
-        for (int t0 = 0; t0 < blk.count; t0 += kDecodeRows) {
-            const int rows = std::min(kDecodeRows, blk.count - t0);
-            bool any = false;
-            for (int r = 0; r < rows; ++r)
-                any = any || std::max(j0, blk.begin[t0 + r]) < std::min(j0 + nk, blk.end[t0 + r]);
-            if (!any) continue;  // no row of the group sees a key of this block
-            const T* const* q = blk.q + t0;
-            const T* key_block = key + j0 * key_stride;
-            switch (rows) {
-                case 1: group_logits<T, 1>(q, key_block, key_stride, nk, dk_vec, dots); break;
-                case 2: group_logits<T, 2>(q, key_block, key_stride, nk, dk_vec, dots); break;
-#if defined(__AVX512F__)
-                case 3: group_logits<T, 3>(q, key_block, key_stride, nk, dk_vec, dots); break;
-                case 4: group_logits<T, 4>(q, key_block, key_stride, nk, dk_vec, dots); break;
-#endif
-                default: GATTN_DEBUG_ASSERT(false);
-            }
-            T* acc[kDecodeRows];
-            for (int r = 0; r < rows; ++r) {
-                const int t = t0 + r;
-                T* sr = s[r];
-                acc[r] = st.acc.data() + t * dv;
-                const Index lo = std::max(j0, blk.begin[t]), hi = std::min(j0 + nk, blk.end[t]);
-                if (lo >= hi) {  // no visible key of this block for this row: no value to add
-                    for (Index kk = 0; kk < L; ++kk) sr[kk] = kNegInf;
-                    continue;
-                }
-                const T* qt = blk.q[t];
-                (simd::reduce_sum_rows<T>(dots[r]) * B(scale)).store_aligned(sr);
-                if (dk_vec < dk)
-                    for (Index kk = 0; kk < nk; ++kk) {
-                        const T* k = key + (j0 + kk) * key_stride;
-                        T tail = 0;
-                        for (Index d = dk_vec; d < dk; ++d) tail += qt[d] * k[d];
-                        sr[kk] += tail * scale;
-                    }
-                if (lo == j0 && hi == j0 + nk && !blk.bool_row[t] && !blk.bias_row[t]) {
-                    for (Index kk = nk; kk < L; ++kk) sr[kk] = kNegInf;  // every key of the block visible
-                } else {
-                    for (Index kk = 0; kk < L; ++kk) {
-                        const Index j = j0 + kk;
-                        bool visible = j >= lo && j < hi;
-                        if (visible && blk.bool_row[t] && !blk.bool_row[t][j]) visible = false;
-                        if (visible && blk.bias_row[t]) {
-                            if (blk.bias_row[t][j] == kNegInf) visible = false;
-                            else sr[kk] += blk.bias_row[t][j];
+            const FlashBlock<T>& blk = blks[g];
+            PartialState<T>& st = states[g];
+            const T* key = key_base + g * dk;
+            const T* value = value_base + g * dv;
+            for (int t0 = 0; t0 < blk.count; t0 += kDecodeRows) {
+                const int rows = std::min(kDecodeRows, blk.count - t0);
+                bool any = false;
+                for (int t = t0; t < t0 + rows; ++t) any = any || std::max(j0, blk.begin[t]) < std::min(j0 + nk, blk.end[t]);
+                if (!any) continue;  // no row of the group sees a key of this block
+                T* acc[kDecodeRows];
+                for (int r = 0; r < rows; ++r) acc[r] = st.acc.data() + (t0 + r) * dv;
+                with_constant<kDecodeRows + 1>(rows, [&](auto rows_constant) {
+                    constexpr int R = decltype(rows_constant)::value;
+                    if constexpr (R > 0) {
+                        group_logits<T, R>(blk.q + t0, key + j0 * key_stride, key_stride, nk, dk_vec, dots);
+                        for (int r = 0; r < R; ++r) {
+                            // Logits of row t from its dot-product registers, masked (−∞: key
+                            // skipped), then the online-softmax update of the row's m, l, acc.
+                            const int t = t0 + r;
+                            T* sr = s[r];
+                            const Index lo = std::max(j0, blk.begin[t]), hi = std::min(j0 + nk, blk.end[t]);
+                            if (lo >= hi) {  // no visible key of this block for this row
+                                std::fill(sr, sr + L, kNegInf);
+                                continue;
+                            }
+                            (simd::reduce_sum_rows<T>(dots[r]) * B(scale)).store_aligned(sr);
+                            if (dk_vec < dk)
+                                for (Index kk = 0; kk < nk; ++kk) {
+                                    const T* k = key + (j0 + kk) * key_stride;
+                                    T tail = 0;
+                                    for (Index d = dk_vec; d < dk; ++d) tail += blk.q[t][d] * k[d];
+                                    sr[kk] += tail * scale;
+                                }
+                            if (lo == j0 && hi == j0 + nk && !blk.bool_row[t] && !blk.bias_row[t]) {
+                                for (Index kk = nk; kk < L; ++kk) sr[kk] = kNegInf;  // every key visible
+                            } else {
+                                for (Index kk = 0; kk < L; ++kk) {
+                                    const Index j = j0 + kk;
+                                    bool visible = j >= lo && j < hi;
+                                    if (visible && blk.bool_row[t] && !blk.bool_row[t][j]) visible = false;
+                                    if (visible && blk.bias_row[t]) {
+                                        if (blk.bias_row[t][j] == kNegInf) visible = false;
+                                        else sr[kk] += blk.bias_row[t][j];
+                                    }
+                                    if (!visible) sr[kk] = kNegInf;
+                                }
+                            }
+                            if (j0 == 0) st.first[t] = sr[0];
+                            const B sv = B::load_aligned(sr);
+                            // A NaN logit must reach the row: reduce_max skips NaN lanes.
+                            const T bmax = xsimd::any(xsimd::isnan(sv)) ? std::numeric_limits<T>::quiet_NaN()
+                                                                       : simd::reduce_max(sv);
+                            if (bmax == kNegInf) continue;  // every logit −∞: every key skipped
+                            T& m = st.m[t];
+                            const T m_new = std::isnan(bmax) ? bmax : std::max(m, bmax);
+                            if (m != kNegInf && m_new != m) {
+                                const T alpha = simd::exp_scalar<T>(m - m_new);
+                                st.l[t] *= alpha;
+                                simd::scale(alpha, acc[r], static_cast<std::size_t>(dv));
+                            }
+                            m = m_new;
+                            const B pv = simd::exp_nonpositive<T>(sv - B(m_new));
+                            pv.store_aligned(p[r]);
+                            st.l[t] += simd::reduce_sum(pv);
                         }
-                        if (!visible) sr[kk] = kNegInf;
+                        group_values<T, R>(s, p, nk, value + j0 * value_stride, value_stride, acc, dv);
                     }
-                }
-                if (j0 == 0) st.first[t] = sr[0];
-                const B sv = B::load_aligned(sr);
-                // A NaN score (NaN in a visible key) must reach the row: reduce_max skips NaN lanes.
-                const T bmax = xsimd::any(xsimd::isnan(sv)) ? std::numeric_limits<T>::quiet_NaN() : simd::reduce_max(sv);
-                if (bmax == kNegInf) continue;  // every logit −∞: every key skipped below
-                T& m = st.m[t];
-                const T m_new = std::isnan(bmax) ? bmax : std::max(m, bmax);
-                if (m != kNegInf && m_new != m) {
-                    const T alpha = simd::exp_scalar<T>(m - m_new);
-                    st.l[t] *= alpha;
-                    simd::scale(alpha, acc[r], static_cast<std::size_t>(dv));
-                }
-                m = m_new;
-                const B pv = simd::exp_nonpositive<T>(sv - B(m_new));
-                pv.store_aligned(p[r]);
-                st.l[t] += simd::reduce_sum(pv);
+                });
             }
-            const T* value_block = value + j0 * value_stride;
-            switch (rows) {
-                case 1: group_values<T, 1>(s, p, nk, value_block, value_stride, acc, dv); break;
-                case 2: group_values<T, 2>(s, p, nk, value_block, value_stride, acc, dv); break;
-#if defined(__AVX512F__)
-                case 3: group_values<T, 3>(s, p, nk, value_block, value_stride, acc, dv); break;
-                case 4: group_values<T, 4>(s, p, nk, value_block, value_stride, acc, dv); break;
-#endif
-                default: GATTN_DEBUG_ASSERT(false);
-            }
-        }
         }
     }
 }

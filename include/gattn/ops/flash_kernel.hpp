@@ -25,6 +25,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gattn/ops/mask.hpp"
@@ -44,6 +45,19 @@ inline simd::Batch<T> softmax_exp(const simd::Batch<T>& x) noexcept {
         return simd::exp2_nonpositive(x * simd::Batch<float>(1.44269504088896341f));
     else
         return simd::exp_nonpositive<T>(x);
+}
+
+/// Calls f(std::integral_constant<int, I>{}) for the I in [0, N) that equals i, nothing when
+/// i is outside: a count known at run time (dead query registers, rows of a group) turned
+/// into a template argument, so that register arrays stay indexed by constants.
+template <int N, int I = 0, class F>
+inline void with_constant(int i, F&& f) {
+    if constexpr (I < N) {
+        if (i == I)
+            f(std::integral_constant<int, I>{});
+        else
+            with_constant<N, I + 1>(i, std::forward<F>(f));
+    }
 }
 
 /// Tile geometry for scalar type T on this instruction set.
@@ -185,40 +199,16 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
         }
     };
     for (Index kk = 0; kk < nk; ++kk) {
-        if constexpr (Masked) {
-            static_assert(C <= 4, "dispatch below covers up to 4 query registers");
-            switch (dead[kk]) {
-                case 0: add_key(kk, std::integral_constant<int, 0>{}); break;
-                case 1: if constexpr (C > 1) add_key(kk, std::integral_constant<int, 1>{}); break;
-                case 2: if constexpr (C > 2) add_key(kk, std::integral_constant<int, 2>{}); break;
-                case 3: if constexpr (C > 3) add_key(kk, std::integral_constant<int, 3>{}); break;
-                default: break;  // no query of the block sees key kk
-            }
-        } else {
+        if constexpr (Masked)  // dead[kk] = C: no query of the block sees key kk
+            with_constant<C>(dead[kk], [&](auto first_live) { add_key(kk, first_live); });
+        else
             add_key(kk, std::integral_constant<int, 0>{});
-        }
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
             T* o = ot + r * W + c * L;
             xsimd::fma(B::load_aligned(o), alpha[c], acc[r][c]).store_aligned(o);
         }
-}
-
-/// Masked tile whose first c0 query registers see none of its keys (c0 = kCols: none does).
-template <class T, int R, int C0 = 0>
-inline void scores_tile_skipping(int c0, const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0,
-                                 const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax,
-                                 const T* next_key) noexcept {
-    using G = FlashGeometry<T>;
-    if constexpr (C0 < G::kCols) {
-        if (c0 == C0)
-            scores_tile<T, R, true, C0>(key, key_stride, qt, dk, st, j0, lane_begin, lane_end, bmax, next_key);
-        else
-            scores_tile_skipping<T, R, C0 + 1>(c0, key, key_stride, qt, dk, st, j0, lane_begin, lane_end, bmax, next_key);
-    } else {
-        std::fill(st, st + R * G::kQueries, -std::numeric_limits<T>::infinity());
-    }
 }
 
 /// Sᵀ rows for keys [j0, j0 + nk): tiles of R keys, then the rest with R − 1. A tile prefetches
@@ -234,8 +224,13 @@ inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T
         const T* next = kk + 2 * R <= nk ? key + (kk + R) * key_stride : after;  // never past the block
         if constexpr (Masked) {
             const int c0 = *std::min_element(dead + kk, dead + kk + R);
-            scores_tile_skipping<T, R>(c0, key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries,
-                                       j0 + kk, lane_begin, lane_end, bmax, next);
+            if (c0 == G::kCols)  // no query of the block sees these keys
+                std::fill(st + kk * G::kQueries, st + (kk + R) * G::kQueries, -std::numeric_limits<T>::infinity());
+            with_constant<G::kCols>(c0, [&](auto first_live) {
+                scores_tile<T, R, true, decltype(first_live)::value>(key + kk * key_stride, key_stride, qt, dk,
+                                                                    st + kk * G::kQueries, j0 + kk, lane_begin,
+                                                                    lane_end, bmax, next);
+            });
         } else {
             scores_tile<T, R, false>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
                                      lane_begin, lane_end, bmax, next);
@@ -277,12 +272,7 @@ struct FlashState {
     Index first_block() const { return union_begin / G::kKeys * G::kKeys; }
 };
 
-// Eigen's packet types are vector registers with attributes that a template argument drops
-// (harmless here: the packets never leave these functions).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wignored-attributes"
-#endif
+GATTN_EIGEN_PACKETS_BEGIN
 
 /// Qᵀ[d][t] = scale · query_t[d] for the block's lanes, 0 in padding lanes: square tiles
 /// transposed in registers (Eigen's packet transpose), the tail of d_k element by element.
@@ -328,9 +318,7 @@ void unpack_outputs(const FlashBlock<T>& blk, const T* ot, Index dv, const T* in
     }
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+GATTN_EIGEN_PACKETS_END
 
 /// Prepares a query block: ranges, scale·Qᵀ (padding lanes zero), Oᵀ = 0, m = −∞, l = 0.
 template <class T>
@@ -375,10 +363,11 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     B bmax[C];
     for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
     int dead[G::kKeys];  // partial blocks: leading query registers that see no key kk
-    // After the block, its first rows again: the group's next query block starts there.
-    const T* block = key_block;
+    // The last tile prefetches the block's first rows again: the group's next query block
+    // starts there.
     if (full) {
-        scores_rows<T, G::kRows, false>(block, key_stride, qt, dk, st, 0, nk, nullptr, nullptr, bmax, block, nullptr);
+        scores_rows<T, G::kRows, false>(key_block, key_stride, qt, dk, st, 0, nk, nullptr, nullptr, bmax, key_block,
+                                        nullptr);
     } else {
         // Each lane's visible range relative to k0, clamped to [−1, Bc + 1]: small integers, exact
         // in T however large N_k is, so one vector compare per register masks a key. Padding
@@ -404,7 +393,8 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
             while (c < C && !(col_begin[c] <= kk && kk < col_end[c])) ++c;
             dead[kk] = c;
         }
-        scores_rows<T, G::kRows, true>(block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, block, dead);
+        scores_rows<T, G::kRows, true>(key_block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, key_block,
+                                       dead);
     }
     if (state.elementwise && !full) {
         // Boolean mask and additive bias, per lane; then the block max again.

@@ -53,12 +53,7 @@ inline T reduce_max(const Batch<T>& x) noexcept {
 #endif
 }
 
-// Eigen's packet types are vector registers whose attributes a template argument drops
-// (harmless: the packets stay inside these functions).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wignored-attributes"
-#endif
+GATTN_EIGEN_PACKETS_BEGIN
 
 /// Register whose lane i is the sum of rows[i] (rows has kLanes<T> registers): the rows
 /// transposed in registers (Eigen's packet transpose, when Eigen's packet is this register)
@@ -85,9 +80,7 @@ inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
     }
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+GATTN_EIGEN_PACKETS_END
 
 /// Elements of T in one 64-byte cache line.
 template <class T>
