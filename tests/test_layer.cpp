@@ -173,6 +173,53 @@ TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
         EXPECT_EQ(results[0], results[2]) << "N_q = " << c.nq;
     }
 }
+TEST(LayerDeterminism, GatePassIsBitwiseIndependentOfThreadCount) {
+    // 1024 rows × 64 gated values: large enough for the gate pass to run its rows in parallel.
+    // Every branch of that pass (elementwise, head-shared mean, headwise, G2 on V, G5 with the
+    // residual mix, input-independent) at 1, 2 and 3 threads: outputs and gate scores equal
+    // bitwise, and the output matches the float64 layer.
+    using gattn::GatePosition;
+    gattn::AttentionConfig c;
+    c.d_model = 64;
+    c.num_heads = 8;
+    c.num_kv_heads = 2;
+    c.head_dim = 8;
+    c.causal = true;
+    auto at = [](GatePosition p) {
+        gattn::GateSpec g = gattn::GateSpec::g1_elementwise();
+        g.position = p;
+        return g;
+    };
+    gattn::GateSpec shared = gattn::GateSpec::g1_elementwise(), mix = at(GatePosition::G5),
+                    theta = gattn::GateSpec::g1_elementwise();
+    shared.sharing = gattn::GateSharing::HeadShared;
+    mix.combine = gattn::GateCombine::ResidualMix;
+    theta.source = gattn::GateSource::InputIndependent;
+    theta.bias = false;
+    const Index B = 4, N = 256;
+    const RowMatrix<float> x = gattn_test::random_matrix(B * N, c.d_model, 31).cast<float>();
+    for (const gattn::GateSpec& gate : {gattn::GateSpec::g1_elementwise(), shared, gattn::GateSpec::g1_headwise(),
+                                        at(GatePosition::G2), mix, theta}) {
+        c.gate = gate;
+        const std::string what = gattn::describe(gate);
+        const auto w = gattn::make_random_weights<float>(c, 32);
+        const gattn::GatedMultiHeadAttention<float> layer(c, w);
+        std::vector<RowMatrix<float>> y, scores;
+        for (int threads : {1, 2, 3}) {
+            omp_set_num_threads(threads);
+            gattn::ForwardTrace<float> trace;
+            y.push_back(layer.forward(x, B, {}, &trace));
+            scores.push_back(trace.gate_scores);
+        }
+        omp_set_num_threads(omp_get_num_procs());
+        EXPECT_EQ(y[0], y[1]) << what;
+        EXPECT_EQ(y[0], y[2]) << what;
+        EXPECT_EQ(scores[0], scores[1]) << what;
+        EXPECT_EQ(scores[0], scores[2]) << what;
+        expect_close<float>(y[0], gattn_test::layer_reference(c, gattn_test::weights_to_double(w), x.cast<double>(), B).y,
+                            what);
+    }
+}
 #endif
 
 TEST(SdpaMerge, TwoKeyShardsMergeToTheFullResult) {

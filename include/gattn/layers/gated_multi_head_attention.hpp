@@ -19,6 +19,10 @@
 #include <utility>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/ops/sdpa.hpp"
@@ -241,6 +245,9 @@ public:
                 // Input-independent σ(θ): activate once, then multiply every row.
                 RowMatrix<Scalar> gate(1, H * dv);
                 activate(g.activation, m_gate_theta.data(), gate.data(), static_cast<std::size_t>(H * dv));
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (rows * H * dv >= (Index(1) << 16))
+#endif
                 for (Index r = 0; r < rows; ++r)
                     apply_gate(g.activation, GateCombine::Multiplicative, u.data() + r * u.outerStride(),
                                gate.data(), static_cast<const Scalar*>(nullptr), static_cast<Scalar*>(nullptr),
@@ -336,8 +343,26 @@ private:
         const bool shared = g.sharing == GateSharing::HeadShared;
         const Index score_width = !elem ? heads : (shared ? width : heads * width);
         if (scores) scores->resize(rows, score_width);
-        std::vector<Scalar> mean(static_cast<std::size_t>(width)), one(1);
+        // Rows in parallel, like the GEMMs and SDPA around this pass (a serial pass would grow
+        // into a large share of the layer on many cores). Each row's arithmetic is the same on
+        // any thread, so the result does not depend on the thread count.
+#ifdef _OPENMP
+        const int threads = omp_get_max_threads();
+#else
+        const int threads = 1;
+#endif
+        const std::size_t per_thread = static_cast<std::size_t>(width) + 1;  // head-shared mean, headwise gate
+        std::vector<Scalar> scratch(static_cast<std::size_t>(threads) * per_thread);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (threads > 1 && rows * heads * width >= (Index(1) << 16))
+#endif
         for (Index r = 0; r < rows; ++r) {
+#ifdef _OPENMP
+            Scalar* const mean = scratch.data() + static_cast<std::size_t>(omp_get_thread_num()) * per_thread;
+#else
+            Scalar* const mean = scratch.data();
+#endif
+            Scalar* const one = mean + width;
             Scalar* y = target + r * stride;
             const Scalar* zr = z.data() + r * z.outerStride();
             Scalar* s = scores ? scores->data() + r * score_width : nullptr;
@@ -354,14 +379,14 @@ private:
                     for (Index h = 0; h < heads; ++h) acc += zr[h * width + e];
                     mean[e] = acc / Scalar(heads);
                 }
-                if (s) activate(g.activation, mean.data(), s, static_cast<std::size_t>(width));
+                if (s) activate(g.activation, mean, s, static_cast<std::size_t>(width));
                 for (Index h = 0; h < heads; ++h)
-                    apply_gate(g.activation, g.combine, y + h * width, mean.data(),
+                    apply_gate(g.activation, g.combine, y + h * width, mean,
                                xr ? xr + h * width : nullptr, static_cast<Scalar*>(nullptr),
                                static_cast<std::size_t>(width));
             } else {
                 for (Index h = 0; h < heads; ++h) {
-                    activate(g.activation, zr + h, one.data(), 1);
+                    activate(g.activation, zr + h, one, 1);
                     const Scalar gh = one[0];
                     if (s) s[h] = gh;
                     Scalar* yh = y + h * width;
