@@ -176,7 +176,7 @@ TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
 TEST(LayerDeterminism, GatePassIsBitwiseIndependentOfThreadCount) {
     // 1024 rows × 64 gated values: large enough for the gate pass to run its rows in parallel.
     // Every branch of that pass (elementwise, head-shared mean, headwise, G2 on V, G5 with the
-    // residual mix, input-independent) at 1, 2 and 3 threads: outputs and gate scores equal
+    // residual mix, input-independent, query-sourced) at 1, 2 and 3 threads: outputs and gate scores equal
     // bitwise, and the output matches the float64 layer.
     using gattn::GatePosition;
     gattn::AttentionConfig c;
@@ -196,10 +196,12 @@ TEST(LayerDeterminism, GatePassIsBitwiseIndependentOfThreadCount) {
     mix.combine = gattn::GateCombine::ResidualMix;
     theta.source = gattn::GateSource::InputIndependent;
     theta.bias = false;
+    gattn::GateSpec query = gattn::GateSpec::g1_headwise();
+    query.source = gattn::GateSource::Query;
     const Index B = 4, N = 256;
     const RowMatrix<float> x = gattn_test::random_matrix(B * N, c.d_model, 31).cast<float>();
     for (const gattn::GateSpec& gate : {gattn::GateSpec::g1_elementwise(), shared, gattn::GateSpec::g1_headwise(),
-                                        at(GatePosition::G2), mix, theta}) {
+                                        at(GatePosition::G2), mix, theta, query}) {
         c.gate = gate;
         const std::string what = gattn::describe(gate);
         const auto w = gattn::make_random_weights<float>(c, 32);

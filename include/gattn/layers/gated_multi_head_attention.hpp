@@ -235,6 +235,9 @@ public:
             } else if (g.source == GateSource::Query) {
                 // z[r, h] = w_h · q_h + b_h from the raw query (q is not modified at G1).
                 RowMatrix<Scalar> z(rows, H);
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (rows * H * dk >= (Index(1) << 16))
+#endif
                 for (Index r = 0; r < rows; ++r)
                     for (Index h = 0; h < H; ++h)
                         z(r, h) = simd::dot(q.data() + r * q.outerStride() + h * dk,
