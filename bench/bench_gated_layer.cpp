@@ -1,8 +1,10 @@
 // What a gate costs: the same GatedMultiHeadAttention layer with and without each gate variant,
 // side by side in one run, at realistic sizes (D = 2048, 16 query heads, 2 KV heads,
 // head_dim 128, causal). Counters: tokens/s, and the gate's share of the layer's parameters.
+// The gate's two parts alone: its projection GEMM and the fused activation-and-multiply pass.
+// Threads: OMP_NUM_THREADS (one core: OMP_NUM_THREADS=1).
 //
-// Run: build/bench/bench_gated_layer --benchmark_counters_tabular=true
+// Run: build/bench/bench/bench_gated_layer --benchmark_counters_tabular=true
 // (configure with -DGATTN_ARCH_FLAGS=-march=native for the machine's widest SIMD).
 
 #include <benchmark/benchmark.h>
@@ -70,19 +72,40 @@ void BM_Layer(benchmark::State& state, GateSpec gate) {
     state.SetLabel(gattn::simd::arch_name());
 }
 
-/// The fused gate pass alone (activation and multiply over [N, H·d]), to compare with the layer.
+/// The fused gate pass alone (activation and multiply over [N, H·d]) as the layer runs it, row
+/// by row over the OpenMP threads, to compare with the layer.
 void BM_FusedGatePass(benchmark::State& state) {
     const gattn::Index seq_len = state.range(0), width = 16 * 128;
     gattn::RowMatrix<float> u = gattn::RowMatrix<float>::Random(seq_len, width);
     const gattn::RowMatrix<float> z = gattn::RowMatrix<float>::Random(seq_len, width);
     for (auto _ : state) {
-        gattn::apply_gate(gattn::GateActivation::Sigmoid, gattn::GateCombine::Multiplicative, u.data(), z.data(),
-                          static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
-                          static_cast<std::size_t>(u.size()));
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+        for (gattn::Index r = 0; r < seq_len; ++r)
+            gattn::apply_gate(gattn::GateActivation::Sigmoid, gattn::GateCombine::Multiplicative,
+                              u.data() + r * width, z.data() + r * width, static_cast<const float*>(nullptr),
+                              static_cast<float*>(nullptr), static_cast<std::size_t>(width));
         benchmark::DoNotOptimize(u.data());
         benchmark::ClobberMemory();
     }
     state.counters["elements/s"] = benchmark::Counter(double(u.size()), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+/// The gate projection alone, X [N, D] times W_gᵀ [D, H·d_v] with Eigen (inside the layer it is
+/// part of the one input GEMM): a gated layer should cost the ungated one plus this.
+void BM_GateProjection(benchmark::State& state) {
+    const gattn::Index seq_len = state.range(0), d_model = 2048, width = 16 * 128;
+    const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, d_model);
+    const gattn::RowMatrix<float> w = gattn::RowMatrix<float>::Random(width, d_model);
+    gattn::RowMatrix<float> z(seq_len, width);
+    for (auto _ : state) {
+        z.noalias() = x * w.transpose();
+        benchmark::DoNotOptimize(z.data());
+        benchmark::ClobberMemory();
+    }
+    state.counters["FLOP/s"] = benchmark::Counter(2.0 * double(seq_len) * double(d_model) * double(width),
+                                                  benchmark::Counter::kIsIterationInvariantRate);
 }
 
 const bool registered = [] {
@@ -93,7 +116,17 @@ const bool registered = [] {
             ->Arg(2048)
             ->Unit(benchmark::kMillisecond)
             ->UseRealTime();
-    benchmark::RegisterBenchmark("BM_FusedGatePass", BM_FusedGatePass)->Arg(512)->Arg(2048)->Unit(benchmark::kMicrosecond);
+    benchmark::RegisterBenchmark("BM_FusedGatePass", BM_FusedGatePass)
+        ->Arg(512)
+        ->Arg(2048)
+        ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_GateProjection", BM_GateProjection)
+        ->Arg(512)
+        ->Arg(1024)
+        ->Arg(2048)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
     return true;
 }();
 
