@@ -176,8 +176,8 @@ TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
 TEST(LayerDeterminism, GatePassIsBitwiseIndependentOfThreadCount) {
     // 1024 rows × 64 gated values: large enough for the gate pass to run its rows in parallel.
     // Every branch of that pass (elementwise, head-shared mean, headwise, G2 on V, G5 with the
-    // residual mix, input-independent, query-sourced) at 1, 2 and 3 threads: outputs and gate scores equal
-    // bitwise, and the output matches the float64 layer.
+    // residual mix, input-independent, query-sourced) at 1, 2 and 3 threads: outputs and gate
+    // scores equal bitwise, and the output matches the float64 layer.
     using gattn::GatePosition;
     gattn::AttentionConfig c;
     c.d_model = 64;

@@ -122,28 +122,25 @@ inline Batch<T> exp_nonpositive(const Batch<T>& x) noexcept {
 inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
     using B = Batch<float>;
     const B lo(-126.0f);  // 2^−126 = FLT_MIN; below it the result is 0
+    // 1 + r·(c₀ + r·(c₁ + … + r·c₅)), Horner's rule with fused multiply-adds.
+    auto poly = [](const B& r, const float (&c)[6]) {
+        B q(c[5]);
+        for (int k = 4; k >= 0; --k) q = xsimd::fma(q, r, B(c[k]));
+        return xsimd::fma(q, r, B(1.0f));
+    };
 #if defined(__AVX512DQ__)
     // r = x − ⌊x⌋ (vreduceps, round down, exceptions suppressed): ±∞ gives 0, NaN stays NaN,
     // and vscalefps multiplies by 2^⌊x⌋ (0 for x = −∞), so no clamp is needed.
+    static constexpr float c[6] = {6.9314706325531006e-1f, 2.4022929370403290e-1f, 5.5485296994447708e-2f,
+                                   9.6754413098096848e-3f, 1.2467787601053715e-3f, 2.1613512944895774e-4f};
     const B r(_mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-    B q(2.1613512944895774e-4f);
-    q = xsimd::fma(q, r, B(1.2467787601053715e-3f));
-    q = xsimd::fma(q, r, B(9.6754413098096848e-3f));
-    q = xsimd::fma(q, r, B(5.5485296994447708e-2f));
-    q = xsimd::fma(q, r, B(2.4022929370403290e-1f));
-    q = xsimd::fma(q, r, B(6.9314706325531006e-1f));
-    const B y(_mm512_scalef_ps(xsimd::fma(q, r, B(1.0f)), x));
+    const B y(_mm512_scalef_ps(poly(r, c), x));
 #else
+    static constexpr float c[6] = {6.9314718246459961e-1f, 2.4022647738456726e-1f, 5.5503323674201965e-2f,
+                                   9.6184369176626205e-3f, 1.3398875016719103e-3f, 1.5353361959569156e-4f};
     const B xc = xsimd::max(lo, x);  // NaN flows through (second operand)
     const B n = xsimd::nearbyint(xc);
-    const B r = xc - n;
-    B q(1.5353361959569156e-4f);
-    q = xsimd::fma(q, r, B(1.3398875016719103e-3f));
-    q = xsimd::fma(q, r, B(9.6184369176626205e-3f));
-    q = xsimd::fma(q, r, B(5.5503323674201965e-2f));
-    q = xsimd::fma(q, r, B(2.4022647738456726e-1f));
-    q = xsimd::fma(q, r, B(6.9314718246459961e-1f));
-    const B p = xsimd::fma(q, r, B(1.0f));
+    const B p = poly(xc - n, c);
 #if defined(__AVX512F__)
     const B y(_mm512_scalef_ps(p, n));  // p·2^n in one instruction
 #else
