@@ -173,6 +173,7 @@ TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
         EXPECT_EQ(results[0], results[2]) << "N_q = " << c.nq;
     }
 }
+
 TEST(LayerDeterminism, GatePassIsBitwiseIndependentOfThreadCount) {
     // 1024 rows × 64 gated values: large enough for the gate pass to run its rows in parallel.
     // Every branch of that pass (elementwise, head-shared mean, headwise, G2 on V, G5 with the
