@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Generate reference fixtures for the gattn gated-attention layer.
 
 Each fixture is one .safetensors file in tests/data/ holding the weights and

@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Generate the Qwen3-Next full-attention fixture in tests/data/qwen3_next/.
 
 The directory mimics a (tiny) Hugging Face checkpoint: config.json with

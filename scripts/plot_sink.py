@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Draw first-token attention (F-Attn) per layer and head as heat maps, one model beside another.
 
 Input: the CSV the tiny_lm example writes (columns model, layer, head, first_token_attention).

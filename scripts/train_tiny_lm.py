@@ -1,4 +1,4 @@
-#!/usr/bin/env python3
+#!/usr/bin/python3
 """Train two tiny byte-level language models on fortunes, gated and ungated, in assets/tiny_lm/.
 
 The models are identical except for the attention output gate: same architecture, same seed,
