@@ -150,8 +150,8 @@ TEST(LayerForward, SequencesInABatchAreIndependent) {
 #ifdef _OPENMP
 TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
     // Prefill tiles and decoding's split-KV chunks are cut by shape, never by thread count;
-    // more threads only group fewer query tiles per task (the last shape: 1–8 tiles per task
-    // for 1, 2 and 3 threads, whatever the instruction set).
+    // more threads only group fewer query tiles per task (these shapes are grouped differently
+    // for 1, 2 and 3 threads at every instruction set).
     struct Case {
         Index B, H, Hkv, nq;
     };
