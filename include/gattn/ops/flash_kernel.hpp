@@ -80,7 +80,8 @@ struct FlashGeometry {
     // 256 in double: their Qᵀ and Oᵀ (512 KiB at d = 128) stay in L2. Narrow blocks gain
     // from the larger groups: AVX2, d = 128, N = 2048, 8 heads, 8 → 32 blocks: 94 → 97–99
     // GFLOP/s (d = 256: +3–13 %, SSE2 +3–5 %).
-    static constexpr int kGroupBlocks = std::max<int>(8, 2048 / (kQueries * sizeof(T)));
+    static constexpr int kGroupQueries = static_cast<int>(2048 / sizeof(T));  // 512 float, 256 double
+    static constexpr int kGroupBlocks = std::max(8, kGroupQueries / kQueries);
     // Narrow query blocks (AVX2, SSE) copy each key block's K and V rows, when they are not
     // contiguous, into scratch shared by the group: in a [N, H·d] layout each row sits in its
     // own page, and a block of 16 queries does too little work per page visit (AVX2, d = 128,

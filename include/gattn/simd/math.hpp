@@ -113,9 +113,10 @@ inline Batch<T> exp_nonpositive(const Batch<T>& x) noexcept {
 /// 2^x for x ≤ 0, float, register level: x = n + r with n an integer (exact), 2^r = 1 + r·q(r)
 /// with q a degree-5 polynomial fitted for relative error on r's interval (weighted least
 /// squares on Chebyshev nodes, Lawson-iterated towards minimax; near the Taylor coefficients
-/// (ln 2)^k / k!), ≤ 1e-7 relative, ≈2 ulp, measured against double; times 2^n. With AVX-512DQ
-/// n = ⌊x⌋ and r ∈ [0, 1) come from one vreduceps and vscalefps applies 2^⌊x⌋ itself (three
-/// instructions fewer); elsewhere n = round(x), r ∈ [−½, ½].
+/// (ln 2)^k / k!); times 2^n. With AVX-512DQ n = ⌊x⌋ and r ∈ [0, 1) come from one vreduceps
+/// and vscalefps applies 2^⌊x⌋ itself (three instructions fewer); elsewhere n = round(x),
+/// r ∈ [−½, ½]. Relative error against double over every float in [−126, 0]: 8.9e-8
+/// (AVX-512DQ), 8.0e-8 (AVX2 + FMA), 1.03e-7 (SSE2, no FMA); ≈2 ulp.
 /// Results below the smallest normal number are 0, −∞ gives 0, NaN propagates; x > 0 is
 /// outside its contract. Softmax in base 2 needs no multiply by log₂e and no Cody-Waite
 /// split. Never throws.
