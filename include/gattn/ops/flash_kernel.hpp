@@ -184,13 +184,17 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
         B pv[C];
         for (int c = C0; c < C; ++c) pv[c] = B::load_aligned(pt + kk * W + c * L);
         const T* v = value + kk * value_stride;
-        for (int r = 0; r < R; ++r) {
-            const B vb(v[r]);
-            for (int c = C0; c < C; ++c) {
-                if constexpr (Masked)
-                    acc[r][c] = xsimd::select(pv[c] < B(T(0)), acc[r][c], xsimd::fma(vb, pv[c], acc[r][c]));
-                else
-                    acc[r][c] = xsimd::fma(vb, pv[c], acc[r][c]);
+        if constexpr (Masked) {
+            typename B::batch_bool_type skip[C];
+            for (int c = C0; c < C; ++c) skip[c] = pv[c] < B(T(0));
+            for (int r = 0; r < R; ++r) {
+                const B vb(v[r]);
+                for (int c = C0; c < C; ++c) acc[r][c] = simd::fma_unless(skip[c], vb, pv[c], acc[r][c]);
+            }
+        } else {
+            for (int r = 0; r < R; ++r) {
+                const B vb(v[r]);
+                for (int c = C0; c < C; ++c) acc[r][c] = xsimd::fma(vb, pv[c], acc[r][c]);
             }
         }
     };

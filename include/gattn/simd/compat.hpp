@@ -3,8 +3,8 @@
 
 /// \file
 /// The few xsimd calls whose names changed between xsimd 8.1 (Debian bookworm) and later
-/// releases (this is the only file that tests XSIMD_VERSION_MAJOR), and the compiler's
-/// prefetch hint.
+/// releases (this is the only file that tests XSIMD_VERSION_MAJOR), a masked FMA that xsimd
+/// lacks, and the compiler's prefetch hint.
 
 #include <Eigen/Core>
 #include <xsimd/xsimd.hpp>
@@ -81,6 +81,24 @@ inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
 }
 
 GATTN_EIGEN_PACKETS_END
+
+/// select(skip, c, a·b + c) with a·b + c fused (one rounding). AVX-512: one masked FMA
+/// (vfmadd…{k}); g++ compiles the select as an FMA, a blend and a move. Elsewhere: FMA and blend.
+/// Same values on every path.
+template <class T>
+inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T>& a, const Batch<T>& b,
+                           const Batch<T>& c) noexcept {
+#if defined(__AVX512F__)  // registers are 512-bit: Batch<float> holds a __m512
+    if constexpr (std::is_same_v<T, float>) {
+        const __mmask16 take = static_cast<__mmask16>(~static_cast<__mmask16>(skip));
+        return Batch<T>(_mm512_mask3_fmadd_ps(a, b, c, take));
+    } else if constexpr (std::is_same_v<T, double>) {
+        const __mmask8 take = static_cast<__mmask8>(~static_cast<__mmask8>(skip));
+        return Batch<T>(_mm512_mask3_fmadd_pd(a, b, c, take));
+    }
+#endif
+    return xsimd::select(skip, c, xsimd::fma(a, b, c));
+}
 
 /// Elements of T in one 64-byte cache line.
 template <class T>
