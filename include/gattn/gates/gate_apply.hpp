@@ -25,7 +25,7 @@ struct SiluAct {
 template <class T>
 struct NonSparseSigmoidAct {
     simd::Batch<T> operator()(const simd::Batch<T>& z) const noexcept {
-        return xsimd::fma(simd::Batch<T>(T(0.5)), simd::sigmoid<T>(z), simd::Batch<T>(T(0.5)));
+        return simd::fma(simd::Batch<T>(T(0.5)), simd::sigmoid<T>(z), simd::Batch<T>(T(0.5)));
     }
 };
 /// Gate values already activated (input-independent gates are activated once per call).
@@ -43,7 +43,7 @@ inline void fused_gate_impl(T* y, const T* z, const T* x, T* gate_out, std::size
         g = act(zv);
         if constexpr (Combine == GateCombine::Multiplicative) return yv * g;
         else if constexpr (Combine == GateCombine::Additive) return yv + g;
-        else return xsimd::fma(g, yv - xv, xv);  // g·y + (1 − g)·x
+        else return simd::fma(g, yv - xv, xv);  // g·y + (1 − g)·x
     };
     std::size_t i = 0;
     for (; i + L <= n; i += L) {

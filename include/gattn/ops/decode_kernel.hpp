@@ -73,7 +73,7 @@ inline void group_logits(const T* const* q, const T* key, Index key_stride, Inde
             for (int i = 0; i < 4; ++i) kv[i] = B::load_unaligned(k + i * key_stride + d);
             for (int r = 0; r < R; ++r) {
                 const B qd = B::load_unaligned(q[r] + d);
-                for (int i = 0; i < 4; ++i) a[r][i] = xsimd::fma(qd, kv[i], a[r][i]);
+                for (int i = 0; i < 4; ++i) a[r][i] = simd::fma(qd, kv[i], a[r][i]);
             }
         }
         for (int r = 0; r < R; ++r)
@@ -84,7 +84,7 @@ inline void group_logits(const T* const* q, const T* key, Index key_stride, Inde
             B a(T(0));
             if (kk < nk) {
                 const T* k = key + kk * key_stride;
-                for (Index d = 0; d < dk_vec; d += L) a = xsimd::fma(B::load_unaligned(q[r] + d), B::load_unaligned(k + d), a);
+                for (Index d = 0; d < dk_vec; d += L) a = simd::fma(B::load_unaligned(q[r] + d), B::load_unaligned(k + d), a);
             }
             dots[r][kk] = a;
         }
@@ -113,7 +113,7 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
             for (int r = 0; r < R; ++r) {
                 if (score[r][kk] == kNegInf) continue;
                 const B pk(p[r][kk]);
-                for (int c = 0; c < C; ++c) a[r][c] = xsimd::fma(pk, vb[c], a[r][c]);
+                for (int c = 0; c < C; ++c) a[r][c] = simd::fma(pk, vb[c], a[r][c]);
             }
         }
         for (int r = 0; r < R; ++r)
@@ -123,7 +123,7 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
         for (int r = 0; r < R; ++r) {
             B a = B::load_unaligned(acc[r] + j);
             for (Index kk = 0; kk < nk; ++kk)
-                if (score[r][kk] != kNegInf) a = xsimd::fma(B(p[r][kk]), B::load_unaligned(value + kk * value_stride + j), a);
+                if (score[r][kk] != kNegInf) a = simd::fma(B(p[r][kk]), B::load_unaligned(value + kk * value_stride + j), a);
             a.store_unaligned(acc[r] + j);
         }
     for (; j < dv; ++j)

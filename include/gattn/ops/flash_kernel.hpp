@@ -146,7 +146,7 @@ inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T
         for (int c = C0; c < C; ++c) qv[c] = B::load_aligned(qt + d * W + c * L);
         for (int r = 0; r < R; ++r) {
             const B kb(key[r * key_stride + d]);
-            for (int c = C0; c < C; ++c) acc[r][c] = xsimd::fma(kb, qv[c], acc[r][c]);
+            for (int c = C0; c < C; ++c) acc[r][c] = simd::fma(kb, qv[c], acc[r][c]);
         }
     }
     for (int r = 0; r < R; ++r)
@@ -194,7 +194,7 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
         } else {
             for (int r = 0; r < R; ++r) {
                 const B vb(v[r]);
-                for (int c = C0; c < C; ++c) acc[r][c] = xsimd::fma(vb, pv[c], acc[r][c]);
+                for (int c = C0; c < C; ++c) acc[r][c] = simd::fma(vb, pv[c], acc[r][c]);
             }
         }
     };
@@ -207,7 +207,7 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
             T* o = ot + r * W + c * L;
-            xsimd::fma(B::load_aligned(o), alpha[c], acc[r][c]).store_aligned(o);
+            simd::fma(B::load_aligned(o), alpha[c], acc[r][c]).store_aligned(o);
         }
 }
 
@@ -444,7 +444,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
             }
         }
     }
-    for (int c = 0; c < C; ++c) state.l[c] = xsimd::fma(state.l[c], alpha[c], lsum[c]);
+    for (int c = 0; c < C; ++c) state.l[c] = simd::fma(state.l[c], alpha[c], lsum[c]);
     if (full)
         values_rows<T, G::kRows, false>(value_block, value_stride, st, nk, alpha, ot, dv, nullptr);
     else

@@ -82,13 +82,45 @@ inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
 
 GATTN_EIGEN_PACKETS_END
 
+/// a·b + c rounded once. xsimd 8.1 has no AVX-512 FMA: its 512-bit registers fall back to
+/// a·b + c, which g++ contracts into an FMA and clang 14 does not (two roundings and twice the
+/// instructions: prefill ran at 0.6× under clang). Here AVX-512 calls the instruction itself.
+template <class T>
+inline Batch<T> fma(const Batch<T>& a, const Batch<T>& b, const Batch<T>& c) noexcept {
+#if defined(__AVX512F__)  // registers are 512-bit: Batch<float> holds a __m512
+    if constexpr (std::is_same_v<T, float>)
+        return Batch<T>(_mm512_fmadd_ps(a, b, c));
+    else if constexpr (std::is_same_v<T, double>)
+        return Batch<T>(_mm512_fmadd_pd(a, b, c));
+    else
+        return xsimd::fma(a, b, c);
+#else
+    return xsimd::fma(a, b, c);
+#endif
+}
+
+/// c − a·b rounded once (see fma).
+template <class T>
+inline Batch<T> fnma(const Batch<T>& a, const Batch<T>& b, const Batch<T>& c) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<T, float>)
+        return Batch<T>(_mm512_fnmadd_ps(a, b, c));
+    else if constexpr (std::is_same_v<T, double>)
+        return Batch<T>(_mm512_fnmadd_pd(a, b, c));
+    else
+        return xsimd::fnma(a, b, c);
+#else
+    return xsimd::fnma(a, b, c);
+#endif
+}
+
 /// select(skip, c, a·b + c) with a·b + c fused (one rounding). AVX-512: one masked FMA
 /// (vfmadd…{k}); g++ compiles the select as an FMA, a blend and a move. Elsewhere: FMA and blend.
 /// Same values on every path.
 template <class T>
 inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T>& a, const Batch<T>& b,
                            const Batch<T>& c) noexcept {
-#if defined(__AVX512F__)  // registers are 512-bit: Batch<float> holds a __m512
+#if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) {
         const __mmask16 take = static_cast<__mmask16>(~static_cast<__mmask16>(skip));
         return Batch<T>(_mm512_mask3_fmadd_ps(a, b, c, take));
@@ -97,7 +129,7 @@ inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T
         return Batch<T>(_mm512_mask3_fmadd_pd(a, b, c, take));
     }
 #endif
-    return xsimd::select(skip, c, xsimd::fma(a, b, c));
+    return xsimd::select(skip, c, simd::fma(a, b, c));
 }
 
 /// Elements of T in one 64-byte cache line.

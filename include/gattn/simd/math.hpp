@@ -55,15 +55,15 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
         B xc = xsimd::max(lo, x);
         if constexpr (!NonPositive) xc = xsimd::min(hi, xc);
         const B n = xsimd::nearbyint(xc * B(1.44269504088896341f));
-        B r = xsimd::fnma(n, B(0.693359375f), xc);  // Cody-Waite: ln2 = hi + lo
-        r = xsimd::fnma(n, B(-2.12194440e-4f), r);
+        B r = simd::fnma(n, B(0.693359375f), xc);  // Cody-Waite: ln2 = hi + lo
+        r = simd::fnma(n, B(-2.12194440e-4f), r);
         B p(1.9875691500e-4f);
-        p = xsimd::fma(p, r, B(1.3981999507e-3f));
-        p = xsimd::fma(p, r, B(8.3334519073e-3f));
-        p = xsimd::fma(p, r, B(4.1665795894e-2f));
-        p = xsimd::fma(p, r, B(1.6666665459e-1f));
-        p = xsimd::fma(p, r, B(5.0000001201e-1f));
-        p = xsimd::fma(p, r * r, r + B(1.0f));
+        p = simd::fma(p, r, B(1.3981999507e-3f));
+        p = simd::fma(p, r, B(8.3334519073e-3f));
+        p = simd::fma(p, r, B(4.1665795894e-2f));
+        p = simd::fma(p, r, B(1.6666665459e-1f));
+        p = simd::fma(p, r, B(5.0000001201e-1f));
+        p = simd::fma(p, r * r, r + B(1.0f));
         const I ni = xsimd::to_int(n);
         return xsimd::select(x < lo, B(0.0f), times_pow2<float, NonPositive>(p, ni));
     } else {
@@ -76,15 +76,15 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
         B xc = xsimd::max(lo, x);  // NaN flows through (second operand)
         if constexpr (!NonPositive) xc = xsimd::min(hi, xc);
         const B n = xsimd::nearbyint(xc * B(1.4426950408889634));
-        B r = xsimd::fnma(n, B(6.93145751953125e-1), xc);
-        r = xsimd::fnma(n, B(1.42860682030941723212e-6), r);
+        B r = simd::fnma(n, B(6.93145751953125e-1), xc);
+        r = simd::fnma(n, B(1.42860682030941723212e-6), r);
         const B rr = r * r;
-        B p = xsimd::fma(rr, B(1.26177193074810590878e-4), B(3.02994407707441961300e-2));
-        p = xsimd::fma(p, rr, B(9.99999999999999999910e-1)) * r;
-        B q = xsimd::fma(rr, B(3.00198505138664455042e-6), B(2.52448340349684104192e-3));
-        q = xsimd::fma(q, rr, B(2.27265548208155028766e-1));
-        q = xsimd::fma(q, rr, B(2.00000000000000000009e0));
-        const B e = xsimd::fma(B(2.0), p / (q - p), B(1.0));
+        B p = simd::fma(rr, B(1.26177193074810590878e-4), B(3.02994407707441961300e-2));
+        p = simd::fma(p, rr, B(9.99999999999999999910e-1)) * r;
+        B q = simd::fma(rr, B(3.00198505138664455042e-6), B(2.52448340349684104192e-3));
+        q = simd::fma(q, rr, B(2.27265548208155028766e-1));
+        q = simd::fma(q, rr, B(2.00000000000000000009e0));
+        const B e = simd::fma(B(2.0), p / (q - p), B(1.0));
         const I ni = xsimd::to_int(xsimd::select(xsimd::isnan(n), B(0.0), n));
         return xsimd::select(x < lo, B(0.0), times_pow2<double, NonPositive>(e, ni));
     }
@@ -126,8 +126,8 @@ inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
     // 1 + r·(c₀ + r·(c₁ + … + r·c₅)), Horner's rule with fused multiply-adds.
     auto poly = [](const B& r, const float (&c)[6]) {
         B q(c[5]);
-        for (int k = 4; k >= 0; --k) q = xsimd::fma(q, r, B(c[k]));
-        return xsimd::fma(q, r, B(1.0f));
+        for (int k = 4; k >= 0; --k) q = simd::fma(q, r, B(c[k]));
+        return simd::fma(q, r, B(1.0f));
     };
 #if defined(__AVX512DQ__)
     // r = x − ⌊x⌋ (vreduceps, round down, exceptions suppressed): ±∞ gives 0, NaN stays NaN,
@@ -227,13 +227,13 @@ inline T dot(const T* a, const T* b, std::size_t n) noexcept {
     Batch<T> acc0(T(0)), acc1(T(0)), acc2(T(0)), acc3(T(0));
     std::size_t i = 0;
     for (; i + 4 * L <= n; i += 4 * L) {
-        acc0 = xsimd::fma(Batch<T>::load_unaligned(a + i), Batch<T>::load_unaligned(b + i), acc0);
-        acc1 = xsimd::fma(Batch<T>::load_unaligned(a + i + L), Batch<T>::load_unaligned(b + i + L), acc1);
-        acc2 = xsimd::fma(Batch<T>::load_unaligned(a + i + 2 * L), Batch<T>::load_unaligned(b + i + 2 * L), acc2);
-        acc3 = xsimd::fma(Batch<T>::load_unaligned(a + i + 3 * L), Batch<T>::load_unaligned(b + i + 3 * L), acc3);
+        acc0 = simd::fma(Batch<T>::load_unaligned(a + i), Batch<T>::load_unaligned(b + i), acc0);
+        acc1 = simd::fma(Batch<T>::load_unaligned(a + i + L), Batch<T>::load_unaligned(b + i + L), acc1);
+        acc2 = simd::fma(Batch<T>::load_unaligned(a + i + 2 * L), Batch<T>::load_unaligned(b + i + 2 * L), acc2);
+        acc3 = simd::fma(Batch<T>::load_unaligned(a + i + 3 * L), Batch<T>::load_unaligned(b + i + 3 * L), acc3);
     }
     for (; i + L <= n; i += L)
-        acc0 = xsimd::fma(Batch<T>::load_unaligned(a + i), Batch<T>::load_unaligned(b + i), acc0);
+        acc0 = simd::fma(Batch<T>::load_unaligned(a + i), Batch<T>::load_unaligned(b + i), acc0);
     T sum = reduce_sum((acc0 + acc1) + (acc2 + acc3));
     for (; i < n; ++i) sum += a[i] * b[i];
     return sum;
@@ -246,7 +246,7 @@ inline void axpy(T alpha, const T* x, T* y, std::size_t n) noexcept {
     const Batch<T> a(alpha);
     std::size_t i = 0;
     for (; i + L <= n; i += L)
-        xsimd::fma(a, Batch<T>::load_unaligned(x + i), Batch<T>::load_unaligned(y + i))
+        simd::fma(a, Batch<T>::load_unaligned(x + i), Batch<T>::load_unaligned(y + i))
             .store_unaligned(y + i);
     for (; i < n; ++i) y[i] += alpha * x[i];
 }
