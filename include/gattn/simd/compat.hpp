@@ -3,8 +3,8 @@
 
 /// \file
 /// The few xsimd calls whose names changed between xsimd 8.1 (Debian bookworm) and later
-/// releases (this is the only file that tests XSIMD_VERSION_MAJOR), a masked FMA that xsimd
-/// lacks, and the compiler's prefetch hint.
+/// releases (this is the only file that tests XSIMD_VERSION_MAJOR), the fused multiply-adds
+/// xsimd 8.1 lacks on AVX-512 (plain and masked), and the compiler's prefetch hint.
 
 #include <Eigen/Core>
 #include <xsimd/xsimd.hpp>
