@@ -587,6 +587,63 @@ TYPED_TEST(SdpaTyped, NaNInBiasMaskedKeysDoesNotLeak) {
     expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaNaNBias/lse");
 }
 
+/// A key that the causal mask or the boolean mask hides ignores its bias: NaN or +∞ there does
+/// not reach the row (prefill over full and partial key blocks, and decoding).
+TYPED_TEST(SdpaTyped, BiasOfMaskedKeysIsIgnored) {
+    using S = TypeParam;
+    const Index N = 70, H = 4, Hkv = 2, dk = 16, dv = 8;  // 70 keys: a full and a partial block
+    const Mat q = random_matrix(N, H * dk, 121), k = random_matrix(N, Hkv * dk, 122),
+              v = random_matrix(N, Hkv * dv, 123);
+    std::unique_ptr<bool[]> bm(new bool[N]);
+    for (Index j = 0; j < N; ++j) bm[j] = j % 7 != 3;
+    const S poison[2] = {std::numeric_limits<S>::quiet_NaN(), std::numeric_limits<S>::infinity()};
+    std::vector<S> bias(static_cast<std::size_t>(N * N));
+    for (Index i = 0; i < N; ++i)
+        for (Index j = 0; j < N; ++j)
+            bias[static_cast<std::size_t>(i * N + j)] =
+                j > i || !bm[j] ? poison[(i + j) % 2] : S(0.25) * S((i + 2 * j) % 5);
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+    using T = Tol<S>;
+    // Prefill: all N queries, causal + boolean mask + bias.
+    {
+        gattn::SdpaOptions<S> opt;
+        opt.mask.causal = true;
+        opt.mask.bool_mask = {bm.get(), 1, 1, 1, N};
+        opt.mask.bias = {bias.data(), 1, 1, N, N};
+        gattn::RowMatrix<S> lse;
+        gattn::SdpaOutputs<S> extra;
+        extra.log_sum_exp = &lse;
+        const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{1, H, Hkv}, opt, extra);
+        RefMasks rm;
+        rm.causal = true;
+        const Index bool_dims[3] = {1, 1, 1}, bias_dims[3] = {1, 1, N};
+        expand(bm.get(), bool_dims, 1, H, N, N, rm.bool_mask);
+        std::vector<double> bias_d(bias.begin(), bias.end());
+        expand(bias_d.data(), bias_dims, 1, H, N, N, rm.bias);
+        const auto ref = gattn_test::sdpa_reference(rounded<S>(q), rounded<S>(k), rounded<S>(v), 1, H, Hkv, {}, rm);
+        EXPECT_TRUE(got.allFinite()) << "the bias of a masked key reached the output";
+        expect_close(got, ref.out, T::atol, T::rtol, "SdpaMaskedBias/out");
+        expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaMaskedBias/lse");
+    }
+    // Decoding: the last query alone (it sees every key the boolean mask leaves).
+    {
+        gattn::SdpaOptions<S> opt;
+        opt.mask.bool_mask = {bm.get(), 1, 1, 1, N};
+        opt.mask.bias = {bias.data() + (N - 1) * N, 1, 1, 1, N};
+        const auto got = gattn::scaled_dot_product_attention<S>(qs.bottomRows(1), ks, vs,
+                                                                gattn::HeadLayout{1, H, Hkv}, opt);
+        RefMasks rm;
+        const Index dims[3] = {1, 1, 1};
+        expand(bm.get(), dims, 1, H, 1, N, rm.bool_mask);
+        std::vector<double> bias_d(bias.end() - N, bias.end());
+        expand(bias_d.data(), dims, 1, H, 1, N, rm.bias);
+        const auto ref = gattn_test::sdpa_reference(rounded<S>(Mat(q.bottomRows(1))), rounded<S>(k), rounded<S>(v), 1,
+                                                    H, Hkv, {}, rm);
+        EXPECT_TRUE(got.allFinite()) << "the bias of a masked key reached the output";
+        expect_close(got, ref.out, T::atol, T::rtol, "SdpaMaskedBiasDecode/out");
+    }
+}
+
 /// Two calls over disjoint key halves merge through their log-sum-exp into the full result.
 TYPED_TEST(SdpaTyped, LogSumExpMergesKeyShards) {
     using S = TypeParam;

@@ -397,14 +397,19 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
                                        dead);
     }
     if (state.elementwise && !full) {
-        // Boolean mask and additive bias, per lane; then the block max again.
+        // Boolean mask and additive bias, per lane; then the block max again. A key the range
+        // (causal, window, key length) or the boolean mask hides ignores its bias, whatever it
+        // holds (NaN or +∞ there must not reach the row).
         for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
         for (Index kk = 0; kk < nk; ++kk) {
             T* row = st + kk * W;
             const Index j = k0 + kk;
             for (int t = 0; t < blk.count; ++t) {
-                if (blk.bool_row[t] && !blk.bool_row[t][j]) row[t] = kNegInf;
-                if (blk.bias_row[t]) row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
+                if (row[t] == kNegInf) continue;
+                if (blk.bool_row[t] && !blk.bool_row[t][j])
+                    row[t] = kNegInf;
+                else if (blk.bias_row[t])
+                    row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
             }
             for (int c = 0; c < C; ++c) bmax[c] = xsimd::max(bmax[c], B::load_aligned(row + c * L));
         }
