@@ -88,30 +88,16 @@ GATTN_EIGEN_PACKETS_END
 template <class T>
 inline Batch<T> fma(const Batch<T>& a, const Batch<T>& b, const Batch<T>& c) noexcept {
 #if defined(__AVX512F__)  // registers are 512-bit: Batch<float> holds a __m512
-    if constexpr (std::is_same_v<T, float>)
-        return Batch<T>(_mm512_fmadd_ps(a, b, c));
-    else if constexpr (std::is_same_v<T, double>)
-        return Batch<T>(_mm512_fmadd_pd(a, b, c));
-    else
-        return xsimd::fma(a, b, c);
-#else
-    return xsimd::fma(a, b, c);
+    if constexpr (std::is_same_v<T, float>) return Batch<T>(_mm512_fmadd_ps(a, b, c));
+    if constexpr (std::is_same_v<T, double>) return Batch<T>(_mm512_fmadd_pd(a, b, c));
 #endif
+    return xsimd::fma(a, b, c);
 }
 
-/// c − a·b rounded once (see fma).
+/// c − a·b rounded once: fma(−a, b, c) (negation is exact; compilers emit one vfnmadd).
 template <class T>
 inline Batch<T> fnma(const Batch<T>& a, const Batch<T>& b, const Batch<T>& c) noexcept {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>)
-        return Batch<T>(_mm512_fnmadd_ps(a, b, c));
-    else if constexpr (std::is_same_v<T, double>)
-        return Batch<T>(_mm512_fnmadd_pd(a, b, c));
-    else
-        return xsimd::fnma(a, b, c);
-#else
-    return xsimd::fnma(a, b, c);
-#endif
+    return simd::fma(-a, b, c);
 }
 
 /// select(skip, c, a·b + c) with a·b + c fused (one rounding). AVX-512: one masked FMA
@@ -121,13 +107,10 @@ template <class T>
 inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T>& a, const Batch<T>& b,
                            const Batch<T>& c) noexcept {
 #if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>) {
-        const __mmask16 take = static_cast<__mmask16>(~static_cast<__mmask16>(skip));
-        return Batch<T>(_mm512_mask3_fmadd_ps(a, b, c, take));
-    } else if constexpr (std::is_same_v<T, double>) {
-        const __mmask8 take = static_cast<__mmask8>(~static_cast<__mmask8>(skip));
-        return Batch<T>(_mm512_mask3_fmadd_pd(a, b, c, take));
-    }
+    if constexpr (std::is_same_v<T, float>)
+        return Batch<T>(_mm512_mask3_fmadd_ps(a, b, c, static_cast<__mmask16>(~static_cast<__mmask16>(skip))));
+    if constexpr (std::is_same_v<T, double>)
+        return Batch<T>(_mm512_mask3_fmadd_pd(a, b, c, static_cast<__mmask8>(~static_cast<__mmask8>(skip))));
 #endif
     return xsimd::select(skip, c, simd::fma(a, b, c));
 }
