@@ -98,8 +98,8 @@ void BM_FusedGatePass(benchmark::State& state) {
     state.counters["elements/s"] = benchmark::Counter(double(u.size()), benchmark::Counter::kIsIterationInvariantRate);
 }
 
-/// The gate projection alone, X [N, D] times W_gᵀ [D, H·d_v] with Eigen (inside the layer it is
-/// part of the one input GEMM): a gated layer should cost the ungated one plus this.
+/// The gate projection alone, X [N, D] times W_gᵀ [D, H·d_v] with Eigen, the GEMM the layer runs
+/// for the gate logits: a gated layer should cost the ungated one plus this and the gate pass.
 void BM_GateProjection(benchmark::State& state) {
     const gattn::Index seq_len = state.range(0), d_model = 2048, width = 16 * 128;
     const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, d_model);
