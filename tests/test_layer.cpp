@@ -113,9 +113,8 @@ TEST(LayerForward, SaturatedGateEqualsUngatedLayer) {
     const RowMatrix<float> x = RowMatrix<float>::Random(12, 16);
     const auto a = gattn::GatedMultiHeadAttention<float>(gated, w).forward(x, 3);
     const auto b = gattn::GatedMultiHeadAttention<float>(plain, wp).forward(x, 3);
-    // Not bitwise: the gated layer's projection GEMM is wider, and Eigen's blocking (so its
-    // rounding) depends on the matrix sizes.
-    EXPECT_LE((a - b).cwiseAbs().maxCoeff(), 1e-6f);
+    // Bitwise: Q, K and V come from the same GEMM with and without a gate, and y·1 = y.
+    EXPECT_EQ(a, b);
     // and a gate of exactly 0 (σ(−1000)) silences the attention: output is o_proj's bias (none).
     w.gate_proj_bias.setConstant(-1000.0f);
     const auto z = gattn::GatedMultiHeadAttention<float>(gated, w).forward(x, 3);
@@ -144,6 +143,53 @@ TEST(LayerForward, SequencesInABatchAreIndependent) {
     for (Index b = 0; b < 3; ++b) {
         const RowMatrix<float> one = layer.forward(x.middleRows(b * 5, 5), 1);
         EXPECT_LE((all.middleRows(b * 5, 5) - one).cwiseAbs().maxCoeff(), 1e-6f) << "sequence " << b;
+    }
+}
+
+TEST(LayerForward, GateInSdpaEpilogueEqualsGatePass) {
+    // Without a trace, a head-specific G1 input gate is applied inside SDPA, to each (token, head)
+    // output as soon as it is final; with a trace, by a pass over U afterwards. Both must give
+    // the same output bitwise, on the tiled path (N = 200: full and partial query blocks), the
+    // decoding path (N = 1) and for a sequence whose keys are all masked (key length 0), and
+    // match the float64 layer. head_dim 12 is not a multiple of the SIMD width, so the gate runs
+    // a head at a time with a tail in the epilogue and a row at a time in the pass.
+    gattn::AttentionConfig c;
+    c.d_model = 48;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 12;
+    c.causal = true;
+    gattn::GateSpec additive = gattn::GateSpec::g1_elementwise(), silu = gattn::GateSpec::g1_elementwise(),
+                    biased = gattn::GateSpec::g1_elementwise();
+    additive.combine = gattn::GateCombine::Additive;
+    silu.activation = gattn::GateActivation::SiLU;
+    biased.bias = true;
+    struct Shape {
+        Index B, N;
+        std::vector<Index> key_lengths;
+    };
+    for (const gattn::GateSpec& gate :
+         {gattn::GateSpec::g1_elementwise(), gattn::GateSpec::g1_headwise(), additive, silu, biased,
+          gattn::GateSpec::g1_elementwise(gattn::GateLayout::PerHeadInterleaved)}) {
+        c.gate = gate;
+        const auto w = gattn::make_random_weights<float>(c, 41);
+        const gattn::GatedMultiHeadAttention<float> layer(c, w);
+        for (const Shape& sh : {Shape{2, 200, {}}, Shape{3, 1, {}}, Shape{2, 5, {5, 0}}}) {
+            const std::string what = gattn::describe(gate) + ", B = " + std::to_string(sh.B) +
+                                     ", N = " + std::to_string(sh.N);
+            const RowMatrix<float> x = gattn_test::random_matrix(sh.B * sh.N, c.d_model, 42).cast<float>();
+            gattn::ForwardOptions<float> opt;
+            opt.key_lengths = sh.key_lengths;
+            gattn::ForwardTrace<float> trace;
+            const RowMatrix<float> fused = layer.forward(x, sh.B, opt);
+            const RowMatrix<float> pass = layer.forward(x, sh.B, opt, &trace);
+            EXPECT_EQ(fused, pass) << what;
+            expect_close<float>(fused,
+                                gattn_test::layer_reference(c, gattn_test::weights_to_double(w), x.cast<double>(),
+                                                            sh.B, sh.key_lengths)
+                                    .y,
+                                what);
+        }
     }
 }
 

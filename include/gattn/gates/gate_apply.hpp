@@ -40,7 +40,10 @@ inline void fused_gate_impl(T* y, const T* z, const T* x, T* gate_out, std::size
     constexpr std::size_t L = simd::kLanes<T>;
     const Act act;
     auto step = [&](const B& yv, const B& zv, const B& xv, B& g) {
-        g = act(zv);
+        // Opaque: an additive gate would otherwise let the compiler fuse SiLU's z·σ(z) with
+        // the add, in some inlined copies of this loop and not in others (a gate applied to
+        // a head at a time in SDPA's epilogue must equal the same gate over the whole row).
+        g = simd::opaque(act(zv));
         if constexpr (Combine == GateCombine::Multiplicative) return yv * g;
         else if constexpr (Combine == GateCombine::Additive) return yv + g;
         else return simd::fma(g, yv - xv, xv);  // g·y + (1 − g)·x

@@ -233,11 +233,29 @@ public:
             extra.first_key_probability = &trace->first_key_attention;
             if (trace->record_probabilities) extra.probabilities = &trace->probabilities;
         }
-        scaled_dot_product_attention<Scalar>(q, k, v, HeadLayout{batch, H, Hkv}, u, sdpa, extra);
+        // A head-specific G1 gate on the input is applied to each (token, head) output as soon as
+        // SDPA has written it, while it is in cache, instead of in a pass over U afterwards
+        // (with a trace, the pass records the gate scores). Same arithmetic, same result.
+        const bool fused_g1 = input_gate && g.position == GatePosition::G1 &&
+                              g.sharing == GateSharing::HeadSpecific && !scores;
+        if (fused_g1) {
+            const Index zw = g.granularity == GateGranularity::Elementwise ? dv : 1;  // logits per head
+            gattn::detail::sdpa_with_epilogue<Scalar>(
+                q, k, v, HeadLayout{batch, H, Hkv}, u, sdpa, extra, [&](Index row, Index h, Scalar* y) {
+                    // SDPA finishes a head's rows in order; the logits of row + 8 are fetched
+                    // now (rows are H·d_v apart: a page each, which hardware prefetchers skip).
+                    if (row + 8 < rows)
+                        for (Index e = 0; e < zw; e += static_cast<Index>(simd::kLineElems<Scalar>))
+                            simd::prefetch(z.data() + (row + 8) * z.outerStride() + h * zw + e);
+                    gate_head(y, z.data() + row * z.outerStride(), h, dv);
+                });
+        } else {
+            scaled_dot_product_attention<Scalar>(q, k, v, HeadLayout{batch, H, Hkv}, u, sdpa, extra);
+        }
 
         if (g.position == GatePosition::G1) {
             if (g.source == GateSource::Input) {
-                gate_heads(u.data(), u.outerStride(), H, dv, z, nullptr, scores, rows);
+                if (!fused_g1) gate_heads(u.data(), u.outerStride(), H, dv, z, nullptr, scores, rows);
             } else if (g.source == GateSource::Query) {
                 // z[r, h] = w_h · q_h + b_h from the raw query (q is not modified at G1).
                 z.resize(rows, H);
@@ -363,7 +381,7 @@ private:
 #else
         const int threads = 1;
 #endif
-        const std::size_t per_thread = static_cast<std::size_t>(width) + 1;  // head-shared mean, headwise gate
+        const std::size_t per_thread = static_cast<std::size_t>(width);  // head-shared mean
         std::vector<Scalar> scratch(static_cast<std::size_t>(threads) * per_thread);
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (threads > 1 && rows * heads * width >= (Index(1) << 16))
@@ -374,7 +392,6 @@ private:
 #else
             Scalar* const mean = scratch.data();
 #endif
-            Scalar* const one = mean + width;
             Scalar* y = target + r * stride;
             const Scalar* zr = z.data() + r * z.outerStride();
             Scalar* s = scores ? scores->data() + r * score_width : nullptr;
@@ -398,17 +415,29 @@ private:
                                static_cast<std::size_t>(width));
             } else {
                 for (Index h = 0; h < heads; ++h) {
-                    activate(g.activation, zr + h, one, 1);
-                    const Scalar gh = one[0];
-                    if (s) s[h] = gh;
-                    Scalar* yh = y + h * width;
-                    if (g.combine == GateCombine::Additive)
-                        for (Index e = 0; e < width; ++e) yh[e] += gh;
-                    else
-                        simd::scale(gh, yh, static_cast<std::size_t>(width));
+                    if (s) activate(g.activation, zr + h, s + h, 1);
+                    gate_head(y + h * width, zr, h, width);
                 }
             }
         }
+    }
+
+    /// Applies the head-specific gate of head h to its `width` values y; z_row holds the row's
+    /// logits ([heads·width] elementwise, [heads] headwise). Elementwise, each value's result does
+    /// not depend on where its run of values starts, so a head at a time equals a row at a time.
+    void gate_head(Scalar* y, const Scalar* z_row, Index h, Index width) const {
+        const GateSpec& g = m_config.gate;
+        if (g.granularity == GateGranularity::Elementwise) {
+            apply_gate(g.activation, g.combine, y, z_row + h * width, static_cast<const Scalar*>(nullptr),
+                       static_cast<Scalar*>(nullptr), static_cast<std::size_t>(width));
+            return;
+        }
+        Scalar gh;
+        activate(g.activation, z_row + h, &gh, 1);
+        if (g.combine == GateCombine::Additive)
+            for (Index e = 0; e < width; ++e) y[e] += gh;
+        else
+            simd::scale(gh, y, static_cast<std::size_t>(width));
     }
 
     AttentionConfig m_config;

@@ -169,32 +169,22 @@ inline Index span_of(const M& m) noexcept {
 
 }  // namespace detail
 
-/// Scaled dot-product attention with GQA/MQA, masks and optional log-sum-exp.
-///
-/// \param query  [B·N_q, H·d_k] row-major, any row stride.
-/// \param key    [B·N_k, H_kv·d_k].
-/// \param value  [B·N_k, H_kv·d_v] (d_v may differ from d_k).
-/// \param heads  batch B, H and H_kv (H_kv divides H).
-/// \param out    [B·N_q, H·d_v], written; must not overlap query, key or value.
-/// \param options scale (default 1/√d_k) and masks (ops/mask.hpp).
-/// \param extra  optional log-sum-exp, probabilities, first-key probability.
-/// \throws shape_error when a shape disagrees with the others (message names the argument,
-///         the expected and the actual shape); std::invalid_argument for bad head counts,
-///         key lengths outside [0, N_k] or query lengths outside [0, N_q], a window < 1, a scale
-///         not finite in Scalar, out overlapping an input or the bias, or optional outputs that
-///         are or hold an input. Nothing is written before validation passes.
-/// Accumulation and softmax run in Scalar (float or double). Two kernels, chosen by shape:
-/// query tiles (ops/flash_kernel.hpp) when a KV head serves more than Br/4 (head, query) pairs,
-/// else the decoding kernel with split-KV chunks (ops/decode_kernel.hpp). Compiled with OpenMP,
-/// the work is split over (sequence, KV head, up to 8 query tiles) or (sequence, key chunk)
-/// tasks; the result is bitwise the same for any thread count and whatever else shares the
-/// batch.
-/// Probabilities, when requested, are recomputed row by row from the log-sum-exp (O(N_q·N_k·d)).
-template <class Scalar>
-void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
-                                  ConstMatrixRef<Scalar> value, const HeadLayout& heads,
-                                  MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options = {},
-                                  const SdpaOutputs<Scalar>& extra = {}) {
+namespace detail {
+
+/// An output epilogue that does nothing.
+struct NoEpilogue {
+    template <class T>
+    void operator()(Index, Index, T*) const noexcept {}
+};
+
+/// scaled_dot_product_attention, then epilogue(row, head, y) once for every (row, head) pair,
+/// y pointing at its d_v outputs, as soon as they are final and while they are in cache (the
+/// layer's G1 gate is applied this way). The epilogue runs on the OpenMP threads, may modify
+/// only y's d_v values, and must give the same result on any thread.
+template <class Scalar, class Epilogue>
+void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
+                        const HeadLayout& heads, MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options,
+                        const SdpaOutputs<Scalar>& extra, const Epilogue& epilogue) {
     static_assert(is_supported_scalar_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
     constexpr const char* fn = "gattn::scaled_dot_product_attention";
     // Plain variables, not a structured binding: C++17 lambdas cannot capture those.
@@ -242,6 +232,8 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
     if (Nk == 0) {  // no keys: every row is fully masked
         for (Index r = 0; r < out.rows(); ++r) out.row(r).setZero();
         if (extra.log_sum_exp) extra.log_sum_exp->setConstant(kNegInf);
+        for (Index r = 0; r < out.rows(); ++r)
+            for (Index h = 0; h < H; ++h) epilogue(r, h, out.data() + r * out.outerStride() + h * dv);
         return;
     }
     // Probabilities are derived from the log-sum-exp, so they need it even when not requested.
@@ -297,6 +289,13 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
             blk.first_key[t] = extra.first_key_probability ? &(*extra.first_key_probability)(row, h) : nullptr;
         }
     };
+    // The epilogue of the block's lanes, pairs [t0, t0 + count) of KV head g in sequence b.
+    auto finish_block = [&](const kernel::FlashBlock<Scalar>& blk, Index b, Index g, Index t0) {
+        for (int t = 0; t < blk.count; ++t) {
+            const Index pair = t0 + t;
+            epilogue(b * Nq + pair % Nq, g * group + pair / Nq, blk.out[t]);
+        }
+    };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<Scalar>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
 #ifdef _OPENMP
@@ -332,6 +331,7 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                     blk.data(), count, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
                     value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(), dk, dv, scale,
                     scratch);
+                for (int i = 0; i < count; ++i) finish_block(blk[i], b, g, (first + i) * Geometry::kQueries);
             }
         }
         if (decode) {
@@ -344,6 +344,7 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                 describe_block(blk[0], b, g, 0);
                 // State of (b, chunk c, g) sits at (b·chunks + c)·H_kv + g.
                 kernel::decode_finish<Scalar>(blk[0], partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
+                finish_block(blk[0], b, g, 0);
             }
         }
     }
@@ -377,6 +378,38 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                 for (Index j = range.begin; j < range.end; ++j)
                     if (logits[j] != kNegInf) p[j] /= l;
             }
+}
+
+}  // namespace detail
+
+/// Scaled dot-product attention with GQA/MQA, masks and optional log-sum-exp.
+///
+/// \param query  [B·N_q, H·d_k] row-major, any row stride.
+/// \param key    [B·N_k, H_kv·d_k].
+/// \param value  [B·N_k, H_kv·d_v] (d_v may differ from d_k).
+/// \param heads  batch B, H and H_kv (H_kv divides H).
+/// \param out    [B·N_q, H·d_v], written; must not overlap query, key or value.
+/// \param options scale (default 1/√d_k) and masks (ops/mask.hpp).
+/// \param extra  optional log-sum-exp, probabilities, first-key probability.
+/// \throws shape_error when a shape disagrees with the others (message names the argument,
+///         the expected and the actual shape); std::invalid_argument for bad head counts,
+///         key lengths outside [0, N_k] or query lengths outside [0, N_q], a window < 1, a scale
+///         not finite in Scalar, out overlapping an input or the bias, or optional outputs that
+///         are or hold an input. Nothing is written before validation passes.
+/// Accumulation and softmax run in Scalar (float or double). Two kernels, chosen by shape:
+/// query tiles (ops/flash_kernel.hpp) when a KV head serves more than Br/4 (head, query) pairs,
+/// else the decoding kernel with split-KV chunks (ops/decode_kernel.hpp). Compiled with OpenMP,
+/// the work is split over (sequence, KV head, up to 8 query tiles) or (sequence, key chunk)
+/// tasks; the result is bitwise the same for any thread count and whatever else shares the
+/// batch.
+/// Probabilities, when requested, are recomputed row by row from the log-sum-exp (O(N_q·N_k·d)).
+template <class Scalar>
+void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
+                                  ConstMatrixRef<Scalar> value, const HeadLayout& heads,
+                                  MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options = {},
+                                  const SdpaOutputs<Scalar>& extra = {}) {
+    gattn::detail::sdpa_with_epilogue<Scalar>(query, key, value, heads, out, options, extra,
+                                              gattn::detail::NoEpilogue{});
 }
 
 /// Merges two attention results for the same queries over disjoint key sets (split-KV, or

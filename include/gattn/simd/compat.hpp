@@ -115,6 +115,25 @@ inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T
     return xsimd::select(skip, c, simd::fma(a, b, c));
 }
 
+/// Returns x through an empty asm statement: the compiler no longer sees how x was computed,
+/// so it cannot fuse a multiply that produced x with an add that uses it (FMA contraction,
+/// which g++ does by default). An expression's result then does not depend on where it is
+/// inlined or whether it runs in a loop or its tail. Emits no instruction.
+template <class T>
+inline Batch<T> opaque(const Batch<T>& x) noexcept {
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+    typename Batch<T>::register_type r = x;
+#if defined(__AVX512F__)
+    asm("" : "+v"(r));
+#else
+    asm("" : "+x"(r));
+#endif
+    return Batch<T>(r);
+#else
+    return x;
+#endif
+}
+
 /// Elements of T in one 64-byte cache line.
 template <class T>
 inline constexpr std::size_t kLineElems = 64 / sizeof(T);
