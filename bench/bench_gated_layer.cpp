@@ -1,7 +1,8 @@
 // What a gate costs: the same GatedMultiHeadAttention layer with and without each gate variant,
 // side by side in one run, at realistic sizes (D = 2048, 16 query heads, 2 KV heads,
 // head_dim 128, causal). Counters: tokens/s, and the gate's share of the layer's parameters.
-// The gate's two parts alone: its projection GEMM and the fused activation-and-multiply pass.
+// The gate's two parts alone: its projection GEMM and the fused activation-and-multiply pass;
+// BM_GateCostPaired runs the ungated layer, the gated layer and the projection in turn.
 // Threads: OMP_NUM_THREADS (one core: OMP_NUM_THREADS=1).
 //
 // Run: build/bench/bench/bench_gated_layer --benchmark_counters_tabular=true
@@ -9,6 +10,7 @@
 
 #include <benchmark/benchmark.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -114,6 +116,48 @@ void BM_GateProjection(benchmark::State& state) {
                                                   benchmark::Counter::kIsIterationInvariantRate);
 }
 
+/// The gate's cost read off one benchmark: the ungated layer, the G1 elementwise gated layer and
+/// the gate projection GEMM alone run in turn within every iteration (same state of a shared
+/// machine for all three). Counters in ms per forward, and gated / (ungated + projection): at
+/// most 1 when a gate costs no more than its projection (the gate itself is applied inside
+/// SDPA). Threads: OMP_NUM_THREADS.
+void BM_GateCostPaired(benchmark::State& state) {
+    const gattn::Index seq_len = state.range(0);
+    const auto plain_config = realistic_config(GateSpec{});
+    const auto gated_config = realistic_config(GateSpec::g1_elementwise());
+    const auto gated_weights = gattn::make_random_weights<float>(gated_config, 1);
+    const gattn::GatedMultiHeadAttention<float> plain(plain_config, gattn::make_random_weights<float>(plain_config, 1));
+    const gattn::GatedMultiHeadAttention<float> gated(gated_config, gated_weights);
+    const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, plain_config.d_model);
+    gattn::RowMatrix<float> out(seq_len, plain_config.d_model), z(seq_len, gated_weights.gate_proj_weight.rows());
+    using Clock = std::chrono::steady_clock;
+    double t_plain = 0, t_gated = 0, t_projection = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        plain.forward(x, 1, out);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        gated.forward(x, 1, out);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        z.noalias() = x * gated_weights.gate_proj_weight.transpose();
+        benchmark::DoNotOptimize(z.data());
+        benchmark::ClobberMemory();
+        const auto t3 = Clock::now();
+        t_plain += std::chrono::duration<double>(t1 - t0).count();
+        t_gated += std::chrono::duration<double>(t2 - t1).count();
+        t_projection += std::chrono::duration<double>(t3 - t2).count();
+    }
+    const double n = static_cast<double>(state.iterations());
+    state.counters["ungated_ms"] = 1e3 * t_plain / n;
+    state.counters["gated_ms"] = 1e3 * t_gated / n;
+    state.counters["projection_ms"] = 1e3 * t_projection / n;
+    state.counters["gated/(ungated+proj)"] = t_gated / (t_plain + t_projection);
+    state.SetLabel(gattn::simd::arch_name());
+}
+
 const bool registered = [] {
     for (const auto& v : variants())
         benchmark::RegisterBenchmark((std::string("BM_Layer/") + v.name).c_str(), BM_Layer, v.gate)
@@ -126,6 +170,12 @@ const bool registered = [] {
         ->Arg(512)
         ->Arg(2048)
         ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_GateCostPaired", BM_GateCostPaired)
+        ->Arg(512)
+        ->Arg(2048)
+        ->MinTime(3.0)
+        ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
     benchmark::RegisterBenchmark("BM_GateProjection", BM_GateProjection)
         ->Arg(512)
