@@ -93,9 +93,12 @@ struct FlashScratch {
     RowMatrix<T> ot[G::kGroupBlocks];  // [d_v, Br]  Oᵀ (unnormalised)
     RowMatrix<T> st;                   // [Bc, Br]   Sᵀ, then Pᵀ
     RowMatrix<T> key_rows, value_rows;  // [Bc, d_k], [Bc, d_v]  one key block's rows, copied
-    void reserve(Index dk, Index dv, int group_blocks) {
-        key_rows.resize(G::kKeys, dk);
-        value_rows.resize(G::kKeys, dv);
+    /// copy_rows: K and V rows are not contiguous, so flash_attention_blocks copies them.
+    void reserve(Index dk, Index dv, int group_blocks, bool copy_rows) {
+        if (copy_rows) {
+            key_rows.resize(G::kKeys, dk);
+            value_rows.resize(G::kKeys, dv);
+        }
         for (int i = 0; i < group_blocks; ++i) {
             qt[i].resize(dk, G::kQueries);
             ot[i].resize(dv, G::kQueries);
