@@ -304,7 +304,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
     {
         kernel::FlashScratch<Scalar> scratch;
         if (!decode)
-            scratch.reserve(dk, dv, static_cast<int>(per_task), key.outerStride() != dk || value.outerStride() != dv);
+            scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride() != dv);
         std::vector<kernel::FlashBlock<Scalar>> blk(static_cast<std::size_t>(per_task));  // KiBs each: heap
         std::vector<kernel::FlashBlock<Scalar>> group_blocks(decode ? static_cast<std::size_t>(Hkv) : 0);
 #ifdef _OPENMP
