@@ -4,7 +4,8 @@
 /// \file
 /// The few xsimd calls whose names changed between xsimd 8.1 (Debian bookworm) and later
 /// releases (this is the only file that tests XSIMD_VERSION_MAJOR), the fused multiply-adds
-/// xsimd 8.1 lacks on AVX-512 (plain and masked), and the compiler's prefetch hint.
+/// xsimd 8.1 lacks on AVX-512 (plain and masked), the compiler's prefetch hint, and a barrier
+/// against FMA contraction (opaque).
 
 #include <Eigen/Core>
 #include <xsimd/xsimd.hpp>
@@ -118,7 +119,8 @@ inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T
 /// Returns x through an empty asm statement: the compiler no longer sees how x was computed,
 /// so it cannot fuse a multiply that produced x with an add that uses it (FMA contraction,
 /// which g++ does by default). An expression's result then does not depend on where it is
-/// inlined or whether it runs in a loop or its tail. Emits no instruction.
+/// inlined or whether it runs in a loop or its tail. Emits no instruction. x86 with g++ or
+/// clang; elsewhere it returns x unchanged.
 template <class T>
 inline Batch<T> opaque(const Batch<T>& x) noexcept {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
