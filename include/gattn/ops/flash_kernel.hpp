@@ -362,7 +362,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end;
     B bmax[C];
     for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
-    int dead[G::kKeys];  // partial blocks: leading query registers that see no key kk
+    int dead[G::kKeys] = {};  // partial blocks: leading query registers that see no key kk
     // The last tile prefetches the block's first rows again: the group's next query block
     // starts there.
     if (full) {
