@@ -526,6 +526,16 @@ TEST(LayerConstruction, RejectsUnusedOrMisshapenWeights) {
         EXPECT_NE(std::string(e.what()).find("k_proj.weight must have shape [8, 16], got [8, 15]"), std::string::npos)
             << e.what();
     }
+    auto missing = w;  // a gated config without its gate weights
+    missing.gate_proj_weight.resize(0, 0);
+    try {
+        gattn::GatedMultiHeadAttention<float> l(c, missing);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("gate_proj.weight must have shape [16, 16], got [0, 0] (missing"),
+                  std::string::npos)
+            << e.what();
+    }
     c.gate = {};  // ungated config but a gate_proj given: a config/checkpoint mismatch
     EXPECT_THROW((gattn::GatedMultiHeadAttention<float>(c, w)), gattn::shape_error);
     c.num_kv_heads = 3;

@@ -729,6 +729,15 @@ TEST(SdpaValidation, QueryWidthNotMultipleOfHeads) {
         [&] { gattn::scaled_dot_product_attention<float>(q, f.k, f.v, f.layout, f.out, f.opt); }, "query", f.out);
 }
 
+TEST(SdpaValidation, QueryRowsNotMultipleOfBatch) {
+    ValidationFixture f;
+    const gattn::RowMatrix<float> q = gattn::RowMatrix<float>::Zero(7, f.H * f.dk);
+    const std::string want = "query must have shape [B*N_q, num_heads*head_dim] = [multiple of 2, " +
+                             std::to_string(f.H * f.dk) + "], got [7, " + std::to_string(f.H * f.dk) + "]";
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(q, f.k, f.v, {2, f.H, f.Hkv}, f.out, f.opt); }, want, f.out);
+}
+
 TEST(SdpaValidation, KeyWidthMismatch) {
     ValidationFixture f;
     const gattn::RowMatrix<float> k = f.k.leftCols(f.Hkv * f.dk - 2);

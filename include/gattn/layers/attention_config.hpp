@@ -165,7 +165,8 @@ void check_weight_shape(const char* fn, const char* name, const Tensor& t, const
     if (!ok) {
         const std::string expected = want->shape.size() == 1 ? shape_string({want->shape[0]})
                                                              : shape_string({want->shape[0], want->shape[1]});
-        throw shape_error(std::string(fn) + ": " + name + " must have shape " + expected + ", got " + got);
+        throw shape_error(std::string(fn) + ": " + name + " must have shape " + expected + ", got " + got +
+                          (t.size() == 0 ? " (missing: this config uses it)" : ""));
     }
 }
 

@@ -87,7 +87,8 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                     shape_string({q_rows, q_cols}));
     const Index dk = q_cols / H;
     if (B == 0 ? q_rows != 0 : q_rows % B != 0)
-        throw_shape(fn, "query", "rows a multiple of batch = " + std::to_string(B),
+        throw_shape(fn, "query", "[B*N_q, num_heads*head_dim] = [multiple of " + std::to_string(B) + ", " +
+                                     std::to_string(q_cols) + "]",
                     shape_string({q_rows, q_cols}));
     if (k_cols != Hkv * dk || (B == 0 ? k_rows != 0 : k_rows % B != 0))
         throw_shape(fn, "key",
