@@ -153,12 +153,9 @@ TEST(LayerForward, GateInSdpaEpilogueEqualsGatePass) {
     // decoding path (N = 1) and for a sequence whose keys are all masked (key length 0), and
     // match the float64 layer. head_dim 12 is not a multiple of the SIMD width, so the gate runs
     // a head at a time with a tail in the epilogue and a row at a time in the pass.
-    gattn::AttentionConfig c;
+    gattn::AttentionConfig c = small_config();  // 4 heads, 2 KV heads, causal
     c.d_model = 48;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
     c.head_dim = 12;
-    c.causal = true;
     gattn::GateSpec additive = gattn::GateSpec::g1_elementwise(), silu = gattn::GateSpec::g1_elementwise(),
                     biased = gattn::GateSpec::g1_elementwise();
     additive.combine = gattn::GateCombine::Additive;

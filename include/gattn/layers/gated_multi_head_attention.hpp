@@ -239,7 +239,7 @@ public:
         const bool fused_g1 = input_gate && g.position == GatePosition::G1 &&
                               g.sharing == GateSharing::HeadSpecific && !scores;
         if (fused_g1) {
-            const Index zw = g.granularity == GateGranularity::Elementwise ? dv : 1;  // logits per head
+            const Index zw = gate_logits_per_head(dv);
             gattn::detail::sdpa_with_epilogue<Scalar>(
                 q, k, v, HeadLayout{batch, H, Hkv}, u, sdpa, extra, [&](Index row, Index h, Scalar* y) {
                     // SDPA finishes a head's rows in order; the logits of row + 8 are fetched
@@ -422,18 +422,24 @@ private:
         }
     }
 
+    /// Gate logits of one head in a row: `width` (the head's values) elementwise, 1 headwise.
+    Index gate_logits_per_head(Index width) const noexcept {
+        return m_config.gate.granularity == GateGranularity::Elementwise ? width : 1;
+    }
+
     /// Applies the head-specific gate of head h to its `width` values y; z_row holds the row's
-    /// logits ([heads·width] elementwise, [heads] headwise). Elementwise, each value's result does
-    /// not depend on where its run of values starts, so a head at a time equals a row at a time.
+    /// logits (gate_logits_per_head(width) per head). Elementwise, each value's result does not
+    /// depend on where its run of values starts, so a head at a time equals a row at a time.
     void gate_head(Scalar* y, const Scalar* z_row, Index h, Index width) const {
         const GateSpec& g = m_config.gate;
+        const Scalar* zh = z_row + h * gate_logits_per_head(width);
         if (g.granularity == GateGranularity::Elementwise) {
-            apply_gate(g.activation, g.combine, y, z_row + h * width, static_cast<const Scalar*>(nullptr),
+            apply_gate(g.activation, g.combine, y, zh, static_cast<const Scalar*>(nullptr),
                        static_cast<Scalar*>(nullptr), static_cast<std::size_t>(width));
             return;
         }
         Scalar gh;
-        activate(g.activation, z_row + h, &gh, 1);
+        activate(g.activation, zh, &gh, 1);
         if (g.combine == GateCombine::Additive)
             for (Index e = 0; e < width; ++e) y[e] += gh;
         else

@@ -178,10 +178,12 @@ struct NoEpilogue {
     void operator()(Index, Index, T*) const noexcept {}
 };
 
-/// scaled_dot_product_attention, then epilogue(row, head, y) once for every (row, head) pair,
-/// y pointing at its d_v outputs, as soon as they are final and while they are in cache (the
-/// layer's G1 gate is applied this way). The epilogue runs on the OpenMP threads, may modify
-/// only y's d_v values, and must give the same result on any thread.
+/// scaled_dot_product_attention (same arguments, shapes and exceptions, all thrown before
+/// anything is written), then epilogue(row, head, y) once for every row in [0, B·N_q) and head
+/// in [0, H), y pointing at that row's d_v outputs of that head, as soon as they are final and
+/// while they are in cache (the layer's G1 gate is applied this way). The epilogue runs on the
+/// OpenMP threads: it must not throw, may modify only y's d_v values, and must give the same
+/// result on any thread.
 template <class Scalar, class Epilogue>
 void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
                         const HeadLayout& heads, MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options,
@@ -274,11 +276,14 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
     const Index tasks = decode ? B * chunks : B * Hkv * block_tasks;
     const Index ldq = query.outerStride(), ldo = out.outerStride();
     // Fills the block description of pairs [t0, t0 + count) of KV head g in sequence b.
+    // Pair p of KV head g in sequence b is query i = p mod N_q of head g·(H / H_kv) + ⌊p / N_q⌋.
+    auto pair_head = [&](Index g, Index pair) { return g * group + pair / Nq; };
+    auto pair_row = [&](Index b, Index pair) { return b * Nq + pair % Nq; };
     auto describe_block = [&](kernel::FlashBlock<Scalar>& blk, Index b, Index g, Index t0) {
         blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
         for (int t = 0; t < blk.count; ++t) {
-            const Index pair = t0 + t, h = g * group + pair / Nq, i = pair % Nq;
-            const Index row = b * Nq + i;
+            const Index pair = t0 + t, h = pair_head(g, pair), i = pair % Nq;
+            const Index row = pair_row(b, pair);
             const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
             blk.q[t] = query.data() + row * ldq + h * dk;
             blk.out[t] = out.data() + row * ldo + h * dv;
@@ -292,10 +297,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
     };
     // The epilogue of the block's lanes, pairs [t0, t0 + count) of KV head g in sequence b.
     auto finish_block = [&](const kernel::FlashBlock<Scalar>& blk, Index b, Index g, Index t0) {
-        for (int t = 0; t < blk.count; ++t) {
-            const Index pair = t0 + t;
-            epilogue(b * Nq + pair % Nq, g * group + pair / Nq, blk.out[t]);
-        }
+        for (int t = 0; t < blk.count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), blk.out[t]);
     };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<Scalar>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
@@ -305,7 +307,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
     {
         kernel::FlashScratch<Scalar> scratch;
         if (!decode)
-            scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride() != dv);
+            scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride());
         std::vector<kernel::FlashBlock<Scalar>> blk(static_cast<std::size_t>(per_task));  // KiBs each: heap
         std::vector<kernel::FlashBlock<Scalar>> group_blocks(decode ? static_cast<std::size_t>(Hkv) : 0);
 #ifdef _OPENMP
