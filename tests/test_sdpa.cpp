@@ -419,6 +419,41 @@ TYPED_TEST(SdpaTyped, StridedViews) {
     EXPECT_TRUE((big.rightCols(3).array() == S(42)).all()) << "columns right of out were written";
 }
 
+/// Each thread keeps its kernel scratch between calls and only grows it: calls whose head dims
+/// grow and shrink, with value rows copied (strided) or read in place, each match the
+/// reference, and repeating the first call after the scratch has grown gives the same bits.
+TYPED_TEST(SdpaTyped, ScratchKeptBetweenCallsServesAnyShape) {
+    using S = TypeParam;
+    struct Case {
+        Index dk, dv, value_pad;
+    };
+    const Case cases[] = {{24, 24, 5}, {136, 72, 0}, {8, 40, 3}, {264, 264, 0}, {24, 24, 5}};
+    const Index B = 1, Nq = 70, Nk = 90, H = 4, Hkv = 2;
+    gattn::RowMatrix<S> first;
+    int seed = 0;
+    for (const Case& c : cases) {
+        seed = c.dk == 24 ? 0 : seed + 1;  // the first case again: the same inputs
+        const Mat q = gattn_test::rounded<S>(random_matrix(B * Nq, H * c.dk, 71 + 3 * seed));
+        const Mat k = gattn_test::rounded<S>(random_matrix(B * Nk, Hkv * c.dk, 72 + 3 * seed));
+        const Mat vw = gattn_test::rounded<S>(random_matrix(B * Nk, Hkv * c.dv + c.value_pad, 73 + 3 * seed));
+        const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = vw.cast<S>();
+        gattn::SdpaOptions<S> opt;
+        opt.mask.causal = true;
+        const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs.leftCols(Hkv * c.dv),
+                                                                gattn::HeadLayout{B, H, Hkv}, opt);
+        RefMasks rm;
+        rm.causal = true;
+        const auto ref = gattn_test::sdpa_reference(q, k, vw.leftCols(Hkv * c.dv), B, H, Hkv, {}, rm);
+        using T = Tol<S>;
+        expect_close(got, ref.out, T::atol, T::rtol, "SdpaScratch/d_k=" + std::to_string(c.dk), T::nmse);
+        if (first.size() == 0) {
+            first = got;
+        } else if (c.dk == 24) {
+            EXPECT_TRUE(got == first) << "the same call gave other bits after the scratch grew";
+        }
+    }
+}
+
 /// The default scale is 1/√d_k (never 1/√d_v), checked with d_v ≠ d_k.
 TYPED_TEST(SdpaTyped, DefaultScaleUsesKeyHeadDim) {
     using S = TypeParam;

@@ -305,11 +305,14 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
 #pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
 #endif
     {
-        kernel::FlashScratch<Scalar> scratch;
-        if (!decode)
+        auto& scratch = kernel::FlashScratch<Scalar>::for_this_thread();
+        if (decode)
+            scratch.reserve_blocks(Hkv);
+        else
             scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride());
-        std::vector<kernel::FlashBlock<Scalar>> blk(static_cast<std::size_t>(per_task));  // KiBs each: heap
-        std::vector<kernel::FlashBlock<Scalar>> group_blocks(decode ? static_cast<std::size_t>(Hkv) : 0);
+        // Decoding describes a chunk's KV heads in these, and later the block of a merge.
+        kernel::FlashBlock<Scalar>* const blk = scratch.blocks.data();
+        kernel::FlashBlock<Scalar>* const group_blocks = blk;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -322,7 +325,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                     states[g].reset(group_blocks[g].count, dv);
                 }
                 const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
-                kernel::decode_chunk<Scalar>(group_blocks.data(), states, Hkv, c0, c1,
+                kernel::decode_chunk<Scalar>(group_blocks, states, Hkv, c0, c1,
                                              key.data() + b * Nk * key.outerStride(), key.outerStride(),
                                              value.data() + b * Nk * value.outerStride(), value.outerStride(),
                                              dk, dv, scale);
@@ -332,7 +335,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                 const int count = static_cast<int>(std::min(per_task, blocks - first));
                 for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
                 kernel::flash_attention_blocks<Scalar>(
-                    blk.data(), count, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
+                    blk, count, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
                     value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(), dk, dv, scale,
                     scratch);
                 for (int i = 0; i < count; ++i) finish_block(blk[i], b, g, (first + i) * Geometry::kQueries);
