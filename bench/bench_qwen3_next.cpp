@@ -1,6 +1,7 @@
 // Decoding with Qwen3-Next's gated full-attention layer at the real model's shapes
 // (hidden 2048, 16 query heads, 2 KV heads, head_dim 256, partial RoPE 0.25; random weights):
-// one token per step against KV caches of 1k–32k tokens. Counter steps/s.
+// one token per step against KV caches of 1k–32k tokens, for one sequence and for a batch of 4
+// decoded together (one row each). Counters steps/s and tokens/s.
 //
 // Run: build/bench/bench/bench_qwen3_next --benchmark_counters_tabular=true
 
@@ -9,6 +10,7 @@
 #include <gattn/gattn.hpp>
 
 #include <random>
+#include <vector>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -41,26 +43,28 @@ gattn::Qwen3NextAttentionWeights<float> random_weights(const gattn::Qwen3NextCon
     return w;
 }
 
-/// Args: KV length, threads.
+/// Args: KV length, batch (sequences decoded together, one token each), threads.
 void BM_Qwen3NextDecodeStep(benchmark::State& state) {
-    const gattn::Index kv_len = state.range(0);
+    const gattn::Index kv_len = state.range(0), batch = state.range(1);
 #ifdef _OPENMP
-    omp_set_num_threads(static_cast<int>(state.range(1)));
+    omp_set_num_threads(static_cast<int>(state.range(2)));
 #endif
     const auto config = real_config();
     const gattn::Qwen3NextAttention<float> layer(config, random_weights(config));
-    auto cache = layer.make_cache(1, kv_len + 1);
+    auto cache = layer.make_cache(batch, kv_len + 1);
     // Fill the cache with random keys and values (prefilling 32k tokens would dominate the run).
     const gattn::Index width = config.num_key_value_heads * config.head_dim;
-    cache.append(Matrix::Random(kv_len, width), Matrix::Random(kv_len, width), {kv_len});
-    const Matrix x = Matrix::Random(1, config.hidden_size);
-    Matrix out(1, config.hidden_size);
+    const std::vector<gattn::Index> lengths(static_cast<std::size_t>(batch), kv_len);
+    cache.append(Matrix::Random(batch * kv_len, width), Matrix::Random(batch * kv_len, width), lengths);
+    const Matrix x = Matrix::Random(batch, config.hidden_size);
+    Matrix out(batch, config.hidden_size);
     for (auto _ : state) {
-        layer.forward(x, {kv_len}, cache, out);
-        cache.truncate({kv_len});
+        layer.forward(x, lengths, cache, out);
+        cache.truncate(lengths);
         benchmark::DoNotOptimize(out.data());
     }
     state.counters["steps/s"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["tokens/s"] = benchmark::Counter(double(batch), benchmark::Counter::kIsIterationInvariantRate);
     state.SetLabel(gattn::simd::arch_name());
 #ifdef _OPENMP
     omp_set_num_threads(1);
@@ -68,8 +72,9 @@ void BM_Qwen3NextDecodeStep(benchmark::State& state) {
 }
 
 BENCHMARK(BM_Qwen3NextDecodeStep)
-    ->ArgsProduct({{1024, 4096, 8192, 32768}, {1, 2}})
-    ->ArgNames({"kv_len", "threads"})
+    ->ArgsProduct({{1024, 4096, 8192, 32768}, {1}, {1, 2}})
+    ->ArgsProduct({{4096}, {4}, {1, 2}})
+    ->ArgNames({"kv_len", "batch", "threads"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -190,6 +190,64 @@ TEST(LayerForward, GateInSdpaEpilogueEqualsGatePass) {
     }
 }
 
+/// The projections' linear(): x·wᵀ + b against float64 math for row counts on both sides of
+/// kLinearGemvRows (matrix-vector products up to it, Eigen's GEMM above), with and without a
+/// bias, for a strided x, an input width that is no multiple of the SIMD width and an output
+/// count that is no multiple of the 64-output blocks.
+TEST(Linear, MatchesDoubleOnBothSidesOfTheGemvLimit) {
+    const Index in = 333, outputs = 200;
+    const RowMatrix<double> w64 = gattn_test::random_matrix(outputs, in, 41);
+    const gattn::Vector<double> b64 = gattn_test::random_matrix(outputs, 1, 42).col(0);
+    const RowMatrix<float> w = w64.cast<float>();
+    const RowMatrix<double> wf = w.cast<double>();  // the float weights, exactly
+    for (const Index rows : {Index(0), Index(1), Index(2), Index(7), gattn::detail::kLinearGemvRows,
+                             gattn::detail::kLinearGemvRows + 1, Index(40)}) {
+        for (const bool bias : {false, true}) {
+            const RowMatrix<float> wide = gattn_test::random_matrix(rows, in + 5, 43 + rows).cast<float>();
+            const auto x = wide.middleCols(2, in);
+            const gattn::Vector<float> b = bias ? gattn::Vector<float>(b64.cast<float>()) : gattn::Vector<float>();
+            RowMatrix<float> out = RowMatrix<float>::Constant(rows, outputs, 7.0f);
+            gattn::detail::linear<float>(x, w, b, out);
+            const RowMatrix<double> xd = x.cast<double>();
+            for (Index r = 0; r < rows; ++r)
+                for (Index o = 0; o < outputs; ++o) {
+                    double want = 0, magnitude = 0;
+                    for (Index c = 0; c < in; ++c) {
+                        want += xd(r, c) * wf(o, c);
+                        magnitude += std::abs(xd(r, c) * wf(o, c));
+                    }
+                    if (bias) {
+                        want += double(b[o]);
+                        magnitude += std::abs(double(b[o]));
+                    }
+                    // float accumulation of `in` products: a few ε of Σ|x·w| at most.
+                    ASSERT_NEAR(out(r, o), want, 4e-7 * magnitude + 1e-7)
+                        << "rows = " << rows << ", bias = " << bias << ", at (" << r << ", " << o << ")";
+                }
+        }
+    }
+}
+
+#ifdef _OPENMP
+TEST(Linear, GemvPathIsBitwiseIndependentOfThreadCount) {
+    // 16 rows × 200 outputs × 333 inputs: above the size at which the blocks run in parallel.
+    const Index rows = gattn::detail::kLinearGemvRows, in = 333, outputs = 200;
+    const RowMatrix<float> w = gattn_test::random_matrix(outputs, in, 51).cast<float>();
+    const gattn::Vector<float> b = gattn_test::random_matrix(outputs, 1, 52).col(0).cast<float>();
+    const RowMatrix<float> x = gattn_test::random_matrix(rows, in, 53).cast<float>();
+    std::vector<RowMatrix<float>> results;
+    for (int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        RowMatrix<float> out(rows, outputs);
+        gattn::detail::linear<float>(x, w, b, out);
+        results.push_back(out);
+    }
+    omp_set_num_threads(omp_get_num_procs());
+    EXPECT_EQ(results[0], results[1]);
+    EXPECT_EQ(results[0], results[2]);
+}
+#endif
+
 #ifdef _OPENMP
 TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
     // Prefill tiles and decoding's split-KV chunks are cut by shape, never by thread count;

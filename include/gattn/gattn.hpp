@@ -13,6 +13,7 @@
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
 #include "gattn/models/qwen3_next_attention.hpp"
+#include "gattn/ops/linear.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"

@@ -25,6 +25,7 @@
 
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
+#include "gattn/ops/linear.hpp"
 #include "gattn/ops/sdpa.hpp"
 
 namespace gattn {
@@ -205,12 +206,10 @@ public:
         RowMatrix<Scalar> z;  // gate logits [B·N, gate_width]
         if (input_gate) {
             z.resize(rows, m_w_gate.rows());
-            z.noalias() = x * m_w_gate.transpose();
-            if (m_b_gate.size()) z.rowwise() += m_b_gate.transpose();
+            gattn::detail::linear<Scalar>(x, m_w_gate, m_b_gate, z);
         }
         RowMatrix<Scalar> proj(rows, m_w_in.rows());
-        proj.noalias() = x * m_w_in.transpose();
-        if (m_b_in.size()) proj.rowwise() += m_b_in.transpose();
+        gattn::detail::linear<Scalar>(x, m_w_in, m_b_in, proj);
         auto q = proj.middleCols(0, H * dk);
         auto k = proj.middleCols(H * dk, Hkv * dk);
         auto v = proj.middleCols(H * dk + Hkv * dk, Hkv * dv);
@@ -283,8 +282,7 @@ public:
             }
         }
 
-        out.noalias() = u * m_w_o.transpose();
-        if (m_b_o.size()) out.rowwise() += m_b_o.transpose();
+        gattn::detail::linear<Scalar>(u, m_w_o, m_b_o, out);
 
         if (g.position == GatePosition::G5)
             gate_heads(out.data(), out.outerStride(), 1, D, z, &x, scores, rows);

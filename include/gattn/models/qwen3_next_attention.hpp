@@ -24,6 +24,7 @@
 #include "gattn/cache/kv_cache.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
+#include "gattn/ops/linear.hpp"
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
@@ -222,8 +223,7 @@ public:
                                        gattn::detail::shape_string({cache.keys().rows(), cache.keys().cols()}));
 
         RowMatrix<Scalar> proj(rows, m_w_in.rows());
-        proj.noalias() = x * m_w_in.transpose();
-        if (m_b_in.size()) proj.rowwise() += m_b_in.transpose();
+        gattn::detail::linear<Scalar>(x, m_w_in, m_b_in, proj);
         Scalar* p = proj.data();
         const Index ld = proj.outerStride(), G = gate_width(), k0 = H * d + G;  // k0: first key column
         rms_norm_heads(p, rows, ld, H, d, m_q_norm.data(), c.rms_norm_eps);        // query
@@ -249,8 +249,7 @@ public:
             apply_gate(GateActivation::Sigmoid, GateCombine::Multiplicative, u.data() + r * H * d, z,
                        static_cast<const Scalar*>(nullptr), static_cast<Scalar*>(nullptr), static_cast<std::size_t>(G));
         }
-        out.noalias() = u * m_w_o.transpose();
-        if (m_b_o.size()) out.rowwise() += m_b_o.transpose();
+        gattn::detail::linear<Scalar>(u, m_w_o, m_b_o, out);
         for (Index b = 0; b < B; ++b)  // padding slots: no token, no output
             for (Index t = counts[b]; t < N; ++t) out.row(b * N + t).setZero();
     }
