@@ -182,8 +182,8 @@ struct NoEpilogue {
 /// anything is written), then epilogue(row, head, y) once for every row in [0, B·N_q) and head
 /// in [0, H), y pointing at that row's d_v outputs of that head, as soon as they are final and
 /// while they are in cache (the layer's G1 gate is applied this way). The epilogue runs on the
-/// OpenMP threads: it must not throw, may modify only y's d_v values, and must give the same
-/// result on any thread.
+/// OpenMP threads: it must not throw, may modify only y's d_v values, must give the same
+/// result on any thread, and must not call SDPA (the thread's kernel scratch is in use).
 template <class Scalar, class Epilogue>
 void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
                         const HeadLayout& heads, MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options,
