@@ -203,8 +203,10 @@ TEST(Linear, MatchesDoubleOnBothSidesOfTheGemvLimit) {
     for (const Index rows : {Index(0), Index(1), Index(2), Index(7), gattn::detail::kLinearGemvRows,
                              gattn::detail::kLinearGemvRows + 1, Index(40)}) {
         for (const bool bias : {false, true}) {
-            const RowMatrix<float> wide = gattn_test::random_matrix(rows, in + 5, 43 + rows).cast<float>();
-            const auto x = wide.middleCols(2, in);
+            // At least one row, so that the view of zero rows does not offset a null pointer.
+            const RowMatrix<float> wide =
+                gattn_test::random_matrix(std::max<Index>(rows, 1), in + 5, 43 + rows).cast<float>();
+            const auto x = wide.topRows(rows).middleCols(2, in);
             const gattn::Vector<float> b = bias ? gattn::Vector<float>(b64.cast<float>()) : gattn::Vector<float>();
             RowMatrix<float> out = RowMatrix<float>::Constant(rows, outputs, 7.0f);
             gattn::detail::linear<float>(x, w, b, out);
