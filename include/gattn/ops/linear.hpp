@@ -7,10 +7,6 @@
 
 #include <algorithm>
 
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
 #include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE

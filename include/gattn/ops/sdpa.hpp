@@ -310,9 +310,8 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
             scratch.reserve_blocks(Hkv);
         else
             scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride());
-        // Decoding describes a chunk's KV heads in these, and later the block of a merge.
+        // Prefill: a task's query blocks. Decoding: a chunk's KV heads, later the block of a merge.
         kernel::FlashBlock<Scalar>* const blk = scratch.blocks.data();
-        kernel::FlashBlock<Scalar>* const group_blocks = blk;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
@@ -321,11 +320,11 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                 const Index chunk = task % chunks, b = task / chunks;
                 kernel::PartialState<Scalar>* states = partial.data() + task * Hkv;
                 for (Index g = 0; g < Hkv; ++g) {
-                    describe_block(group_blocks[g], b, g, 0);
-                    states[g].reset(group_blocks[g].count, dv);
+                    describe_block(blk[g], b, g, 0);
+                    states[g].reset(blk[g].count, dv);
                 }
                 const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
-                kernel::decode_chunk<Scalar>(group_blocks, states, Hkv, c0, c1,
+                kernel::decode_chunk<Scalar>(blk, states, Hkv, c0, c1,
                                              key.data() + b * Nk * key.outerStride(), key.outerStride(),
                                              value.data() + b * Nk * value.outerStride(), value.outerStride(),
                                              dk, dv, scale);
