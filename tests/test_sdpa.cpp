@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "gattn/ops/sdpa.hpp"
@@ -566,29 +567,35 @@ TYPED_TEST(SdpaTyped, FullyMaskedRowsAreZero) {
     expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaFullyMasked/lse");
 }
 
-/// NaN in the K/V rows of causal-future keys reaches only the queries that may see them.
+/// NaN in the K/V rows of causal-future keys reaches only the queries that may see them, and
+/// all of those. N = 100 puts the poisoned key in diagonal key blocks where it is hidden from
+/// part of a SIMD register of queries and seen by the whole of the next ones.
 TYPED_TEST(SdpaTyped, NaNInCausalFutureKeysDoesNotLeak) {
     using S = TypeParam;
-    const Index B = 2, N = 16, H = 4, Hkv = 2, dk = 8, dv = 8;
-    Mat q = random_matrix(B * N, H * dk, 91), k = random_matrix(B * N, Hkv * dk, 92),
-        v = random_matrix(B * N, Hkv * dv, 93);
-    const Index poisoned = 11;  // key 11 of each sequence
-    for (Index b = 0; b < B; ++b) {
-        k.row(b * N + poisoned).setConstant(kNaN);
-        v.row(b * N + poisoned).setConstant(kNaN);
-    }
-    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
-    gattn::SdpaOptions<S> opt;
-    opt.mask.causal = true;
-    const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, opt);
-    RefMasks rm;
-    rm.causal = true;
-    const auto ref = gattn_test::sdpa_reference(rounded<S>(q), rounded<S>(k), rounded<S>(v), B, H, Hkv, {}, rm);
-    for (Index b = 0; b < B; ++b) {
-        const auto got_b = got.middleRows(b * N, poisoned);
-        EXPECT_TRUE(got_b.allFinite()) << "NaN of a future key leaked into earlier queries";
-        using T = Tol<S>;
-        expect_close(got_b, ref.out.middleRows(b * N, poisoned), T::atol, T::rtol, "SdpaNaNFuture/out");
+    using T = Tol<S>;
+    const Index B = 2, H = 4, Hkv = 2, dk = 8, dv = 8;
+    for (const auto& [N, poisoned] : {std::pair<Index, Index>{16, 11}, {100, 11}, {100, 37}, {100, 70}}) {
+        SCOPED_TRACE("N = " + std::to_string(N) + ", poisoned key " + std::to_string(poisoned));
+        Mat q = random_matrix(B * N, H * dk, 91), k = random_matrix(B * N, Hkv * dk, 92),
+            v = random_matrix(B * N, Hkv * dv, 93);
+        for (Index b = 0; b < B; ++b) {
+            k.row(b * N + poisoned).setConstant(kNaN);
+            v.row(b * N + poisoned).setConstant(kNaN);
+        }
+        const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+        gattn::SdpaOptions<S> opt;
+        opt.mask.causal = true;
+        const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, opt);
+        RefMasks rm;
+        rm.causal = true;
+        const auto ref = gattn_test::sdpa_reference(rounded<S>(q), rounded<S>(k), rounded<S>(v), B, H, Hkv, {}, rm);
+        for (Index b = 0; b < B; ++b) {
+            const auto got_b = got.middleRows(b * N, poisoned);
+            EXPECT_TRUE(got_b.allFinite()) << "NaN of a future key leaked into earlier queries";
+            expect_close(got_b, ref.out.middleRows(b * N, poisoned), T::atol, T::rtol, "SdpaNaNFuture/out");
+            EXPECT_TRUE(got.middleRows(b * N + poisoned, N - poisoned).array().isNaN().all())
+                << "a query that sees the NaN key must be NaN";
+        }
     }
 }
 

@@ -186,44 +186,59 @@ inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T
     }
 }
 
+/// A run of keys [begin, end) of a partial key block that the query registers see alike: the
+/// first `first_live` registers see none of them, registers [first_live, first_plain) have
+/// lanes that do not see some of them (their masked keys are marked P = −1 and skipped), and
+/// registers [first_plain, C) see all of them in every lane (plain multiply-adds).
+struct KeyRun {
+    int begin, end, first_live, first_plain;
+};
+
 /// Oᵀ[j + r][·] = α·Oᵀ[j + r][·] + Σ_kk V[k0 + kk][j + r] · Pᵀ[kk][·] for r in [0, R).
-/// Masked: a lane whose P is −1 (a masked key) skips the key (select, not a multiply by 0),
-/// and the first dead[kk] query registers, which see no key kk, are not visited for it.
+/// Masked: the keys come as runs (KeyRun); a key is skipped by a select (not a multiply by 0)
+/// only in the registers that have lanes it is hidden from, so the diagonal blocks of causal
+/// attention pay one masked register per key, not four.
 template <class T, int R, bool Masked>
 inline void values_tile(const T* value, Index value_stride, const T* pt, Index nk,
-                        const simd::Batch<T>* alpha, T* ot, const int* dead) noexcept {
+                        const simd::Batch<T>* alpha, T* ot, const KeyRun* runs, int run_count) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
     B acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = B(T(0));
-    // Key kk into the registers of queries c ≥ C0 (P < 0: a masked key; NaN compares false
-    // and is kept).
-    auto add_key = [&](Index kk, auto first_live) {
-        constexpr int C0 = decltype(first_live)::value;
-        B pv[C];
-        for (int c = C0; c < C; ++c) pv[c] = B::load_aligned(pt + kk * W + c * L);
-        const T* v = value + kk * value_stride;
-        if constexpr (Masked) {
+    // Keys [k_begin, k_end) into the registers of queries c ≥ C0, masked below CP (P < 0: a
+    // masked key; NaN compares false and is kept).
+    auto add_keys = [&](Index k_begin, Index k_end, auto first_live, auto first_plain) {
+        constexpr int C0 = decltype(first_live)::value, CP = decltype(first_plain)::value;
+        for (Index kk = k_begin; kk < k_end; ++kk) {
+            B pv[C];
+            for (int c = C0; c < C; ++c) pv[c] = B::load_aligned(pt + kk * W + c * L);
             typename B::batch_bool_type skip[C];
-            for (int c = C0; c < C; ++c) skip[c] = pv[c] < B(T(0));
+            for (int c = C0; c < CP; ++c) skip[c] = pv[c] < B(T(0));
+            const T* v = value + kk * value_stride;
             for (int r = 0; r < R; ++r) {
                 const B vb(v[r]);
-                for (int c = C0; c < C; ++c) acc[r][c] = simd::fma_unless(skip[c], vb, pv[c], acc[r][c]);
-            }
-        } else {
-            for (int r = 0; r < R; ++r) {
-                const B vb(v[r]);
-                for (int c = C0; c < C; ++c) acc[r][c] = simd::fma(vb, pv[c], acc[r][c]);
+                for (int c = C0; c < CP; ++c) acc[r][c] = simd::fma_unless(skip[c], vb, pv[c], acc[r][c]);
+                for (int c = CP; c < C; ++c) acc[r][c] = simd::fma(vb, pv[c], acc[r][c]);
             }
         }
     };
-    for (Index kk = 0; kk < nk; ++kk) {
-        if constexpr (Masked)  // dead[kk] = C: no query of the block sees key kk
-            with_constant<C>(dead[kk], [&](auto first_live) { add_key(kk, first_live); });
-        else
-            add_key(kk, std::integral_constant<int, 0>{});
+    if constexpr (Masked) {
+        for (int i = 0; i < run_count; ++i) {
+            const KeyRun& run = runs[i];
+            with_constant<C>(run.first_live, [&](auto first_live) {
+                constexpr int C0 = decltype(first_live)::value;
+                if (run.first_plain == C0)
+                    add_keys(run.begin, run.end, first_live, std::integral_constant<int, C0>{});
+                else if (run.first_plain == C0 + 1)
+                    add_keys(run.begin, run.end, first_live, std::integral_constant<int, C0 + 1>{});
+                else
+                    add_keys(run.begin, run.end, first_live, std::integral_constant<int, C>{});
+            });
+        }
+    } else {
+        add_keys(0, nk, std::integral_constant<int, 0>{}, std::integral_constant<int, 0>{});
     }
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) {
@@ -267,14 +282,15 @@ inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T
 
 template <class T, int R, bool Masked>
 inline void values_rows(const T* value, Index value_stride, const T* pt, Index nk, const simd::Batch<T>* alpha,
-                        T* ot, Index dv, const int* dead) noexcept {
+                        T* ot, Index dv, const KeyRun* runs, int run_count) noexcept {
     using G = FlashGeometry<T>;
     Index j = 0;
     for (; j + R <= dv; j += R)
-        values_tile<T, R, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, dead);
+        values_tile<T, R, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, runs, run_count);
     if constexpr (R > 1) {
         if (j < dv)
-            values_rows<T, R - 1, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, dv - j, dead);
+            values_rows<T, R - 1, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, dv - j, runs,
+                                          run_count);
     }
 }
 
@@ -383,7 +399,11 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end;
     B bmax[C];
     for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
-    int dead[G::kKeys] = {};  // partial blocks: leading query registers that see no key kk
+    // Partial blocks: per key kk, the leading query registers that see it in no lane (dead) and
+    // the first register from which every lane sees it (plain); keys alike form runs.
+    int dead[G::kKeys] = {}, plain[G::kKeys] = {};
+    KeyRun runs[G::kKeys];
+    int run_count = 0;
     // The last tile prefetches the block's first rows again: the group's next query block
     // starts there.
     if (full) {
@@ -394,25 +414,38 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         // in T however large N_k is, so one vector compare per register masks a key. Padding
         // lanes see nothing.
         alignas(64) T lane_begin[W], lane_end[W];
-        Index col_begin[C], col_end[C];  // per query register: the union of its lanes' ranges
+        // Per query register: the union and the intersection of its lanes' ranges.
+        Index col_begin[C], col_end[C], col_all_begin[C], col_all_end[C];
         for (int c = 0; c < C; ++c) {
-            col_begin[c] = std::numeric_limits<Index>::max();
-            col_end[c] = std::numeric_limits<Index>::min();
+            col_begin[c] = col_all_end[c] = std::numeric_limits<Index>::max();
+            col_end[c] = col_all_begin[c] = std::numeric_limits<Index>::min();
         }
         for (int t = 0; t < W; ++t) {
             const Index b = t < blk.count ? blk.begin[t] - k0 : 0, e = t < blk.count ? blk.end[t] - k0 : 0;
             lane_begin[t] = static_cast<T>(std::clamp<Index>(b, -1, G::kKeys + 1));
             lane_end[t] = static_cast<T>(std::clamp<Index>(e, -1, G::kKeys + 1));
+            col_all_begin[t / L] = std::max(col_all_begin[t / L], b);
+            col_all_end[t / L] = std::min(col_all_end[t / L], e);
             if (b < e) {
                 col_begin[t / L] = std::min(col_begin[t / L], b);
                 col_end[t / L] = std::max(col_end[t / L], e);
             }
         }
-        // Leading query registers that see no key kk (causal: the diagonal block's upper part).
+        // Leading query registers that see no key kk (causal: the diagonal block's upper part),
+        // and the first of the trailing registers whose every lane sees it (rounded up to C
+        // unless it is one of the first two live registers, to bound the variants of the PV
+        // tile; the boolean mask and bias may hide any key in any lane).
         for (Index kk = 0; kk < nk; ++kk) {
             int c = 0;
             while (c < C && !(col_begin[c] <= kk && kk < col_end[c])) ++c;
             dead[kk] = c;
+            int p = C;
+            while (!state.elementwise && p > c && col_all_begin[p - 1] <= kk && kk < col_all_end[p - 1]) --p;
+            plain[kk] = p <= c + 1 ? p : C;
+            if (run_count > 0 && runs[run_count - 1].first_live == c && runs[run_count - 1].first_plain == plain[kk])
+                runs[run_count - 1].end = static_cast<int>(kk) + 1;
+            else
+                runs[run_count++] = KeyRun{static_cast<int>(kk), static_cast<int>(kk) + 1, c, plain[kk]};
         }
         scores_rows<T, G::kRows, true>(key_block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, key_block,
                                        dead);
@@ -458,23 +491,24 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
             }
         }
     } else {
-        // A masked key (score −∞) is stored as P = −1, which values_tile skips; a visible key
-        // whose weight underflows keeps P = 0 and is multiplied like any other (0·NaN = NaN).
+        // In the registers that mask key kk, a score of −∞ is stored as P = −1, which values_tile
+        // skips; a visible key whose weight underflows keeps P = 0 and is multiplied like any
+        // other (0·NaN = NaN), as in the registers that see the key in every lane.
         for (Index kk = 0; kk < nk; ++kk) {
             T* row = st + kk * W;
             for (int c = 0; c < C; ++c) {
                 const B sc = B::load_aligned(row + c * L);
                 const B p = softmax_exp<T>(sc - shift[c]);
                 lsum[c] += p;
-                xsimd::select(sc == B(kNegInf), B(T(-1)), p).store_aligned(row + c * L);
+                (c < plain[kk] ? xsimd::select(sc == B(kNegInf), B(T(-1)), p) : p).store_aligned(row + c * L);
             }
         }
     }
     for (int c = 0; c < C; ++c) state.l[c] = simd::fma(state.l[c], alpha[c], lsum[c]);
     if (full)
-        values_rows<T, G::kRows, false>(value_block, value_stride, st, nk, alpha, ot, dv, nullptr);
+        values_rows<T, G::kRows, false>(value_block, value_stride, st, nk, alpha, ot, dv, nullptr, 0);
     else
-        values_rows<T, G::kRows, true>(value_block, value_stride, st, nk, alpha, ot, dv, dead);
+        values_rows<T, G::kRows, true>(value_block, value_stride, st, nk, alpha, ot, dv, runs, run_count);
 }
 
 /// Writes a query block's outputs: O = Oᵀᵀ / l (0 for a lane that sees no key), log-sum-exp and

@@ -131,11 +131,12 @@ inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
     };
 #if defined(__AVX512DQ__)
     // r = x − ⌊x⌋ (vreduceps, round down, exceptions suppressed): ±∞ gives 0, NaN stays NaN,
-    // and vscalefps multiplies by 2^⌊x⌋ (0 for x = −∞), so no clamp is needed.
+    // and vscalefps multiplies by 2^⌊x⌋ (0 for x = −∞), so no clamp is needed. Its zeroing
+    // mask flushes x < −126 to 0 (NaN compares unordered and is kept) in the same instruction.
     static constexpr float c[6] = {6.9314706325531006e-1f, 2.4022929370403290e-1f, 5.5485296994447708e-2f,
                                    9.6754413098096848e-3f, 1.2467787601053715e-3f, 2.1613512944895774e-4f};
     const B r(_mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-    const B y(_mm512_scalef_ps(poly(r, c), x));
+    return B(_mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), poly(r, c), x));
 #else
     static constexpr float c[6] = {6.9314718246459961e-1f, 2.4022647738456726e-1f, 5.5503323674201965e-2f,
                                    9.6184369176626205e-3f, 1.3398875016719103e-3f, 1.5353361959569156e-4f};
@@ -147,8 +148,8 @@ inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
 #else
     const B y = detail::times_pow2<float, true>(p, xsimd::to_int(n));
 #endif
-#endif
     return xsimd::select(x < lo, B(0.0f), y);
+#endif
 }
 
 /// σ(x) = 1 / (1 + e^−x). Saturates to exactly 0 below about −88 (float) and to exactly 1 for
