@@ -420,6 +420,47 @@ TYPED_TEST(SdpaTyped, StridedViews) {
     EXPECT_TRUE((big.rightCols(3).array() == S(42)).all()) << "columns right of out were written";
 }
 
+/// Outputs of at least kStreamOutputBytes are written with streaming stores, and with an
+/// epilogue through staging rows: with out a column block of a wider buffer (rows aligned and
+/// not aligned to a register, d_v not a multiple of the register), plain SDPA and SDPA with an
+/// epilogue match the reference, the epilogue sees each row's final values, and the columns
+/// around out are untouched.
+TYPED_TEST(SdpaTyped, LargeOutputsAreStreamedOutIntact) {
+    using S = TypeParam;
+    const Index B = 1, Nq = 6600, Nk = 19, H = 8, Hkv = 2, dk = 8, dv = 40;
+    ASSERT_GE(B * Nq * H * dv * Index(sizeof(S)), gattn::detail::kStreamOutputBytes);
+    const Mat q = gattn_test::rounded<S>(random_matrix(B * Nq, H * dk, 81));
+    const Mat k = gattn_test::rounded<S>(random_matrix(B * Nk, Hkv * dk, 82));
+    const Mat v = gattn_test::rounded<S>(random_matrix(B * Nk, Hkv * dv, 83));
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+    gattn::SdpaOptions<S> opt;
+    opt.mask.key_lengths = {15};
+    RefMasks rm;
+    rm.key_lengths = {15};
+    const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, Hkv, {}, rm);
+    using T = Tol<S>;
+    auto factor = [](Index row, Index h) { return S(1 + row % 3) + S(0.5) * S(h); };
+    for (const bool with_epilogue : {false, true}) {
+        SCOPED_TRACE(with_epilogue ? "with an epilogue" : "plain");
+        gattn::RowMatrix<S> big = gattn::RowMatrix<S>::Constant(B * Nq, H * dv + 7, S(42));
+        Mat expected = ref.out;
+        if (with_epilogue) {
+            gattn::detail::sdpa_with_epilogue<S>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, big.middleCols(4, H * dv), opt,
+                                                 {}, [&](Index row, Index h, S* y) {
+                                                     for (Index j = 0; j < dv; ++j) y[j] *= factor(row, h);
+                                                 });
+            for (Index r = 0; r < B * Nq; ++r)
+                for (Index h = 0; h < H; ++h) expected.block(r, h * dv, 1, dv) *= double(factor(r, h));
+        } else {
+            gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, big.middleCols(4, H * dv),
+                                                   opt);
+        }
+        expect_close(big.middleCols(4, H * dv), expected, T::atol, T::rtol, "SdpaStreamed/out", T::nmse);
+        EXPECT_TRUE((big.leftCols(4).array() == S(42)).all()) << "columns left of out were written";
+        EXPECT_TRUE((big.rightCols(3).array() == S(42)).all()) << "columns right of out were written";
+    }
+}
+
 /// Each thread keeps its kernel scratch between calls and only grows it: calls whose head dims
 /// grow and shrink, with value rows copied (strided) or read in place, each match the
 /// reference, and repeating the first call after the scratch has grown gives the same bits.

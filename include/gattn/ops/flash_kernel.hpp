@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -113,6 +114,7 @@ struct FlashScratch {
     RowMatrix<T> ot[G::kGroupBlocks];  // [d_v, Br]  Oᵀ (unnormalised)
     RowMatrix<T> st;                   // [Bc, Br]   Sᵀ, then Pᵀ
     RowMatrix<T> value_rows;           // [Bc, d_v]  one key block's V rows, copied
+    RowMatrix<T> stage;                // [Br, d_v]  one block's outputs (OutputWrites::Staged)
     std::vector<FlashBlock<T>> blocks;  // KiBs each: heap, not stack
     /// Whether flash_attention_blocks copies V rows that lie value_stride apart.
     static bool copies_values(Index value_stride, Index dv) noexcept { return value_stride != dv; }
@@ -126,12 +128,13 @@ struct FlashScratch {
     void reserve_blocks(Index count) {
         if (static_cast<Index>(blocks.size()) < count) blocks.resize(static_cast<std::size_t>(count));
     }
-    /// Room for groups of up to group_blocks query blocks.
-    void reserve(Index dk, Index dv, int group_blocks, Index value_stride) {
+    /// Room for groups of up to group_blocks query blocks (and staged outputs).
+    void reserve(Index dk, Index dv, int group_blocks, Index value_stride, bool staged) {
         auto grow = [](RowMatrix<T>& m, Index rows, Index cols) {
             if (m.size() < rows * cols) m.resize(rows, cols);
         };
         if (copies_values(value_stride, dv)) grow(value_rows, G::kKeys, dv);
+        if (staged) grow(stage, G::kQueries, dv);
         for (int i = 0; i < group_blocks; ++i) {
             grow(qt[i], dk, G::kQueries);
             grow(ot[i], dv, G::kQueries);
@@ -334,25 +337,49 @@ void pack_queries(const FlashBlock<T>& blk, Index dk, T scale, T* qt) {
     }
 }
 
-/// out_t[j] = Oᵀ[j][t] · inv[t] for the block's lanes: the transpose of pack_queries.
+/// rows[t][j] = Oᵀ[j][t] · inv[t] for t < count: the transpose of pack_queries.
+/// stream: rows aligned to a register are written with streaming stores (simd::stream_store),
+/// which skip reading each line for ownership first.
 template <class T>
-void unpack_outputs(const FlashBlock<T>& blk, const T* ot, Index dv, const T* inv) {
+void unpack_outputs(int count, T* const* rows, const T* ot, Index dv, const T* inv, bool stream) {
     namespace ei = Eigen::internal;
     using Packet = typename ei::packet_traits<T>::type;
     constexpr int P = ei::unpacket_traits<Packet>::size, W = FlashGeometry<T>::kQueries;
     const Index j_vec = dv / P * P;
-    for (int t0 = 0; t0 < blk.count; t0 += P) {
-        const int lanes = std::min(P, blk.count - t0);
+    for (int t0 = 0; t0 < count; t0 += P) {
+        const int lanes = std::min(P, count - t0);
+        bool aligned[P];
+        for (int i = 0; i < lanes; ++i)
+            aligned[i] = stream && reinterpret_cast<std::uintptr_t>(rows[t0 + i]) % (P * sizeof(T)) == 0;
         for (Index j0 = 0; j0 < j_vec; j0 += P) {
             ei::PacketBlock<Packet, P> tile;
             for (int i = 0; i < P; ++i) tile.packet[i] = ei::ploadu<Packet>(ot + (j0 + i) * W + t0);
             ei::ptranspose(tile);
-            for (int i = 0; i < lanes; ++i)
-                ei::pstoreu(blk.out[t0 + i] + j0, ei::pmul(tile.packet[i], ei::pset1<Packet>(inv[t0 + i])));
+            for (int i = 0; i < lanes; ++i) {
+                const Packet y = ei::pmul(tile.packet[i], ei::pset1<Packet>(inv[t0 + i]));
+                if (aligned[i])
+                    simd::stream_store(rows[t0 + i] + j0, y);
+                else
+                    ei::pstoreu(rows[t0 + i] + j0, y);
+            }
         }
         for (int t = t0; t < t0 + lanes; ++t)
-            for (Index j = j_vec; j < dv; ++j) blk.out[t][j] = ot[j * W + t] * inv[t];
+            for (Index j = j_vec; j < dv; ++j) rows[t][j] = ot[j * W + t] * inv[t];
     }
+    if (stream) simd::stream_fence();
+}
+
+/// dst[j] = src[j] for j < n, with streaming stores where dst is aligned to a register (the
+/// rows of a staged block, see flash_attention_blocks).
+template <class T>
+void stream_row(T* dst, const T* src, Index n) {
+    namespace ei = Eigen::internal;
+    using Packet = typename ei::packet_traits<T>::type;
+    constexpr int P = ei::unpacket_traits<Packet>::size;
+    Index j = 0;
+    if (reinterpret_cast<std::uintptr_t>(dst) % (P * sizeof(T)) == 0)
+        for (; j + P <= n; j += P) simd::stream_store(dst + j, ei::ploadu<Packet>(src + j));
+    std::copy(src + j, src + n, dst + j);
 }
 
 GATTN_EIGEN_PACKETS_END
@@ -511,10 +538,11 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         values_rows<T, G::kRows, true>(value_block, value_stride, st, nk, alpha, ot, dv, runs, run_count);
 }
 
-/// Writes a query block's outputs: O = Oᵀᵀ / l (0 for a lane that sees no key), log-sum-exp and
-/// first-key probability.
+/// Writes a query block's outputs: O = Oᵀᵀ / l (0 for a lane that sees no key) into rows (the
+/// block's out rows or staging rows), log-sum-exp and first-key probability.
 template <class T>
-void flash_finish(const FlashBlock<T>& blk, const FlashState<T>& state, const T* ot, Index dv) {
+void flash_finish(const FlashBlock<T>& blk, const FlashState<T>& state, const T* ot, Index dv, T* const* rows,
+                  bool stream) {
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -529,7 +557,7 @@ void flash_finish(const FlashBlock<T>& blk, const FlashState<T>& state, const T*
         // 0 for a lane that sees no key (its Oᵀ column is exactly 0), NaN stays NaN.
         inv[t] = !(lt > 0) && !std::isnan(lt) ? T(0) : T(1) / lt;
     }
-    unpack_outputs(blk, ot, dv, inv);
+    unpack_outputs(blk.count, rows, ot, dv, inv, stream);
     for (int t = 0; t < blk.count; ++t) {
         const T lt = l_lane[t];
         const bool empty = !(lt > 0) && !std::isnan(lt);
@@ -539,13 +567,23 @@ void flash_finish(const FlashBlock<T>& blk, const FlashState<T>& state, const T*
     }
 }
 
+/// Where flash_attention_blocks writes each query block's outputs.
+enum class OutputWrites {
+    Direct,     ///< into the block's out rows, ordinary stores
+    Streaming,  ///< into the block's out rows, streaming stores where a row is aligned
+    Staged,     ///< into the thread's staging rows (FlashScratch::stage), which on_block moves
+};
+
 /// Runs up to kGroupBlocks query blocks of one KV head against its keys [0, N_k), key block by
 /// key block, each query block exactly as if it ran alone (the result does not depend on the
 /// grouping). key/value point at key 0 of the head (row strides key_stride/value_stride); the
-/// blocks' queries are unscaled. Writes out, log-sum-exp and first-key probability of their lanes.
-template <class T>
+/// blocks' queries are unscaled. Writes the outputs of their lanes (see OutputWrites), their
+/// log-sum-exp and first-key probability, then calls on_block(i, rows) for block i, where
+/// rows[t] holds lane t's output.
+template <class T, class OnBlock>
 void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const T* key, Index key_stride,
-                            const T* value, Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s) {
+                            const T* value, Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s,
+                            OutputWrites writes, const OnBlock& on_block) {
     using G = FlashGeometry<T>;
     GATTN_DEBUG_ASSERT(count >= 1 && count <= G::kGroupBlocks);
     FlashState<T> state[G::kGroupBlocks];
@@ -580,7 +618,13 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const T* key
                 flash_step(blocks[i], state[i], k0, key_block, key_stride, value_block, vs, dk, dv, s.qt[i].data(),
                            s.st.data(), s.ot[i].data());
     }
-    for (int i = 0; i < count; ++i) flash_finish(blocks[i], state[i], s.ot[i].data(), dv);
+    T* staged[G::kQueries];
+    for (int t = 0; t < G::kQueries; ++t) staged[t] = writes == OutputWrites::Staged ? s.stage.data() + t * dv : nullptr;
+    for (int i = 0; i < count; ++i) {
+        T* const* rows = writes == OutputWrites::Staged ? staged : blocks[i].out;
+        flash_finish(blocks[i], state[i], s.ot[i].data(), dv, rows, writes == OutputWrites::Streaming);
+        on_block(i, rows);
+    }
 }
 
 }  // namespace kernel

@@ -81,7 +81,35 @@ inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
     }
 }
 
+/// Stores Eigen packet v at p, which must be aligned to the packet's size, with a non-temporal
+/// hint where x86 has one (streaming stores: the line goes to memory without first being read
+/// for ownership, and is not kept in cache); elsewhere an ordinary aligned store. stream_fence()
+/// orders such stores before later ones (before another thread reads the memory).
+template <class T, class Packet>
+inline void stream_store(T* p, const Packet& v) noexcept {
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<Packet, __m512>) return _mm512_stream_ps(p, v);
+    if constexpr (std::is_same_v<Packet, __m512d>) return _mm512_stream_pd(p, v);
+#endif
+#if defined(__AVX__)
+    if constexpr (std::is_same_v<Packet, __m256>) return _mm256_stream_ps(p, v);
+    if constexpr (std::is_same_v<Packet, __m256d>) return _mm256_stream_pd(p, v);
+#endif
+#if defined(__SSE2__)
+    if constexpr (std::is_same_v<Packet, __m128>) return _mm_stream_ps(p, v);
+    if constexpr (std::is_same_v<Packet, __m128d>) return _mm_stream_pd(p, v);
+#endif
+    Eigen::internal::pstore(p, v);
+}
+
 GATTN_EIGEN_PACKETS_END
+
+/// Makes the calling thread's streaming stores (stream_store) visible before its later stores.
+inline void stream_fence() noexcept {
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
 
 /// a·b + c rounded once. xsimd 8.1 has no AVX-512 FMA: its 512-bit registers fall back to
 /// a·b + c, which g++ contracts into an FMA and clang 14 does not (two roundings and twice the
