@@ -29,6 +29,10 @@
 #include <utility>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <unistd.h>
+#endif
+
 #include "gattn/ops/mask.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"
@@ -77,12 +81,25 @@ struct FlashGeometry {
     // Query blocks that walk the keys together: each key block (and the memory pages of its
     // rows, which in a [N, H·d] layout are one page per row) is used by all of them while it
     // is in L2 and in the TLB, so K and V come from L3 once per group instead of once per
-    // block. A group holds 512 queries in float (8 blocks on AVX-512, 32 on AVX2, 64 on SSE),
-    // 256 in double: their Qᵀ and Oᵀ (512 KiB at d = 128) stay in L2. Narrow blocks gain
-    // from the larger groups: AVX2, d = 128, N = 2048, 8 heads, 8 → 32 blocks: 94 → 97–99
-    // GFLOP/s (d = 256: +3–13 %, SSE2 +3–5 %).
-    static constexpr int kGroupQueries = static_cast<int>(2048 / sizeof(T));  // 512 float, 256 double
+    // block. A group holds up to 1024 queries in float (16 blocks on AVX-512, 64 on AVX2, 128
+    // on SSE), 512 in double, and no more than their Qᵀ and Oᵀ fill half of L2
+    // (group_bytes). Narrow blocks gain from the larger groups: AVX2, d = 128, N = 2048,
+    // 8 heads, 8 → 32 blocks: 94 → 97–99 GFLOP/s (d = 256: +3–13 %, SSE2 +3–5 %); AVX-512 with
+    // a 2 MiB L2, 8 → 16 blocks: d = 128 +0.4 to +0.6 %, d = 64 +1.9 %.
+    static constexpr int kGroupQueries = static_cast<int>(4096 / sizeof(T));  // 1024 float, 512 double
     static constexpr int kGroupBlocks = std::max(8, kGroupQueries / kQueries);
+    /// Bytes that the Qᵀ and Oᵀ tiles of a group may take: half of the L2 cache that the C
+    /// library reports (glibc's sysconf), 512 KiB where it reports none.
+    static Index group_bytes() noexcept {
+        static const Index bytes = [] {
+            long l2 = 0;
+#if defined(_SC_LEVEL2_CACHE_SIZE)
+            l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+            return l2 > 0 ? Index(l2 / 2) : Index(512) << 10;
+        }();
+        return bytes;
+    }
 };
 
 /// Description of one query block: up to Br (head, query) pairs that share KV head g of
