@@ -365,7 +365,7 @@ void unpack_outputs(int count, T* const* rows, const T* ot, Index dv, const T* i
     const Index j_vec = dv / P * P;
     for (int t0 = 0; t0 < count; t0 += P) {
         const int lanes = std::min(P, count - t0);
-        bool aligned[P];
+        bool aligned[P] = {};
         for (int i = 0; i < lanes; ++i)
             aligned[i] = stream && reinterpret_cast<std::uintptr_t>(rows[t0 + i]) % (P * sizeof(T)) == 0;
         for (Index j0 = 0; j0 < j_vec; j0 += P) {

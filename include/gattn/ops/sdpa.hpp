@@ -446,6 +446,8 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
 /// tasks; the result is bitwise the same for any thread count and whatever else shares the
 /// batch.
 /// Probabilities, when requested, are recomputed row by row from the log-sum-exp (O(N_q·N_k·d)).
+/// An output of 8 MiB or more (detail::kStreamOutputBytes) is written with streaming stores and
+/// is therefore not left in cache.
 /// Extra memory: a few tiles per thread, which each thread keeps for its next call (up to about
 /// half of the L2 cache: 1.1 MiB at d = 128 with a 2 MiB L2; docs/conventions.md).
 template <class Scalar>
