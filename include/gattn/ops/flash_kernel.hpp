@@ -119,7 +119,8 @@ struct FlashBlock {
 };
 
 /// Per-thread scratch of the kernel (64-byte aligned through Eigen's allocator): one Qᵀ and
-/// one Oᵀ per query block of a group, one Sᵀ tile shared by them, and the block descriptions.
+/// one Oᵀ per query block of a group, one Sᵀ tile shared by them, a key block's copied V rows,
+/// one block's staged outputs, and the block descriptions.
 /// Each thread keeps one between calls (for_this_thread) and only ever grows it: freed and
 /// allocated afresh in every call, glibc returned it to the kernel and faulted it in again
 /// (13 % of a call at N = 128, d = 128, 8 heads). The kernel uses only the buffers' data(), so
