@@ -361,7 +361,8 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                 auto on_block = [&](int i, Scalar* const* rows) {
                     if constexpr (kHasEpilogue) {
                         const Index t0 = (first + i) * Geometry::kQueries;
-                        for (int t = 0; t < blk[i].count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
+                        for (int t = 0; t < blk[i].count; ++t)
+                            epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
                         if (writes == kernel::OutputWrites::Staged) {
                             for (int t = 0; t < blk[i].count; ++t) kernel::stream_row(blk[i].out[t], rows[t], dv);
                             simd::stream_fence();
