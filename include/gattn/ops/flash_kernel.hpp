@@ -444,9 +444,9 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end;
     B bmax[C];
     for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
-    // Partial blocks: per key kk, the leading query registers that see it in no lane (dead) and
-    // the first register from which every lane sees it (plain); keys alike form runs.
-    int dead[G::kKeys] = {}, plain[G::kKeys] = {};
+    // Partial blocks: per key kk, the leading query registers that see it in no lane (dead); keys
+    // that the registers see alike form runs (KeyRun).
+    int dead[G::kKeys] = {};
     KeyRun runs[G::kKeys];
     int run_count = 0;
     // The last tile prefetches the block's first rows again: the group's next query block
@@ -486,11 +486,11 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
             dead[kk] = c;
             int p = C;
             while (!state.elementwise && p > c && col_all_begin[p - 1] <= kk && kk < col_all_end[p - 1]) --p;
-            plain[kk] = p <= c + 1 ? p : C;
-            if (run_count > 0 && runs[run_count - 1].first_live == c && runs[run_count - 1].first_plain == plain[kk])
+            const int plain = p <= c + 1 ? p : C;
+            if (run_count > 0 && runs[run_count - 1].first_live == c && runs[run_count - 1].first_plain == plain)
                 runs[run_count - 1].end = static_cast<int>(kk) + 1;
             else
-                runs[run_count++] = KeyRun{static_cast<int>(kk), static_cast<int>(kk) + 1, c, plain[kk]};
+                runs[run_count++] = KeyRun{static_cast<int>(kk), static_cast<int>(kk) + 1, c, plain};
         }
         scores_rows<T, G::kRows, true>(key_block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, key_block,
                                        dead);
@@ -538,16 +538,19 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     } else {
         // In the registers that mask key kk, a score of −∞ is stored as P = −1, which values_tile
         // skips; a visible key whose weight underflows keeps P = 0 and is multiplied like any
-        // other (0·NaN = NaN), as in the registers that see the key in every lane.
-        for (Index kk = 0; kk < nk; ++kk) {
-            T* row = st + kk * W;
-            for (int c = 0; c < C; ++c) {
-                const B sc = B::load_aligned(row + c * L);
-                const B p = softmax_exp<T>(sc - shift[c]);
-                lsum[c] += p;
-                (c < plain[kk] ? xsimd::select(sc == B(kNegInf), B(T(-1)), p) : p).store_aligned(row + c * L);
+        // other (0·NaN = NaN), as in the registers that see the key in every lane. The runs
+        // cover every key of the block.
+        for (int i = 0; i < run_count; ++i)
+            for (Index kk = runs[i].begin; kk < runs[i].end; ++kk) {
+                T* row = st + kk * W;
+                for (int c = 0; c < C; ++c) {
+                    const B sc = B::load_aligned(row + c * L);
+                    const B p = softmax_exp<T>(sc - shift[c]);
+                    lsum[c] += p;
+                    (c < runs[i].first_plain ? xsimd::select(sc == B(kNegInf), B(T(-1)), p) : p)
+                        .store_aligned(row + c * L);
+                }
             }
-        }
     }
     for (int c = 0; c < C; ++c) state.l[c] = simd::fma(state.l[c], alpha[c], lsum[c]);
     if (full)
@@ -636,8 +639,9 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const T* key
                 flash_step(blocks[i], state[i], k0, key_block, key_stride, value_block, vs, dk, dv, s.qt[i].data(),
                            s.st.data(), s.ot[i].data());
     }
-    T* staged[G::kQueries];
-    for (int t = 0; t < G::kQueries; ++t) staged[t] = writes == OutputWrites::Staged ? s.stage.data() + t * dv : nullptr;
+    T* staged[G::kQueries] = {};
+    if (writes == OutputWrites::Staged)
+        for (int t = 0; t < G::kQueries; ++t) staged[t] = s.stage.data() + t * dv;
     for (int i = 0; i < count; ++i) {
         T* const* rows = writes == OutputWrites::Staged ? staged : blocks[i].out;
         flash_finish(blocks[i], state[i], s.ot[i].data(), dv, rows, writes == OutputWrites::Streaming);

@@ -315,9 +315,9 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
             blk.first_key[t] = extra.first_key_probability ? &(*extra.first_key_probability)(row, h) : nullptr;
         }
     };
-    // The epilogue of the block's lanes, pairs [t0, t0 + count) of KV head g in sequence b.
-    auto finish_block = [&](const kernel::FlashBlock<Scalar>& blk, Index b, Index g, Index t0) {
-        for (int t = 0; t < blk.count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), blk.out[t]);
+    // The epilogue of pairs [t0, t0 + count) of KV head g in sequence b, whose outputs are at rows.
+    auto finish_block = [&](int count, Scalar* const* rows, Index b, Index g, Index t0) {
+        for (int t = 0; t < count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
     };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<Scalar>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
@@ -359,17 +359,10 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                 for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
                 // Each block's epilogue, on its rows (staged: then moved to the output rows).
                 auto on_block = [&](int i, Scalar* const* rows) {
-                    if constexpr (kHasEpilogue) {
-                        const Index t0 = (first + i) * Geometry::kQueries;
-                        for (int t = 0; t < blk[i].count; ++t)
-                            epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
-                        if (writes == kernel::OutputWrites::Staged) {
-                            for (int t = 0; t < blk[i].count; ++t) kernel::stream_row(blk[i].out[t], rows[t], dv);
-                            simd::stream_fence();
-                        }
-                    } else {
-                        (void)i;
-                        (void)rows;
+                    finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
+                    if (writes == kernel::OutputWrites::Staged) {
+                        for (int t = 0; t < blk[i].count; ++t) kernel::stream_row(blk[i].out[t], rows[t], dv);
+                        simd::stream_fence();
                     }
                 };
                 kernel::flash_attention_blocks<Scalar>(
@@ -388,7 +381,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                 describe_block(blk[0], b, g, 0);
                 // State of (b, chunk c, g) sits at (b·chunks + c)·H_kv + g.
                 kernel::decode_finish<Scalar>(blk[0], partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
-                finish_block(blk[0], b, g, 0);
+                finish_block(blk[0].count, blk[0].out, b, g, 0);
             }
         }
     }
