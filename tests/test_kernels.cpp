@@ -127,6 +127,25 @@ TYPED_TEST(Kernels, ActivationsMatchDoubleAndSaturateExactly) {
     EXPECT_TRUE(std::isnan(out[0]));
 }
 
+// σ in its tail, where the test above only bounds the absolute error: relative accuracy down
+// to the smallest normal result, and nothing above it below that.
+TYPED_TEST(Kernels, SigmoidKeepsRelativeAccuracyInItsTail) {
+    using T = TypeParam;
+    const double lowest = std::log(static_cast<double>(std::numeric_limits<T>::min()));
+    std::vector<T> z;
+    for (double v = lowest; v <= 0.0; v += -lowest / 7919.0) z.push_back(static_cast<T>(v));
+    for (double v = lowest - 2.0; v < lowest; v += 0.0173) z.push_back(static_cast<T>(v));
+    std::vector<T> out(z.size());
+    gattn::activate(gattn::GateActivation::Sigmoid, z.data(), out.data(), z.size());
+    for (std::size_t i = 0; i < z.size(); ++i) {
+        const double want = sigmoid_ref(z[i]);
+        if (want >= static_cast<double>(std::numeric_limits<T>::min()))
+            ASSERT_LE(std::abs(out[i] - want), 4 * rel_tol<T>() * want) << "sigmoid(" << z[i] << ")";
+        else
+            ASSERT_TRUE(out[i] >= T(0) && out[i] < std::numeric_limits<T>::min()) << "sigmoid(" << z[i] << ")";
+    }
+}
+
 TYPED_TEST(Kernels, FusedGateMatchesDoubleAtEveryLengthAndOffset) {
     using T = TypeParam;
     std::mt19937_64 rng(1);
