@@ -41,6 +41,21 @@ inline Batch<T> times_pow2(const Batch<T>& p, const I& n) noexcept {
     }
 }
 
+/// e^(x − n·ln2) for float, n = round(x·log₂e): the Cephes expf reduction (Cody-Waite,
+/// ln2 = hi + lo) and polynomial (degree 6), ≈1 ulp; the caller multiplies by 2^n.
+inline Batch<float> expf_remainder(const Batch<float>& x, const Batch<float>& n) noexcept {
+    using B = Batch<float>;
+    B r = simd::fma(n, B(-0.693359375f), x);  // x − n·hi (the negated constant: one vfmadd)
+    r = simd::fma(n, B(2.12194440e-4f), r);   // − n·lo
+    B p(1.9875691500e-4f);
+    p = simd::fma(p, r, B(1.3981999507e-3f));
+    p = simd::fma(p, r, B(8.3334519073e-3f));
+    p = simd::fma(p, r, B(4.1665795894e-2f));
+    p = simd::fma(p, r, B(1.6666665459e-1f));
+    p = simd::fma(p, r, B(5.0000001201e-1f));
+    return simd::fma(p, r * r, r + B(1.0f));
+}
+
 // NonPositive: the caller guarantees x ≤ 0 (or −∞, NaN), as for softmax's e^(s − max); the
 // upper clamp goes and 2^n, n in [−126, 0], is one normal factor instead of two.
 template <class T, bool NonPositive>
@@ -55,15 +70,7 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
         B xc = xsimd::max(lo, x);
         if constexpr (!NonPositive) xc = xsimd::min(hi, xc);
         const B n = xsimd::nearbyint(xc * B(1.44269504088896341f));
-        B r = simd::fnma(n, B(0.693359375f), xc);  // Cody-Waite: ln2 = hi + lo
-        r = simd::fnma(n, B(-2.12194440e-4f), r);
-        B p(1.9875691500e-4f);
-        p = simd::fma(p, r, B(1.3981999507e-3f));
-        p = simd::fma(p, r, B(8.3334519073e-3f));
-        p = simd::fma(p, r, B(4.1665795894e-2f));
-        p = simd::fma(p, r, B(1.6666665459e-1f));
-        p = simd::fma(p, r, B(5.0000001201e-1f));
-        p = simd::fma(p, r * r, r + B(1.0f));
+        const B p = expf_remainder(xc, n);
         const I ni = xsimd::to_int(n);
         return xsimd::select(x < lo, B(0.0f), times_pow2<float, NonPositive>(p, ni));
     } else {
@@ -156,8 +163,8 @@ namespace detail {
 
 #if defined(__AVX512F__)
 // σ(x) for float in about two thirds of the instructions of 1 / (1 + exp(−x)), which with
-// 512-bit registers (two vector ports) is bound by instruction count: e^−x by exp's Cody-Waite
-// reduction and polynomial, vscalefps applying 2^n (no integer exponent arithmetic), and 1/d
+// 512-bit registers (two vector ports) is bound by instruction count: e^−x by exp's reduction
+// and polynomial (expf_remainder), vscalefps applying 2^n (no integer exponent arithmetic), and 1/d
 // from vrcp14ps refined by one Newton step (2^−28 before rounding) instead of a division.
 // Where σ(x) < FLT_MIN (x < ln FLT_MIN) the lane is zeroed: there e^−x may overflow and the
 // Newton step give NaN. NaN compares unordered and is kept.
@@ -168,16 +175,7 @@ inline Batch<float> sigmoid_avx512(const Batch<float>& x) noexcept {
     // n = round(t·log₂e): adding 1.5·2^23 rounds to an integer (|t·log₂e| < 2^22 where kept).
     const B shifter(12582912.0f);
     const B n = simd::fma(t, B(1.44269504088896341f), shifter) - shifter;
-    B r = simd::fma(n, B(-0.693359375f), t);  // t − n·ln2, Cody-Waite as in exp
-    r = simd::fma(n, B(2.12194440e-4f), r);
-    B p(1.9875691500e-4f);
-    p = simd::fma(p, r, B(1.3981999507e-3f));
-    p = simd::fma(p, r, B(8.3334519073e-3f));
-    p = simd::fma(p, r, B(4.1665795894e-2f));
-    p = simd::fma(p, r, B(1.6666665459e-1f));
-    p = simd::fma(p, r, B(5.0000001201e-1f));
-    p = simd::fma(p, r * r, r + B(1.0f));
-    const B d = B(_mm512_scalef_ps(p, n)) + B(1.0f);  // 1 + e^−x
+    const B d = B(_mm512_scalef_ps(expf_remainder(t, n), n)) + B(1.0f);  // 1 + e^−x
     const __m512 r0 = _mm512_rcp14_ps(d);
     const __m512 residual = _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(1.0f));  // 1 − d·r0
     return B(_mm512_maskz_fmadd_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), r0, residual, r0));
