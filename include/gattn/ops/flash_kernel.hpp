@@ -592,15 +592,16 @@ void flash_finish(const FlashBlock<T>& blk, const FlashState<T>& state, const T*
 enum class OutputWrites {
     Direct,     ///< into the block's out rows, ordinary stores
     Streaming,  ///< into the block's out rows, streaming stores where a row is aligned
-    Staged,     ///< into the thread's staging rows (FlashScratch::stage), which on_block moves
+    Staged,     ///< into the thread's staging rows (FlashScratch::stage); after on_block, streamed
+                ///< to the block's out rows
 };
 
 /// Runs up to kGroupBlocks query blocks of one KV head against its keys [0, N_k), key block by
 /// key block, each query block exactly as if it ran alone (the result does not depend on the
 /// grouping). key/value point at key 0 of the head (row strides key_stride/value_stride); the
 /// blocks' queries are unscaled. Writes the outputs of their lanes (see OutputWrites), their
-/// log-sum-exp and first-key probability, then calls on_block(i, rows) for block i, where
-/// rows[t] holds lane t's output.
+/// log-sum-exp and first-key probability, and calls on_block(i, rows) for block i, where
+/// rows[t] holds lane t's output (staged: before the rows are copied to the block's out rows).
 template <class T, class OnBlock>
 void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const T* key, Index key_stride,
                             const T* value, Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s,
@@ -646,6 +647,10 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const T* key
         T* const* rows = writes == OutputWrites::Staged ? staged : blocks[i].out;
         flash_finish(blocks[i], state[i], s.ot[i].data(), dv, rows, writes == OutputWrites::Streaming);
         on_block(i, rows);
+        if (writes == OutputWrites::Staged) {
+            for (int t = 0; t < blocks[i].count; ++t) stream_row(blocks[i].out[t], rows[t], dv);
+            simd::stream_fence();
+        }
     }
 }
 

@@ -357,13 +357,9 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                             b = task / (block_tasks * Hkv);
                 const int count = static_cast<int>(std::min(per_task, blocks - first));
                 for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
-                // Each block's epilogue, on its rows (staged: then moved to the output rows).
+                // Each block's epilogue, on its rows (staged: before they go to the output rows).
                 auto on_block = [&](int i, Scalar* const* rows) {
                     finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
-                    if (writes == kernel::OutputWrites::Staged) {
-                        for (int t = 0; t < blk[i].count; ++t) kernel::stream_row(blk[i].out[t], rows[t], dv);
-                        simd::stream_fence();
-                    }
                 };
                 kernel::flash_attention_blocks<Scalar>(
                     blk, count, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),

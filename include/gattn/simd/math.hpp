@@ -97,6 +97,27 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
     }
 }
 
+#if defined(__AVX512F__)
+// σ(x) for float in about two thirds of the instructions of 1 / (1 + exp(−x)), which with
+// 512-bit registers (two vector ports) is bound by instruction count: e^−x by exp's reduction
+// and polynomial (expf_remainder), vscalefps applying 2^n (no integer exponent arithmetic),
+// and 1/d from vrcp14ps refined by one Newton step (2^−28 before rounding), not a division.
+// Where σ(x) < FLT_MIN (x < ln FLT_MIN) the lane is zeroed: there e^−x may overflow and the
+// Newton step give NaN. NaN compares unordered and is kept.
+inline Batch<float> sigmoid_avx512(const Batch<float>& x) noexcept {
+    using B = Batch<float>;
+    const B lo(-87.3365447505531f);  // ln(FLT_MIN)
+    const B t = xsimd::max(lo, -x);  // σ(x) = 1 for −x < lo either way; NaN flows through
+    // n = round(t·log₂e): adding 1.5·2^23 rounds to an integer (|t·log₂e| < 2^22 where kept).
+    const B shifter(12582912.0f);
+    const B n = simd::fma(t, B(1.44269504088896341f), shifter) - shifter;
+    const B d = B(_mm512_scalef_ps(expf_remainder(t, n), n)) + B(1.0f);  // 1 + e^−x
+    const __m512 r0 = _mm512_rcp14_ps(d);
+    const __m512 residual = _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(1.0f));  // 1 − d·r0
+    return B(_mm512_maskz_fmadd_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), r0, residual, r0));
+}
+#endif
+
 }  // namespace detail
 
 /// e^x, register level. float: Cephes expf polynomial (degree 6 after Cody-Waite reduction,
@@ -158,31 +179,6 @@ inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
     return xsimd::select(x < lo, B(0.0f), y);
 #endif
 }
-
-namespace detail {
-
-#if defined(__AVX512F__)
-// σ(x) for float in about two thirds of the instructions of 1 / (1 + exp(−x)), which with
-// 512-bit registers (two vector ports) is bound by instruction count: e^−x by exp's reduction
-// and polynomial (expf_remainder), vscalefps applying 2^n (no integer exponent arithmetic), and 1/d
-// from vrcp14ps refined by one Newton step (2^−28 before rounding) instead of a division.
-// Where σ(x) < FLT_MIN (x < ln FLT_MIN) the lane is zeroed: there e^−x may overflow and the
-// Newton step give NaN. NaN compares unordered and is kept.
-inline Batch<float> sigmoid_avx512(const Batch<float>& x) noexcept {
-    using B = Batch<float>;
-    const B lo(-87.3365447505531f);  // ln(FLT_MIN)
-    const B t = xsimd::max(lo, -x);  // σ(x) = 1 for −x < lo either way; NaN flows through
-    // n = round(t·log₂e): adding 1.5·2^23 rounds to an integer (|t·log₂e| < 2^22 where kept).
-    const B shifter(12582912.0f);
-    const B n = simd::fma(t, B(1.44269504088896341f), shifter) - shifter;
-    const B d = B(_mm512_scalef_ps(expf_remainder(t, n), n)) + B(1.0f);  // 1 + e^−x
-    const __m512 r0 = _mm512_rcp14_ps(d);
-    const __m512 residual = _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(1.0f));  // 1 − d·r0
-    return B(_mm512_maskz_fmadd_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), r0, residual, r0));
-}
-#endif
-
-}  // namespace detail
 
 /// σ(x) = 1 / (1 + e^−x), as accurate as e^−x: in float at most 3.2 ulp, measured over every
 /// float in [−87.3, 40] (where σ is a normal number). Below that σ(x) is 0 or subnormal, and
