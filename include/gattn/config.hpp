@@ -10,9 +10,10 @@
 /// therefore get different symbols and the linker cannot mix an AVX-512 body into an SSE2 caller
 /// (the ODR problem seen in numpy#25274). Only exception types, enums and plain option structs
 /// stay in `gattn` itself, so that `catch (const gattn::shape_error&)` works across such units.
-/// Eigen's own functions are shared by all units: they need one EIGEN_MAX_ALIGN_BYTES, which the
-/// gattn::gattn CMake target defines; these headers do not (docs/conventions.md, "Instruction
-/// sets"). Eigen objects must not cross units built with different flags.
+/// Eigen's own functions are shared by all units: a program that mixes -m flags needs one
+/// EIGEN_MAX_ALIGN_BYTES in all of them, which these headers do not set (the gattn::gattn CMake
+/// target carries it only when configured with GATTN_EIGEN_MAX_ALIGN_BYTES; docs/conventions.md,
+/// "Instruction sets"). Eigen objects must not cross units built with different flags.
 
 #if __cplusplus < 201703L && !(defined(_MSVC_LANG) && _MSVC_LANG >= 201703L)
 #error "gattn requires C++17"

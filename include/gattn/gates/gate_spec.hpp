@@ -97,7 +97,8 @@ struct GateSpec {
 
     bool enabled() const noexcept { return position != GatePosition::None; }
 
-    /// The paper's recommended gate: G1, elementwise, head-specific, multiplicative sigmoid.
+    /// The paper's recommended gate: G1, elementwise, head-specific, multiplicative sigmoid,
+    /// with no bias on gate_proj (set `bias` for one).
     static GateSpec g1_elementwise(GateLayout layout = GateLayout::Separate) {
         GateSpec s;
         s.position = GatePosition::G1;

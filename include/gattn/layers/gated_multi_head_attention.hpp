@@ -78,6 +78,7 @@ struct AttentionWeights {
 
 /// Random weights of the right shapes, U(−1/√fan_in, 1/√fan_in) (PyTorch's nn.Linear init),
 /// deterministic for a seed. For benchmarks, tests and examples.
+/// \throws std::invalid_argument for a config the layer's constructor would refuse.
 template <class Scalar>
 AttentionWeights<Scalar> make_random_weights(const AttentionConfig& config, std::uint64_t seed) {
     validate_config(config, "gattn::make_random_weights");
