@@ -549,6 +549,17 @@ TEST(LayerForward, BadInputThrowsAndLeavesOutputUntouched) {
     }
     RowMatrix<float> same = x;
     expect_rejected<invalid_argument>([&] { layer.forward(same, 2, same); }, fn, {"out must not overlap x"}, same);
+    // x and out side by side in one matrix share no element: accepted, the same output as with
+    // separate matrices, x left as it was. Shifted by one column, out reaches into x: refused.
+    RowMatrix<float> work(6, 33);
+    work.leftCols(16) = x;
+    work.rightCols(17).setConstant(7.0f);
+    layer.forward(work.leftCols(16), 2, work.middleCols(16, 16));
+    EXPECT_TRUE(work.middleCols(16, 16) == layer.forward(x, 2)) << "out beside x in one matrix";
+    EXPECT_TRUE(work.leftCols(16) == x) << "x was written";
+    EXPECT_TRUE((work.rightCols(1).array() == 7.0f).all()) << "a column right of out was written";
+    expect_rejected<invalid_argument>([&] { layer.forward(work.leftCols(16), 2, work.middleCols(15, 16)); }, fn,
+                                      {"out must not overlap x"}, work);
 }
 
 TEST(LayerConstruction, WindowBelowOneIsRejected) {

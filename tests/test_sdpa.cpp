@@ -940,6 +940,79 @@ TEST(SdpaValidation, OutputOverlappingInput) {
     EXPECT_TRUE(q == q_before) << "query was modified";
 }
 
+TEST(SdpaValidation, OutputBesideInputsInOneWorkspace) {
+    // Q, K, V and out as column blocks of one matrix (a fused workspace): no element is shared,
+    // so the call is accepted and matches the reference; one more column of out would reach
+    // into V and is refused, with V unchanged.
+    const Index B = 2, N = 9, H = 2, d = 5, w = H * d;
+    const Mat ws = gattn_test::rounded<float>(random_matrix(B * N, 4 * w + 3, 14));
+    gattn::RowMatrix<float> work = ws.cast<float>();
+    work.rightCols(w + 3).setConstant(7.0f);
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = true;
+    gattn::scaled_dot_product_attention<float>(work.leftCols(w), work.middleCols(w, w), work.middleCols(2 * w, w),
+                                               gattn::HeadLayout{B, H, H}, work.middleCols(3 * w, w), opt);
+    RefMasks rm;
+    rm.causal = true;
+    const auto ref = gattn_test::sdpa_reference(ws.leftCols(w), ws.middleCols(w, w), ws.middleCols(2 * w, w), B, H,
+                                                H, {}, rm);
+    using T = Tol<float>;
+    expect_close(work.middleCols(3 * w, w), ref.out, T::atol, T::rtol, "SdpaWorkspace/out", T::nmse);
+    EXPECT_TRUE(work.leftCols(3 * w) == ws.leftCols(3 * w).cast<float>()) << "an input was written";
+    EXPECT_TRUE((work.rightCols(3).array() == 7.0f).all()) << "columns right of out were written";
+    const gattn::RowMatrix<float> before = work;
+    try {
+        gattn::scaled_dot_product_attention<float>(work.leftCols(w), work.middleCols(w, w), work.middleCols(2 * w, w),
+                                                   gattn::HeadLayout{B, H, H}, work.middleCols(2 * w + 1, w), opt);
+        ADD_FAILURE() << "out sharing columns with value was accepted";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("out"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(work == before) << "a refused call wrote";
+}
+
+TEST(SdpaValidation, OverlapTestAgreesWithSharedElements) {
+    // detail::views_overlap against the sets of elements two strided views cover, for views of
+    // one buffer at every offset, including rows that run past the row stride into the next row.
+    std::vector<float> buf(200);
+    using View = Eigen::Map<const gattn::RowMatrix<float>, 0, Eigen::OuterStride<>>;
+    auto elements = [&](const View& v) {
+        std::vector<bool> used(buf.size(), false);
+        for (Index i = 0; i < v.rows(); ++i)
+            for (Index j = 0; j < v.cols(); ++j) used[static_cast<std::size_t>(v.data() + i * v.outerStride() + j - buf.data())] = true;
+        return used;
+    };
+    int checked = 0, shared = 0;
+    for (Index s : {4, 7})
+        for (Index s2 : {s, s + 1})
+            for (Index off_a = 0; off_a < 2 * s; ++off_a)
+                for (Index off_b = 0; off_b < 3 * s; ++off_b)
+                    for (Index rows_a : {1, 3})
+                        for (Index rows_b : {2, 4})
+                            for (Index cols_a = 1; cols_a <= s; ++cols_a)
+                                for (Index cols_b = 1; cols_b <= std::min(s, s2); cols_b += 2) {
+                                    const View a(buf.data() + off_a, rows_a, cols_a, Eigen::OuterStride<>(s));
+                                    const View b(buf.data() + off_b, rows_b, cols_b, Eigen::OuterStride<>(s2));
+                                    const auto ea = elements(a), eb = elements(b);
+                                    bool common = false;
+                                    for (std::size_t i = 0; i < buf.size(); ++i) common = common || (ea[i] && eb[i]);
+                                    const bool got = gattn::detail::views_overlap(a, b);
+                                    ++checked;
+                                    shared += common;
+                                    // Equal strides are exact; other strides may only over-report.
+                                    if (s == s2) {
+                                        ASSERT_EQ(got, common) << "stride " << s << " a at " << off_a << " ["
+                                                               << rows_a << "x" << cols_a << "], b at " << off_b
+                                                               << " [" << rows_b << "x" << cols_b << "]";
+                                        ASSERT_EQ(gattn::detail::views_overlap(b, a), common);
+                                    } else if (common) {
+                                        ASSERT_TRUE(got);
+                                    }
+                                }
+    EXPECT_GT(shared, checked / 8);
+    EXPECT_LT(shared, checked);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Extreme and non-finite values against the float64 reference, on both kernels: query tiles
 // (many (head, query) pairs per KV head) and the decoding path (one query per sequence; 2100

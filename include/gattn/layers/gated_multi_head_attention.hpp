@@ -156,7 +156,8 @@ public:
     /// Forward pass, core form.
     /// \param x     [B·N, D] layer input, row-major, any row stride.
     /// \param batch B ≥ 0; x.rows() must be a multiple of it (B = 0 requires 0 rows).
-    /// \param out   [B·N, D], written; must not overlap x.
+    /// \param out   [B·N, D], written; must share no element with x (column blocks of one
+    ///              matrix are fine).
     /// \param options per-call key lengths, boolean mask, additive bias ([B|1, H|1, N|1, N]).
     /// \param trace optional statistics (gate scores, first-key attention, probabilities).
     /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, and
@@ -173,9 +174,7 @@ public:
                                                     std::to_string(batch) + ", " + std::to_string(D) + "]",
                                        gattn::detail::shape_string({x.rows(), x.cols()}));
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
-        if (gattn::detail::overlaps(out.data(), gattn::detail::span_of(out), x.data(),
-                                    gattn::detail::span_of(x)))
-            gattn::detail::throw_invalid(fn, "out", "must not overlap x");
+        if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
         SdpaOptions<Scalar> sdpa;
         sdpa.scale = c.scale;
         sdpa.mask.causal = c.causal;

@@ -216,8 +216,7 @@ public:
                 gattn::detail::throw_invalid(fn, "cache", "sequence " + std::to_string(b) + " would exceed the capacity " +
                                                               std::to_string(cache.capacity()));
         }
-        if (gattn::detail::overlaps(out.data(), gattn::detail::span_of(out), x.data(), gattn::detail::span_of(x)))
-            gattn::detail::throw_invalid(fn, "out", "must not overlap x");
+        if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
         if (cache.keys().cols() != Hkv * d || cache.values().cols() != Hkv * d)
             gattn::detail::throw_shape(fn, "cache", "[B*capacity, " + std::to_string(Hkv * d) + "] keys and values",
                                        gattn::detail::shape_string({cache.keys().rows(), cache.keys().cols()}));

@@ -169,6 +169,29 @@ inline Index span_of(const M& m) noexcept {
     return m.rows() == 0 ? 0 : (m.rows() - 1) * m.outerStride() + m.cols();
 }
 
+/// True when two row-major views share an element. Views with the same row stride (column
+/// blocks of one matrix, say) are compared element by element; otherwise by their memory spans
+/// (first to last element), which may report an overlap for interleaved views that share none.
+template <class MA, class MB>
+inline bool views_overlap(const MA& a, const MB& b) noexcept {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(a.data())>>;
+    const Index na = span_of(a), nb = span_of(b);
+    if (!overlaps(a.data(), na, static_cast<const T*>(b.data()), nb)) return false;
+    const Index s = a.outerStride();
+    const auto pa = reinterpret_cast<std::uintptr_t>(a.data()), pb = reinterpret_cast<std::uintptr_t>(b.data());
+    if (s != b.outerStride() || s < a.cols() || s < b.cols() || (pa > pb ? pa - pb : pb - pa) % sizeof(T) != 0)
+        return true;
+    // Order the views so that b starts at or after a, δ = q·s + r elements later: b's row k is
+    // a's row q + k from column r on, continuing into row q + k + 1 past column s.
+    const bool swap = pb < pa;
+    const Index ra = swap ? b.rows() : a.rows(), ca = swap ? b.cols() : a.cols();
+    const Index rb = swap ? a.rows() : b.rows(), cb = swap ? a.cols() : b.cols();
+    const Index delta = static_cast<Index>((swap ? pa - pb : pb - pa) / sizeof(T)), q = delta / s, r = delta % s;
+    auto meet = [](Index lo1, Index hi1, Index lo2, Index hi2) { return lo1 < hi2 && lo2 < hi1; };
+    if (meet(0, ra, q, q + rb) && meet(0, ca, r, std::min(s, r + cb))) return true;
+    return r + cb > s && meet(0, ra, q + 1, q + 1 + rb) && meet(0, ca, 0, r + cb - s);
+}
+
 }  // namespace detail
 
 namespace detail {
@@ -208,21 +231,22 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
     const Index Nk = B == 0 ? 0 : key.rows() / B;
     gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), B * Nq, H * dv);
     const Index out_span = gattn::detail::span_of(out);
-    if (gattn::detail::overlaps(out.data(), out_span, query.data(), gattn::detail::span_of(query)) ||
-        gattn::detail::overlaps(out.data(), out_span, key.data(), gattn::detail::span_of(key)) ||
-        gattn::detail::overlaps(out.data(), out_span, value.data(), gattn::detail::span_of(value)))
-        gattn::detail::throw_invalid(fn, "out", "must not overlap query, key or value");
+    if (gattn::detail::views_overlap(out, query) || gattn::detail::views_overlap(out, key) ||
+        gattn::detail::views_overlap(out, value))
+        gattn::detail::throw_invalid(fn, "out", "must not share an element with query, key or value");
     const auto& mask = options.mask;
     if (!mask.bias.empty() &&
         gattn::detail::overlaps(out.data(), out_span, mask.bias.data, gattn::detail::numel(mask.bias)))
         gattn::detail::throw_invalid(fn, "out", "must not overlap mask.bias");
     // Optional outputs are resized, which frees their storage: they must not be, or hold, an input.
     const RowMatrix<Scalar>* extras[] = {extra.log_sum_exp, extra.probabilities, extra.first_key_probability};
+    const char* extra_names[] = {"extra.log_sum_exp", "extra.probabilities", "extra.first_key_probability"};
     for (int a = 0; a < 3; ++a) {
         const RowMatrix<Scalar>* e = extras[a];
         if (!e) continue;
         for (int b2 = a + 1; b2 < 3; ++b2)
-            if (extras[b2] == e) gattn::detail::throw_invalid(fn, "extra", "outputs must be distinct matrices");
+            if (extras[b2] == e)
+                gattn::detail::throw_invalid(fn, extra_names[a], std::string("must not be ") + extra_names[b2]);
         const Scalar* d = e->data();
         const Index n = e->size();
         if (gattn::detail::overlaps(d, n, query.data(), gattn::detail::span_of(query)) ||
@@ -230,7 +254,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
             gattn::detail::overlaps(d, n, value.data(), gattn::detail::span_of(value)) ||
             gattn::detail::overlaps(d, n, static_cast<const Scalar*>(out.data()), out_span) ||
             (!mask.bias.empty() && gattn::detail::overlaps(d, n, mask.bias.data, gattn::detail::numel(mask.bias))))
-            gattn::detail::throw_invalid(fn, "extra", "outputs must not hold query, key, value, out or mask.bias");
+            gattn::detail::throw_invalid(fn, extra_names[a], "must not hold query, key, value, out or mask.bias");
     }
 
     const Scalar scale = static_cast<Scalar>(options.scale ? *options.scale
@@ -421,14 +445,15 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
 /// \param key    [B·N_k, H_kv·d_k].
 /// \param value  [B·N_k, H_kv·d_v] (d_v may differ from d_k).
 /// \param heads  batch B, H and H_kv (H_kv divides H).
-/// \param out    [B·N_q, H·d_v], written; must not overlap query, key or value.
+/// \param out    [B·N_q, H·d_v], written; must share no element with query, key or value
+///               (column blocks of one matrix are fine).
 /// \param options scale (default 1/√d_k) and masks (ops/mask.hpp).
 /// \param extra  optional log-sum-exp, probabilities, first-key probability.
 /// \throws shape_error when a shape disagrees with the others (message names the argument,
 ///         the expected and the actual shape); std::invalid_argument for bad head counts,
 ///         key lengths outside [0, N_k] or query lengths outside [0, N_q], a window < 1, a scale
-///         not finite in Scalar, out overlapping an input or the bias, or optional outputs that
-///         are or hold an input. Nothing is written before validation passes.
+///         not finite in Scalar, out sharing an element with an input or the bias, or optional
+///         outputs that are or hold an input. Nothing is written before validation passes.
 /// Accumulation and softmax run in Scalar (float or double). Two kernels, chosen by shape:
 /// query tiles (ops/flash_kernel.hpp) when a KV head serves more than Br/4 (head, query) pairs,
 /// else the decoding kernel with split-KV chunks (ops/decode_kernel.hpp). Compiled with OpenMP,
