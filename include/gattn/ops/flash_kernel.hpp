@@ -539,18 +539,22 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         // In the registers that mask key kk, a score of −∞ is stored as P = −1, which values_tile
         // skips; a visible key whose weight underflows keeps P = 0 and is multiplied like any
         // other (0·NaN = NaN), as in the registers that see the key in every lane. The runs
-        // cover every key of the block.
+        // cover every key of the block. Registers below a run's first_live see none of its keys
+        // and values_tile never reads them: their weights are not computed (a third of a causal
+        // diagonal block's exponentials).
         for (int i = 0; i < run_count; ++i)
-            for (Index kk = runs[i].begin; kk < runs[i].end; ++kk) {
-                T* row = st + kk * W;
-                for (int c = 0; c < C; ++c) {
-                    const B sc = B::load_aligned(row + c * L);
-                    const B p = softmax_exp<T>(sc - shift[c]);
-                    lsum[c] += p;
-                    (c < runs[i].first_plain ? xsimd::select(sc == B(kNegInf), B(T(-1)), p) : p)
-                        .store_aligned(row + c * L);
+            with_constant<C>(runs[i].first_live, [&](auto first_live) {
+                for (Index kk = runs[i].begin; kk < runs[i].end; ++kk) {
+                    T* row = st + kk * W;
+                    for (int c = decltype(first_live)::value; c < C; ++c) {
+                        const B sc = B::load_aligned(row + c * L);
+                        const B p = softmax_exp<T>(sc - shift[c]);
+                        lsum[c] += p;
+                        (c < runs[i].first_plain ? xsimd::select(sc == B(kNegInf), B(T(-1)), p) : p)
+                            .store_aligned(row + c * L);
+                    }
                 }
-            }
+            });
     }
     for (int c = 0; c < C; ++c) state.l[c] = simd::fma(state.l[c], alpha[c], lsum[c]);
     if (full)
