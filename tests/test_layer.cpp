@@ -556,6 +556,9 @@ TEST(LayerForward, BadInputThrowsAndLeavesOutputUntouched) {
     work.rightCols(17).setConstant(7.0f);
     layer.forward(work.leftCols(16), 2, work.middleCols(16, 16));
     EXPECT_TRUE(work.middleCols(16, 16) == layer.forward(x, 2)) << "out beside x in one matrix";
+    const auto ref = gattn_test::layer_reference(c, gattn_test::weights_to_double(gattn::make_random_weights<float>(c, 1)),
+                                                 x.cast<double>(), 2);
+    expect_close<float>(RowMatrix<float>(work.middleCols(16, 16)), ref.y, "out beside x in one matrix");
     EXPECT_TRUE(work.leftCols(16) == x) << "x was written";
     EXPECT_TRUE((work.rightCols(1).array() == 7.0f).all()) << "a column right of out was written";
     expect_rejected<invalid_argument>([&] { layer.forward(work.leftCols(16), 2, work.middleCols(15, 16)); }, fn,

@@ -47,7 +47,7 @@ namespace kernel {
 template <class T>
 inline simd::Batch<T> softmax_exp(const simd::Batch<T>& x) noexcept {
     if constexpr (std::is_same_v<T, float>)
-        return simd::exp2_nonpositive(x * simd::Batch<float>(1.44269504088896341f));
+        return simd::exp2_nonpositive(x * simd::Batch<float>(simd::detail::kLog2eF));
     else
         return simd::exp_nonpositive<T>(x);
 }

@@ -41,6 +41,9 @@ inline Batch<T> times_pow2(const Batch<T>& p, const I& n) noexcept {
     }
 }
 
+inline constexpr float kLog2eF = 1.44269504088896341f;  // log₂e in float
+inline constexpr float kLnFltMin = -87.3365447505531f;  // ln(FLT_MIN): e^x is subnormal below
+
 /// e^(x − n·ln2) for float, n = round(x·log₂e): the Cephes expf reduction (Cody-Waite,
 /// ln2 = hi + lo) and polynomial (degree 6), ≈1 ulp; the caller multiplies by 2^n.
 inline Batch<float> expf_remainder(const Batch<float>& x, const Batch<float>& n) noexcept {
@@ -63,13 +66,13 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
     if constexpr (std::is_same_v<T, float>) {
         using B = Batch<float>;
         using I = xsimd::batch<std::int32_t, Arch>;
-        const B lo(-87.3365447505531f);  // ln(FLT_MIN)
+        const B lo(kLnFltMin);
         const B hi(88.8f);  // just above ln(FLT_MAX): p·2^128 overflows to +∞
         // Operand order matters: vmaxps/vminps return their second operand when either is
         // NaN, so NaN flows through; +∞ clamps to hi, where the result overflows to +∞.
         B xc = xsimd::max(lo, x);
         if constexpr (!NonPositive) xc = xsimd::min(hi, xc);
-        const B n = xsimd::nearbyint(xc * B(1.44269504088896341f));
+        const B n = xsimd::nearbyint(xc * B(kLog2eF));
         const B p = expf_remainder(xc, n);
         const I ni = xsimd::to_int(n);
         return xsimd::select(x < lo, B(0.0f), times_pow2<float, NonPositive>(p, ni));
@@ -106,11 +109,11 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
 // Newton step give NaN. NaN compares unordered and is kept.
 inline Batch<float> sigmoid_avx512(const Batch<float>& x) noexcept {
     using B = Batch<float>;
-    const B lo(-87.3365447505531f);  // ln(FLT_MIN)
+    const B lo(kLnFltMin);
     const B t = xsimd::max(lo, -x);  // σ(x) = 1 for −x < lo either way; NaN flows through
     // n = round(t·log₂e): adding 1.5·2^23 rounds to an integer (|t·log₂e| < 2^22 where kept).
     const B shifter(12582912.0f);
-    const B n = simd::fma(t, B(1.44269504088896341f), shifter) - shifter;
+    const B n = simd::fma(t, B(kLog2eF), shifter) - shifter;
     const B d = B(_mm512_scalef_ps(expf_remainder(t, n), n)) + B(1.0f);  // 1 + e^−x
     const __m512 r0 = _mm512_rcp14_ps(d);
     const __m512 residual = _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(1.0f));  // 1 − d·r0
