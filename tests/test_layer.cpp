@@ -405,6 +405,44 @@ TEST(LayerForward, KeyLengthsMaskPaddedTokens) {
     EXPECT_EQ(RowMatrix<float>(a.bottomRows(6)), RowMatrix<float>(b.bottomRows(6)));
 }
 
+TEST(LayerForward, RightPaddedBatchMatchesEachSequenceAlone) {
+    // A right-padded batch with key_lengths is the same self-attention as each sequence run
+    // alone: token i of a sequence of L tokens sees tokens j ≤ i (causal) or |i − j| < w (window)
+    // of its own sequence, whatever N is. Valid rows are checked against the float64 layer on the
+    // unpadded sequence (no lengths, no masks); padding rows against the layer for U = 0, which
+    // with an elementwise G1 gate and o_proj bias is that bias.
+    auto causal = small_config();
+    causal.o_bias = true;
+    auto window = causal;
+    window.causal = false;
+    window.sliding_window = 2;
+    for (const auto& c : {causal, window}) {
+        SCOPED_TRACE(c.causal ? "causal" : "window 2");
+        const auto w = gattn::make_random_weights<float>(c, 23);
+        const auto wd = gattn_test::weights_to_double(w);
+        const gattn::GatedMultiHeadAttention<float> layer(c, w);
+        const Index B = 3, N = 7;
+        const std::vector<Index> lengths = {7, 4, 0};
+        const RowMatrix<float> x = gattn_test::random_matrix(B * N, c.d_model, 24).cast<float>();
+        gattn::ForwardOptions<float> opt;
+        opt.key_lengths = lengths;
+        const RowMatrix<float> y = layer.forward(x, B, opt);
+        for (Index b = 0; b < B; ++b) {
+            const Index L = lengths[static_cast<std::size_t>(b)];
+            if (L > 0) {
+                const gattn_test::Mat alone = x.middleRows(b * N, L).cast<double>();
+                expect_close<float>(RowMatrix<float>(y.middleRows(b * N, L)),
+                                    gattn_test::layer_reference(c, wd, alone, 1).y,
+                                    "sequence " + std::to_string(b) + " alone");
+            }
+            for (Index i = L; i < N; ++i)
+                expect_close<float>(RowMatrix<float>(y.row(b * N + i)),
+                                    RowMatrix<double>(wd.o_proj_bias.transpose()),
+                                    "padding row " + std::to_string(i) + " of sequence " + std::to_string(b));
+        }
+    }
+}
+
 /// Expects `f` to throw exactly E (shape_error, or a std::invalid_argument that is not a
 /// shape_error) with a message holding `function` and each of `parts` (argument, expected and
 /// actual values), and `out` unchanged.

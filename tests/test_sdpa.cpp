@@ -97,6 +97,8 @@ enum class MaskKind {
     BiasBroadcast,
     CausalBoolBias,
     Combined,
+    CausalQueryLengths,
+    WindowQueryLengths,
 };
 
 const MaskKind kMaskKinds[] = {
@@ -105,7 +107,8 @@ const MaskKind kMaskKinds[] = {
     MaskKind::KeyLengths, MaskKind::KeyLengthsWithEmpty, MaskKind::CausalKeyLengths,
     MaskKind::WindowKeyLengths, MaskKind::BoolFull,      MaskKind::BoolKeyRow,
     MaskKind::BoolHeadQuery, MaskKind::BiasFull,         MaskKind::BiasBroadcast,
-    MaskKind::CausalBoolBias, MaskKind::Combined,
+    MaskKind::CausalBoolBias, MaskKind::Combined,      MaskKind::CausalQueryLengths,
+    MaskKind::WindowQueryLengths,
 };
 
 const char* mask_name(MaskKind k) {
@@ -127,6 +130,8 @@ const char* mask_name(MaskKind k) {
         case MaskKind::BiasBroadcast: return "BiasBroadcast";
         case MaskKind::CausalBoolBias: return "CausalBoolBias";
         case MaskKind::Combined: return "Combined";
+        case MaskKind::CausalQueryLengths: return "CausalQueryLengths";
+        case MaskKind::WindowQueryLengths: return "WindowQueryLengths";
     }
     return "Unknown";
 }
@@ -140,6 +145,7 @@ struct MaskBuild {
     bool causal = false;
     std::optional<Index> window;
     std::vector<Index> key_lengths;
+    std::vector<Index> query_lengths;
     std::unique_ptr<bool[]> bool_data;
     Index bool_dims[3] = {0, 0, 0};
     std::vector<double> bias_src;
@@ -193,6 +199,14 @@ std::vector<Index> partial_lengths(Index B, Index Nk) {
     return L;
 }
 
+/// Valid query counts of a padded batch: all N_q in the first sequence when B > 1 (so that
+/// Q_b = N_q meets L_b < N_k), fewer in the others (at least 1).
+std::vector<Index> partial_query_lengths(Index B, Index Nq) {
+    std::vector<Index> Q(static_cast<std::size_t>(B));
+    for (Index b = 0; b < B; ++b) Q[static_cast<std::size_t>(b)] = b == 0 && B > 1 ? Nq : std::max<Index>(1, Nq / (b + 2));
+    return Q;
+}
+
 MaskBuild make_masks(MaskKind kind, const Shape& s, std::uint64_t seed) {
     MaskBuild m;
     m.Nk = s.Nk;
@@ -237,6 +251,16 @@ MaskBuild make_masks(MaskKind kind, const Shape& s, std::uint64_t seed) {
             set_bool(m, s.B, 1, s.Nq, s.Nk, seed, 0.8);
             set_bias(m, 1, s.H, 1, s.Nk, seed + 1, 0.1);
             break;
+        case MaskKind::CausalQueryLengths:
+            m.causal = true;
+            m.key_lengths = partial_lengths(s.B, s.Nk);
+            m.query_lengths = partial_query_lengths(s.B, s.Nq);
+            break;
+        case MaskKind::WindowQueryLengths:
+            m.window = 4;
+            m.key_lengths = partial_lengths(s.B, s.Nk);
+            m.query_lengths = partial_query_lengths(s.B, s.Nq);
+            break;
     }
     return m;
 }
@@ -249,6 +273,7 @@ gattn::SdpaOptions<S> library_options(const MaskBuild& m, std::vector<S>& bias_s
     o.mask.causal = m.causal;
     o.mask.sliding_window = m.window;
     o.mask.key_lengths = m.key_lengths;
+    o.mask.query_lengths = m.query_lengths;
     if (m.bool_data) o.mask.bool_mask = {m.bool_data.get(), m.bool_dims[0], m.bool_dims[1], m.bool_dims[2], m.Nk};
     if (!m.bias_src.empty() || m.bias_dims[0] > 0) {
         bias_store.assign(m.bias_src.begin(), m.bias_src.end());
@@ -265,6 +290,7 @@ RefMasks reference_masks(const MaskBuild& m, Index B, Index H, Index Nq, Index N
     r.causal = m.causal;
     r.sliding_window = m.window;
     r.key_lengths = m.key_lengths;
+    r.query_lengths = m.query_lengths;
     if (m.bool_data) expand(m.bool_data.get(), m.bool_dims, B, H, Nq, Nk, r.bool_mask);
     if (m.bias_dims[0] > 0) {
         std::vector<double> rounded(m.bias_src.size());

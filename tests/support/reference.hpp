@@ -37,6 +37,7 @@ struct RefMasks {
     bool causal = false;                  ///< bottom-right aligned on the key length L_b
     std::optional<Index> sliding_window;  ///< w ≥ 1, counting the diagonal
     std::vector<Index> key_lengths;       ///< B entries; empty = N_k for every sequence
+    std::vector<Index> query_lengths;     ///< B entries; rows past Q_b see nothing; empty = N_q
     std::vector<bool> bool_mask;          ///< true = attend
     std::vector<double> bias;             ///< added to the scaled logit; −∞ masks the key
 };
@@ -54,8 +55,9 @@ struct SdpaRefResult {
 inline bool key_visible(const RefMasks& m, Index H, Index b, Index h, Index i, Index j, Index Nq,
                         Index Nk, bool include_bias = true) {
     const Index L = m.key_lengths.empty() ? Nk : m.key_lengths[static_cast<std::size_t>(b)];
-    if (j >= L) return false;
-    const Index ip = i + L - Nq;  // aligned query position
+    const Index Q = m.query_lengths.empty() ? Nq : m.query_lengths[static_cast<std::size_t>(b)];
+    if (j >= L || i >= Q) return false;
+    const Index ip = i + L - Q;  // aligned query position
     if (m.causal && j > ip) return false;
     if (m.sliding_window) {
         const Index w = *m.sliding_window;
@@ -198,7 +200,8 @@ struct LayerRefResult {
 /// The whole gated attention layer in float64 for any valid gate spec:
 ///   Q = X W_qᵀ + b_q, K = X W_kᵀ + b_k, V = X W_vᵀ + b_v (fused gate rows split out of q_proj),
 ///   G2/G3/G4 gate V/K/Q, U = SDPA(Q, K, V) with the config's causal flag, window and scale plus
-///   the given key lengths and dense [B, H, N, N] masks, G1 gates U, A = U W_oᵀ + b_o, G5 gates A.
+///   the given token lengths (padding tokens are neither keys nor queries: their U is 0) and
+///   dense [B, H, N, N] masks, G1 gates U, A = U W_oᵀ + b_o, G5 gates A.
 inline LayerRefResult layer_reference(const gattn::AttentionConfig& c,
                                       const gattn::AttentionWeights<double>& w, const Mat& x,
                                       Index batch, const std::vector<Index>& key_lengths = {},
@@ -320,7 +323,8 @@ inline LayerRefResult layer_reference(const gattn::AttentionConfig& c,
     RefMasks masks;
     masks.causal = c.causal;
     masks.sliding_window = c.sliding_window;
-    masks.key_lengths = key_lengths;
+    masks.key_lengths = key_lengths;  // the layer's lengths count tokens: keys and queries
+    masks.query_lengths = key_lengths;
     masks.bool_mask = bool_mask;
     masks.bias = bias;
     const SdpaRefResult att = sdpa_reference(Q, K, V, batch, H, Hkv, c.scale, masks);

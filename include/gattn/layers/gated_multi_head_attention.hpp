@@ -34,7 +34,11 @@ namespace gattn {
 /// and window, which always apply).
 template <class Scalar>
 struct ForwardOptions {
-    std::vector<Index> key_lengths;  ///< valid tokens per sequence (B entries), padding at the end
+    /// Valid tokens per sequence (B entries, each in [0, N]), padding at the end. A padding
+    /// token is neither a key nor a query: no token attends to it, its attention output U is 0
+    /// (so its output row is what the layer makes of U = 0), and causal and window masks align
+    /// on token positions (token i sees token j ≤ i). Empty = all N tokens.
+    std::vector<Index> key_lengths;
     MaskView<bool> bool_mask;        ///< [B|1, H|1, N|1, N], true = attend
     MaskView<Scalar> bias;           ///< [B|1, H|1, N|1, N] additive
 };
@@ -107,14 +111,16 @@ struct ForwardTrace {
     /// Activated gate values: [B·N, gate width] for input and query gates (head-shared gates:
     /// the one shared vector, width d), [1, H·d_v] for input-independent gates; empty ungated.
     RowMatrix<Scalar> gate_scores;
-    /// [B·N, H]: attention probability each query of each head puts on the first key.
+    /// [B·N, H]: attention probability each query of each head puts on the first key (0 for a
+    /// padding token, which attends to nothing).
     RowMatrix<Scalar> first_key_attention;
     /// [B·H·N, N] attention probabilities, when record_probabilities.
     RowMatrix<Scalar> probabilities;
     /// Largest |Y| of the layer output (M-Act of this layer's contribution).
     Scalar max_abs_output = 0;
 
-    /// Mean gate score (paper Table 4 "Gate Score"); NaN without a gate.
+    /// Mean gate score (paper Table 4 "Gate Score"); NaN without a gate. Both means run over all
+    /// B·N rows, padding tokens included: for a padded batch, average the valid rows instead.
     double mean_gate_score() const {
         return gate_scores.size() ? gate_scores.template cast<double>().mean()
                                   : std::numeric_limits<double>::quiet_NaN();
@@ -158,7 +164,8 @@ public:
     /// \param batch B ≥ 0; x.rows() must be a multiple of it (B = 0 requires 0 rows).
     /// \param out   [B·N, D], written; must share no element with x (column blocks of one
     ///              matrix are fine).
-    /// \param options per-call key lengths, boolean mask, additive bias ([B|1, H|1, N|1, N]).
+    /// \param options per-call token counts of a right-padded batch (key_lengths), boolean mask,
+    ///        additive bias ([B|1, H|1, N|1, N]).
     /// \param trace optional statistics (gate scores, first-key attention, probabilities).
     /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, and
     ///         for x or out of the wrong shape; nothing is written before validation passes.
@@ -180,6 +187,9 @@ public:
         sdpa.mask.causal = c.causal;
         sdpa.mask.sliding_window = c.sliding_window;
         sdpa.mask.key_lengths = options.key_lengths;
+        // Self-attention: the padding tokens are padding queries too, so the causal and window
+        // masks align on token positions (i' = i) rather than on the key count's end.
+        sdpa.mask.query_lengths = options.key_lengths;
         sdpa.mask.bool_mask = options.bool_mask;
         sdpa.mask.bias = options.bias;
         const Index rows = x.rows();
