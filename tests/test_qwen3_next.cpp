@@ -202,6 +202,36 @@ TEST(Qwen3NextPitfalls, FlatQGateSplitIsCaught) {
     EXPECT_GT(prefill_error(c, wrong), 1e-3);
 }
 
+TEST(Qwen3NextPitfalls, QProjOfAnotherLayoutIsNamed) {
+    // q_proj without gate rows for a gated layer, or with them for an ungated one: the shape
+    // error says which layout the rows fit.
+    gattn::Qwen3NextConfig c;
+    const auto w = fixture_weights(c);
+    const Index H = c.num_attention_heads, d = c.head_dim, D = c.hidden_size;
+    auto shape = [](Index r, Index k) { return "[" + std::to_string(r) + ", " + std::to_string(k) + "]"; };
+    auto message = [&](const gattn::Qwen3NextConfig& config, const gattn::Qwen3NextAttentionWeights<double>& weights) {
+        try {
+            gattn::Qwen3NextAttention<double> layer(config, weights);
+        } catch (const gattn::shape_error& e) {
+            return std::string(e.what());
+        }
+        return std::string("no exception");
+    };
+    auto without_gate = w;
+    without_gate.q_proj_weight = w.q_proj_weight.topRows(H * d);
+    const std::string a = message(c, without_gate);
+    EXPECT_NE(a.find("q_proj.weight must have shape " + shape(2 * H * d, D) + ", got " + shape(H * d, D) +
+                     " (no gate rows:"),
+              std::string::npos)
+        << a;
+    auto ungated = c;
+    ungated.attn_output_gate = false;
+    const std::string b = message(ungated, w);
+    EXPECT_NE(b.find("got " + shape(2 * H * d, D) + " (query and gate rows: this config has attn_output_gate = false)"),
+              std::string::npos)
+        << b;
+}
+
 TEST(Qwen3NextPitfalls, GqaUsesContiguousGroupsNotModulo) {
     // With h mod H_kv, heads 1 and 2 would swap KV heads; swapping the KV heads' weights emulates
     // that mistake and must change the output.
@@ -332,6 +362,10 @@ TEST(Qwen3NextLoader, NamesEveryCheckpointFault) {
     auto headwise = fixture_tensors("q_proj.weight");
     headwise.push_back(gattn_test::f32_tensor("model.layers.3.self_attn.q_proj.weight", RowMatrix<float>::Random(132, 64)));
     expect_load_error<gattn::shape_error>(write_checkpoint("headwise", headwise), "headwise gate checkpoint");
+    // A q_proj without gate rows (a layer whose gate has its own gate_proj).
+    auto ungated = fixture_tensors("q_proj.weight");
+    ungated.push_back(gattn_test::f32_tensor("model.layers.3.self_attn.q_proj.weight", RowMatrix<float>::Random(128, 64)));
+    expect_load_error<gattn::shape_error>(write_checkpoint("no_gate_rows", ungated), "(no gate rows:");
 }
 
 TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {

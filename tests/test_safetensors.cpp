@@ -89,6 +89,7 @@ TEST(Safetensors, ReportsMalformedFiles) {
         f << "{}";
         f.close();
         expect_io_error(path, "header length");
+        expect_io_error(path, "not a safetensors file?");
     }
     const gattn::SafetensorsFile ok(write_file("ints", {{"i", "I32", {2}, bytes_of(std::vector<std::int32_t>{3, -4})},
                                                          {"l", "I64", {1}, bytes_of(std::vector<std::int64_t>{1} )},
@@ -133,6 +134,17 @@ TEST(Safetensors, LoaderNamesMissingAndMisshapenTensors) {
         ADD_FAILURE() << "no exception";
     } catch (const gattn::io_error& e) {
         EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.3.self_attn.v_proj.weight'"), std::string::npos)
+            << e.what();
+        EXPECT_NE(std::string(e.what()).find("no tensor of the file ends in 'v_proj.weight'"), std::string::npos)
+            << e.what();
+    }
+    try {  // the prefix left out: the message names the tensor the file holds under it
+        gattn::load_attention_weights<float>(good, c);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find("missing tensor 'q_proj.weight' (prefix ''); the file has "
+                                             "'model.layers.3.self_attn.q_proj.weight'"),
+                  std::string::npos)
             << e.what();
     }
 }

@@ -147,9 +147,7 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
                                "; weights must be F32, F16, BF16 or F64");
             if (info.shape != s.shape) {
                 std::string why;
-                if (s.name == "q_proj.weight" && config.attn_output_gate && !info.shape.empty() &&
-                    info.shape[0] == config.num_attention_heads * config.head_dim + config.num_attention_heads)
-                    why = " (a headwise gate checkpoint: H·d + H rows; this layer has an elementwise gate, 2·H·d rows)";
+                if (s.name == "q_proj.weight" && !info.shape.empty()) why = qwen3_next_q_proj_hint(config, info.shape[0]);
                 throw shape_error(std::string(fn) + ": " + full + " must have shape " + SafetensorsFile::shape_text(s.shape) +
                                   ", got " + SafetensorsFile::shape_text(info.shape) + why);
             }

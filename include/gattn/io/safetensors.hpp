@@ -103,7 +103,9 @@ public:
         std::uint64_t header_len = 0;
         for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
         if (header_len > kMaxHeaderBytes)
-            fail("malformed: header length " + std::to_string(header_len) + " exceeds the format's 100 MB limit");
+            fail("malformed: header length " + std::to_string(header_len) +
+                 " exceeds the format's 100 MB limit (not a safetensors file? PyTorch's .pt and .bin "
+                 "files are zip or pickle archives)");
         if (header_len > file_size - 8)
             fail("truncated: header length " + std::to_string(header_len) + " exceeds the " +
                  std::to_string(file_size - 8) + " bytes after it");
@@ -288,6 +290,19 @@ AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file,
         for (const auto& s : shapes) {
             if (s.name != name) continue;
             const std::string full = prefix + name;
+            if (!file.contains(full)) {
+                // A wrong prefix is the usual cause: name the tensors that end in this HF name.
+                std::string held;
+                int count = 0;
+                for (const auto& n : file.names())
+                    if (n.size() >= s.name.size() && n.compare(n.size() - s.name.size(), s.name.size(), s.name) == 0)
+                        if (++count <= 3) held += (count > 1 ? ", '" : "'") + n + "'";
+                if (count > 3) held += " and " + std::to_string(count - 3) + " more";
+                throw io_error("gattn::load_attention_weights: " + file.path() + ": missing tensor '" + full +
+                               "' (prefix '" + prefix + "'); " +
+                               (count == 0 ? "no tensor of the file ends in '" + s.name + "'"
+                                           : "the file has " + held));
+            }
             const TensorInfo& t = file.info(full);
             if (t.shape != s.shape)
                 throw shape_error("gattn::load_attention_weights: " + full + " must have shape " +

@@ -118,6 +118,20 @@ inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& 
     return s;
 }
 
+/// Why a q_proj.weight of `rows` rows does not fit `c`, when the rows match another layout:
+/// appended to the shape error by the constructor and the checkpoint loader; "" otherwise.
+inline std::string qwen3_next_q_proj_hint(const Qwen3NextConfig& c, Index rows) {
+    const Index H = c.num_attention_heads, d = c.head_dim;
+    if (c.attn_output_gate && rows == H * d + H)
+        return " (a headwise gate checkpoint: H·d + H rows; this layer has an elementwise gate, 2·H·d rows)";
+    if (c.attn_output_gate && rows == H * d)
+        return " (no gate rows: Qwen3-Next's q_proj holds each head's d query rows followed by its d gate "
+               "rows; a layer without a gate has attn_output_gate = false)";
+    if (!c.attn_output_gate && rows == 2 * H * d)
+        return " (query and gate rows: this config has attn_output_gate = false)";
+    return "";
+}
+
 /// Qwen3-Next gated full attention with a KV cache.
 template <class Scalar>
 class Qwen3NextAttention {
@@ -125,15 +139,21 @@ class Qwen3NextAttention {
 
 public:
     /// \throws std::invalid_argument for an invalid config; shape_error for a weight of the wrong
-    ///         shape (naming the HF parameter; e.g. a headwise checkpoint's q_proj has H·d + H
-    ///         rows, not 2·H·d).
+    ///         shape (naming the HF parameter, and for q_proj the layout its rows fit, see
+    ///         qwen3_next_q_proj_hint: a headwise gate's H·d + H rows, no gate rows, or gate rows
+    ///         in an ungated config).
     Qwen3NextAttention(const Qwen3NextConfig& config, const Qwen3NextAttentionWeights<Scalar>& w)
         : m_config(config) {
         constexpr const char* fn = "gattn::Qwen3NextAttention";
         validate_qwen3_next_config(config, fn);
         const auto shapes = qwen3_next_weight_shapes(config);
         w.for_each([&](const char* name, const auto& t) {
-            gattn::detail::check_weight_shape(fn, name, t, shapes, "attention_bias is false");
+            try {
+                gattn::detail::check_weight_shape(fn, name, t, shapes, "attention_bias is false");
+            } catch (const shape_error& e) {
+                if (std::string(name) != "q_proj.weight") throw;
+                throw shape_error(e.what() + qwen3_next_q_proj_hint(config, t.rows()));
+            }
         });
         // One input GEMM [Q | gate | K | V]: q_proj's per-head interleaved rows are reordered here.
         const Index D = config.hidden_size, H = config.num_attention_heads, Hkv = config.num_key_value_heads;
