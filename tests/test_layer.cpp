@@ -405,6 +405,32 @@ TEST(LayerForward, KeyLengthsMaskPaddedTokens) {
     EXPECT_EQ(RowMatrix<float>(a.bottomRows(6)), RowMatrix<float>(b.bottomRows(6)));
 }
 
+TEST(LayerForward, TraceHoldingXOrOutIsRejected) {
+    // The trace's matrices are resized, which frees their storage: x or out living in one of
+    // them would be read or written after it is freed.
+    const auto c = small_config();
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 5));
+    const RowMatrix<float> x = RowMatrix<float>::Random(8, 16);
+    gattn::ForwardTrace<float> trace;
+    trace.gate_scores = RowMatrix<float>::Constant(8, 16, 3.0f);
+    const RowMatrix<float> before = trace.gate_scores;
+    try {
+        layer.forward(x, 2, trace.gate_scores, {}, &trace);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("trace->gate_scores must not hold x or out"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(trace.gate_scores, before);
+    trace.probabilities = x;
+    try {
+        layer.forward(trace.probabilities, 2, trace.gate_scores.middleCols(0, 16), {}, &trace);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("must not hold x or out"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(trace.probabilities, x);
+}
+
 TEST(LayerForward, RightPaddedBatchMatchesEachSequenceAlone) {
     // A right-padded batch with key_lengths is the same self-attention as each sequence run
     // alone: token i of a sequence of L tokens sees tokens j ≤ i (causal) or |i − j| < w (window)

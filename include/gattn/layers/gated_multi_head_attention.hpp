@@ -167,8 +167,9 @@ public:
     /// \param options per-call token counts of a right-padded batch (key_lengths), boolean mask,
     ///        additive bias ([B|1, H|1, N|1, N]).
     /// \param trace optional statistics (gate scores, first-key attention, probabilities).
-    /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, and
-    ///         for x or out of the wrong shape; nothing is written before validation passes.
+    /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, for x
+    ///         or out of the wrong shape, out overlapping x, and a trace matrix that holds x or
+    ///         out; nothing is written before validation passes.
     void forward(ConstMatrixRef<Scalar> x, Index batch, MatrixRef<Scalar> out,
                  const ForwardOptions<Scalar>& options = {},
                  ForwardTrace<Scalar>* trace = nullptr) const {
@@ -182,6 +183,13 @@ public:
                                        gattn::detail::shape_string({x.rows(), x.cols()}));
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
+        // The trace's matrices are resized, which frees their storage.
+        if (trace)
+            for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
+                                          {&trace->first_key_attention, "trace->first_key_attention"},
+                                          {&trace->probabilities, "trace->probabilities"}})
+                if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
+                    gattn::detail::throw_invalid(fn, name, "must not hold x or out");
         SdpaOptions<Scalar> sdpa;
         sdpa.scale = c.scale;
         sdpa.mask.causal = c.causal;

@@ -19,6 +19,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gattn/cache/kv_cache.hpp"
@@ -205,8 +206,9 @@ public:
     ///        sequence's first cached token (paper §4.3 first-token attention); 0 on padding rows.
     /// Prefill of N tokens equals N single-token steps: each token attends, causally, to its
     /// sequence's cached tokens and the new tokens before it (bottom-right alignment per sequence).
-    /// \throws shape_error / std::invalid_argument for bad shapes, counts, or a full cache;
-    ///         nothing is written (cache included) when it throws.
+    /// \throws shape_error / std::invalid_argument for bad shapes, counts, or a full cache, for
+    ///         out overlapping x, and for an optional output that holds x or out or is the other
+    ///         optional output; nothing is written (cache included) when it throws.
     void forward(ConstMatrixRef<Scalar> x, const std::vector<Index>& positions, KVCache<Scalar>& cache,
                  MatrixRef<Scalar> out, std::vector<Index> counts = {},
                  RowMatrix<Scalar>* gate_scores = nullptr,
@@ -237,6 +239,13 @@ public:
                                                               std::to_string(cache.capacity()));
         }
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
+        // The optional outputs are resized, which frees their storage.
+        if (gate_scores && gate_scores == first_key_probability)
+            gattn::detail::throw_invalid(fn, "gate_scores", "must not be first_key_probability");
+        for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{gate_scores, "gate_scores"},
+                                      {first_key_probability, "first_key_probability"}})
+            if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
+                gattn::detail::throw_invalid(fn, name, "must not hold x or out");
         if (cache.keys().cols() != Hkv * d || cache.values().cols() != Hkv * d)
             gattn::detail::throw_shape(fn, "cache", "[B*capacity, " + std::to_string(Hkv * d) + "] keys and values",
                                        gattn::detail::shape_string({cache.keys().rows(), cache.keys().cols()}));

@@ -192,6 +192,13 @@ inline bool views_overlap(const MA& a, const MB& b) noexcept {
     return r + cb > s && meet(0, ra, q + 1, q + 1 + rb) && meet(0, ca, 0, r + cb - s);
 }
 
+/// True when m, an optional output that a call resizes (which frees its storage), holds an
+/// element of the view v: writing v afterwards would write freed memory.
+template <class S, class V>
+inline bool resized_output_holds(const RowMatrix<S>* m, const V& v) noexcept {
+    return m != nullptr && overlaps(m->data(), m->size(), static_cast<const S*>(v.data()), span_of(v));
+}
+
 }  // namespace detail
 
 namespace detail {
