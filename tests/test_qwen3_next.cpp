@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -368,6 +369,70 @@ TEST(Qwen3NextLoader, NamesEveryCheckpointFault) {
     expect_load_error<gattn::shape_error>(write_checkpoint("no_gate_rows", ungated), "(no gate rows:");
 }
 
+/// The fixture's config.json with `edit` applied, written to a directory of its own.
+std::string edited_config(const std::string& name, const std::function<void(nlohmann::json&)>& edit) {
+    namespace fs = std::filesystem;
+    nlohmann::json j = nlohmann::json::parse(std::ifstream(kDir + "/config.json"));
+    edit(j);
+    const fs::path dir = fs::temp_directory_path() / ("gattn_qwen3_next_config_" + name);
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.json") << j.dump();
+    return (dir / "config.json").string();
+}
+
+/// Expects load_qwen3_next_config(path, layer) to throw exactly E with `part` in its message.
+template <class E>
+void expect_config_error(const std::string& path, Index layer, const std::string& part) {
+    try {
+        gattn::load_qwen3_next_config(path, layer);
+        ADD_FAILURE() << "no exception; expected one mentioning " << part;
+    } catch (const std::exception& e) {
+        EXPECT_TRUE(dynamic_cast<const E*>(&e) != nullptr) << e.what();
+        EXPECT_EQ(dynamic_cast<const gattn::io_error*>(&e) != nullptr, (std::is_same_v<E, gattn::io_error>)) << e.what();
+        EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "'" << part << "' in " << e.what();
+    }
+}
+
+TEST(Qwen3NextLoader, ConfigFieldsOfTheWrongTypeOrRange) {
+    using gattn::io_error;
+    using std::invalid_argument;
+    using J = nlohmann::json;
+    expect_config_error<io_error>(edited_config("interval0", [](J& j) { j.erase("layer_types"); j["full_attention_interval"] = 0; }),
+                                  kLayer, "\"full_attention_interval\" must be at least 1, got 0");
+    expect_config_error<io_error>(edited_config("interval_string", [](J& j) { j.erase("layer_types"); j["full_attention_interval"] = "4"; }),
+                                  kLayer, "\"full_attention_interval\" must be an integer, got \"4\"");
+    expect_config_error<io_error>(edited_config("layers_string", [](J& j) { j["num_hidden_layers"] = "4"; }), kLayer,
+                                  "\"num_hidden_layers\" must be an integer");
+    expect_config_error<io_error>(edited_config("type_null", [](J& j) { j["layer_types"][3] = nullptr; }), kLayer,
+                                  "\"layer_types\" entry 3 must be a string, got null");
+    expect_config_error<io_error>(edited_config("head_dim_fraction", [](J& j) { j["head_dim"] = 8.5; }), -1,
+                                  "\"head_dim\" must be an integer, got 8.5");
+    expect_config_error<io_error>(edited_config("hidden_huge", [](J& j) { j["hidden_size"] = 1e30; }), -1,
+                                  "\"hidden_size\" must be an integer");
+    expect_config_error<io_error>(edited_config("bias_string", [](J& j) { j["attention_bias"] = "false"; }), -1,
+                                  "\"attention_bias\" must be true or false");
+    expect_config_error<invalid_argument>(edited_config("heads_zero", [](J& j) { j["num_attention_heads"] = 0; }), -1,
+                                          "config.num_attention_heads must be in [1, 2^24], got 0");
+    // RoPE scaling changes the rotary frequencies; gattn applies plain RoPE, so it refuses them.
+    expect_config_error<invalid_argument>(
+        edited_config("yarn", [](J& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; }), -1,
+        "rope_scaling.rope_type must be \"default\": gattn applies unscaled RoPE, got \"yarn\"");
+    expect_config_error<invalid_argument>(
+        edited_config("linear", [](J& j) { j["rope_parameters"] = {{"type", "linear"}, {"factor", 4.0}}; }), -1,
+        "rope_parameters.type must be \"default\"");
+    const auto plain = gattn::load_qwen3_next_config(
+        edited_config("default_rope", [](J& j) { j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5e6}}; }), kLayer);
+    EXPECT_EQ(plain.rope_theta, 10000.0) << "the top-level rope_theta comes first";
+    // transformers' defaults: head_dim 256, and without layer_types every 4th layer is full attention.
+    const std::string bare = edited_config("defaults", [](J& j) {
+        j.erase("head_dim");
+        j.erase("layer_types");
+        j.erase("full_attention_interval");
+    });
+    EXPECT_EQ(gattn::load_qwen3_next_config(bare, 3).head_dim, 256);
+    expect_config_error<invalid_argument>(bare, 2, "2 is a linear_attention layer");
+}
+
 TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {
     namespace fs = std::filesystem;
     const fs::path dir = fs::temp_directory_path() / "gattn_qwen3_next_sharded";
@@ -386,6 +451,16 @@ TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {
     const auto got = gattn::load_qwen3_next_attention_weights<double>(dir.string(), kLayer, c);
     EXPECT_EQ(got.o_proj_weight, want.o_proj_weight.cast<float>().cast<double>());
     EXPECT_EQ(got.k_norm_weight, want.k_norm_weight.cast<float>().cast<double>());
+    index["weight_map"][first[0].name] = 1;  // not a file name
+    std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+    try {
+        gattn::load_qwen3_next_attention_weights<double>(dir.string(), kLayer, c);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find("weight_map entry '" + first[0].name + "' must be a file name, got 1"),
+                  std::string::npos)
+            << e.what();
+    }
 }
 
 /// Expects `f` to throw exactly E (shape_error, or a std::invalid_argument that is not one) with a
@@ -438,6 +513,17 @@ TEST(Qwen3NextValidation, BadArgumentsLeaveOutputAndCacheUntouched) {
     RowMatrix<float> same = x;
     expect_rejected<invalid_argument>([&] { layer.forward(same, pos, cache, same); }, {"out must not overlap x"});
     EXPECT_EQ(same, x);
+    // The optional outputs are resized: as out (or x) they would leave the call writing freed memory.
+    expect_rejected<invalid_argument>([&] { layer.forward(x, pos, cache, out, {}, nullptr, &out); },
+                                      {"first_key_probability must not hold x or out"});
+    expect_rejected<invalid_argument>([&] { layer.forward(x, pos, cache, out, {}, &out); },
+                                      {"gate_scores must not hold x or out"});
+    expect_rejected<invalid_argument>([&] { layer.forward(same, pos, cache, out, {}, &same); },
+                                      {"gate_scores must not hold x or out"});
+    RowMatrix<float> stats;
+    expect_rejected<invalid_argument>([&] { layer.forward(x, pos, cache, out, {}, &stats, &stats); },
+                                      {"gate_scores must not be first_key_probability"});
+    EXPECT_EQ(same, x);
     EXPECT_TRUE((out.array() == 7.0f).all()) << "output written although the call was rejected";
     EXPECT_EQ(cache.lengths(), lengths);
     // Bytes, not values: the unused slots are uninitialised and may hold NaN.
@@ -455,6 +541,28 @@ TEST(Qwen3NextCache, FullCacheIsRejectedAndLeftIntact) {
     EXPECT_EQ(cache.lengths(), std::vector<Index>{3});
     // Bytes, not values: the unused slot is uninitialised and may hold NaN.
     EXPECT_EQ(std::memcmp(cache.keys().data(), keys.data(), sizeof(float) * std::size_t(keys.size())), 0);
+}
+
+TEST(KVCacheConstruction, SizesThatOverflowOrAreNegativeAreRejected) {
+    auto message = [](auto&& make) {
+        try {
+            make();
+        } catch (const std::invalid_argument& e) {
+            return std::string(e.what());
+        }
+        return std::string("no exception");
+    };
+    const Index huge = Index(1) << 62;
+    EXPECT_NE(message([&] { gattn::KVCache<float>(4, huge, 1, 1); }).find("gattn::KVCache: capacity batch·capacity·num_kv_heads·head_dim overflows"),
+              std::string::npos);
+    EXPECT_NE(message([&] { gattn::KVCache<float>(1, 2, huge, 4); }).find("overflows"), std::string::npos);
+    EXPECT_NE(message([&] { gattn::KVCache<float>(1, 2, 1, 4, -1); }).find("value_head_dim must be >= 0 (0 = head_dim), got -1"),
+              std::string::npos);
+    EXPECT_NE(message([&] { gattn::KVCache<float>(0, 2, 1, 4); }).find("batch must be >= 1, got 0"), std::string::npos);
+    const gattn::KVCache<float> ok(2, 3, 2, 4, 5);
+    EXPECT_EQ(ok.keys().rows(), 6);
+    EXPECT_EQ(ok.keys().cols(), 8);
+    EXPECT_EQ(ok.values().cols(), 10);
 }
 
 }  // namespace

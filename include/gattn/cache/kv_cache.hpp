@@ -9,6 +9,8 @@
 /// scaled_dot_product_attention with key_lengths = lengths(). Slots past a sequence's length are
 /// never read (masked keys are skipped), so they need no initialisation.
 
+#include <algorithm>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -21,17 +23,11 @@ class KVCache {
 public:
     /// Keys [batch·capacity, num_kv_heads·head_dim], values [batch·capacity,
     /// num_kv_heads·value_head_dim] (value_head_dim 0 = head_dim), all lengths 0.
-    /// \throws std::invalid_argument for sizes < 1.
+    /// \throws std::invalid_argument for sizes < 1 (value_head_dim < 0) or whose products
+    ///         overflow Index; std::bad_alloc when the storage cannot be allocated.
     KVCache(Index batch, Index capacity, Index num_kv_heads, Index head_dim, Index value_head_dim = 0)
-        : m_capacity(capacity), m_lengths(static_cast<std::size_t>(batch > 0 ? batch : 0), 0) {
-        constexpr const char* fn = "gattn::KVCache";
-        auto positive = [&](Index v, const char* name) {
-            if (v < 1) detail::throw_invalid(fn, name, "must be >= 1, got " + std::to_string(v));
-        };
-        positive(batch, "batch");
-        positive(capacity, "capacity");
-        positive(num_kv_heads, "num_kv_heads");
-        positive(head_dim, "head_dim");
+        : m_capacity(validated_capacity(batch, capacity, num_kv_heads, head_dim, value_head_dim)),
+          m_lengths(static_cast<std::size_t>(batch), 0) {
         const Index dv = value_head_dim > 0 ? value_head_dim : head_dim;
         m_keys.resize(batch * capacity, num_kv_heads * head_dim);
         m_values.resize(batch * capacity, num_kv_heads * dv);
@@ -96,6 +92,28 @@ public:
     }
 
 private:
+    // Checks the constructor's sizes before anything is allocated; returns capacity.
+    static Index validated_capacity(Index batch, Index capacity, Index num_kv_heads, Index head_dim,
+                                    Index value_head_dim) {
+        constexpr const char* fn = "gattn::KVCache";
+        auto positive = [&](Index v, const char* name) {
+            if (v < 1) detail::throw_invalid(fn, name, "must be >= 1, got " + std::to_string(v));
+        };
+        positive(batch, "batch");
+        positive(capacity, "capacity");
+        positive(num_kv_heads, "num_kv_heads");
+        positive(head_dim, "head_dim");
+        if (value_head_dim < 0)
+            detail::throw_invalid(fn, "value_head_dim", "must be >= 0 (0 = head_dim), got " + std::to_string(value_head_dim));
+        const Index width = std::max(head_dim, value_head_dim), max = std::numeric_limits<Index>::max();
+        if (capacity > max / batch || num_kv_heads > max / width || batch * capacity > max / (num_kv_heads * width))
+            detail::throw_invalid(fn, "capacity", "batch·capacity·num_kv_heads·head_dim overflows: batch " +
+                                                      std::to_string(batch) + ", capacity " + std::to_string(capacity) +
+                                                      ", num_kv_heads " + std::to_string(num_kv_heads) + ", head_dim " +
+                                                      std::to_string(width));
+        return capacity;
+    }
+
     Index m_capacity;
     std::vector<Index> m_lengths;
     RowMatrix<Scalar> m_keys, m_values;

@@ -6,8 +6,10 @@
 /// config.json for the shapes, and model.safetensors or the shards listed in
 /// model.safetensors.index.json for the weights. Needs nlohmann_json.
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -34,54 +36,93 @@ inline nlohmann::json read_json(const std::string& path, const char* fn) {
 }  // namespace detail
 
 /// Reads the attention fields of a Qwen3-Next / Qwen3.5 config.json: hidden_size,
-/// num_attention_heads, num_key_value_heads, head_dim (default hidden_size / heads),
-/// rms_norm_eps, rope_theta and partial_rotary_factor (top level or under "rope_parameters"),
-/// attention_bias, attn_output_gate (default true). A multimodal config's "text_config" is used when present. With layer ≥ 0,
-/// checks that layer_types (or full_attention_interval) makes that layer a full-attention layer.
-/// \throws io_error for a missing or malformed file or field; std::invalid_argument when the
-///         layer is a linear-attention layer or out of range.
+/// num_attention_heads, num_key_value_heads, head_dim (default 256), rms_norm_eps, rope_theta
+/// and partial_rotary_factor (top level or under "rope_parameters"), attention_bias,
+/// attn_output_gate (default true). A multimodal config's "text_config" is used when present.
+/// Defaults are those of transformers' Qwen3NextConfig. With layer ≥ 0, checks that
+/// layer_types (or else full_attention_interval, default 4: every 4th layer) makes that layer a
+/// full-attention layer.
+/// \throws io_error for a missing or malformed file or field (a size that is not a JSON
+///         integer, a field of the wrong JSON type); std::invalid_argument when the layer is a
+///         linear-attention layer or out of range, for an invalid config (validate_qwen3_next_config)
+///         and for RoPE scaling other than "default" ("rope_scaling" or rope_parameters'
+///         "rope_type": linear, dynamic, yarn, … would change the rotary frequencies, which gattn
+///         does not apply).
 inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, Index layer = -1) {
     constexpr const char* fn = "gattn::load_qwen3_next_config";
     nlohmann::json j = detail::read_json(config_json, fn);
     if (j.contains("text_config") && j["text_config"].is_object()) j = j["text_config"];
+    auto bad = [&](const std::string& key, const std::string& what) {
+        throw io_error(std::string(fn) + ": " + config_json + ": \"" + key + "\" " + what);
+    };
     auto number = [&](const char* key, const nlohmann::json* where = nullptr) -> double {
         const nlohmann::json& o = where ? *where : j;
-        if (!o.contains(key) || !o[key].is_number())
-            throw io_error(std::string(fn) + ": " + config_json + ": missing or non-numeric \"" + key + "\"");
+        if (!o.contains(key) || !o[key].is_number()) bad(key, "is missing or not a number");
         return o[key].get<double>();
     };
+    // Sizes must be JSON integers (8.5 or 1e30 are not silently truncated); the range is
+    // validate_qwen3_next_config's.
+    auto integer = [&](const char* key) -> Index {
+        if (!j.contains(key)) bad(key, "is missing");
+        const nlohmann::json& v = j[key];
+        if (!v.is_number_integer()) bad(key, "must be an integer, got " + v.dump());
+        if (v.is_number_unsigned() && v.get<std::uint64_t>() > std::uint64_t(std::numeric_limits<Index>::max()))
+            bad(key, "is out of range, got " + v.dump());
+        return v.get<Index>();
+    };
+    auto boolean = [&](const char* key) {
+        if (!j[key].is_boolean()) bad(key, "must be true or false, got " + j[key].dump());
+        return j[key].get<bool>();
+    };
     Qwen3NextConfig c;
-    try {
-        c.hidden_size = static_cast<Index>(number("hidden_size"));
-        c.num_attention_heads = static_cast<Index>(number("num_attention_heads"));
-        c.num_key_value_heads = static_cast<Index>(number("num_key_value_heads"));
-        c.head_dim = j.contains("head_dim") && j["head_dim"].is_number()
-                         ? j["head_dim"].get<Index>()
-                         : c.hidden_size / std::max<Index>(c.num_attention_heads, 1);
-        if (j.contains("rms_norm_eps")) c.rms_norm_eps = number("rms_norm_eps");
-        const nlohmann::json* rope = j.contains("rope_parameters") && j["rope_parameters"].is_object()
-                                         ? &j["rope_parameters"]
-                                         : nullptr;
-        if (j.contains("rope_theta")) c.rope_theta = number("rope_theta");
-        else if (rope && rope->contains("rope_theta")) c.rope_theta = number("rope_theta", rope);
-        if (j.contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor");
-        else if (rope && rope->contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor", rope);
-        if (j.contains("attention_bias")) c.attention_bias = j["attention_bias"].get<bool>();
-        if (j.contains("attn_output_gate")) c.attn_output_gate = j["attn_output_gate"].get<bool>();
-    } catch (const nlohmann::json::exception& e) {
-        throw io_error(std::string(fn) + ": " + config_json + ": " + e.what());
+    c.hidden_size = integer("hidden_size");
+    c.num_attention_heads = integer("num_attention_heads");
+    c.num_key_value_heads = integer("num_key_value_heads");
+    c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null() ? integer("head_dim") : 256;
+    if (j.contains("rms_norm_eps")) c.rms_norm_eps = number("rms_norm_eps");
+    const nlohmann::json* rope = j.contains("rope_parameters") && j["rope_parameters"].is_object()
+                                     ? &j["rope_parameters"]
+                                     : nullptr;
+    if (j.contains("rope_theta")) c.rope_theta = number("rope_theta");
+    else if (rope && rope->contains("rope_theta")) c.rope_theta = number("rope_theta", rope);
+    if (j.contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor");
+    else if (rope && rope->contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor", rope);
+    const nlohmann::json* scaling = j.contains("rope_scaling") ? &j["rope_scaling"] : nullptr;
+    for (const nlohmann::json* r : {scaling, rope}) {
+        if (!r || r->is_null()) continue;
+        const char* key = r == rope ? "rope_parameters" : "rope_scaling";
+        if (!r->is_object()) bad(key, "must be an object or null, got " + r->dump());
+        const std::string type_key = r->contains("rope_type") ? "rope_type" : "type";
+        if (!r->contains(type_key)) continue;
+        if (!(*r)[type_key].is_string()) bad(std::string(key) + "." + type_key, "must be a string, got " + (*r)[type_key].dump());
+        const std::string type = (*r)[type_key].get<std::string>();
+        if (type != "default")
+            detail::throw_invalid(fn, std::string(key) + "." + type_key,
+                                  "must be \"default\": gattn applies unscaled RoPE, got \"" + type + "\"");
     }
+    if (j.contains("attention_bias")) c.attention_bias = boolean("attention_bias");
+    if (j.contains("attn_output_gate")) c.attn_output_gate = boolean("attn_output_gate");
     validate_qwen3_next_config(c, fn);
     if (layer >= 0) {
-        if (j.contains("num_hidden_layers") && layer >= j["num_hidden_layers"].get<Index>())
+        if (j.contains("num_hidden_layers") && layer >= integer("num_hidden_layers"))
             detail::throw_invalid(fn, "layer", "must be < num_hidden_layers = " +
-                                                   std::to_string(j["num_hidden_layers"].get<Index>()) +
+                                                   std::to_string(integer("num_hidden_layers")) +
                                                    ", got " + std::to_string(layer));
-        std::string type = "full_attention";
-        if (j.contains("layer_types") && j["layer_types"].is_array() && layer < Index(j["layer_types"].size()))
-            type = j["layer_types"][static_cast<std::size_t>(layer)].get<std::string>();
-        else if (j.contains("full_attention_interval"))
-            type = (layer + 1) % j["full_attention_interval"].get<Index>() == 0 ? "full_attention" : "linear_attention";
+        std::string type;
+        if (j.contains("layer_types") && !j["layer_types"].is_null()) {
+            const nlohmann::json& types = j["layer_types"];
+            if (!types.is_array()) bad("layer_types", "must be an array, got " + types.dump());
+            if (layer >= Index(types.size()))
+                detail::throw_invalid(fn, "layer", "must be < the " + std::to_string(types.size()) +
+                                                       " entries of layer_types, got " + std::to_string(layer));
+            const nlohmann::json& t = types[static_cast<std::size_t>(layer)];
+            if (!t.is_string()) bad("layer_types", "entry " + std::to_string(layer) + " must be a string, got " + t.dump());
+            type = t.get<std::string>();
+        } else {
+            const Index interval = j.contains("full_attention_interval") ? integer("full_attention_interval") : 4;
+            if (interval < 1) bad("full_attention_interval", "must be at least 1, got " + std::to_string(interval));
+            type = (layer + 1) % interval == 0 ? "full_attention" : "linear_attention";
+        }
         if (type != "full_attention")
             detail::throw_invalid(fn, "layer", std::to_string(layer) + " is a " + type +
                                                    " layer; gated attention lives in the full_attention layers");
@@ -107,8 +148,12 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
         const nlohmann::json j = detail::read_json(index.string(), fn);
         if (!j.contains("weight_map") || !j["weight_map"].is_object())
             throw io_error(std::string(fn) + ": " + index.string() + " has no weight_map");
-        for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it)
+        for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
+            if (!it.value().is_string())
+                throw io_error(std::string(fn) + ": " + index.string() + ": weight_map entry '" + it.key() +
+                               "' must be a file name, got " + it.value().dump());
             file_of[it.key()] = (fs::path(dir) / it.value().get<std::string>()).string();
+        }
     } else if (!fs::exists(single)) {
         throw io_error(std::string(fn) + ": " + dir + " has neither model.safetensors nor model.safetensors.index.json");
     }
