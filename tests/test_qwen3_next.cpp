@@ -565,4 +565,25 @@ TEST(KVCacheConstruction, SizesThatOverflowOrAreNegativeAreRejected) {
     EXPECT_EQ(ok.values().cols(), 10);
 }
 
+TEST(KVCacheAppend, RowsOfTheCacheItselfAreRejected) {
+    // Appending rows read from the cache's own storage would overwrite them while copying.
+    gattn::KVCache<float> cache(1, 6, 1, 2);
+    const RowMatrix<float> k = RowMatrix<float>::Random(3, 2), v = RowMatrix<float>::Random(3, 2);
+    cache.append(k, v, {3});
+    const RowMatrix<float> keys = cache.keys().topRows(3);
+    try {
+        cache.append(cache.keys().topRows(3), v, {3});
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("gattn::KVCache::append: k must not share an element with the cache's keys or values"),
+                  std::string::npos)
+            << e.what();
+    }
+    EXPECT_THROW(cache.append(k, cache.keys().topRows(3), {3}), std::invalid_argument);
+    EXPECT_EQ(cache.lengths(), std::vector<Index>{3});
+    EXPECT_EQ(RowMatrix<float>(cache.keys().topRows(3)), keys);
+    cache.append(keys, v, {3});  // a copy is fine
+    EXPECT_EQ(RowMatrix<float>(cache.keys().middleRows(3, 3)), keys);
+}
+
 }  // namespace

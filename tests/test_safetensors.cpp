@@ -77,6 +77,19 @@ TEST(Safetensors, ReportsMalformedFiles) {
     expect_io_error(write_file("size_mismatch", {{"w", "F32", {3}, bytes_of(std::vector<float>{1, 2})}}),
                     "do not hold shape [3]");
     expect_io_error(write_file("bad_dtype", {{"w", "Q4", {2}, bytes_of(std::vector<float>{1, 2})}}), "unknown dtype");
+    // Tensors must tile the data section (8 bytes here): no overlap, no gap, nothing left over.
+    const std::string a = "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":";
+    const std::string b = "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":";
+    expect_io_error(write_file("overlap", {t}, "{" + a + "[0,4]}," + b + "[0,4]}}"),
+                    "tensor 'b' starts at byte 0, expected 4 (tensors must follow one another without gaps or overlaps)");
+    expect_io_error(write_file("gap", {t}, "{" + a + "[4,8]}}"), "tensor 'a' starts at byte 4, expected 0");
+    expect_io_error(write_file("left_over", {t}, "{" + a + "[0,4]}}"),
+                    "4 bytes after the last tensor (byte 4 of a 8-byte data section)");
+    {
+        const gattn::SafetensorsFile tiled(write_file("tiled", {t}, "{" + b + "[4,8]}," + a + "[0,4]}}"));
+        EXPECT_EQ(tiled.values<float>("a"), std::vector<float>{1});
+        EXPECT_EQ(tiled.values<float>("b"), std::vector<float>{2});
+    }
     {
         const std::string path = temp_path("short");
         std::ofstream(path, std::ios::binary) << "abc";

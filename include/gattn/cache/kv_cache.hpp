@@ -12,8 +12,10 @@
 #include <algorithm>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "gattn/ops/sdpa.hpp"
 #include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
@@ -44,7 +46,8 @@ public:
 
     /// Appends counts[b] tokens to sequence b: rows b·n + t (t < counts[b]) of k and v, where
     /// n = k.rows() / batch(). \throws std::invalid_argument when a sequence would exceed the
-    /// capacity; shape_error for k/v of the wrong shape. Nothing is written on error.
+    /// capacity or k or v shares an element with the cache's storage; shape_error for k/v of the
+    /// wrong shape. Nothing is written on error.
     void append(ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, const std::vector<Index>& counts) {
         constexpr const char* fn = "gattn::KVCache::append";
         const Index B = batch();
@@ -65,6 +68,11 @@ public:
                                       "would exceed the capacity " + std::to_string(m_capacity) + " (sequence holds " +
                                           std::to_string(m_lengths[b]) + ")");
         }
+        // Rows are copied in place: k or v inside the cache's own storage would be overwritten
+        // while being read.
+        for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Scalar>*, const char*>{&k, "k"}, {&v, "v"}})
+            if (gattn::detail::views_overlap(*view, m_keys) || gattn::detail::views_overlap(*view, m_values))
+                detail::throw_invalid(fn, name, "must not share an element with the cache's keys or values");
         for (Index b = 0; b < B; ++b) {
             m_keys.middleRows(b * m_capacity + m_lengths[b], counts[b]) = k.middleRows(b * n, counts[b]);
             m_values.middleRows(b * m_capacity + m_lengths[b], counts[b]) = v.middleRows(b * n, counts[b]);

@@ -7,15 +7,17 @@
 ///
 /// Format (huggingface/safetensors, README "Format"): an 8-byte little-endian header length n,
 /// n bytes of JSON {"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [b, e]}},
-/// then the data section; offsets are relative to its start, tensors are row-major and
-/// little-endian. F16, BF16, F32, F64, I32 and I64 tensors convert to the requested type on read.
+/// then the data section; offsets are relative to its start and the tensors fill it in order,
+/// without gaps or overlaps; tensors are row-major and little-endian. F16, BF16, F32, F64, I32 and I64 tensors convert to the requested type on read.
 /// Tensors are read on demand, so a multi-gigabyte checkpoint is not loaded whole.
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <fstream>
 #include <map>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -91,7 +93,9 @@ class SafetensorsFile {
 public:
     /// Reads and validates the header.
     /// \throws io_error when the file cannot be opened, is shorter than its header says, or the
-    ///         header is not valid JSON or has an entry with a bad dtype, shape or offsets.
+    ///         header is not valid JSON or has an entry with a bad dtype, shape or offsets
+    ///         (offsets past the end, or tensors that leave a gap, overlap or stop short of the
+    ///         end of the data section).
     explicit SafetensorsFile(std::string path) : m_path(std::move(path)) {
         std::ifstream in(m_path, std::ios::binary | std::ios::ate);
         if (!in) fail("cannot open file");
@@ -161,6 +165,21 @@ public:
                      " bytes do not hold shape " + shape_text(t.shape) + " of " + t.dtype);
             m_tensors.emplace(name, std::move(t));
         }
+        // As the format requires (and its reference reader checks): the tensors tile the data
+        // section in offset order, with no gap, no overlap and nothing after the last one.
+        std::vector<std::tuple<std::uint64_t, std::uint64_t, std::string>> spans;  // begin, end, name
+        for (const auto& [name, t] : m_tensors) spans.emplace_back(t.begin, t.end, name);
+        std::sort(spans.begin(), spans.end());
+        std::uint64_t expected = 0;
+        for (const auto& [begin, end, name] : spans) {
+            if (begin != expected)
+                fail("malformed: tensor '" + name + "' starts at byte " + std::to_string(begin) + ", expected " +
+                     std::to_string(expected) + " (tensors must follow one another without gaps or overlaps)");
+            expected = end;
+        }
+        if (expected != data_size)
+            fail("malformed: " + std::to_string(data_size - expected) + " bytes after the last tensor (byte " +
+                 std::to_string(expected) + " of a " + std::to_string(data_size) + "-byte data section)");
     }
 
     const std::string& path() const noexcept { return m_path; }
