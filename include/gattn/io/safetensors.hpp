@@ -8,7 +8,8 @@
 /// Format (huggingface/safetensors, README "Format"): an 8-byte little-endian header length n,
 /// n bytes of JSON {"__metadata__": {str: str}, name: {"dtype", "shape", "data_offsets": [b, e]}},
 /// then the data section; offsets are relative to its start and the tensors fill it in order,
-/// without gaps or overlaps; tensors are row-major and little-endian. F16, BF16, F32, F64, I32 and I64 tensors convert to the requested type on read.
+/// without gaps or overlaps; tensors are row-major and little-endian. F16, BF16, F32, F64, I32
+/// and I64 tensors convert to the requested type on read.
 /// Tensors are read on demand, so a multi-gigabyte checkpoint is not loaded whole.
 
 #include <algorithm>
