@@ -418,7 +418,8 @@ TEST(LayerForward, TraceHoldingXOrOutIsRejected) {
         layer.forward(x, 2, trace.gate_scores, {}, &trace);
         ADD_FAILURE() << "no exception";
     } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find("trace->gate_scores must not hold x or out"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("trace->gate_scores must not hold x, out or options.bias"), std::string::npos)
+            << e.what();
     }
     EXPECT_EQ(trace.gate_scores, before);
     trace.probabilities = x;
@@ -426,9 +427,25 @@ TEST(LayerForward, TraceHoldingXOrOutIsRejected) {
         layer.forward(trace.probabilities, 2, trace.gate_scores.middleCols(0, 16), {}, &trace);
         ADD_FAILURE() << "no exception";
     } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find("must not hold x or out"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("must not hold x, out or options.bias"), std::string::npos) << e.what();
     }
     EXPECT_EQ(trace.probabilities, x);
+    // A bias inside a trace matrix: refused before the trace is touched.
+    trace.probabilities = RowMatrix<float>::Zero(2 * 4 * 4, 4);  // holds a [2, 4, 4, 4] bias
+    const RowMatrix<float> probabilities = trace.probabilities;
+    gattn::ForwardOptions<float> opt;
+    opt.bias = {trace.probabilities.data(), 2, 4, 4, 4};
+    RowMatrix<float> out = RowMatrix<float>::Constant(8, 16, 5.0f);
+    try {
+        layer.forward(x, 2, out, opt, &trace);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("trace->probabilities must not hold x, out or options.bias"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_EQ(trace.probabilities, probabilities);
+    EXPECT_EQ(trace.gate_scores, before);
+    EXPECT_TRUE((out.array() == 5.0f).all());
 }
 
 TEST(LayerForward, RightPaddedBatchMatchesEachSequenceAlone) {

@@ -26,7 +26,8 @@ public:
     /// Keys [batch·capacity, num_kv_heads·head_dim], values [batch·capacity,
     /// num_kv_heads·value_head_dim] (value_head_dim 0 = head_dim), all lengths 0.
     /// \throws std::invalid_argument for sizes < 1 (value_head_dim < 0) or whose products
-    ///         overflow Index; std::bad_alloc when the storage cannot be allocated.
+    ///         overflow Index; std::bad_alloc or std::length_error when the storage cannot be
+    ///         allocated.
     KVCache(Index batch, Index capacity, Index num_kv_heads, Index head_dim, Index value_head_dim = 0)
         : m_capacity(validated_capacity(batch, capacity, num_kv_heads, head_dim, value_head_dim)),
           m_lengths(static_cast<std::size_t>(batch), 0) {

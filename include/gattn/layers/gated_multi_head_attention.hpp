@@ -168,8 +168,8 @@ public:
     ///        additive bias ([B|1, H|1, N|1, N]).
     /// \param trace optional statistics (gate scores, first-key attention, probabilities).
     /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, for x
-    ///         or out of the wrong shape, out overlapping x, and a trace matrix that holds x or
-    ///         out; nothing is written before validation passes.
+    ///         or out of the wrong shape, out overlapping x, and a trace matrix that holds x, out
+    ///         or options.bias; nothing is written before validation passes.
     void forward(ConstMatrixRef<Scalar> x, Index batch, MatrixRef<Scalar> out,
                  const ForwardOptions<Scalar>& options = {},
                  ForwardTrace<Scalar>* trace = nullptr) const {
@@ -188,8 +188,9 @@ public:
             for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
                                           {&trace->first_key_attention, "trace->first_key_attention"},
                                           {&trace->probabilities, "trace->probabilities"}})
-                if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
-                    gattn::detail::throw_invalid(fn, name, "must not hold x or out");
+                if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out) ||
+                    gattn::detail::overlaps(m->data(), m->size(), options.bias.data, gattn::detail::numel(options.bias)))
+                    gattn::detail::throw_invalid(fn, name, "must not hold x, out or options.bias");
         SdpaOptions<Scalar> sdpa;
         sdpa.scale = c.scale;
         sdpa.mask.causal = c.causal;
