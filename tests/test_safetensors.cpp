@@ -111,6 +111,21 @@ TEST(Safetensors, ReportsMalformedFiles) {
     EXPECT_EQ(ok.values<float>("l"), (std::vector<float>{1.0f}));
     EXPECT_THROW(ok.values<float>("u"), gattn::io_error);
     EXPECT_THROW(ok.values<float>("absent"), gattn::io_error);
+    // Dtypes gattn does not convert (FP8 scales, complex, FP4/FP6 packs) do not hide the file's
+    // other tensors; a zero-length 1-D tensor is a [1, 0] matrix.
+    const gattn::SafetensorsFile mixed(write_file("mixed", {{"scale", "F8_E8M0", {2}, std::vector<unsigned char>{127, 128}},
+                                                            {"packed", "F4", {4}, std::vector<unsigned char>{0x21, 0x43}},
+                                                            {"w", "F32", {2}, bytes_of(std::vector<float>{5, 6})},
+                                                            {"c", "C64", {1}, bytes_of(std::vector<float>{1, 2})},
+                                                            {"none", "F32", {0}, {}}}));
+    EXPECT_EQ(mixed.values<float>("w"), (std::vector<float>{5, 6}));
+    EXPECT_THROW(mixed.values<float>("scale"), gattn::io_error);
+    EXPECT_THROW(mixed.values<float>("packed"), gattn::io_error);
+    const auto none = mixed.matrix<float>("none");
+    EXPECT_EQ(none.rows(), 1);
+    EXPECT_EQ(none.cols(), 0);
+    expect_io_error(write_file("f4_odd", {{"p", "F4", {3}, std::vector<unsigned char>{0x21, 0x43}}}),
+                    "2 bytes do not hold shape [3] of F4");
 }
 
 TEST(Safetensors, LoaderNamesMissingAndMisshapenTensors) {

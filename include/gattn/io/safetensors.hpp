@@ -49,11 +49,18 @@ GATTN_BEGIN_ISA_NAMESPACE
 
 namespace detail {
 
-inline std::size_t dtype_size(const std::string& dtype) noexcept {
-    if (dtype == "F64" || dtype == "I64" || dtype == "U64") return 8;
-    if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 4;
-    if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 2;
-    if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2") return 1;
+/// Bits per element of the format's dtypes (0 for a name it does not define). A file may hold
+/// tensors that gattn does not convert (FP8 scales, complex, FP4/FP6 packs): they are checked
+/// and skipped, so the file's other tensors stay readable.
+inline std::size_t dtype_bits(const std::string& dtype) noexcept {
+    if (dtype == "F64" || dtype == "I64" || dtype == "U64" || dtype == "C64") return 64;
+    if (dtype == "F32" || dtype == "I32" || dtype == "U32") return 32;
+    if (dtype == "F16" || dtype == "BF16" || dtype == "I16" || dtype == "U16") return 16;
+    if (dtype == "I8" || dtype == "U8" || dtype == "BOOL" || dtype == "F8_E4M3" || dtype == "F8_E5M2" ||
+        dtype == "F8_E8M0")
+        return 8;
+    if (dtype == "F6_E2M3" || dtype == "F6_E3M2") return 6;
+    if (dtype == "F4") return 4;
     return 0;
 }
 
@@ -155,13 +162,13 @@ public:
                 fail("tensor '" + name + "': data_offsets must be non-negative integers");
             t.begin = v["data_offsets"][0].get<std::uint64_t>();
             t.end = v["data_offsets"][1].get<std::uint64_t>();
-            const std::size_t es = detail::dtype_size(t.dtype);
-            if (es == 0) fail("tensor '" + name + "': unknown dtype '" + t.dtype + "'");
+            const std::size_t bits = detail::dtype_bits(t.dtype);
+            if (bits == 0) fail("tensor '" + name + "': unknown dtype '" + t.dtype + "'");
             if (t.begin > t.end || t.end > data_size)
                 fail("truncated: tensor '" + name + "' spans bytes [" + std::to_string(t.begin) +
                      ", " + std::to_string(t.end) + ") of a " + std::to_string(data_size) +
                      "-byte data section");
-            if (t.end - t.begin != static_cast<std::uint64_t>(t.numel()) * es)
+            if ((t.end - t.begin) * 8 != static_cast<std::uint64_t>(t.numel()) * bits)
                 fail("tensor '" + name + "': " + std::to_string(t.end - t.begin) +
                      " bytes do not hold shape " + shape_text(t.shape) + " of " + t.dtype);
             m_tensors.emplace(name, std::move(t));
@@ -257,7 +264,8 @@ public:
     RowMatrix<Scalar> matrix(const std::string& name) const {
         const TensorInfo& t = info(name);
         const Index cols = t.shape.empty() ? 1 : t.shape.back();
-        const Index rows = cols == 0 ? 0 : t.numel() / cols;
+        Index rows = 1;
+        for (std::size_t i = 0; i + 1 < t.shape.size(); ++i) rows *= t.shape[i];
         const std::vector<Scalar> v = values<Scalar>(name);
         RowMatrix<Scalar> m(rows, cols);
         if (!v.empty()) std::memcpy(m.data(), v.data(), v.size() * sizeof(Scalar));
