@@ -124,6 +124,10 @@ TEST(Safetensors, ReportsMalformedFiles) {
     const auto none = mixed.matrix<float>("none");
     EXPECT_EQ(none.rows(), 1);
     EXPECT_EQ(none.cols(), 0);
+    const RawTensor one{"w", "F32", {1}, bytes_of(std::vector<float>{4})};
+    const gattn::SafetensorsFile null_metadata(
+        write_file("null_metadata", {one}, "{\"__metadata__\":null,\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}"));
+    EXPECT_EQ(null_metadata.values<float>("w"), std::vector<float>{4});
     expect_io_error(write_file("f4_odd", {{"p", "F4", {3}, std::vector<unsigned char>{0x21, 0x43}}}),
                     "2 bytes do not hold shape [3] of F4");
 }

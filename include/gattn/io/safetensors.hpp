@@ -138,6 +138,7 @@ public:
             const std::string& name = it.key();
             const auto& v = it.value();
             if (name == "__metadata__") {
+                if (v.is_null()) continue;  // as the reference reader, which takes null for none
                 if (!v.is_object()) fail("malformed header: __metadata__ is not an object");
                 for (auto m = v.begin(); m != v.end(); ++m)
                     if (m.value().is_string()) m_metadata[m.key()] = m.value().get<std::string>();
