@@ -29,7 +29,7 @@ gattn::Index first_full_attention_layer(const std::string& dir) {
     if (j.contains("layer_types"))
         for (std::size_t i = 0; i < j["layer_types"].size(); ++i)
             if (j["layer_types"][i] == "full_attention") return static_cast<gattn::Index>(i);
-    return j.value("full_attention_interval", 1) - 1;
+    return j.value("full_attention_interval", 4) - 1;  // transformers' default: every 4th layer
 }
 
 double ms_since(std::chrono::steady_clock::time_point start) {
