@@ -405,9 +405,9 @@ TEST(LayerForward, KeyLengthsMaskPaddedTokens) {
     EXPECT_EQ(RowMatrix<float>(a.bottomRows(6)), RowMatrix<float>(b.bottomRows(6)));
 }
 
-TEST(LayerForward, TraceHoldingXOrOutIsRejected) {
-    // The trace's matrices are resized, which frees their storage: x or out living in one of
-    // them would be read or written after it is freed.
+TEST(LayerForward, TraceHoldingXOutOrBiasIsRejected) {
+    // The trace's matrices are resized, which frees their storage: x, out or the bias living in
+    // one of them would be read or written after it is freed.
     const auto c = small_config();
     const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 5));
     const RowMatrix<float> x = RowMatrix<float>::Random(8, 16);

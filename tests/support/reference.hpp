@@ -34,7 +34,7 @@ inline constexpr double kInf = std::numeric_limits<double>::infinity();
 /// Masks of one reference attention call. The boolean mask and the bias are dense
 /// [B, H, N_q, N_k] (row-major); broadcasting is done by the caller. Empty = not given.
 struct RefMasks {
-    bool causal = false;                  ///< bottom-right aligned on the key length L_b
+    bool causal = false;                  ///< bottom-right aligned: i' = i + L_b − Q_b
     std::optional<Index> sliding_window;  ///< w ≥ 1, counting the diagonal
     std::vector<Index> key_lengths;       ///< B entries; empty = N_k for every sequence
     std::vector<Index> query_lengths;     ///< B entries; rows past Q_b see nothing; empty = N_q
