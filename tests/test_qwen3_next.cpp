@@ -297,6 +297,10 @@ TEST(Qwen3NextLoader, ReportsBadCheckpoints) {
     EXPECT_THROW(gattn::load_qwen3_next_config((dir / "config.json").string()), gattn::io_error);
     fs::copy_file(kDir + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
     EXPECT_THROW(gattn::load_qwen3_next_attention<float>(dir.string(), kLayer), gattn::io_error);  // no weights
+    // A path the system cannot examine (a name over NAME_MAX) is an io_error too.
+    EXPECT_THROW(gattn::load_qwen3_next_attention_weights<float>((dir / std::string(300, 'x')).string(), kLayer,
+                                                                 gattn::load_qwen3_next_config(kDir + "/config.json", kLayer)),
+                 gattn::io_error);
     // A config that disagrees with the checkpoint: the message names the tensor and both shapes.
     try {
         auto c = gattn::load_qwen3_next_config(kDir + "/config.json", kLayer);
@@ -397,8 +401,10 @@ TEST(Qwen3NextLoader, ConfigFieldsOfTheWrongTypeOrRange) {
     using gattn::io_error;
     using std::invalid_argument;
     using J = nlohmann::json;
-    expect_config_error<io_error>(edited_config("interval0", [](J& j) { j.erase("layer_types"); j["full_attention_interval"] = 0; }),
-                                  kLayer, "\"full_attention_interval\" must be at least 1, got 0");
+    const std::string interval0 =
+        edited_config("interval0", [](J& j) { j.erase("layer_types"); j["full_attention_interval"] = 0; });
+    expect_config_error<io_error>(interval0, kLayer, "\"full_attention_interval\" must be at least 1, got 0");
+    expect_config_error<io_error>(interval0, -1, "\"full_attention_interval\" must be at least 1, got 0");
     expect_config_error<io_error>(edited_config("interval_string", [](J& j) { j.erase("layer_types"); j["full_attention_interval"] = "4"; }),
                                   kLayer, "\"full_attention_interval\" must be an integer, got \"4\"");
     expect_config_error<io_error>(edited_config("layers_string", [](J& j) { j["num_hidden_layers"] = "4"; }), kLayer,

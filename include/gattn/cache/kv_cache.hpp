@@ -46,9 +46,10 @@ public:
     const RowMatrix<Scalar>& values() const noexcept { return m_values; }
 
     /// Appends counts[b] tokens to sequence b: rows b·n + t (t < counts[b]) of k and v, where
-    /// n = k.rows() / batch(). \throws std::invalid_argument when a sequence would exceed the
-    /// capacity or k or v shares an element with the cache's storage; shape_error for k/v of the
-    /// wrong shape. Nothing is written on error.
+    /// n = k.rows() / batch(). \throws std::invalid_argument when a count is outside [0, n], a
+    /// sequence would exceed the capacity, or k or v shares an element with the cache's storage;
+    /// shape_error for k/v of the wrong shape or counts without batch() entries. Nothing is
+    /// written on error.
     void append(ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, const std::vector<Index>& counts) {
         constexpr const char* fn = "gattn::KVCache::append";
         const Index B = batch();
@@ -82,6 +83,7 @@ public:
     }
 
     /// Rolls sequences back to shorter lengths (e.g. rejected speculative tokens).
+    /// \throws shape_error when lengths has not batch() entries.
     /// \throws std::invalid_argument when a length is negative or longer than the current one.
     void truncate(const std::vector<Index>& lengths) {
         constexpr const char* fn = "gattn::KVCache::truncate";

@@ -103,6 +103,8 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
     if (j.contains("attention_bias")) c.attention_bias = boolean("attention_bias");
     if (j.contains("attn_output_gate")) c.attn_output_gate = boolean("attn_output_gate");
     validate_qwen3_next_config(c, fn);
+    const Index interval = j.contains("full_attention_interval") ? integer("full_attention_interval") : 4;
+    if (interval < 1) bad("full_attention_interval", "must be at least 1, got " + std::to_string(interval));
     if (layer >= 0) {
         if (j.contains("num_hidden_layers") && layer >= integer("num_hidden_layers"))
             detail::throw_invalid(fn, "layer", "must be < num_hidden_layers = " +
@@ -119,8 +121,6 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
             if (!t.is_string()) bad("layer_types", "entry " + std::to_string(layer) + " must be a string, got " + t.dump());
             type = t.get<std::string>();
         } else {
-            const Index interval = j.contains("full_attention_interval") ? integer("full_attention_interval") : 4;
-            if (interval < 1) bad("full_attention_interval", "must be at least 1, got " + std::to_string(interval));
             type = (layer + 1) % interval == 0 ? "full_attention" : "linear_attention";
         }
         if (type != "full_attention")
@@ -133,9 +133,9 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
 /// Loads layer `layer`'s attention weights from a checkpoint directory (model.safetensors, or
 /// the shards named by model.safetensors.index.json), trying the prefixes
 /// "model.layers.N.self_attn." and "model.language_model.layers.N.self_attn." (Qwen3.5).
-/// \throws io_error for a missing, truncated or malformed file, a missing tensor or a
-///         non-floating-point dtype; shape_error for a wrong shape (naming a headwise-gate
-///         checkpoint's q_proj of H·d + H rows).
+/// \throws io_error for a missing, truncated or malformed file (or a path the system cannot
+///         examine), a missing tensor or a non-floating-point dtype; shape_error for a wrong
+///         shape (for q_proj, naming the layout its rows fit, see qwen3_next_q_proj_hint).
 template <class Scalar>
 Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::string& dir, Index layer,
                                                                    const Qwen3NextConfig& config) {
@@ -144,7 +144,15 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
     std::map<std::string, std::string> file_of;  // tensor name -> file (sharded checkpoints)
     const fs::path index = fs::path(dir) / "model.safetensors.index.json";
     std::string single = (fs::path(dir) / "model.safetensors").string();
-    if (fs::exists(index)) {
+    // The error_code overload: a path the system cannot examine (too long, no permission) is an
+    // io_error like a missing file, not a std::filesystem::filesystem_error.
+    auto exists = [&](const fs::path& p) {
+        std::error_code ec;
+        const bool found = fs::exists(p, ec);
+        if (ec) throw io_error(std::string(fn) + ": " + p.string() + ": " + ec.message());
+        return found;
+    };
+    if (exists(index)) {
         const nlohmann::json j = detail::read_json(index.string(), fn);
         if (!j.contains("weight_map") || !j["weight_map"].is_object())
             throw io_error(std::string(fn) + ": " + index.string() + " has no weight_map");
@@ -154,7 +162,7 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
                                "' must be a file name, got " + it.value().dump());
             file_of[it.key()] = (fs::path(dir) / it.value().get<std::string>()).string();
         }
-    } else if (!fs::exists(single)) {
+    } else if (!exists(single)) {
         throw io_error(std::string(fn) + ": " + dir + " has neither model.safetensors nor model.safetensors.index.json");
     }
     std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files;

@@ -273,7 +273,7 @@ public:
         return m;
     }
 
-    /// A 1-D tensor as a vector. \throws shape_error when it is not 1-D.
+    /// A 1-D tensor as a vector. \throws shape_error when it is not 1-D; io_error as values().
     template <class Scalar>
     Vector<Scalar> vector(const std::string& name) const {
         const TensorInfo& t = info(name);
@@ -307,7 +307,8 @@ private:
 /// named `prefix + HF name`, e.g. prefix "model.layers.3.self_attn." and "q_proj.weight".
 /// \throws io_error for a missing tensor or unsupported dtype; shape_error when a tensor's
 ///         shape differs from what the config expects (the message names tensor, expected and
-///         actual shape; e.g. a headwise checkpoint read with an elementwise config).
+///         actual shape; e.g. a headwise checkpoint read with an elementwise config);
+///         std::invalid_argument for an invalid config (validate_config).
 template <class Scalar>
 AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file,
                                                 const AttentionConfig& config,

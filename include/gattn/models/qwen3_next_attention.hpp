@@ -140,7 +140,8 @@ class Qwen3NextAttention {
 
 public:
     /// \throws std::invalid_argument for an invalid config; shape_error for a weight of the wrong
-    ///         shape (naming the HF parameter, and for q_proj the layout its rows fit, see
+    ///         shape or a bias given while attention_bias is false (naming the HF parameter,
+    ///         and for q_proj the layout its rows fit, see
     ///         qwen3_next_q_proj_hint: a headwise gate's H·d + H rows, no gate rows, or gate rows
     ///         in an ungated config).
     Qwen3NextAttention(const Qwen3NextConfig& config, const Qwen3NextAttentionWeights<Scalar>& w)
@@ -190,6 +191,7 @@ public:
     }
 
     /// A cache sized for this layer: `batch` sequences of up to `capacity` tokens.
+    /// \throws std::invalid_argument as the KVCache constructor does (a size < 1, an overflow).
     KVCache<Scalar> make_cache(Index batch, Index capacity) const {
         return KVCache<Scalar>(batch, capacity, m_config.num_key_value_heads, m_config.head_dim);
     }

@@ -11,8 +11,10 @@
 ///  - sliding window w (counting the diagonal): i' − w < j, and j < i' + w when not causal;
 ///  - boolean mask: mask[b, h, i, j] is true (true = attend);
 ///  - additive bias: bias[b, h, i, j] is not −∞ (it is added to the scaled logit).
-/// Masked keys are skipped, never multiplied by zero, so their K and V are not read, and a key
-/// another mask hides ignores its bias entry (NaN or +∞ there changes nothing).
+/// Masked keys are skipped, never multiplied by zero, so their K and V cannot reach the output
+/// (keys outside every query's key range are not read at all; keys that only the boolean mask
+/// or the bias hides are read with their block), and a key another mask hides ignores its bias
+/// entry (NaN or +∞ there changes nothing).
 
 #include <algorithm>
 #include <optional>

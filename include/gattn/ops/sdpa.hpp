@@ -457,10 +457,11 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
 /// \param options scale (default 1/√d_k) and masks (ops/mask.hpp).
 /// \param extra  optional log-sum-exp, probabilities, first-key probability.
 /// \throws shape_error when a shape disagrees with the others (message names the argument,
-///         the expected and the actual shape); std::invalid_argument for bad head counts,
-///         key lengths outside [0, N_k] or query lengths outside [0, N_q], a window < 1, a scale
-///         not finite in Scalar, out sharing an element with an input or the bias, or optional
-///         outputs that are or hold an input. Nothing is written before validation passes.
+///         the expected and the actual shape); std::invalid_argument for a negative batch, bad
+///         head counts, key lengths outside [0, N_k] or query lengths outside [0, N_q], a
+///         window < 1, a scale not finite in Scalar, out sharing an element with an input or the
+///         bias, or optional outputs that are or hold an input or are one another. Nothing is
+///         written before validation passes.
 /// Accumulation and softmax run in Scalar (float or double). Two kernels, chosen by shape:
 /// query tiles (ops/flash_kernel.hpp) when a KV head serves more than Br/4 (head, query) pairs,
 /// else the decoding kernel with split-KV chunks (ops/decode_kernel.hpp). Compiled with OpenMP,
