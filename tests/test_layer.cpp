@@ -357,6 +357,68 @@ TEST(SdpaMerge, TwoKeyShardsMergeToTheFullResult) {
                  gattn::shape_error);
 }
 
+TEST(SdpaMerge, NaNAndUnderflowedWeightsSurviveAsInOneCall) {
+    // Keys with logits 0 and 200 (scale 1): in float e^(−200) underflows to 0, and one call over
+    // both keys still multiplies key 0's NaN value by it, giving NaN. Merging the two one-key
+    // shards must give the same. And a shard with NaN in its log-sum-exp (NaN in a key) keeps
+    // the row NaN through further merges, as one call over all the keys does.
+    const RowMatrix<float> q = RowMatrix<float>::Constant(1, 1, 1.0f);
+    RowMatrix<float> k(3, 1), v(3, 1);
+    k << 0.0f, 200.0f, 1.0f;
+    v << std::nanf(""), 3.0f, 5.0f;
+    gattn::SdpaOptions<float> opt;
+    opt.scale = 1.0;
+    auto shard = [&](Index j, RowMatrix<float>& lse) {
+        gattn::SdpaOutputs<float> extra;
+        extra.log_sum_exp = &lse;
+        return gattn::scaled_dot_product_attention<float>(q, k.middleRows(j, 1), v.middleRows(j, 1), {1, 1, 1}, opt, extra);
+    };
+    const RowMatrix<float> one_call =
+        gattn::scaled_dot_product_attention<float>(q, k.topRows(2), v.topRows(2), {1, 1, 1}, opt);
+    ASSERT_TRUE(std::isnan(one_call(0, 0)));
+    RowMatrix<float> lse0, lse1, lse2, out(1, 1), lse(1, 1);
+    const RowMatrix<float> out0 = shard(0, lse0), out1 = shard(1, lse1), out2 = shard(2, lse2);
+    gattn::merge_attention<float>(out0, lse0, out1, lse1, out, lse);
+    EXPECT_TRUE(std::isnan(out(0, 0))) << out(0, 0);
+    EXPECT_EQ(lse(0, 0), 200.0f);
+
+    RowMatrix<float> k_nan = k;
+    k_nan(1, 0) = std::nanf("");
+    RowMatrix<float> lse_nan;
+    gattn::SdpaOutputs<float> extra;
+    extra.log_sum_exp = &lse_nan;
+    const RowMatrix<float> out_nan =
+        gattn::scaled_dot_product_attention<float>(q, k_nan.middleRows(1, 1), v.middleRows(1, 1), {1, 1, 1}, opt, extra);
+    gattn::merge_attention<float>(out_nan, lse_nan, out2, lse2, out, lse);
+    EXPECT_TRUE(std::isnan(lse(0, 0))) << lse(0, 0);
+    RowMatrix<float> out_again(1, 1), lse_again(1, 1);
+    gattn::merge_attention<float>(out, lse, out2, lse2, out_again, lse_again);
+    EXPECT_TRUE(std::isnan(out_again(0, 0)) && std::isnan(lse_again(0, 0))) << out_again(0, 0) << " " << lse_again(0, 0);
+}
+
+TEST(SdpaMerge, ResultsOverlappingTheInputsAreRejected) {
+    // out may be out_a (in place) but not rows shifted into it: entries would be read after
+    // being overwritten.
+    RowMatrix<double> buffer = RowMatrix<double>::Random(5, 4), lse_a = RowMatrix<double>::Random(4, 2),
+                      out_b = RowMatrix<double>::Random(4, 4), lse_b = RowMatrix<double>::Random(4, 2),
+                      lse(4, 2);
+    const RowMatrix<double> before = buffer;
+    try {
+        gattn::merge_attention<double>(buffer.topRows(4), lse_a, out_b, lse_b, buffer.bottomRows(4), lse);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("gattn::merge_attention: out must be out_a or out_b"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_EQ(buffer, before);
+    RowMatrix<double> wide = RowMatrix<double>::Random(4, 6);  // [out | lse] side by side is fine
+    gattn::merge_attention<double>(out_b, lse_b, out_b, lse_b, wide.leftCols(4), wide.rightCols(2));
+    EXPECT_THROW(gattn::merge_attention<double>(out_b, wide.middleCols(3, 2), out_b, lse_b, wide.leftCols(4), lse),
+                 std::invalid_argument);
+    EXPECT_THROW(gattn::merge_attention<double>(out_b, lse_b, out_b, lse_b, wide.leftCols(4), wide.middleCols(3, 2)),
+                 std::invalid_argument);
+}
+
 TEST(SdpaDeterminism, SequenceResultIsBitwiseIndependentOfItsBatch) {
     // Key blocks start at fixed multiples of the tile, so a sequence's SDPA result is the same
     // bits whether it runs alone or beside others of different lengths.

@@ -486,11 +486,16 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
 /// context parallelism across processes) into the result over their union, exactly:
 /// with m = max(lse_a, lse_b), w_a = e^(lse_a − m), w_b = e^(lse_b − m),
 ///     out = (w_a·out_a + w_b·out_b) / (w_a + w_b),   lse = m + log(w_a + w_b)
-/// (FlashDecoding's reduction). A side with lse −∞ (no visible key) has weight 0; a row where
-/// both are −∞ gives 0 and −∞.
+/// (FlashDecoding's reduction). A side with lse −∞ (no visible key) is skipped; a row where
+/// both are −∞ gives 0 and −∞. Any other side is multiplied by its weight even when that
+/// underflows to 0, as one call over all keys multiplies a visible key's underflowed weight
+/// (0·NaN = NaN), and a NaN log-sum-exp gives NaN, so NaN survives any number of merges.
 /// \param out_a, out_b [R, H·d_v] partial outputs; \param lse_a, lse_b [R, H] their log-sum-exp.
-/// \param out [R, H·d_v] and \param lse [R, H], written; out may be out_a and lse may be lse_a.
-/// \throws shape_error when the shapes disagree.
+/// \param out [R, H·d_v] and \param lse [R, H], written; out may be out_a or out_b and lse may
+///        be lse_a or lse_b (the same view); otherwise they share no element with the inputs or
+///        with each other.
+/// \throws shape_error when the shapes disagree; std::invalid_argument when out or lse
+///         overlaps an input (other than being it) or the other.
 template <class Scalar>
 void merge_attention(ConstMatrixRef<Scalar> out_a, ConstMatrixRef<Scalar> lse_a, ConstMatrixRef<Scalar> out_b,
                      ConstMatrixRef<Scalar> lse_b, MatrixRef<Scalar> out, MatrixRef<Scalar> lse) {
@@ -504,26 +509,40 @@ void merge_attention(ConstMatrixRef<Scalar> out_a, ConstMatrixRef<Scalar> lse_a,
     gattn::detail::check_shape(fn, "lse_b", lse_b.rows(), lse_b.cols(), R, H);
     gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), R, out_a.cols());
     gattn::detail::check_shape(fn, "lse", lse.rows(), lse.cols(), R, H);
+    // Element by element in place is exact when a result is an input; any other overlap would
+    // read entries already overwritten.
+    auto clash = [](const auto& result, const auto& input) {
+        return !(result.data() == input.data() && result.outerStride() == input.outerStride()) &&
+               gattn::detail::views_overlap(result, input);
+    };
+    if (clash(out, out_a) || clash(out, out_b) || gattn::detail::views_overlap(out, lse_a) ||
+        gattn::detail::views_overlap(out, lse_b) || gattn::detail::views_overlap(out, lse))
+        gattn::detail::throw_invalid(fn, "out", "must be out_a or out_b, or share no element with the inputs and lse");
+    if (clash(lse, lse_a) || clash(lse, lse_b) || gattn::detail::views_overlap(lse, out_a) ||
+        gattn::detail::views_overlap(lse, out_b))
+        gattn::detail::throw_invalid(fn, "lse", "must be lse_a or lse_b, or share no element with the inputs");
     constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
     const Index dv = out_a.cols() / H;
     for (Index r = 0; r < R; ++r)
         for (Index h = 0; h < H; ++h) {
             const Scalar la = lse_a(r, h), lb = lse_b(r, h);
-            const Scalar m = std::max(la, lb);
-            Scalar wa = 0, wb = 0;
-            if (la != kNegInf) wa = std::exp(la - m);
-            if (lb != kNegInf) wb = std::exp(lb - m);
-            const Scalar sum = wa + wb;
-            const Scalar inv = sum > 0 ? Scalar(1) / sum : Scalar(0);
+            const bool has_a = la != kNegInf, has_b = lb != kNegInf;
+            if (!has_a && !has_b) {  // no visible key on either side
+                for (Index e = 0; e < dv; ++e) out(r, h * dv + e) = Scalar(0);
+                lse(r, h) = kNegInf;
+                continue;
+            }
+            const Scalar m = std::isnan(la) || std::isnan(lb) ? std::numeric_limits<Scalar>::quiet_NaN() : std::max(la, lb);
+            const Scalar wa = has_a ? std::exp(la - m) : Scalar(0), wb = has_b ? std::exp(lb - m) : Scalar(0);
+            const Scalar sum = wa + wb;  // ≥ 1 (the larger side's weight is 1), or NaN
             for (Index e = 0; e < dv; ++e) {
                 const Index c = h * dv + e;
-                // A side with weight 0 is skipped, never multiplied by 0.
                 Scalar v = 0;
-                if (wa != 0) v += wa * out_a(r, c);
-                if (wb != 0) v += wb * out_b(r, c);
-                out(r, c) = v * inv;
+                if (has_a) v += wa * out_a(r, c);
+                if (has_b) v += wb * out_b(r, c);
+                out(r, c) = v / sum;
             }
-            lse(r, h) = sum > 0 ? m + std::log(sum) : kNegInf;
+            lse(r, h) = m + std::log(sum);
         }
 }
 
