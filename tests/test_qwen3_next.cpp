@@ -429,6 +429,9 @@ TEST(Qwen3NextLoader, ConfigFieldsOfTheWrongTypeOrRange) {
     const auto plain = gattn::load_qwen3_next_config(
         edited_config("default_rope", [](J& j) { j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5e6}}; }), kLayer);
     EXPECT_EQ(plain.rope_theta, 10000.0) << "the top-level rope_theta comes first";
+    const auto mrope = gattn::load_qwen3_next_config(
+        edited_config("mrope", [](J& j) { j["rope_scaling"] = {{"type", "mrope"}, {"mrope_section", {2, 1, 1}}}; }), kLayer);
+    EXPECT_EQ(mrope.rotary_dim(), plain.rotary_dim());
     // transformers' defaults: head_dim 256, and without layer_types every 4th layer is full attention.
     const std::string bare = edited_config("defaults", [](J& j) {
         j.erase("head_dim");

@@ -45,9 +45,9 @@ inline nlohmann::json read_json(const std::string& path, const char* fn) {
 /// \throws io_error for a missing or malformed file or field (a size that is not a JSON
 ///         integer, a field of the wrong JSON type); std::invalid_argument when the layer is a
 ///         linear-attention layer or out of range, for an invalid config (validate_qwen3_next_config)
-///         and for RoPE scaling other than "default" ("rope_scaling" or rope_parameters'
-///         "rope_type": linear, dynamic, yarn, … would change the rotary frequencies, which gattn
-///         does not apply).
+///         and for RoPE scaling other than "default" or "mrope" ("rope_scaling" or
+///         rope_parameters' "rope_type": linear, dynamic, yarn, … would change the rotary
+///         frequencies, which gattn does not apply).
 inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, Index layer = -1) {
     constexpr const char* fn = "gattn::load_qwen3_next_config";
     nlohmann::json j = detail::read_json(config_json, fn);
@@ -95,8 +95,9 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
         const std::string type_key = r->contains("rope_type") ? "rope_type" : "type";
         if (!r->contains(type_key)) continue;
         if (!(*r)[type_key].is_string()) bad(std::string(key) + "." + type_key, "must be a string, got " + (*r)[type_key].dump());
+        // "mrope" (multimodal sections) is plain RoPE for text positions, as transformers treats it.
         const std::string type = (*r)[type_key].get<std::string>();
-        if (type != "default")
+        if (type != "default" && type != "mrope")
             detail::throw_invalid(fn, std::string(key) + "." + type_key,
                                   "must be \"default\": gattn applies unscaled RoPE, got \"" + type + "\"");
     }
