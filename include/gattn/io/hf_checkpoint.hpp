@@ -107,10 +107,12 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
     const Index interval = j.contains("full_attention_interval") ? integer("full_attention_interval") : 4;
     if (interval < 1) bad("full_attention_interval", "must be at least 1, got " + std::to_string(interval));
     if (layer >= 0) {
-        if (j.contains("num_hidden_layers") && layer >= integer("num_hidden_layers"))
-            detail::throw_invalid(fn, "layer", "must be < num_hidden_layers = " +
-                                                   std::to_string(integer("num_hidden_layers")) +
-                                                   ", got " + std::to_string(layer));
+        if (j.contains("num_hidden_layers")) {
+            const Index layers = integer("num_hidden_layers");
+            if (layer >= layers)
+                detail::throw_invalid(fn, "layer", "must be < num_hidden_layers = " + std::to_string(layers) +
+                                                       ", got " + std::to_string(layer));
+        }
         std::string type;
         if (j.contains("layer_types") && !j["layer_types"].is_null()) {
             const nlohmann::json& types = j["layer_types"];

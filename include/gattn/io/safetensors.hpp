@@ -303,6 +303,24 @@ private:
     std::map<std::string, std::string> m_metadata;
 };
 
+namespace detail {
+
+/// Which tensors of `file` end in the HF name `name` (up to three, then a count): a wrong or
+/// missing prefix is the usual reason a layer's tensor is not found.
+inline std::string tensors_named(const SafetensorsFile& file, const std::string& name) {
+    std::string held;
+    int count = 0;
+    for (const auto& n : file.names()) {
+        const bool ends = n.size() >= name.size() && n.compare(n.size() - name.size(), name.size(), name) == 0;
+        if (ends && ++count <= 3) held += (count > 1 ? ", '" : "'") + n + "'";
+    }
+    if (count == 0) return "no tensor of the file ends in '" + name + "'";
+    if (count > 3) held += " and " + std::to_string(count - 3) + " more";
+    return "the file has " + held;
+}
+
+}  // namespace detail
+
 /// Loads every weight a layer with `config` expects (expected_weight_shapes) from `file`, each
 /// named `prefix + HF name`, e.g. prefix "model.layers.3.self_attn." and "q_proj.weight".
 /// \throws io_error for a missing tensor or unsupported dtype; shape_error when a tensor's
@@ -320,19 +338,9 @@ AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file,
         for (const auto& s : shapes) {
             if (s.name != name) continue;
             const std::string full = prefix + name;
-            if (!file.contains(full)) {
-                // A wrong prefix is the usual cause: name the tensors that end in this HF name.
-                std::string held;
-                int count = 0;
-                for (const auto& n : file.names())
-                    if (n.size() >= s.name.size() && n.compare(n.size() - s.name.size(), s.name.size(), s.name) == 0)
-                        if (++count <= 3) held += (count > 1 ? ", '" : "'") + n + "'";
-                if (count > 3) held += " and " + std::to_string(count - 3) + " more";
+            if (!file.contains(full))
                 throw io_error("gattn::load_attention_weights: " + file.path() + ": missing tensor '" + full +
-                               "' (prefix '" + prefix + "'); " +
-                               (count == 0 ? "no tensor of the file ends in '" + s.name + "'"
-                                           : "the file has " + held));
-            }
+                               "' (prefix '" + prefix + "'); " + detail::tensors_named(file, s.name));
             const TensorInfo& t = file.info(full);
             if (t.shape != s.shape)
                 throw shape_error("gattn::load_attention_weights: " + full + " must have shape " +

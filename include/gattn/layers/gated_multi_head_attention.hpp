@@ -189,7 +189,7 @@ public:
                                           {&trace->first_key_attention, "trace->first_key_attention"},
                                           {&trace->probabilities, "trace->probabilities"}})
                 if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out) ||
-                    gattn::detail::overlaps(m->data(), m->size(), options.bias.data, gattn::detail::numel(options.bias)))
+                    gattn::detail::resized_output_holds(m, options.bias))
                     gattn::detail::throw_invalid(fn, name, "must not hold x, out or options.bias");
         SdpaOptions<Scalar> sdpa;
         sdpa.scale = c.scale;

@@ -198,6 +198,11 @@ template <class S, class V>
 inline bool resized_output_holds(const RowMatrix<S>* m, const V& v) noexcept {
     return m != nullptr && overlaps(m->data(), m->size(), static_cast<const S*>(v.data()), span_of(v));
 }
+/// The same for a mask (an additive bias): false when the mask is not given.
+template <class S>
+inline bool resized_output_holds(const RowMatrix<S>* m, const MaskView<S>& mask) noexcept {
+    return m != nullptr && !mask.empty() && overlaps(m->data(), m->size(), mask.data, numel(mask));
+}
 
 }  // namespace detail
 
@@ -254,13 +259,9 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
         for (int b2 = a + 1; b2 < 3; ++b2)
             if (extras[b2] == e)
                 gattn::detail::throw_invalid(fn, extra_names[a], std::string("must not be ") + extra_names[b2]);
-        const Scalar* d = e->data();
-        const Index n = e->size();
-        if (gattn::detail::overlaps(d, n, query.data(), gattn::detail::span_of(query)) ||
-            gattn::detail::overlaps(d, n, key.data(), gattn::detail::span_of(key)) ||
-            gattn::detail::overlaps(d, n, value.data(), gattn::detail::span_of(value)) ||
-            gattn::detail::overlaps(d, n, static_cast<const Scalar*>(out.data()), out_span) ||
-            (!mask.bias.empty() && gattn::detail::overlaps(d, n, mask.bias.data, gattn::detail::numel(mask.bias))))
+        using gattn::detail::resized_output_holds;
+        if (resized_output_holds(e, query) || resized_output_holds(e, key) || resized_output_holds(e, value) ||
+            resized_output_holds(e, out) || resized_output_holds(e, mask.bias))
             gattn::detail::throw_invalid(fn, extra_names[a], "must not hold query, key, value, out or mask.bias");
     }
 
