@@ -5,6 +5,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -222,7 +223,70 @@ void run_layer_case(const GateSpec& spec, const LayerShape& sh) {
     EXPECT_TRUE(y_plain == y) << "forward with and without a trace differ";
 }
 
+/// Every valid spec decoded with a KV cache: two sequences of 7 and 5 tokens fed in ragged
+/// pieces (prefill, chunks, single tokens, sequences that sit a call out), each output row
+/// against the float64 layer_reference on the whole padded batch (causal, key lengths {7, 5}).
+/// Padding slots of a call, where the gate does not act on the output, give o_proj's bias.
+template <class S>
+void run_decode_case(const GateSpec& spec, std::optional<Index> window) {
+    const std::string label = std::string("Decode") + type_label<S>() + (window ? "/Window" : "") + "/" + spec_name(spec);
+    SCOPED_TRACE(label + " (" + gattn::describe(spec) + ")");
+    LayerShape sh = kGqaCausal;
+    sh.window = window;
+    const Index B = 2, N = 7;
+    const std::vector<Index> lengths = {7, 5};
+    const gattn::AttentionConfig c = make_config(spec, sh);
+    const auto w = gattn::make_random_weights<S>(c, 20250510u);
+    const gattn::GatedMultiHeadAttention<S> layer(c, w);
+    const Mat x = gattn_test::rounded<S>(gattn_test::random_matrix(B * N, sh.D, 4343u));
+    const auto ref = gattn_test::layer_reference(c, gattn_test::weights_to_double(w), x, B, lengths);
+    using T = LayerTol<S>;
+    const bool u_zero_gives_bias = spec.position != gattn::GatePosition::G5 &&
+                                   !(spec.position == gattn::GatePosition::G1 && spec.combine == gattn::GateCombine::Additive);
+
+    const Mat o_bias = gattn_test::weights_to_double(w).o_proj_bias.transpose();
+    auto cache = layer.make_cache(B, 8);
+    const std::vector<std::vector<Index>> schedule = {{3, 2}, {1, 1}, {2, 0}, {1, 1}, {0, 1}};
+    for (const auto& counts : schedule) {
+        const Index n = *std::max_element(counts.begin(), counts.end());
+        // Slot t of sequence b holds its next token; padding slots hold some other token.
+        gattn::RowMatrix<S> xs(B * n, sh.D);
+        for (Index b = 0; b < B; ++b)
+            for (Index t = 0; t < n; ++t) {
+                const Index pos = std::min(cache.lengths()[b] + t, lengths[b] - 1);
+                xs.row(b * n + t) = x.row(b * N + pos).cast<S>();
+            }
+        const std::vector<Index> before = cache.lengths();
+        gattn::RowMatrix<S> out(B * n, sh.D);
+        gattn::ForwardTrace<S> trace;
+        layer.forward(xs, cache, out, counts, &trace);
+        for (Index b = 0; b < B; ++b) {
+            EXPECT_EQ(cache.lengths()[b], before[b] + counts[b]);
+            for (Index t = 0; t < n; ++t) {
+                const std::string where = label + " sequence " + std::to_string(b) + " slot " + std::to_string(t) +
+                                          " after " + std::to_string(before[b]) + " tokens";
+                if (t >= counts[b]) {
+                    if (u_zero_gives_bias) expect_close(out.row(b * n + t), o_bias, T::atol, T::rtol, where + " (padding)");
+                    continue;
+                }
+                const Index row = b * N + before[b] + t;
+                expect_close(out.row(b * n + t), ref.y.row(row), T::atol, T::rtol, where);
+                expect_close(trace.first_key_attention.row(b * n + t), ref.first_key_attention.row(row), T::atol,
+                             T::rtol, where + " first_key_attention");
+                if (spec.enabled() && spec.source != gattn::GateSource::InputIndependent)
+                    expect_close(trace.gate_scores.row(b * n + t), ref.gate_scores.row(row), T::atol, T::rtol,
+                                 where + " gate_scores");
+            }
+        }
+    }
+    EXPECT_EQ(cache.lengths(), lengths);
+}
+
 class GateSpecs : public ::testing::TestWithParam<GateSpec> {};
+
+TEST_P(GateSpecs, FloatDecodeWithCache) { run_decode_case<float>(GetParam(), std::nullopt); }
+TEST_P(GateSpecs, DoubleDecodeWithCache) { run_decode_case<double>(GetParam(), std::nullopt); }
+TEST_P(GateSpecs, FloatDecodeWithCacheWindow) { run_decode_case<float>(GetParam(), 3); }
 
 TEST_P(GateSpecs, FloatGqaCausal) { run_layer_case<float>(GetParam(), kGqaCausal); }
 TEST_P(GateSpecs, DoubleGqaCausal) { run_layer_case<double>(GetParam(), kGqaCausal); }

@@ -708,6 +708,51 @@ TEST(LayerForward, BadInputThrowsAndLeavesOutputUntouched) {
                                       {"out must not overlap x"}, work);
 }
 
+TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
+    const auto c = small_config();  // D = 16, H = 4, H_kv = 2, d = 4
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 1));
+    auto cache = layer.make_cache(2, 4);
+    const RowMatrix<float> x = RowMatrix<float>::Random(6, 16);  // B = 2 sequences of N = 3 slots
+    RowMatrix<float> out = RowMatrix<float>::Constant(6, 16, 7.0f);
+    layer.forward(x.topRows(2), cache, out.topRows(2));  // one token each
+    const RowMatrix<float> keys = cache.keys(), values = cache.values();
+    const std::vector<Index> lengths = cache.lengths();
+    const std::string fn = "gattn::GatedMultiHeadAttention::forward";
+    using gattn::shape_error;
+    using std::invalid_argument;
+    auto untouched = [&] {
+        EXPECT_EQ(cache.lengths(), lengths);
+        EXPECT_EQ(cache.keys(), keys);
+        EXPECT_EQ(cache.values(), values);
+    };
+    expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(6, 15), cache, out); }, fn,
+                                 {"x must have shape [B*N, d_model] = [multiple of 2, 16]", "got [6, 15]"}, out);
+    expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(5, 16), cache, out); }, fn,
+                                 {"x must have shape", "got [5, 16]"}, out);
+    RowMatrix<float> narrow = RowMatrix<float>::Constant(6, 8, 7.0f);
+    expect_rejected<shape_error>([&] { layer.forward(x, cache, narrow); }, fn, {"out must have shape [6, 16], got [6, 8]"},
+                                 narrow);
+    expect_rejected<shape_error>([&] { layer.forward(x, cache, out, {3}); }, fn,
+                                 {"counts must have shape [2], got [1]"}, out);
+    expect_rejected<invalid_argument>([&] { layer.forward(x, cache, out, {4, 0}); }, fn,
+                                      {"counts[0] must be in [0, 3], got 4"}, out);
+    // Each sequence holds 1 of 4 tokens: 3 more fit, 4 do not.
+    RowMatrix<float> out8 = RowMatrix<float>::Constant(8, 16, 7.0f);
+    expect_rejected<invalid_argument>([&] { layer.forward(RowMatrix<float>::Random(8, 16), cache, out8); }, fn,
+                                      {"cache sequence 0 would exceed the capacity 4 (holds 1, adding 4)"}, out8);
+    gattn::KVCache<float> other(2, 4, 2, 5);  // head_dim 5: another layer's cache
+    expect_rejected<shape_error>([&] { layer.forward(x, other, out); }, fn,
+                                 {"cache must have shape keys [B*capacity, 8] and values [B*capacity, 8]",
+                                  "got [8, 10] and [8, 10]"},
+                                 out);
+    RowMatrix<float> both = x;
+    expect_rejected<invalid_argument>([&] { layer.forward(both, cache, both); }, fn, {"out must not overlap x"}, both);
+    untouched();
+    // A valid call after the rejected ones continues the sequences.
+    layer.forward(x, cache, out, {3, 2});
+    EXPECT_EQ(cache.lengths(), (std::vector<Index>{4, 3}));
+}
+
 TEST(LayerConstruction, WindowBelowOneIsRejected) {
     for (const Index w : {Index(0), Index(-3)}) {
         auto c = small_config();

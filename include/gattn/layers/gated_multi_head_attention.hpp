@@ -23,6 +23,7 @@
 #include <omp.h>
 #endif
 
+#include "gattn/cache/kv_cache.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/ops/linear.hpp"
@@ -205,10 +206,111 @@ public:
         // Validate the attention call before anything is written.
         gattn::detail::validate_sdpa(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv,
                                      HeadLayout{batch, H, Hkv}, sdpa, "options.");
+        run(x, HeadLayout{batch, H, Hkv}, out, sdpa, trace, nullptr, {});
+    }
+
+    /// Forward pass, convenience form: returns Y [B·N, D]. Same contract as the core form.
+    RowMatrix<Scalar> forward(ConstMatrixRef<Scalar> x, Index batch,
+                              const ForwardOptions<Scalar>& options = {},
+                              ForwardTrace<Scalar>* trace = nullptr) const {
+        RowMatrix<Scalar> out(x.rows(), m_config.d_model);
+        forward(x, batch, out, options, trace);
+        return out;
+    }
+
+    /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens, keys
+    /// [batch·capacity, H_kv·d_k] and values [batch·capacity, H_kv·d_v].
+    /// \throws as the KVCache constructor.
+    KVCache<Scalar> make_cache(Index batch, Index capacity) const {
+        return KVCache<Scalar>(batch, capacity, m_config.num_kv_heads, m_config.d_k(), m_config.d_v());
+    }
+
+    /// Incremental forward pass with a KV cache (prefill, then decoding a token or a few at a
+    /// time): runs new tokens through the layer, appends their keys and values to the cache, and
+    /// lets them attend to every cached token of their sequence and to each other. A G2 or G3
+    /// gate belongs to the key token, so the cache holds the gated values or keys; G1, G4 and G5
+    /// gates act on the new tokens. The config's causal and window masks align the new tokens
+    /// with the end of their sequence (query t of sequence b sits at position
+    /// cache.lengths()[b] + t), so with a causal config, feeding a sequence in pieces gives what
+    /// forward(x, batch) gives on the whole sequence (up to rounding).
+    /// \param x      [B·N, D]: N new token slots per sequence, row b·N + t, B = cache.batch().
+    /// \param cache  made by make_cache (or a KVCache of this layer's shapes); grows by counts.
+    /// \param out    [B·N, D], written; must share no element with x. A padding slot
+    ///               (t ≥ counts[b]) gets what the layer makes of U = 0, as in forward.
+    /// \param counts new tokens per sequence, each in [0, N]; empty = N for every sequence.
+    /// \param trace  optional statistics of the new tokens (probabilities are over the cache's
+    ///               capacity: [B·H·N, capacity]).
+    /// \throws shape_error for x, out, counts or a cache of the wrong shape;
+    ///         std::invalid_argument for a count outside [0, N], a sequence that would exceed the
+    ///         cache's capacity, out overlapping x, or a trace matrix holding x or out. Nothing
+    ///         is written (cache included) before validation passes.
+    void forward(ConstMatrixRef<Scalar> x, KVCache<Scalar>& cache, MatrixRef<Scalar> out,
+                 std::vector<Index> counts = {}, ForwardTrace<Scalar>* trace = nullptr) const {
+        constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
+        const AttentionConfig& c = m_config;
+        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        const Index B = cache.batch();
+        if (x.cols() != D || x.rows() % B != 0)
+            gattn::detail::throw_shape(fn, "x", "[B*N, d_model] = [multiple of " + std::to_string(B) + ", " +
+                                                    std::to_string(D) + "]",
+                                       gattn::detail::shape_string({x.rows(), x.cols()}));
+        const Index N = x.rows() / B, rows = x.rows();
+        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, D);
+        if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
+        if (cache.keys().cols() != Hkv * dk || cache.values().cols() != Hkv * dv)
+            gattn::detail::throw_shape(fn, "cache",
+                                       "keys [B*capacity, " + std::to_string(Hkv * dk) + "] and values [B*capacity, " +
+                                           std::to_string(Hkv * dv) + "]",
+                                       gattn::detail::shape_string({cache.keys().rows(), cache.keys().cols()}) +
+                                           " and " +
+                                           gattn::detail::shape_string({cache.values().rows(), cache.values().cols()}));
+        if (counts.empty()) counts.assign(static_cast<std::size_t>(B), N);
+        if (static_cast<Index>(counts.size()) != B)
+            gattn::detail::throw_shape(fn, "counts", gattn::detail::shape_string({B}),
+                                       gattn::detail::shape_string({static_cast<Index>(counts.size())}));
+        std::vector<Index> lengths = cache.lengths();  // after this call's tokens
+        for (Index b = 0; b < B; ++b) {
+            if (counts[b] < 0 || counts[b] > N)
+                gattn::detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
+                                             "must be in [0, " + std::to_string(N) + "], got " + std::to_string(counts[b]));
+            if (lengths[b] + counts[b] > cache.capacity())
+                gattn::detail::throw_invalid(fn, "cache", "sequence " + std::to_string(b) + " would exceed the capacity " +
+                                                              std::to_string(cache.capacity()) + " (holds " +
+                                                              std::to_string(lengths[b]) + ", adding " +
+                                                              std::to_string(counts[b]) + ")");
+            lengths[b] += counts[b];
+        }
+        if (trace)
+            for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
+                                          {&trace->first_key_attention, "trace->first_key_attention"},
+                                          {&trace->probabilities, "trace->probabilities"}})
+                if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
+                    gattn::detail::throw_invalid(fn, name, "must not hold x or out");
+        SdpaOptions<Scalar> sdpa;
+        sdpa.scale = c.scale;
+        sdpa.mask.causal = c.causal;
+        sdpa.mask.sliding_window = c.sliding_window;
+        sdpa.mask.key_lengths = std::move(lengths);
+        sdpa.mask.query_lengths = counts;
+        gattn::detail::validate_sdpa(fn, rows, H * dk, cache.keys().rows(), Hkv * dk, cache.values().rows(), Hkv * dv,
+                                     HeadLayout{B, H, Hkv}, sdpa, "");
+        run(x, HeadLayout{B, H, Hkv}, out, sdpa, trace, &cache, counts);
+    }
+
+private:
+    /// The layer's arithmetic on validated arguments. Without a cache, SDPA reads this call's
+    /// keys and values; with one, they are appended to it (counts per sequence) and SDPA reads
+    /// the cache.
+    void run(ConstMatrixRef<Scalar> x, const HeadLayout& layout, MatrixRef<Scalar> out,
+             const SdpaOptions<Scalar>& sdpa, ForwardTrace<Scalar>* trace, KVCache<Scalar>* cache,
+             const std::vector<Index>& counts) const {
+        const AttentionConfig& c = m_config;
+        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        const Index rows = x.rows();
         if (rows == 0) {
             if (trace) {
                 trace->gate_scores.resize(0, 0);
-                trace->first_key_attention.resize(0, config().num_heads);
+                trace->first_key_attention.resize(0, H);
                 trace->probabilities.resize(0, 0);
                 trace->max_abs_output = 0;
             }
@@ -245,6 +347,12 @@ public:
             if (g.position == GatePosition::G4) gate_heads(q.data(), q.outerStride(), H, dk, z, nullptr, scores, rows);
         }
 
+        // Keys and values: this call's, or the cache's once this call's are appended.
+        if (cache) cache->append(k, v, counts);
+        const ConstMatrixRef<Scalar> keys = cache ? ConstMatrixRef<Scalar>(cache->keys()) : ConstMatrixRef<Scalar>(k);
+        const ConstMatrixRef<Scalar> values =
+            cache ? ConstMatrixRef<Scalar>(cache->values()) : ConstMatrixRef<Scalar>(v);
+
         RowMatrix<Scalar> u(rows, H * dv);
         SdpaOutputs<Scalar> extra;
         if (trace) {
@@ -259,7 +367,7 @@ public:
         if (fused_g1) {
             const Index zw = gate_logits_per_head(dv);
             gattn::detail::sdpa_with_epilogue<Scalar>(
-                q, k, v, HeadLayout{batch, H, Hkv}, u, sdpa, extra, [&](Index row, Index h, Scalar* y) {
+                q, keys, values, layout, u, sdpa, extra, [&](Index row, Index h, Scalar* y) {
                     // SDPA finishes a head's rows in order; the logits of row + 8 are fetched
                     // now (rows are H·d_v apart: a page each, which hardware prefetchers skip).
                     if (row + 8 < rows)
@@ -268,7 +376,7 @@ public:
                     gate_head(y, z.data() + row * z.outerStride(), h, dv);
                 });
         } else {
-            scaled_dot_product_attention<Scalar>(q, k, v, HeadLayout{batch, H, Hkv}, u, sdpa, extra);
+            scaled_dot_product_attention<Scalar>(q, keys, values, layout, u, sdpa, extra);
         }
 
         if (g.position == GatePosition::G1) {
@@ -306,19 +414,9 @@ public:
         if (g.position == GatePosition::G5)
             gate_heads(out.data(), out.outerStride(), 1, D, z, &x, scores, rows);
 
-        if (trace) trace->max_abs_output = rows ? out.cwiseAbs().maxCoeff() : Scalar(0);
+        if (trace) trace->max_abs_output = out.cwiseAbs().maxCoeff();
     }
 
-    /// Forward pass, convenience form: returns Y [B·N, D]. Same contract as the core form.
-    RowMatrix<Scalar> forward(ConstMatrixRef<Scalar> x, Index batch,
-                              const ForwardOptions<Scalar>& options = {},
-                              ForwardTrace<Scalar>* trace = nullptr) const {
-        RowMatrix<Scalar> out(x.rows(), m_config.d_model);
-        forward(x, batch, out, options, trace);
-        return out;
-    }
-
-private:
     /// Copies the weights into the input projection [W_q; W_k; W_v] and the gate projection W_g
     /// (the gate rows of a fused q_proj reordered to one block per head), and the output
     /// projection.
