@@ -3,6 +3,7 @@
 // head_dim 128, causal). Counters: tokens/s, and the gate's share of the layer's parameters.
 // The gate's two parts alone: its projection GEMM and the fused activation-and-multiply pass;
 // BM_GateCostPaired runs the ungated layer, the gated layer and the projection in turn.
+// BM_DecodeStep: one decoding step of each variant against a KV cache of 1k or 4k tokens.
 // Threads: OMP_NUM_THREADS (one core: OMP_NUM_THREADS=1).
 //
 // Run: build/bench/bench/bench_gated_layer --benchmark_counters_tabular=true
@@ -158,7 +159,39 @@ void BM_GateCostPaired(benchmark::State& state) {
     state.SetLabel(gattn::simd::arch_name());
 }
 
+/// One decoding step (one new token per sequence) of the layer with a KV cache already holding
+/// `cached` tokens per sequence (random keys and values), rolled back after each step.
+/// Args: cached tokens, sequences.
+void BM_DecodeStep(benchmark::State& state, GateSpec gate) {
+    const gattn::Index cached = state.range(0), batch = state.range(1);
+    const auto config = realistic_config(gate);
+    const gattn::GatedMultiHeadAttention<float> layer(config, gattn::make_random_weights<float>(config, 1));
+    auto cache = layer.make_cache(batch, cached + 1);
+    const gattn::Index kv = config.num_kv_heads * config.head_dim;
+    cache.append(gattn::RowMatrix<float>::Random(batch * cached, kv), gattn::RowMatrix<float>::Random(batch * cached, kv),
+                 std::vector<gattn::Index>(static_cast<std::size_t>(batch), cached));
+    const std::vector<gattn::Index> lengths = cache.lengths();
+    const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(batch, config.d_model);
+    gattn::RowMatrix<float> out(batch, config.d_model);
+    for (auto _ : state) {
+        layer.forward(x, cache, out);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        cache.truncate(lengths);
+    }
+    state.counters["tokens/s"] = benchmark::Counter(double(batch), benchmark::Counter::kIsIterationInvariantRate);
+    state.SetLabel(gattn::simd::arch_name());
+}
+
 const bool registered = [] {
+    for (const auto& v : variants())
+        benchmark::RegisterBenchmark((std::string("BM_DecodeStep/") + v.name).c_str(), BM_DecodeStep, v.gate)
+            ->Args({1024, 1})
+            ->Args({4096, 1})
+            ->Args({4096, 4})
+            ->ArgNames({"cached", "batch"})
+            ->Unit(benchmark::kMicrosecond)
+            ->UseRealTime();
     for (const auto& v : variants())
         benchmark::RegisterBenchmark((std::string("BM_Layer/") + v.name).c_str(), BM_Layer, v.gate)
             ->Arg(512)
