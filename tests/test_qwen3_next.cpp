@@ -517,7 +517,7 @@ TEST(Qwen3NextValidation, BadArgumentsLeaveOutputAndCacheUntouched) {
     const RowMatrix<float> x7 = RowMatrix<float>::Random(14, 64);
     RowMatrix<float> out7 = RowMatrix<float>::Constant(14, 64, 7.0f);
     expect_rejected<invalid_argument>([&] { layer.forward(x7, std::vector<Index>(14, 3), cache, out7, {7, 0}); },
-                                      {"cache sequence 0 would exceed the capacity 8"});
+                                      {"cache sequence 0 would exceed the capacity 8 (holds "});
     EXPECT_TRUE((out7.array() == 7.0f).all());
     RowMatrix<float> same = x;
     expect_rejected<invalid_argument>([&] { layer.forward(same, pos, cache, same); }, {"out must not overlap x"});

@@ -130,4 +130,32 @@ private:
     RowMatrix<Scalar> m_keys, m_values;
 };
 
+namespace detail {
+
+/// The lengths `cache` will have once sequence b gains counts[b] of its N new token slots, for
+/// the layers' cache forwards: empty counts become N for every sequence.
+/// \throws shape_error when counts has not cache.batch() entries; std::invalid_argument (named
+///         by fn) when a count is outside [0, N] or a sequence would exceed the capacity.
+template <class Scalar>
+std::vector<Index> lengths_after(const char* fn, const KVCache<Scalar>& cache, std::vector<Index>& counts, Index N) {
+    const Index B = cache.batch();
+    if (counts.empty()) counts.assign(static_cast<std::size_t>(B), N);
+    if (static_cast<Index>(counts.size()) != B)
+        throw_shape(fn, "counts", shape_string({B}), shape_string({static_cast<Index>(counts.size())}));
+    std::vector<Index> lengths = cache.lengths();
+    for (Index b = 0; b < B; ++b) {
+        if (counts[b] < 0 || counts[b] > N)
+            throw_invalid(fn, "counts[" + std::to_string(b) + "]",
+                          "must be in [0, " + std::to_string(N) + "], got " + std::to_string(counts[b]));
+        if (lengths[b] + counts[b] > cache.capacity())
+            throw_invalid(fn, "cache", "sequence " + std::to_string(b) + " would exceed the capacity " +
+                                           std::to_string(cache.capacity()) + " (holds " + std::to_string(lengths[b]) +
+                                           ", adding " + std::to_string(counts[b]) + ")");
+        lengths[b] += counts[b];
+    }
+    return lengths;
+}
+
+}  // namespace detail
+
 GATTN_END_ISA_NAMESPACE

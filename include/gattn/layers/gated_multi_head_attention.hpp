@@ -184,18 +184,8 @@ public:
                                        gattn::detail::shape_string({x.rows(), x.cols()}));
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
-        // The trace's matrices are resized, which frees their storage.
-        if (trace)
-            for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
-                                          {&trace->first_key_attention, "trace->first_key_attention"},
-                                          {&trace->probabilities, "trace->probabilities"}})
-                if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out) ||
-                    gattn::detail::resized_output_holds(m, options.bias))
-                    gattn::detail::throw_invalid(fn, name, "must not hold x, out or options.bias");
-        SdpaOptions<Scalar> sdpa;
-        sdpa.scale = c.scale;
-        sdpa.mask.causal = c.causal;
-        sdpa.mask.sliding_window = c.sliding_window;
+        check_trace(fn, trace, x, out, &options.bias);
+        SdpaOptions<Scalar> sdpa = sdpa_options();
         sdpa.mask.key_lengths = options.key_lengths;
         // Self-attention: the padding tokens are padding queries too, so the causal and window
         // masks align on token positions (i' = i) rather than on the key count's end.
@@ -264,32 +254,9 @@ public:
                                        gattn::detail::shape_string({cache.keys().rows(), cache.keys().cols()}) +
                                            " and " +
                                            gattn::detail::shape_string({cache.values().rows(), cache.values().cols()}));
-        if (counts.empty()) counts.assign(static_cast<std::size_t>(B), N);
-        if (static_cast<Index>(counts.size()) != B)
-            gattn::detail::throw_shape(fn, "counts", gattn::detail::shape_string({B}),
-                                       gattn::detail::shape_string({static_cast<Index>(counts.size())}));
-        std::vector<Index> lengths = cache.lengths();  // after this call's tokens
-        for (Index b = 0; b < B; ++b) {
-            if (counts[b] < 0 || counts[b] > N)
-                gattn::detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
-                                             "must be in [0, " + std::to_string(N) + "], got " + std::to_string(counts[b]));
-            if (lengths[b] + counts[b] > cache.capacity())
-                gattn::detail::throw_invalid(fn, "cache", "sequence " + std::to_string(b) + " would exceed the capacity " +
-                                                              std::to_string(cache.capacity()) + " (holds " +
-                                                              std::to_string(lengths[b]) + ", adding " +
-                                                              std::to_string(counts[b]) + ")");
-            lengths[b] += counts[b];
-        }
-        if (trace)
-            for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
-                                          {&trace->first_key_attention, "trace->first_key_attention"},
-                                          {&trace->probabilities, "trace->probabilities"}})
-                if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
-                    gattn::detail::throw_invalid(fn, name, "must not hold x or out");
-        SdpaOptions<Scalar> sdpa;
-        sdpa.scale = c.scale;
-        sdpa.mask.causal = c.causal;
-        sdpa.mask.sliding_window = c.sliding_window;
+        std::vector<Index> lengths = gattn::detail::lengths_after(fn, cache, counts, N);
+        check_trace(fn, trace, x, out, nullptr);
+        SdpaOptions<Scalar> sdpa = sdpa_options();
         sdpa.mask.key_lengths = std::move(lengths);
         sdpa.mask.query_lengths = counts;
         gattn::detail::validate_sdpa(fn, rows, H * dk, cache.keys().rows(), Hkv * dk, cache.values().rows(), Hkv * dv,
@@ -298,6 +265,28 @@ public:
     }
 
 private:
+    /// Refuses a trace matrix that holds x, out or the bias: the trace's matrices are resized,
+    /// which frees their storage.
+    static void check_trace(const char* fn, const ForwardTrace<Scalar>* trace, const ConstMatrixRef<Scalar>& x,
+                            const MatrixRef<Scalar>& out, const MaskView<Scalar>* bias) {
+        if (!trace) return;
+        for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
+                                      {&trace->first_key_attention, "trace->first_key_attention"},
+                                      {&trace->probabilities, "trace->probabilities"}})
+            if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out) ||
+                (bias && gattn::detail::resized_output_holds(m, *bias)))
+                gattn::detail::throw_invalid(fn, name, bias ? "must not hold x, out or options.bias" : "must not hold x or out");
+    }
+
+    /// SDPA options of the config: scale, causal and window masks.
+    SdpaOptions<Scalar> sdpa_options() const {
+        SdpaOptions<Scalar> sdpa;
+        sdpa.scale = m_config.scale;
+        sdpa.mask.causal = m_config.causal;
+        sdpa.mask.sliding_window = m_config.sliding_window;
+        return sdpa;
+    }
+
     /// The layer's arithmetic on validated arguments. Without a cache, SDPA reads this call's
     /// keys and values; with one, they are appended to it (counts per sequence) and SDPA reads
     /// the cache.

@@ -228,18 +228,7 @@ public:
         if (static_cast<Index>(positions.size()) != rows)
             gattn::detail::throw_shape(fn, "positions", gattn::detail::shape_string({rows}),
                                        gattn::detail::shape_string({static_cast<Index>(positions.size())}));
-        if (counts.empty()) counts.assign(static_cast<std::size_t>(B), N);
-        if (static_cast<Index>(counts.size()) != B)
-            gattn::detail::throw_shape(fn, "counts", gattn::detail::shape_string({B}),
-                                       gattn::detail::shape_string({static_cast<Index>(counts.size())}));
-        for (Index b = 0; b < B; ++b) {
-            if (counts[b] < 0 || counts[b] > N)
-                gattn::detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
-                                             "must be in [0, " + std::to_string(N) + "], got " + std::to_string(counts[b]));
-            if (cache.lengths()[b] + counts[b] > cache.capacity())
-                gattn::detail::throw_invalid(fn, "cache", "sequence " + std::to_string(b) + " would exceed the capacity " +
-                                                              std::to_string(cache.capacity()));
-        }
+        gattn::detail::lengths_after(fn, cache, counts, N);
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
         // The optional outputs are resized, which frees their storage.
         if (gate_scores && gate_scores == first_key_probability)
