@@ -654,6 +654,8 @@ TEST(LayerForward, BadInputThrowsAndLeavesOutputUntouched) {
     expect_rejected<shape_error>([&] { layer.forward(x, 4, out); }, fn,
                                  {"x must have shape", "[multiple of 4, 16]", "got [6, 16]"}, out);
     expect_rejected<invalid_argument>([&] { layer.forward(x, -1, out); }, fn, {"batch must be >= 0, got -1"}, out);
+    expect_rejected<shape_error>([&] { layer.forward(x, 0, out); }, fn,
+                                 {"x must have shape [0, 16] (batch 0 has no rows), got [6, 16]"}, out);
     RowMatrix<float> narrow = RowMatrix<float>::Constant(6, 8, 7.0f);
     expect_rejected<shape_error>([&] { layer.forward(x, 2, narrow); }, fn, {"out must have shape [6, 16], got [6, 8]"},
                                  narrow);
@@ -742,9 +744,12 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
                                       {"cache sequence 0 would exceed the capacity 4 (holds 1, adding 4)"}, out8);
     gattn::KVCache<float> other(2, 4, 2, 5);  // head_dim 5: another layer's cache
     expect_rejected<shape_error>([&] { layer.forward(x, other, out); }, fn,
-                                 {"cache must have shape keys [B*capacity, 8] and values [B*capacity, 8]",
-                                  "got [8, 10] and [8, 10]"},
+                                 {"cache must hold this layer's heads (num_kv_heads 2, head_dim 4, value_head_dim 4), "
+                                  "got num_kv_heads 2, head_dim 5, value_head_dim 5"},
                                  out);
+    gattn::KVCache<float> same_widths(2, 4, 1, 8);  // 1 KV head of 8: the widths alone match
+    expect_rejected<shape_error>([&] { layer.forward(x, same_widths, out); }, fn,
+                                 {"got num_kv_heads 1, head_dim 8, value_head_dim 8"}, out);
     RowMatrix<float> both = x;
     expect_rejected<invalid_argument>([&] { layer.forward(both, cache, both); }, fn, {"out must not overlap x"}, both);
     untouched();

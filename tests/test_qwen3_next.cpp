@@ -506,6 +506,10 @@ TEST(Qwen3NextValidation, BadArgumentsLeaveOutputAndCacheUntouched) {
                                  {"x must have shape", "got [5, 64]"});
     RowMatrix<float> narrow = RowMatrix<float>::Constant(6, 32, 7.0f);
     expect_rejected<shape_error>([&] { layer.forward(x, pos, cache, narrow); }, {"out must have shape [6, 64], got [6, 32]"});
+    // Another layer's cache whose rows are as wide as this one's (H_kv·d the same).
+    const auto& cfg = layer.config();
+    gattn::KVCache<float> other(2, 8, cfg.num_key_value_heads * 2, cfg.head_dim / 2);
+    expect_rejected<shape_error>([&] { layer.forward(x, pos, other, out); }, {"cache must hold this layer's heads"});
     EXPECT_TRUE((narrow.array() == 7.0f).all());
     expect_rejected<shape_error>([&] { layer.forward(x, {2, 3, 4, 1, 2}, cache, out); },
                                  {"positions must have shape [6], got [5]"});

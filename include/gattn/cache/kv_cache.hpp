@@ -30,14 +30,19 @@ public:
     ///         allocated.
     KVCache(Index batch, Index capacity, Index num_kv_heads, Index head_dim, Index value_head_dim = 0)
         : m_capacity(validated_capacity(batch, capacity, num_kv_heads, head_dim, value_head_dim)),
+          m_num_kv_heads(num_kv_heads),
+          m_head_dim(head_dim),
+          m_value_head_dim(value_head_dim > 0 ? value_head_dim : head_dim),
           m_lengths(static_cast<std::size_t>(batch), 0) {
-        const Index dv = value_head_dim > 0 ? value_head_dim : head_dim;
         m_keys.resize(batch * capacity, num_kv_heads * head_dim);
-        m_values.resize(batch * capacity, num_kv_heads * dv);
+        m_values.resize(batch * capacity, num_kv_heads * m_value_head_dim);
     }
 
     Index batch() const noexcept { return static_cast<Index>(m_lengths.size()); }
     Index capacity() const noexcept { return m_capacity; }
+    Index num_kv_heads() const noexcept { return m_num_kv_heads; }
+    Index head_dim() const noexcept { return m_head_dim; }
+    Index value_head_dim() const noexcept { return m_value_head_dim; }
     /// Tokens stored per sequence.
     const std::vector<Index>& lengths() const noexcept { return m_lengths; }
     /// [B·capacity, H_kv·d_k]; rows b·capacity + t for t < lengths()[b] are valid.
@@ -125,12 +130,27 @@ private:
         return capacity;
     }
 
-    Index m_capacity;
+    Index m_capacity, m_num_kv_heads, m_head_dim, m_value_head_dim;
     std::vector<Index> m_lengths;
     RowMatrix<Scalar> m_keys, m_values;
 };
 
 namespace detail {
+
+/// Refuses (shape_error) a cache whose heads are not the layer's (num_kv_heads, head_dim,
+/// value_head_dim): a cache of another layer, which the widths alone would not tell apart.
+template <class Scalar>
+void check_cache_heads(const char* fn, const KVCache<Scalar>& cache, Index num_kv_heads, Index head_dim,
+                       Index value_head_dim) {
+    auto heads = [](Index h, Index d, Index dv) {
+        return "num_kv_heads " + std::to_string(h) + ", head_dim " + std::to_string(d) + ", value_head_dim " +
+               std::to_string(dv);
+    };
+    if (cache.num_kv_heads() != num_kv_heads || cache.head_dim() != head_dim || cache.value_head_dim() != value_head_dim)
+        throw shape_error(std::string(fn) + ": cache must hold this layer's heads (" +
+                          heads(num_kv_heads, head_dim, value_head_dim) + "), got " +
+                          heads(cache.num_kv_heads(), cache.head_dim(), cache.value_head_dim()));
+}
 
 /// The lengths `cache` will have once sequence b gains counts[b] of its N new token slots, for
 /// the layers' cache forwards: empty counts become N for every sequence.

@@ -179,8 +179,10 @@ public:
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
         if (batch < 0) gattn::detail::throw_invalid(fn, "batch", "must be >= 0, got " + std::to_string(batch));
         if (x.cols() != D || (batch == 0 ? x.rows() != 0 : x.rows() % batch != 0))
-            gattn::detail::throw_shape(fn, "x", "[B*N, d_model] = [multiple of " +
-                                                    std::to_string(batch) + ", " + std::to_string(D) + "]",
+            gattn::detail::throw_shape(fn, "x",
+                                       batch == 0 ? "[0, " + std::to_string(D) + "] (batch 0 has no rows)"
+                                                  : "[B*N, d_model] = [multiple of " + std::to_string(batch) + ", " +
+                                                        std::to_string(D) + "]",
                                        gattn::detail::shape_string({x.rows(), x.cols()}));
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
@@ -224,16 +226,18 @@ public:
     /// cache.lengths()[b] + t), so with a causal config, feeding a sequence in pieces gives what
     /// forward(x, batch) gives on the whole sequence (up to rounding).
     /// \param x      [B·N, D]: N new token slots per sequence, row b·N + t, B = cache.batch().
-    /// \param cache  made by make_cache (or a KVCache of this layer's shapes); grows by counts.
+    /// \param cache  this layer's cache, made by make_cache (or a KVCache of its heads); grows by
+    ///               counts. One cache per layer: another layer's cache with the same heads
+    ///               cannot be told apart and gives wrong outputs. B is cache.batch().
     /// \param out    [B·N, D], written; must share no element with x. A padding slot
     ///               (t ≥ counts[b]) gets what the layer makes of U = 0, as in forward.
     /// \param counts new tokens per sequence, each in [0, N]; empty = N for every sequence.
     /// \param trace  optional statistics of the new tokens (probabilities are over the cache's
     ///               capacity: [B·H·N, capacity]).
-    /// \throws shape_error for x, out, counts or a cache of the wrong shape;
-    ///         std::invalid_argument for a count outside [0, N], a sequence that would exceed the
-    ///         cache's capacity, out overlapping x, or a trace matrix holding x or out. Nothing
-    ///         is written (cache included) before validation passes.
+    /// \throws shape_error for x, out or counts of the wrong shape and a cache whose heads are
+    ///         not this layer's; std::invalid_argument for a count outside [0, N], a sequence
+    ///         that would exceed the cache's capacity, out overlapping x, or a trace matrix
+    ///         holding x or out. Nothing is written (cache included) before validation passes.
     void forward(ConstMatrixRef<Scalar> x, KVCache<Scalar>& cache, MatrixRef<Scalar> out,
                  std::vector<Index> counts = {}, ForwardTrace<Scalar>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
@@ -247,13 +251,7 @@ public:
         const Index N = x.rows() / B, rows = x.rows();
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, D);
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
-        if (cache.keys().cols() != Hkv * dk || cache.values().cols() != Hkv * dv)
-            gattn::detail::throw_shape(fn, "cache",
-                                       "keys [B*capacity, " + std::to_string(Hkv * dk) + "] and values [B*capacity, " +
-                                           std::to_string(Hkv * dv) + "]",
-                                       gattn::detail::shape_string({cache.keys().rows(), cache.keys().cols()}) +
-                                           " and " +
-                                           gattn::detail::shape_string({cache.values().rows(), cache.values().cols()}));
+        gattn::detail::check_cache_heads(fn, cache, Hkv, dk, dv);
         std::vector<Index> lengths = gattn::detail::lengths_after(fn, cache, counts, N);
         check_trace(fn, trace, x, out, nullptr);
         SdpaOptions<Scalar> sdpa = sdpa_options();

@@ -237,9 +237,7 @@ public:
                                       {first_key_probability, "first_key_probability"}})
             if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
                 gattn::detail::throw_invalid(fn, name, "must not hold x or out");
-        if (cache.keys().cols() != Hkv * d || cache.values().cols() != Hkv * d)
-            gattn::detail::throw_shape(fn, "cache", "[B*capacity, " + std::to_string(Hkv * d) + "] keys and values",
-                                       gattn::detail::shape_string({cache.keys().rows(), cache.keys().cols()}));
+        gattn::detail::check_cache_heads(fn, cache, Hkv, d, d);
 
         RowMatrix<Scalar> proj(rows, m_w_in.rows());
         gattn::detail::linear<Scalar>(x, m_w_in, m_b_in, proj);
