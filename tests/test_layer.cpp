@@ -752,6 +752,20 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
                                  {"got num_kv_heads 1, head_dim 8, value_head_dim 8"}, out);
     RowMatrix<float> both = x;
     expect_rejected<invalid_argument>([&] { layer.forward(both, cache, both); }, fn, {"out must not overlap x"}, both);
+    // x or out inside the cache's own rows: the layer appends to the cache before it is done with x
+    // (a G5 residual gate reads x last) and writes out after reading the cache.
+    const RowMatrix<float> keys_before = cache.keys();
+    using Strided = Eigen::Map<const RowMatrix<float>, 0, Eigen::OuterStride<>>;
+    expect_rejected<invalid_argument>(
+        [&] { layer.forward(Strided(cache.keys().data(), 2, 16, Eigen::OuterStride<>(16)), cache, out.topRows(2)); },
+        fn, {"x must not share an element with the cache's keys or values"}, out);
+    expect_rejected<invalid_argument>(
+        [&] {
+            layer.forward(x.topRows(2), cache,
+                          Eigen::Map<RowMatrix<float>>(const_cast<float*>(cache.values().data()), 2, 16));
+        },
+        fn, {"out must not share an element with the cache's keys or values"}, out);
+    EXPECT_EQ(cache.keys(), keys_before);
     untouched();
     // A valid call after the rejected ones continues the sequences.
     layer.forward(x, cache, out, {3, 2});

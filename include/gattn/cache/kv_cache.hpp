@@ -152,6 +152,18 @@ void check_cache_heads(const char* fn, const KVCache<Scalar>& cache, Index num_k
                           heads(cache.num_kv_heads(), cache.head_dim(), cache.value_head_dim()));
 }
 
+/// Refuses x or out sharing an element with the cache's keys or values: the layers append to
+/// the cache before they are done reading x (the G5 residual gate reads it last) and write out
+/// after reading the cache.
+template <class Scalar>
+void check_outside_cache(const char* fn, const KVCache<Scalar>& cache, const ConstMatrixRef<Scalar>& x,
+                         const MatrixRef<Scalar>& out) {
+    for (const auto& [overlaps, name] :
+         {std::pair<bool, const char*>{views_overlap(x, cache.keys()) || views_overlap(x, cache.values()), "x"},
+          {views_overlap(out, cache.keys()) || views_overlap(out, cache.values()), "out"}})
+        if (overlaps) throw_invalid(fn, name, "must not share an element with the cache's keys or values");
+}
+
 /// The lengths `cache` will have once sequence b gains counts[b] of its N new token slots, for
 /// the layers' cache forwards: empty counts become N for every sequence.
 /// \throws shape_error when counts has not cache.batch() entries; std::invalid_argument (named

@@ -236,8 +236,8 @@ public:
     ///               capacity: [B·H·N, capacity]).
     /// \throws shape_error for x, out or counts of the wrong shape and a cache whose heads are
     ///         not this layer's; std::invalid_argument for a count outside [0, N], a sequence
-    ///         that would exceed the cache's capacity, out overlapping x, or a trace matrix
-    ///         holding x or out. Nothing is written (cache included) before validation passes.
+    ///         that would exceed the cache's capacity, out overlapping x, x or out sharing an
+    ///         element with the cache's storage, or a trace matrix holding x or out. Nothing is written (cache included) before validation passes.
     void forward(ConstMatrixRef<Scalar> x, KVCache<Scalar>& cache, MatrixRef<Scalar> out,
                  std::vector<Index> counts = {}, ForwardTrace<Scalar>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
@@ -252,6 +252,7 @@ public:
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, D);
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
         gattn::detail::check_cache_heads(fn, cache, Hkv, dk, dv);
+        gattn::detail::check_outside_cache(fn, cache, x, out);
         std::vector<Index> lengths = gattn::detail::lengths_after(fn, cache, counts, N);
         check_trace(fn, trace, x, out, nullptr);
         SdpaOptions<Scalar> sdpa = sdpa_options();

@@ -208,8 +208,9 @@ public:
     ///        sequence's first cached token (paper §4.3 first-token attention); 0 on padding rows.
     /// Prefill of N tokens equals N single-token steps: each token attends, causally, to its
     /// sequence's cached tokens and the new tokens before it (bottom-right alignment per sequence).
-    /// \throws shape_error / std::invalid_argument for bad shapes, counts, or a full cache, for
-    ///         out overlapping x, and for an optional output that holds x or out or is the other
+    /// \throws shape_error / std::invalid_argument for bad shapes, counts, a cache of other heads
+    ///         or a full cache, for out overlapping x, x or out sharing an element with the
+    ///         cache's storage, and for an optional output that holds x or out or is the other
     ///         optional output; nothing is written (cache included) when it throws.
     void forward(ConstMatrixRef<Scalar> x, const std::vector<Index>& positions, KVCache<Scalar>& cache,
                  MatrixRef<Scalar> out, std::vector<Index> counts = {},
@@ -238,6 +239,7 @@ public:
             if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
                 gattn::detail::throw_invalid(fn, name, "must not hold x or out");
         gattn::detail::check_cache_heads(fn, cache, Hkv, d, d);
+        gattn::detail::check_outside_cache(fn, cache, x, out);
 
         RowMatrix<Scalar> proj(rows, m_w_in.rows());
         gattn::detail::linear<Scalar>(x, m_w_in, m_b_in, proj);
