@@ -228,7 +228,7 @@ public:
     /// \param x      [B·N, D]: N new token slots per sequence, row b·N + t, B = cache.batch().
     /// \param cache  this layer's cache, made by make_cache (or a KVCache of its heads); grows by
     ///               counts. One cache per layer: another layer's cache with the same heads
-    ///               cannot be told apart and gives wrong outputs. B is cache.batch().
+    ///               cannot be told apart and gives wrong outputs.
     /// \param out    [B·N, D], written; must share no element with x. A padding slot
     ///               (t ≥ counts[b]) gets what the layer makes of U = 0, as in forward.
     /// \param counts new tokens per sequence, each in [0, N]; empty = N for every sequence.
@@ -237,7 +237,8 @@ public:
     /// \throws shape_error for x, out or counts of the wrong shape and a cache whose heads are
     ///         not this layer's; std::invalid_argument for a count outside [0, N], a sequence
     ///         that would exceed the cache's capacity, out overlapping x, x or out sharing an
-    ///         element with the cache's storage, or a trace matrix holding x or out. Nothing is written (cache included) before validation passes.
+    ///         element with the cache's storage, or a trace matrix holding x or out. Nothing is
+    ///         written (cache included) before validation passes.
     void forward(ConstMatrixRef<Scalar> x, KVCache<Scalar>& cache, MatrixRef<Scalar> out,
                  std::vector<Index> counts = {}, ForwardTrace<Scalar>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
