@@ -767,6 +767,14 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
         fn, {"out must not share an element with the cache's keys or values"}, out);
     EXPECT_EQ(cache.keys(), keys_before);
     untouched();
+    // A call with no slots leaves the cache as it is; its probabilities are [0, capacity].
+    gattn::ForwardTrace<float> trace;
+    trace.record_probabilities = true;
+    RowMatrix<float> none(0, 16);
+    layer.forward(none, cache, none, {}, &trace);
+    EXPECT_EQ(trace.probabilities.rows(), 0);
+    EXPECT_EQ(trace.probabilities.cols(), 4);
+    untouched();
     // A valid call after the rejected ones continues the sequences.
     layer.forward(x, cache, out, {3, 2});
     EXPECT_EQ(cache.lengths(), (std::vector<Index>{4, 3}));

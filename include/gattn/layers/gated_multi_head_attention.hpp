@@ -300,7 +300,8 @@ private:
             if (trace) {
                 trace->gate_scores.resize(0, 0);
                 trace->first_key_attention.resize(0, H);
-                trace->probabilities.resize(0, 0);
+                // [B·H·N, N_k]: N_k is the cache's capacity with a cache, N = 0 without.
+                trace->probabilities.resize(0, cache && trace->record_probabilities ? cache->capacity() : 0);
                 trace->max_abs_output = 0;
             }
             return;
