@@ -40,6 +40,7 @@ public:
 
     Index batch() const noexcept { return static_cast<Index>(m_lengths.size()); }
     Index capacity() const noexcept { return m_capacity; }
+    /// The heads the cache was made for (value_head_dim as resolved: head_dim when given as 0).
     Index num_kv_heads() const noexcept { return m_num_kv_heads; }
     Index head_dim() const noexcept { return m_head_dim; }
     Index value_head_dim() const noexcept { return m_value_head_dim; }
@@ -137,11 +138,30 @@ private:
 
 namespace detail {
 
-/// Refuses (shape_error) a cache whose heads are not the layer's (num_kv_heads, head_dim,
-/// value_head_dim): a cache of another layer, which the widths alone would not tell apart.
+/// Validates the arguments a layer's cache forward shares (GatedMultiHeadAttention,
+/// Qwen3NextAttention) and returns the lengths the cache will have after the call.
+/// x: [B·N, width] with B = cache.batch() (N new token slots per sequence); out: [B·N, width],
+/// sharing no element with x or with the cache's keys or values (the layers append to the cache
+/// before they are done reading x, and write out after reading the cache); the cache's heads:
+/// the layer's (num_kv_heads, head_dim, value_head_dim), which its widths alone would not tell
+/// apart; counts: B entries in [0, N] that fit the capacity (empty becomes N for every sequence).
+/// \throws shape_error for x, out, counts or the cache's heads; std::invalid_argument for a
+///         count outside [0, N], a sequence that would exceed the capacity, or out or x
+///         overlapping what they must not. Every message is named by fn and the argument.
 template <class Scalar>
-void check_cache_heads(const char* fn, const KVCache<Scalar>& cache, Index num_kv_heads, Index head_dim,
-                       Index value_head_dim) {
+std::vector<Index> validate_cache_call(const char* fn, const KVCache<Scalar>& cache, const ConstMatrixRef<Scalar>& x,
+                                       const MatrixRef<Scalar>& out, const char* width_name, Index width,
+                                       Index num_kv_heads, Index head_dim, Index value_head_dim,
+                                       std::vector<Index>& counts) {
+    const Index B = cache.batch();
+    if (x.cols() != width || x.rows() % B != 0)
+        throw_shape(fn, "x",
+                    "[B*N, " + std::string(width_name) + "] = [multiple of " + std::to_string(B) + ", " +
+                        std::to_string(width) + "]",
+                    shape_string({x.rows(), x.cols()}));
+    const Index N = x.rows() / B;
+    check_shape(fn, "out", out.rows(), out.cols(), x.rows(), width);
+    if (views_overlap(out, x)) throw_invalid(fn, "out", "must not overlap x");
     auto heads = [](Index h, Index d, Index dv) {
         return "num_kv_heads " + std::to_string(h) + ", head_dim " + std::to_string(d) + ", value_head_dim " +
                std::to_string(dv);
@@ -150,27 +170,10 @@ void check_cache_heads(const char* fn, const KVCache<Scalar>& cache, Index num_k
         throw shape_error(std::string(fn) + ": cache must hold this layer's heads (" +
                           heads(num_kv_heads, head_dim, value_head_dim) + "), got " +
                           heads(cache.num_kv_heads(), cache.head_dim(), cache.value_head_dim()));
-}
-
-/// Refuses x or out sharing an element with the cache's keys or values: the layers append to
-/// the cache before they are done reading x (the G5 residual gate reads it last) and write out
-/// after reading the cache.
-template <class Scalar>
-void check_outside_cache(const char* fn, const KVCache<Scalar>& cache, const ConstMatrixRef<Scalar>& x,
-                         const MatrixRef<Scalar>& out) {
     for (const auto& [overlaps, name] :
          {std::pair<bool, const char*>{views_overlap(x, cache.keys()) || views_overlap(x, cache.values()), "x"},
           {views_overlap(out, cache.keys()) || views_overlap(out, cache.values()), "out"}})
         if (overlaps) throw_invalid(fn, name, "must not share an element with the cache's keys or values");
-}
-
-/// The lengths `cache` will have once sequence b gains counts[b] of its N new token slots, for
-/// the layers' cache forwards: empty counts become N for every sequence.
-/// \throws shape_error when counts has not cache.batch() entries; std::invalid_argument (named
-///         by fn) when a count is outside [0, N] or a sequence would exceed the capacity.
-template <class Scalar>
-std::vector<Index> lengths_after(const char* fn, const KVCache<Scalar>& cache, std::vector<Index>& counts, Index N) {
-    const Index B = cache.batch();
     if (counts.empty()) counts.assign(static_cast<std::size_t>(B), N);
     if (static_cast<Index>(counts.size()) != B)
         throw_shape(fn, "counts", shape_string({B}), shape_string({static_cast<Index>(counts.size())}));

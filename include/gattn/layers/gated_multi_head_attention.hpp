@@ -224,7 +224,9 @@ public:
     /// gates act on the new tokens. The config's causal and window masks align the new tokens
     /// with the end of their sequence (query t of sequence b sits at position
     /// cache.lengths()[b] + t), so with a causal config, feeding a sequence in pieces gives what
-    /// forward(x, batch) gives on the whole sequence (up to rounding).
+    /// forward(x, batch) gives on the whole sequence (up to rounding). The math is that of
+    /// forward (arXiv:2505.06708 §2) over the cached and the new tokens; caching K and V is the
+    /// decoding scheme of HF transformers' Cache and llama.cpp's KV cache.
     /// \param x      [B·N, D]: N new token slots per sequence, row b·N + t, B = cache.batch().
     /// \param cache  this layer's cache, made by make_cache (or a KVCache of its heads); grows by
     ///               counts. One cache per layer: another layer's cache with the same heads
@@ -244,17 +246,9 @@ public:
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
-        const Index B = cache.batch();
-        if (x.cols() != D || x.rows() % B != 0)
-            gattn::detail::throw_shape(fn, "x", "[B*N, d_model] = [multiple of " + std::to_string(B) + ", " +
-                                                    std::to_string(D) + "]",
-                                       gattn::detail::shape_string({x.rows(), x.cols()}));
-        const Index N = x.rows() / B, rows = x.rows();
-        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, D);
-        if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
-        gattn::detail::check_cache_heads(fn, cache, Hkv, dk, dv);
-        gattn::detail::check_outside_cache(fn, cache, x, out);
-        std::vector<Index> lengths = gattn::detail::lengths_after(fn, cache, counts, N);
+        const Index B = cache.batch(), rows = x.rows();
+        std::vector<Index> lengths =
+            gattn::detail::validate_cache_call(fn, cache, x, out, "d_model", D, Hkv, dk, dv, counts);
         check_trace(fn, trace, x, out, nullptr);
         SdpaOptions<Scalar> sdpa = sdpa_options();
         sdpa.mask.key_lengths = std::move(lengths);

@@ -219,18 +219,12 @@ public:
         constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
         const Qwen3NextConfig& c = m_config;
         const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
-        const Index B = cache.batch();
-        if (x.cols() != D || x.rows() % B != 0)
-            gattn::detail::throw_shape(fn, "x", "[B*N, hidden_size] = [multiple of " + std::to_string(B) + ", " +
-                                                    std::to_string(D) + "]",
-                                       gattn::detail::shape_string({x.rows(), x.cols()}));
-        const Index N = x.rows() / B, rows = x.rows();
-        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, D);
+        const Index B = cache.batch(), rows = x.rows();
+        gattn::detail::validate_cache_call(fn, cache, x, out, "hidden_size", D, Hkv, d, d, counts);
+        const Index N = rows / B;
         if (static_cast<Index>(positions.size()) != rows)
             gattn::detail::throw_shape(fn, "positions", gattn::detail::shape_string({rows}),
                                        gattn::detail::shape_string({static_cast<Index>(positions.size())}));
-        gattn::detail::lengths_after(fn, cache, counts, N);
-        if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
         // The optional outputs are resized, which frees their storage.
         if (gate_scores && gate_scores == first_key_probability)
             gattn::detail::throw_invalid(fn, "gate_scores", "must not be first_key_probability");
@@ -238,8 +232,6 @@ public:
                                       {first_key_probability, "first_key_probability"}})
             if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
                 gattn::detail::throw_invalid(fn, name, "must not hold x or out");
-        gattn::detail::check_cache_heads(fn, cache, Hkv, d, d);
-        gattn::detail::check_outside_cache(fn, cache, x, out);
 
         RowMatrix<Scalar> proj(rows, m_w_in.rows());
         gattn::detail::linear<Scalar>(x, m_w_in, m_b_in, proj);
