@@ -4,7 +4,9 @@
 // full attention and half of that for causal attention (only the unmasked half is useful work).
 //
 // BM_GattnVsCareful runs gattn and the careful Eigen attention in turn in every iteration and
-// reports their speedup.
+// reports their speedup. BM_Bf16VsFloat does the same for gattn's float SDPA and its bf16 SDPA
+// (the same inputs rounded to bf16; bf16 output) and reports speedup = float time / bf16 time;
+// the bf16 kernel that ran (and why no faster one) is printed in the context.
 //
 // Run: build/bench/bench/bench_sdpa --benchmark_counters_tabular=true
 // Threads: the benchmarks with /threads:2 set omp_set_num_threads(2) (needs an OpenMP build).
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include <gattn/gattn.hpp>
+#include <gattn/simd/cpu.hpp>
 
 
 #ifdef _OPENMP
@@ -140,6 +143,41 @@ void BM_GattnVsCareful(benchmark::State& state) {
     state.SetLabel(gattn::simd::arch_name());
 }
 
+/// gattn's float SDPA and its bf16 SDPA in turn within every iteration. Args: N, causal,
+/// threads; d = 128, 8 heads. Counters: each one's GFLOP/s and speedup = float / bf16 time.
+void BM_Bf16VsFloat(benchmark::State& state) {
+    const gattn::Index n = state.range(0), d = 128;
+    const bool causal = state.range(1) != 0;
+    set_threads(static_cast<int>(state.range(2)));
+    Inputs in(n, n, d);
+    const gattn::RowMatrix<gattn::bfloat16> q = in.q.cast<gattn::bfloat16>(), k = in.k.cast<gattn::bfloat16>(),
+                                            v = in.v.cast<gattn::bfloat16>();
+    gattn::RowMatrix<gattn::bfloat16> out(n, kHeads * d);
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = causal;
+    using Clock = std::chrono::steady_clock;
+    double t_float = 0, t_bf16 = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, {1, kHeads, kHeads}, in.out, opt);
+        benchmark::DoNotOptimize(in.out.data());
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, {1, kHeads, kHeads}, out, opt);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        t_float += std::chrono::duration<double>(t1 - t0).count();
+        t_bf16 += std::chrono::duration<double>(t2 - t1).count();
+    }
+    const double flops = attention_flops(n, n, d, causal) * static_cast<double>(state.iterations());
+    state.counters["float_GFLOP/s"] = flops / t_float / 1e9;
+    state.counters["bf16_GFLOP/s"] = flops / t_bf16 / 1e9;
+    state.counters["speedup"] = t_float / t_bf16;
+    state.SetLabel(gattn::kernel_name(gattn::bf16_kernel().kernel));
+    set_threads(1);
+}
+
 /// Typical hand-written Eigen attention: (Q·Kᵀ)·scale materialised, softmax through
 /// broadcasting expressions.
 void BM_EigenTypicalSdpa(benchmark::State& state) {
@@ -241,10 +279,19 @@ BENCHMARK(BM_GattnSdpa)->Apply(prefill_args)->ArgNames({"Nq", "Nk", "d", "causal
 BENCHMARK(BM_GattnSdpa)->Name("BM_GattnDecode")->Apply(decode_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_GattnLongContext)->Arg(2)->ArgNames({"threads"})->Iterations(1)->Unit(benchmark::kSecond)->UseRealTime();
 BENCHMARK(BM_GattnVsCareful)->Args({512, 128, 0})->Args({512, 128, 1})->Args({2048, 128, 0})->Args({2048, 128, 1})->ArgNames({"N", "d", "causal"})->MinTime(3.0)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Bf16VsFloat)->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}})->Args({2048, 0, 2})->Args({2048, 1, 2})->ArgNames({"N", "causal", "threads"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenCarefulSdpa)->Apply(baseline_args)->ArgNames({"N", "d", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenTypicalSdpa)->Args({512, 128})->Args({2048, 128})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenGemmRoof)->Args({512, 128})->Args({2048, 128})->Args({2048, 64})->Args({2048, 256})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+    benchmark::AddCustomContext("gattn_isa", gattn::simd::arch_name());
+    benchmark::AddCustomContext("gattn_bf16_kernel", gattn::describe(gattn::bf16_kernel()));
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    return 0;
+}

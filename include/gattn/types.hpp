@@ -29,9 +29,27 @@ using ConstMatrixRef = Eigen::Ref<const RowMatrix<Scalar>, 0, Eigen::OuterStride
 template <class Scalar>
 using MatrixRef = Eigen::Ref<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
 
-/// Scalar types gattn is instantiated for.
+/// Scalar types gattn computes in.
 template <class Scalar>
 inline constexpr bool is_supported_scalar_v =
     std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>;
+
+/// bfloat16 (1 sign, 8 exponent, 7 mantissa bits): the storage type of current checkpoints.
+using bfloat16 = Eigen::bfloat16;
+/// IEEE binary16 (5 exponent, 10 mantissa bits).
+using half = Eigen::half;
+
+/// 16-bit storage types: tensors of them are read by kernels that compute in float.
+template <class Storage>
+inline constexpr bool is_narrow_storage_v = std::is_same_v<Storage, bfloat16> || std::is_same_v<Storage, half>;
+
+/// Types a tensor may be stored in: the compute types and the 16-bit storage types.
+template <class Storage>
+inline constexpr bool is_supported_storage_v = is_supported_scalar_v<Storage> || is_narrow_storage_v<Storage>;
+
+/// The type a kernel computes in for tensors stored as Storage: float for bf16 and fp16,
+/// Storage itself otherwise (softmax statistics, accumulators, masks' bias, scale).
+template <class Storage>
+using compute_t = std::conditional_t<is_narrow_storage_v<Storage>, float, Storage>;
 
 }  // namespace gattn

@@ -103,13 +103,15 @@ struct FlashGeometry {
 };
 
 /// Description of one query block: up to Br (head, query) pairs that share KV head g of
-/// sequence b. Lanes past `count` are padding.
-template <class T>
+/// sequence b. Lanes past `count` are padding. T is the compute type; Storage the type the
+/// query rows are stored in and Out that of the output rows (bf16 or fp16 rows are read by
+/// ops/bf16_flash_kernel.hpp, whose outputs may be Storage or float).
+template <class T, class Storage = T, class Out = Storage>
 struct FlashBlock {
     using G = FlashGeometry<T>;
     int count = 0;
-    const T* q[G::kQueries];          // query rows (d_k values)
-    T* out[G::kQueries];              // output rows (d_v values)
+    const Storage* q[G::kQueries];    // query rows (d_k values)
+    Out* out[G::kQueries];            // output rows (d_v values)
     Index begin[G::kQueries];         // visible key range per lane
     Index end[G::kQueries];
     const bool* bool_row[G::kQueries];  // null when no boolean mask

@@ -25,6 +25,7 @@
 #include <omp.h>
 #endif
 
+#include "gattn/ops/bf16_flash_kernel.hpp"
 #include "gattn/ops/decode_kernel.hpp"
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/ops/mask.hpp"
@@ -40,7 +41,8 @@ struct HeadLayout {
     Index num_kv_heads = 1;  ///< H_kv, divides H (H_kv = H: MHA, 1: MQA)
 };
 
-/// Options of scaled_dot_product_attention.
+/// Options of scaled_dot_product_attention. Scalar is the compute type (float for bf16 and
+/// fp16 inputs, see compute_t).
 template <class Scalar>
 struct SdpaOptions {
     /// Logit scale; empty = 1/√d_k (d_k the query/key head dim, never d_v or H·d_k).
@@ -50,6 +52,7 @@ struct SdpaOptions {
 };
 
 /// Optional outputs of scaled_dot_product_attention. Each non-null matrix is resized and filled.
+/// Scalar is the compute type (float for bf16 and fp16 inputs).
 template <class Scalar>
 struct SdpaOutputs {
     /// [B·N_q, H]: log Σ_j exp(logit_j) over visible keys (natural log; −∞ for a fully masked
@@ -157,6 +160,13 @@ inline bool overlaps(const T* a, Index na, const T* b, Index nb) noexcept {
            pb < pa + static_cast<std::uintptr_t>(na) * sizeof(T);
 }
 
+/// True when a elements [a, a + na) and b elements [b, b + nb) of any two types share a byte.
+template <class A, class B>
+inline bool overlaps_any(const A* a, Index na, const B* b, Index nb) noexcept {
+    return overlaps(reinterpret_cast<const char*>(a), na * Index(sizeof(A)), reinterpret_cast<const char*>(b),
+                    nb * Index(sizeof(B)));
+}
+
 /// Elements of a mask view.
 template <class T>
 inline Index numel(const MaskView<T>& v) noexcept {
@@ -196,7 +206,7 @@ inline bool views_overlap(const MA& a, const MB& b) noexcept {
 /// element of the view v: writing v afterwards would write freed memory.
 template <class S, class V>
 inline bool resized_output_holds(const RowMatrix<S>* m, const V& v) noexcept {
-    return m != nullptr && overlaps(m->data(), m->size(), static_cast<const S*>(v.data()), span_of(v));
+    return m != nullptr && overlaps_any(m->data(), m->size(), v.data(), span_of(v));
 }
 /// The same for a mask (an additive bias): false when the mask is not given.
 template <class S>
@@ -228,14 +238,20 @@ struct NoEpilogue {
 /// The epilogue runs on the OpenMP threads: it must not throw, may modify only y's d_v values
 /// (and must not read `out`), must give the same result on any thread, and must not call SDPA
 /// (the thread's kernel scratch is in use).
-template <class Scalar, class Epilogue>
-void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
-                        const HeadLayout& heads, MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options,
-                        const SdpaOutputs<Scalar>& extra, const Epilogue& epilogue) {
-    static_assert(is_supported_scalar_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
+/// With 16-bit storage (bf16, fp16) the epilogue gets each row in float before it is rounded,
+/// and the output may be float (Out) instead of the storage type.
+template <class Scalar, class Out, class Epilogue>
+void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
+                           const HeadLayout& heads, MatrixRef<Out> out, const SdpaOptions<compute_t<Scalar>>& options,
+                           const SdpaOutputs<compute_t<Scalar>>& extra, const Epilogue& epilogue) {
+    static_assert(is_supported_storage_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_DOUBLE_BFLOAT16_OR_HALF");
+    using T = compute_t<Scalar>;
+    static_assert(std::is_same_v<Out, Scalar> || (is_narrow_storage_v<Scalar> && std::is_same_v<Out, T>),
+                  "GATTN_OUTPUT_MUST_BE_THE_INPUT_TYPE_OR_FLOAT_FOR_16_BIT_INPUTS");
+    constexpr bool kNarrow = is_narrow_storage_v<Scalar>;
     constexpr const char* fn = "gattn::scaled_dot_product_attention";
     // Plain variables, not a structured binding: C++17 lambdas cannot capture those.
-    const auto head_dims = gattn::detail::validate_sdpa(fn, query.rows(), query.cols(), key.rows(), key.cols(),
+    const auto head_dims = gattn::detail::validate_sdpa<T>(fn, query.rows(), query.cols(), key.rows(), key.cols(),
                                                         value.rows(), value.cols(), heads, options);
     const Index dk = head_dims.first, dv = head_dims.second;
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
@@ -248,13 +264,13 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
         gattn::detail::throw_invalid(fn, "out", "must not share an element with query, key or value");
     const auto& mask = options.mask;
     if (!mask.bias.empty() &&
-        gattn::detail::overlaps(out.data(), out_span, mask.bias.data, gattn::detail::numel(mask.bias)))
+        gattn::detail::overlaps_any(out.data(), out_span, mask.bias.data, gattn::detail::numel(mask.bias)))
         gattn::detail::throw_invalid(fn, "out", "must not overlap mask.bias");
     // Optional outputs are resized, which frees their storage: they must not be, or hold, an input.
-    const RowMatrix<Scalar>* extras[] = {extra.log_sum_exp, extra.probabilities, extra.first_key_probability};
+    const RowMatrix<T>* extras[] = {extra.log_sum_exp, extra.probabilities, extra.first_key_probability};
     const char* extra_names[] = {"extra.log_sum_exp", "extra.probabilities", "extra.first_key_probability"};
     for (int a = 0; a < 3; ++a) {
-        const RowMatrix<Scalar>* e = extras[a];
+        const RowMatrix<T>* e = extras[a];
         if (!e) continue;
         for (int b2 = a + 1; b2 < 3; ++b2)
             if (extras[b2] == e)
@@ -265,24 +281,33 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
             gattn::detail::throw_invalid(fn, extra_names[a], "must not hold query, key, value, out or mask.bias");
     }
 
-    const Scalar scale = static_cast<Scalar>(options.scale ? *options.scale
-                                                           : 1.0 / std::sqrt(double(dk)));
+    const T scale = static_cast<T>(options.scale ? *options.scale : 1.0 / std::sqrt(double(dk)));
     if (extra.log_sum_exp) extra.log_sum_exp->resize(B * Nq, H);
     if (extra.probabilities) extra.probabilities->setZero(B * H * Nq, Nk);
     if (extra.first_key_probability) extra.first_key_probability->setZero(B * Nq, H);
 
-    constexpr Scalar kNegInf = -std::numeric_limits<Scalar>::infinity();
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     if (B * Nq == 0) return;
     if (Nk == 0) {  // no keys: every row is fully masked
         for (Index r = 0; r < out.rows(); ++r) out.row(r).setZero();
         if (extra.log_sum_exp) extra.log_sum_exp->setConstant(kNegInf);
+        std::vector<T> zeros(kNarrow ? static_cast<std::size_t>(dv) : 0);
         for (Index r = 0; r < out.rows(); ++r)
-            for (Index h = 0; h < H; ++h) epilogue(r, h, out.data() + r * out.outerStride() + h * dv);
+            for (Index h = 0; h < H; ++h) {
+                Out* y = out.data() + r * out.outerStride() + h * dv;
+                if constexpr (kNarrow) {
+                    std::fill(zeros.begin(), zeros.end(), T(0));
+                    epilogue(r, h, zeros.data());
+                    kernel::narrow_row(zeros.data(), y, dv);
+                } else {
+                    epilogue(r, h, y);
+                }
+            }
         return;
     }
     // Probabilities are derived from the log-sum-exp, so they need it even when not requested.
-    RowMatrix<Scalar> lse_scratch;
-    RowMatrix<Scalar>* lse = extra.log_sum_exp;
+    RowMatrix<T> lse_scratch;
+    RowMatrix<T>* lse = extra.log_sum_exp;
     if (extra.probabilities && !lse) {
         lse_scratch.resize(B * Nq, H);
         lse = &lse_scratch;
@@ -292,10 +317,11 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
     // queries in lanes (flash_kernel.hpp), tasks (sequence, KV head, block of Br pairs). Few
     // pairs (decoding): keys in lanes with the keys split into chunks (decode_kernel.hpp), tasks
     // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
-    using Geometry = kernel::FlashGeometry<Scalar>;
+    // 16-bit storage has no decoding kernel yet: it always takes query tiles.
+    using Geometry = kernel::FlashGeometry<T>;
     const Index group = H / Hkv;
     const Index pairs = group * Nq;
-    const bool decode = pairs <= Geometry::kQueries / 4;
+    const bool decode = !kNarrow && pairs <= Geometry::kQueries / 4;
     const Index blocks = decode ? 1 : (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
     const Index chunks = decode ? (Nk + kernel::kChunkKeys - 1) / kernel::kChunkKeys : 1;
     // A prefill task runs up to kGroupBlocks query blocks of one KV head together (they share
@@ -309,7 +335,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
 #else
         const Index threads = 1;
 #endif
-        const Index block_bytes = Geometry::kQueries * (dk + dv) * Index(sizeof(Scalar));
+        const Index block_bytes = Geometry::kQueries * (dk + dv) * Index(sizeof(T));
         while (per_task * 2 <= Geometry::kGroupBlocks && per_task * 2 * block_bytes <= Geometry::group_bytes() &&
                B * Hkv * ((blocks + per_task * 2 - 1) / (per_task * 2)) >= 4 * threads)
             per_task *= 2;
@@ -323,7 +349,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
     // epilogue a block's outputs are staged in cache, the epilogue runs there, and the rows are
     // then streamed out.
     constexpr bool kHasEpilogue = !std::is_same_v<Epilogue, NoEpilogue>;
-    const bool stream_outputs = B * Nq * H * dv * Index(sizeof(Scalar)) >= kStreamOutputBytes;
+    const bool stream_outputs = !kNarrow && B * Nq * H * dv * Index(sizeof(Scalar)) >= kStreamOutputBytes;
     const auto writes = !stream_outputs ? kernel::OutputWrites::Direct
                         : kHasEpilogue  ? kernel::OutputWrites::Staged
                                         : kernel::OutputWrites::Streaming;
@@ -331,7 +357,7 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
     // Pair p of KV head g in sequence b is query i = p mod N_q of head g·(H / H_kv) + ⌊p / N_q⌋.
     auto pair_head = [&](Index g, Index pair) { return g * group + pair / Nq; };
     auto pair_row = [&](Index b, Index pair) { return b * Nq + pair % Nq; };
-    auto describe_block = [&](kernel::FlashBlock<Scalar>& blk, Index b, Index g, Index t0) {
+    auto describe_block = [&](kernel::FlashBlock<T, Scalar, Out>& blk, Index b, Index g, Index t0) {
         blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
         for (int t = 0; t < blk.count; ++t) {
             const Index pair = t0 + t, h = pair_head(g, pair), i = pair % Nq;
@@ -348,11 +374,39 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
         }
     };
     // The epilogue of pairs [t0, t0 + count) of KV head g in sequence b, whose outputs are at rows.
-    auto finish_block = [&](int count, Scalar* const* rows, Index b, Index g, Index t0) {
+    auto finish_block = [&](int count, auto* const* rows, Index b, Index g, Index t0) {
         for (int t = 0; t < count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
     };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
-    std::vector<kernel::PartialState<Scalar>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
+    std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
+    // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
+    const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? bf16_kernel().kernel : Bf16Kernel::WidenedFloat;
+    if constexpr (kNarrow) {
+#ifdef _OPENMP
+#pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
+#endif
+        {
+            auto& scratch = kernel::NarrowScratch<Scalar, Out>::for_this_thread();
+            scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
+            kernel::FlashBlock<T, Scalar, Out>* const blk = scratch.blocks.data();
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+            for (Index task = 0; task < tasks; ++task) {
+                const Index first = (block_tasks - 1 - task % block_tasks) * per_task,
+                            g = (task / block_tasks) % Hkv, b = task / (block_tasks * Hkv);
+                const int count = static_cast<int>(std::min(per_task, blocks - first));
+                for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
+                auto on_block = [&](int i, T* const* rows) {
+                    finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
+                };
+                kernel::narrow_attention_blocks(narrow_kernel, blk, count,
+                                                key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
+                                                value.data() + b * Nk * value.outerStride() + g * dv,
+                                                value.outerStride(), dk, dv, scale, scratch, on_block);
+            }
+        }
+    } else {
 #ifdef _OPENMP
 #pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
 #endif
@@ -413,11 +467,22 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
             }
         }
     }
+    }
 
     if (!extra.probabilities) return;
     // Analysis output, recomputed row by row in three passes (max, sum, normalise) so that it is
     // exact even when every visible logit is huge (the log-sum-exp alone would lose log n).
-    std::vector<Scalar> logits(static_cast<std::size_t>(Nk));
+    std::vector<T> logits(static_cast<std::size_t>(Nk));
+    std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(q_wide.size());
+    auto dot = [&](const Scalar* a, const Scalar* b2) -> T {
+        if constexpr (kNarrow) {
+            kernel::widen_row(a, q_wide.data(), dk);
+            kernel::widen_row(b2, k_wide.data(), dk);
+            return simd::dot(q_wide.data(), k_wide.data(), static_cast<std::size_t>(dk));
+        } else {
+            return simd::dot(a, b2, static_cast<std::size_t>(dk));
+        }
+    };
     for (Index b = 0; b < B; ++b)
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
@@ -425,25 +490,39 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
                 const Scalar* k = key.data() + b * Nk * key.outerStride() + (h / group) * dk;
                 const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
-                const Scalar* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
-                Scalar* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
+                const T* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
+                T* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
                 const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
-                Scalar m = kNegInf;
+                T m = kNegInf;
                 for (Index j = range.begin; j < range.end; ++j) {
                     logits[j] = kNegInf;
                     if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == kNegInf)) continue;
-                    Scalar sc = simd::dot(q, k + j * key.outerStride(), static_cast<std::size_t>(dk)) * scale;
+                    T sc = dot(q, k + j * key.outerStride()) * scale;
                     if (bias_row) sc += bias_row[j];
                     logits[j] = sc;
                     m = std::max(m, sc);
                 }
-                Scalar l = 0;
+                T l = 0;
                 for (Index j = range.begin; j < range.end; ++j)
-                    if (logits[j] != kNegInf) l += (p[j] = simd::exp_scalar<Scalar>(logits[j] - m));
+                    if (logits[j] != kNegInf) l += (p[j] = simd::exp_scalar<T>(logits[j] - m));
                 for (Index j = range.begin; j < range.end; ++j)
                     if (logits[j] != kNegInf) p[j] /= l;
             }
 }
+
+/// sdpa_with_epilogue_to with the output in the input's type.
+template <class Scalar, class Epilogue>
+void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
+                        const HeadLayout& heads, MatrixRef<Scalar> out, const SdpaOptions<compute_t<Scalar>>& options,
+                        const SdpaOutputs<compute_t<Scalar>>& extra, const Epilogue& epilogue) {
+    sdpa_with_epilogue_to<Scalar, Scalar>(query, key, value, heads, out, options, extra, epilogue);
+}
+
+/// T itself, in a context that template argument deduction does not look at.
+template <class T>
+struct identity {
+    using type = T;
+};
 
 }  // namespace detail
 
@@ -474,13 +553,14 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
 /// is therefore not left in cache.
 /// Extra memory: a few tiles per thread, which each thread keeps for its next call (up to about
 /// half of the L2 cache: 1.1 MiB at d = 128 with a 2 MiB L2; docs/conventions.md).
-template <class Scalar>
+template <class Scalar, class Out = Scalar>
 void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
                                   ConstMatrixRef<Scalar> value, const HeadLayout& heads,
-                                  MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options = {},
-                                  const SdpaOutputs<Scalar>& extra = {}) {
-    gattn::detail::sdpa_with_epilogue<Scalar>(query, key, value, heads, out, options, extra,
-                                              gattn::detail::NoEpilogue{});
+                                  MatrixRef<typename gattn::detail::identity<Out>::type> out,
+                                  const SdpaOptions<compute_t<Scalar>>& options = {},
+                                  const SdpaOutputs<compute_t<Scalar>>& extra = {}) {
+    gattn::detail::sdpa_with_epilogue_to<Scalar, Out>(query, key, value, heads, out, options, extra,
+                                                      gattn::detail::NoEpilogue{});
 }
 
 /// Merges two attention results for the same queries over disjoint key sets (split-KV, or
@@ -553,11 +633,11 @@ RowMatrix<Scalar> scaled_dot_product_attention(ConstMatrixRef<Scalar> query,
                                                ConstMatrixRef<Scalar> key,
                                                ConstMatrixRef<Scalar> value,
                                                const HeadLayout& heads,
-                                               const SdpaOptions<Scalar>& options = {},
-                                               const SdpaOutputs<Scalar>& extra = {}) {
+                                               const SdpaOptions<compute_t<Scalar>>& options = {},
+                                               const SdpaOutputs<compute_t<Scalar>>& extra = {}) {
     const Index H = heads.num_heads, Hkv = heads.num_kv_heads;
     // Validate first so that a bad head count is reported before the output is sized.
-    gattn::detail::validate_sdpa("gattn::scaled_dot_product_attention", query.rows(),
+    gattn::detail::validate_sdpa<compute_t<Scalar>>("gattn::scaled_dot_product_attention", query.rows(),
                                  query.cols(), key.rows(), key.cols(), value.rows(), value.cols(),
                                  heads, options);
     RowMatrix<Scalar> out(query.rows(), H * (value.cols() / Hkv));

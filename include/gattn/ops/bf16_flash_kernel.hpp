@@ -1,0 +1,558 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// SDPA kernels for query, key and value stored in 16 bits (bf16, fp16), computing in float.
+///
+/// Two kernels run a group of query blocks of one KV head against its keys, with the same
+/// blocking, masks and online softmax as the float kernel (ops/flash_kernel.hpp): queries in
+/// the SIMD lanes, Sᵀ[key][query] and Oᵀ[feature][query] tiles, Br = FlashGeometry<float>'s
+/// queries per block, Bc = 64 keys per block.
+///
+///  - AVX512-BF16 (bf16 only): both products as VDPBF16PS, which multiplies pairs of bf16
+///    values and adds both products to a float accumulator. Q is packed once per query block
+///    as pairs of features [d_k/2][Br]; K is read where it lies (a KV-cache row), one pair of
+///    features broadcast per instruction; each key block's V is packed once per group as pairs
+///    of keys [d_v][Bc/2] (Vᵀ); the probabilities P are rounded to bf16 (round to nearest even)
+///    and packed as pairs of keys [Bc/2][Br] in registers. The softmax runs in float, in base 2
+///    (log₂e folded into the scale); the row sum l adds the rounded P that multiply V, so the
+///    output is a convex combination of V rows with exactly the weights it divides by.
+///    VDPBF16PS treats bf16 subnormals as 0 and flushes subnormal results (its definition).
+///  - Widened float (bf16 without AVX512-BF16, and fp16 always): each key block's K and V rows
+///    and each query block's Q rows are widened to float in a per-thread scratch, then run
+///    through the float kernel's steps unchanged. Exact widening; results equal the float
+///    kernel on the widened inputs.
+/// Both write each output row in float to a staging row, run the caller's epilogue there, and
+/// round it once to the storage type (round to nearest even), or copy it to a float output.
+///
+/// Masked keys: keys outside every lane's range are not read. Inside a partial block, VDPBF16PS
+/// cannot skip a key per lane, so a key hidden from a lane has P = −0 there; when a partial
+/// key block's V holds a non-finite value (±∞, NaN: garbage in an unused cache slot), that
+/// block's PV product runs lane by lane and skips such keys, so masking never lets it through.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "gattn/ops/flash_kernel.hpp"
+#include "gattn/simd/cpu.hpp"
+#include "gattn/types.hpp"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define GATTN_HAS_AVX512BF16_KERNEL 1
+#endif
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace kernel {
+
+/// Bits of a 16-bit value.
+template <class S>
+inline std::uint16_t bits16(const S& x) noexcept {
+    static_assert(sizeof(S) == 2, "16-bit storage");
+    std::uint16_t b;
+    std::memcpy(&b, &x, 2);
+    return b;
+}
+
+/// dst[i] = float(src[i]) for i < n (exact).
+template <class S>
+inline void widen_row(const S* src, float* dst, Index n) noexcept {
+    if constexpr (std::is_same_v<S, bfloat16>) {
+        // A bf16 is the top half of a float: a shift, which compilers vectorise.
+        for (Index i = 0; i < n; ++i) {
+            const std::uint32_t w = std::uint32_t(bits16(src[i])) << 16;
+            std::memcpy(dst + i, &w, 4);
+        }
+    } else {
+        for (Index i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+    }
+}
+
+/// dst[i] = S(src[i]) for i < n, rounded to nearest even (Eigen's conversions; NaN stays NaN);
+/// a copy when S is float.
+template <class S>
+inline void narrow_row(const float* src, S* dst, Index n) noexcept {
+    if constexpr (std::is_same_v<S, float>)
+        std::copy(src, src + n, dst);
+    else
+        for (Index i = 0; i < n; ++i) dst[i] = S(src[i]);
+}
+
+/// Row-major matrix of packed bf16 pairs (the low half holds the first of the pair).
+using PairMatrix = Eigen::Matrix<std::uint32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+/// Per-thread scratch of the 16-bit kernels; grows only, kept between calls (see FlashScratch).
+template <class S, class O = S>
+struct NarrowScratch {
+    using G = FlashGeometry<float>;
+    static constexpr int W = G::kQueries;
+    std::vector<FlashBlock<float, S, O>> blocks;  // the driver's block descriptions
+    std::vector<FlashBlock<float>> wide;       // widened: the same blocks over widened Q rows
+    RowMatrix<float> q_rows;                   // widened: [Br·group, d_k] Q rows
+    RowMatrix<float> k_rows, v_rows;           // widened: [Bc, d_k], [Bc, d_v] one key block
+    RowMatrix<float> stage;                    // [Br, d_v] one block's float outputs
+    PairMatrix qp[G::kGroupBlocks];            // AVX512-BF16: [⌈d_k/2⌉, Br] Q feature pairs
+    PairMatrix vt;                             // AVX512-BF16: [d_v, Bc/2] Vᵀ key pairs
+    PairMatrix pt;                             // AVX512-BF16: [Bc/2, Br] Pᵀ key pairs
+    RowMatrix<float> st;                       // AVX512-BF16: [Bc, Br] Sᵀ (base-2 logits)
+    RowMatrix<float> ot[G::kGroupBlocks];      // AVX512-BF16: [d_v, Br] Oᵀ (unnormalised)
+
+    static NarrowScratch& for_this_thread() {
+        thread_local NarrowScratch scratch;
+        return scratch;
+    }
+    void reserve(Index dk, Index dv, int group_blocks, bool tiles) {
+        auto grow = [](auto& m, Index rows, Index cols) {
+            if (m.size() < rows * cols) m.resize(rows, cols);
+        };
+        if (static_cast<int>(blocks.size()) < group_blocks) blocks.resize(static_cast<std::size_t>(group_blocks));
+        grow(stage, W, dv);
+        if (tiles) {
+            for (int i = 0; i < group_blocks; ++i) {
+                grow(qp[i], (dk + 1) / 2, W);
+                grow(ot[i], dv, W);
+            }
+            grow(vt, dv, G::kKeys / 2);
+            grow(pt, G::kKeys / 2, W);
+            grow(st, G::kKeys, W);
+        } else {
+            if (static_cast<int>(wide.size()) < group_blocks) wide.resize(static_cast<std::size_t>(group_blocks));
+            grow(q_rows, W * group_blocks, dk);
+            grow(k_rows, G::kKeys, dk);
+            grow(v_rows, G::kKeys, dv);
+        }
+    }
+};
+
+/// Writes a block's staged float outputs: epilogue on the float row, then one rounding.
+template <class S, class O, class OnBlock>
+inline void narrow_outputs(const FlashBlock<float, S, O>& blk, int i, float* const* rows, Index dv,
+                           const OnBlock& on_block) {
+    on_block(i, rows);
+    for (int t = 0; t < blk.count; ++t) narrow_row(rows[t], blk.out[t], dv);
+}
+
+/// The widened-float kernel: runs the float kernel's steps on Q, K and V widened block by block.
+template <class S, class O, class OnBlock>
+void widened_attention_blocks(const FlashBlock<float, S, O>* blocks, int count, const S* key, Index key_stride,
+                              const S* value, Index value_stride, Index dk, Index dv, float scale,
+                              NarrowScratch<S, O>& ns, const OnBlock& on_block) {
+    using G = FlashGeometry<float>;
+    constexpr int W = G::kQueries;
+    FlashScratch<float>& fs = FlashScratch<float>::for_this_thread();
+    fs.reserve(dk, dv, count, dv, false);
+    FlashState<float> state[G::kGroupBlocks];
+    Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
+    for (int i = 0; i < count; ++i) {
+        const FlashBlock<float, S, O>& b = blocks[i];
+        FlashBlock<float>& w = ns.wide[static_cast<std::size_t>(i)];
+        w.count = b.count;
+        for (int t = 0; t < W; ++t) {
+            float* q = ns.q_rows.data() + (Index(i) * W + t) * dk;
+            if (t < b.count) widen_row(b.q[t], q, dk);
+            w.q[t] = q;
+            w.out[t] = nullptr;  // outputs go to the staging rows
+            w.begin[t] = b.begin[t];
+            w.end[t] = b.end[t];
+            w.bool_row[t] = b.bool_row[t];
+            w.bias_row[t] = b.bias_row[t];
+            w.lse[t] = b.lse[t];
+            w.first_key[t] = b.first_key[t];
+        }
+        flash_begin(w, dk, dv, scale, fs.qt[i].data(), fs.ot[i].data(), state[i]);
+        if (state[i].union_begin >= state[i].union_end) continue;
+        k_begin = std::min(k_begin, state[i].first_block());
+        k_end = std::max(k_end, state[i].union_end);
+    }
+    for (Index k0 = k_begin; k0 < k_end; k0 += G::kKeys) {
+        const Index nk = std::min<Index>(G::kKeys, k_end - k0);
+        for (Index r = 0; r < nk; ++r) {
+            widen_row(key + (k0 + r) * key_stride, ns.k_rows.data() + r * dk, dk);
+            widen_row(value + (k0 + r) * value_stride, ns.v_rows.data() + r * dv, dv);
+        }
+        for (int i = 0; i < count; ++i)
+            if (state[i].union_begin < state[i].union_end && state[i].first_block() <= k0 && k0 < state[i].union_end)
+                flash_step(ns.wide[static_cast<std::size_t>(i)], state[i], k0, ns.k_rows.data(), dk,
+                           ns.v_rows.data(), dv, dk, dv, fs.qt[i].data(), fs.st.data(), fs.ot[i].data());
+    }
+    float* rows[W];
+    for (int t = 0; t < W; ++t) rows[t] = ns.stage.data() + t * dv;
+    for (int i = 0; i < count; ++i) {
+        flash_finish(ns.wide[static_cast<std::size_t>(i)], state[i], fs.ot[i].data(), dv, rows, false);
+        narrow_outputs(blocks[i], i, rows, dv, on_block);
+    }
+}
+
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+
+namespace bf16 {
+
+using B = simd::Batch<float>;
+static_assert(sizeof(B) == 64, "the AVX512-BF16 kernel uses 512-bit registers");
+constexpr int C = FlashGeometry<float>::kCols;     // query registers per block
+constexpr int L = 16;                               // lanes per register
+constexpr int W = FlashGeometry<float>::kQueries;  // queries per block
+constexpr int Bc = FlashGeometry<float>::kKeys;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(W == C * L, "query block of whole registers");
+
+inline __m512 dp(__m512 acc, __m512i a, __m512i b) noexcept {
+    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: vector casts
+}
+
+/// The pair (row[2p], row[2p + 1]) as one 32-bit value; for an odd count n the last pair's
+/// second half is 0 (no read past the row).
+inline std::uint32_t pair_at(const bfloat16* row, Index p, Index n) noexcept {
+    std::uint32_t lo = bits16(row[2 * p]);
+    std::uint32_t hi = 2 * p + 1 < n ? bits16(row[2 * p + 1]) : 0u;
+    return lo | (hi << 16);
+}
+
+/// qp[p][t] = (q_t[2p], q_t[2p + 1]) for the block's lanes, 0 in padding lanes.
+template <class O>
+inline void pack_query_pairs(const FlashBlock<float, bfloat16, O>& blk, Index dk, std::uint32_t* qp) noexcept {
+    const Index pairs = (dk + 1) / 2;
+    for (int t = 0; t < W; ++t) {
+        if (t < blk.count) {
+            const bfloat16* q = blk.q[t];
+            for (Index p = 0; p < pairs; ++p) qp[p * W + t] = pair_at(q, p, dk);
+        } else {
+            for (Index p = 0; p < pairs; ++p) qp[p * W + t] = 0;
+        }
+    }
+}
+
+/// vt[j][p] = (V[2p][j], V[2p + 1][j]) for keys < nk, 0 for the key past an odd nk. Returns
+/// whether a value is non-finite (exponent all ones).
+inline bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk, Index dv,
+                             std::uint32_t* vt) noexcept {
+    constexpr int P = Bc / 2;
+    const Index pairs = (nk + 1) / 2;
+    std::uint16_t any = 0;
+    for (Index p = 0; p < pairs; ++p) {
+        const std::uint16_t* a = reinterpret_cast<const std::uint16_t*>(value + 2 * p * value_stride);
+        const std::uint16_t* b = 2 * p + 1 < nk ? reinterpret_cast<const std::uint16_t*>(value + (2 * p + 1) * value_stride)
+                                                : nullptr;
+        for (Index j = 0; j < dv; ++j) {
+            const std::uint16_t lo = a[j], hi = b ? b[j] : std::uint16_t(0);
+            any |= static_cast<std::uint16_t>(((lo & 0x7F80u) == 0x7F80u) | ((hi & 0x7F80u) == 0x7F80u));
+            vt[j * P + p] = std::uint32_t(lo) | (std::uint32_t(hi) << 16);
+        }
+    }
+    return any != 0;
+}
+
+/// Sᵀ[kk][·] = c · Σ_p K[kk]·Q pairs for kk in [0, R) keys × C registers; masked lanes −∞;
+/// folds into the block max.
+template <int R, bool Masked>
+inline void scores_tile(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, float* st,
+                        Index j0, const float* lane_begin, const float* lane_end, B* bmax, float c,
+                        const bfloat16* next_key) noexcept {
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < C; ++q) acc[r][q] = _mm512_setzero_ps();
+    const Index full_pairs = dk / 2;
+    for (Index p = 0; p < full_pairs; ++p) {
+        if (p % 32 == 0)
+            for (int r = 0; r < R; ++r) simd::prefetch(next_key + r * key_stride + 2 * p);
+        __m512i qv[C];
+        for (int q = 0; q < C; ++q) qv[q] = _mm512_load_si512(qp + p * W + q * L);
+        for (int r = 0; r < R; ++r) {
+            std::uint32_t k;
+            std::memcpy(&k, key + r * key_stride + 2 * p, 4);
+            const __m512i kb = _mm512_set1_epi32(static_cast<int>(k));
+            for (int q = 0; q < C; ++q) acc[r][q] = dp(acc[r][q], kb, qv[q]);
+        }
+    }
+    if (dk % 2 != 0) {  // last feature alone, paired with 0
+        const Index p = full_pairs;
+        __m512i qv[C];
+        for (int q = 0; q < C; ++q) qv[q] = _mm512_load_si512(qp + p * W + q * L);
+        for (int r = 0; r < R; ++r) {
+            const __m512i kb = _mm512_set1_epi32(static_cast<int>(bits16(key[r * key_stride + 2 * p])));
+            for (int q = 0; q < C; ++q) acc[r][q] = dp(acc[r][q], kb, qv[q]);
+        }
+    }
+    const B scale(c);
+    for (int r = 0; r < R; ++r) {
+        const B j(static_cast<float>(j0 + r));
+        for (int q = 0; q < C; ++q) {
+            B v = B(acc[r][q]) * scale;
+            if constexpr (Masked) {
+                const auto visible = (B::load_aligned(lane_begin + q * L) <= j) & (j < B::load_aligned(lane_end + q * L));
+                v = xsimd::select(visible, v, B(kNegInf));
+            }
+            v.store_aligned(st + r * W + q * L);
+            bmax[q] = xsimd::max(bmax[q], v);
+        }
+    }
+}
+
+template <int R, bool Masked>
+inline void scores_rows(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, float* st, Index j0,
+                        Index nk, const float* lane_begin, const float* lane_end, B* bmax, float c) noexcept {
+    Index kk = 0;
+    for (; kk + R <= nk; kk += R) {
+        const bfloat16* next = kk + 2 * R <= nk ? key + (kk + R) * key_stride : key;
+        scores_tile<R, Masked>(key + kk * key_stride, key_stride, qp, dk, st + kk * W, j0 + kk, lane_begin, lane_end,
+                               bmax, c, next);
+    }
+    if constexpr (R > 1) {
+        if (kk < nk)
+            scores_rows<R - 1, Masked>(key + kk * key_stride, key_stride, qp, dk, st + kk * W, j0 + kk, nk - kk,
+                                       lane_begin, lane_end, bmax, c);
+    }
+}
+
+/// Oᵀ[j + r][·] = α·Oᵀ[j + r][·] + Σ_p Vᵀ pairs · Pᵀ pairs for r in [0, R).
+template <int R>
+inline void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha,
+                        float* ot) noexcept {
+    constexpr int P = Bc / 2;
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < C; ++q) acc[r][q] = _mm512_setzero_ps();
+    for (Index p = 0; p < pairs; ++p) {
+        __m512i pv[C];
+        for (int q = 0; q < C; ++q) pv[q] = _mm512_load_si512(pt + p * W + q * L);
+        for (int r = 0; r < R; ++r) {
+            const __m512i vb = _mm512_set1_epi32(static_cast<int>(vt[r * P + p]));
+            for (int q = 0; q < C; ++q) acc[r][q] = dp(acc[r][q], vb, pv[q]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int q = 0; q < C; ++q) {
+            float* o = ot + r * W + q * L;
+            simd::fma(B::load_aligned(o), alpha[q], B(acc[r][q])).store_aligned(o);
+        }
+}
+
+template <int R>
+inline void values_rows(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot,
+                        Index dv) noexcept {
+    constexpr int P = Bc / 2;
+    Index j = 0;
+    for (; j + R <= dv; j += R) values_tile<R>(vt + j * P, pt, pairs, alpha, ot + j * W);
+    if constexpr (R > 1) {
+        if (j < dv) values_rows<R - 1>(vt + j * P, pt, pairs, alpha, ot + j * W, dv - j);
+    }
+}
+
+/// The PV product lane by lane, skipping the keys a lane does not see (P = −0, bits 0x8000):
+/// for partial key blocks whose V holds a non-finite value.
+inline void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, Index nk, const B* alpha, float* ot,
+                            Index dv) noexcept {
+    constexpr int P = Bc / 2;
+    alignas(64) float a[W];
+    for (int q = 0; q < C; ++q) alpha[q].store_aligned(a + q * L);
+    auto half = [](std::uint32_t pair, Index k) { return static_cast<std::uint16_t>(k % 2 == 0 ? pair : pair >> 16); };
+    auto to_float = [](std::uint16_t h) {
+        const std::uint32_t w = std::uint32_t(h) << 16;
+        float f;
+        std::memcpy(&f, &w, 4);
+        return f;
+    };
+    for (int t = 0; t < W; ++t)
+        for (Index j = 0; j < dv; ++j) {
+            float acc = 0.0f;
+            for (Index k = 0; k < nk; ++k) {
+                const std::uint16_t pb = half(pt[(k / 2) * W + t], k);
+                if (pb == 0x8000u) continue;  // a key this lane does not see
+                acc += to_float(pb) * to_float(half(vt[j * P + k / 2], k));
+            }
+            float& o = ot[j * W + t];
+            o = std::fma(o, a[t], acc);
+        }
+}
+
+/// One key block [k0, k0 + nk) of a query block; vt holds its packed V (non_finite_values:
+/// whether any is ±∞ or NaN). Same steps as kernel::flash_step, in base 2.
+/// vt holds packed_keys ≥ nk keys: with an odd nk below it, the pair past the block's last key
+/// holds a key this block must not read, which the partial path skips.
+template <class O>
+inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& state, Index k0, Index nk,
+                 Index packed_keys, const bfloat16* key_block, Index key_stride, const std::uint32_t* vt,
+                 bool non_finite_values, Index dk, Index dv, float c, const std::uint32_t* qp, float* st,
+                 std::uint32_t* pt, float* ot) noexcept {
+    const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end &&
+                      !(nk % 2 == 1 && nk < packed_keys);
+    B bmax[C];
+    for (int q = 0; q < C; ++q) bmax[q] = B(kNegInf);
+    if (full) {
+        scores_rows<6, false>(key_block, key_stride, qp, dk, st, 0, nk, nullptr, nullptr, bmax, c);
+    } else {
+        alignas(64) float lane_begin[W], lane_end[W];
+        for (int t = 0; t < W; ++t) {
+            const Index b = t < blk.count ? blk.begin[t] - k0 : 0, e = t < blk.count ? blk.end[t] - k0 : 0;
+            lane_begin[t] = static_cast<float>(std::clamp<Index>(b, -1, Bc + 1));
+            lane_end[t] = static_cast<float>(std::clamp<Index>(e, -1, Bc + 1));
+        }
+        scores_rows<6, true>(key_block, key_stride, qp, dk, st, 0, nk, lane_begin, lane_end, bmax, c);
+    }
+    if (state.elementwise && !full) {
+        // Boolean mask and bias per lane (the bias in base 2), then the block max again.
+        constexpr float kLog2e = simd::detail::kLog2eF;
+        for (int q = 0; q < C; ++q) bmax[q] = B(kNegInf);
+        for (Index kk = 0; kk < nk; ++kk) {
+            float* row = st + kk * W;
+            const Index j = k0 + kk;
+            for (int t = 0; t < blk.count; ++t) {
+                if (row[t] == kNegInf) continue;
+                if (blk.bool_row[t] && !blk.bool_row[t][j])
+                    row[t] = kNegInf;
+                else if (blk.bias_row[t])
+                    row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j] * kLog2e;
+            }
+            for (int q = 0; q < C; ++q) bmax[q] = xsimd::max(bmax[q], B::load_aligned(row + q * L));
+        }
+    }
+    if (k0 == 0)
+        for (int t = 0; t < W; ++t) state.first_score[t] = st[t];
+
+    B alpha[C], shift[C];
+    __m512 lsum[C];
+    for (int q = 0; q < C; ++q) {
+        const B m_new = xsimd::max(state.m[q], bmax[q]);
+        shift[q] = xsimd::select(m_new == B(kNegInf), B(0.0f), m_new);
+        alpha[q] = simd::exp2_nonpositive(state.m[q] - shift[q]);
+        state.m[q] = m_new;
+        lsum[q] = _mm512_setzero_ps();
+    }
+    // P = 2^(s − m) rounded to bf16, keys 2p and 2p + 1 interleaved per lane; l adds the rounded
+    // pairs (a VDPBF16PS against ones). Partial blocks: a key a lane does not see gets −0.
+    const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                                6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i ones = _mm512_set1_epi32(0x3F803F80);  // (1.0, 1.0) in bf16
+    const Index pairs = (nk + 1) / 2;
+    for (Index p = 0; p < pairs; ++p) {
+        const float* ra = st + 2 * p * W;
+        const float* rb = ra + W;
+        const bool has_b = 2 * p + 1 < nk;
+        for (int q = 0; q < C; ++q) {
+            const B sa = B::load_aligned(ra + q * L);
+            const B sb = has_b ? B::load_aligned(rb + q * L) : B(kNegInf);
+            B pa = simd::exp2_nonpositive(sa - shift[q]);
+            B pb = has_b ? simd::exp2_nonpositive(sb - shift[q]) : B(full ? 0.0f : -0.0f);
+            if (!full) {
+                pa = xsimd::select(sa == B(kNegInf), B(-0.0f), pa);
+                if (has_b) pb = xsimd::select(sb == B(kNegInf), B(-0.0f), pb);
+            }
+            const __m512i packed = _mm512_permutexvar_epi16(interleave, (__m512i)_mm512_cvtne2ps_pbh(pb, pa));
+            _mm512_store_si512(pt + p * W + q * L, packed);
+            lsum[q] = dp(lsum[q], packed, ones);
+        }
+    }
+    for (int q = 0; q < C; ++q) state.l[q] = simd::fma(state.l[q], alpha[q], B(lsum[q]));
+    if (!full && non_finite_values)
+        values_skipping(vt, pt, nk, alpha, ot, dv);
+    else
+        values_rows<6>(vt, pt, pairs, alpha, ot, dv);
+}
+
+}  // namespace bf16
+
+/// The AVX512-BF16 kernel: the same contract as widened_attention_blocks, for bf16 storage.
+template <class O, class OnBlock>
+void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int count, const bfloat16* key,
+                           Index key_stride, const bfloat16* value, Index value_stride, Index dk, Index dv,
+                           float scale, NarrowScratch<bfloat16, O>& ns, const OnBlock& on_block) {
+    using G = FlashGeometry<float>;
+    using BF = simd::Batch<float>;
+    constexpr int W = G::kQueries, C = G::kCols;
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const float c = scale * simd::detail::kLog2eF;  // logits in base 2
+    FlashState<float> state[G::kGroupBlocks];
+    Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
+    for (int i = 0; i < count; ++i) {
+        const FlashBlock<float, bfloat16, O>& blk = blocks[i];
+        FlashState<float>& s = state[i];
+        s.union_begin = std::numeric_limits<Index>::max();
+        s.union_end = 0;
+        s.common_begin = 0;
+        s.common_end = std::numeric_limits<Index>::max();
+        s.elementwise = false;
+        for (int t = 0; t < blk.count; ++t) {
+            if (blk.bool_row[t] || blk.bias_row[t]) s.elementwise = true;
+            s.common_begin = std::max(s.common_begin, blk.begin[t]);
+            s.common_end = std::min(s.common_end, blk.end[t]);
+            if (blk.begin[t] >= blk.end[t]) continue;
+            s.union_begin = std::min(s.union_begin, blk.begin[t]);
+            s.union_end = std::max(s.union_end, blk.end[t]);
+        }
+        bf16::pack_query_pairs(blk, dk, ns.qp[i].data());
+        std::fill(ns.ot[i].data(), ns.ot[i].data() + dv * W, 0.0f);
+        for (int q = 0; q < C; ++q) {
+            s.m[q] = BF(kNegInf);
+            s.l[q] = BF(0.0f);
+        }
+        for (int t = 0; t < W; ++t) s.first_score[t] = kNegInf;
+        if (s.union_begin >= s.union_end) continue;
+        k_begin = std::min(k_begin, s.first_block());
+        k_end = std::max(k_end, s.union_end);
+    }
+    for (Index k0 = k_begin; k0 < k_end; k0 += G::kKeys) {
+        const Index nk = std::min<Index>(G::kKeys, k_end - k0);
+        const bool non_finite = bf16::pack_value_pairs(value + k0 * value_stride, value_stride, nk, dv, ns.vt.data());
+        for (int i = 0; i < count; ++i) {
+            FlashState<float>& s = state[i];
+            if (!(s.union_begin < s.union_end && s.first_block() <= k0 && k0 < s.union_end)) continue;
+            const Index n = std::min<Index>(G::kKeys, s.union_end - k0);
+            bf16::step(blocks[i], s, k0, n, nk, key + k0 * key_stride, key_stride, ns.vt.data(), non_finite, dk, dv, c,
+                       ns.qp[i].data(), ns.st.data(), ns.pt.data(), ns.ot[i].data());
+        }
+    }
+    // Outputs: O = Oᵀᵀ / l, log-sum-exp = ln 2 · (m + log₂ l), first key 2^(s₀ − m) / l.
+    float* rows[W];
+    for (int t = 0; t < W; ++t) rows[t] = ns.stage.data() + t * dv;
+    constexpr float kLn2 = 0.693147180559945309f;
+    for (int i = 0; i < count; ++i) {
+        const FlashBlock<float, bfloat16, O>& blk = blocks[i];
+        alignas(64) float m_lane[W], l_lane[W], inv[W];
+        for (int q = 0; q < C; ++q) {
+            state[i].m[q].store_aligned(m_lane + q * 16);
+            state[i].l[q].store_aligned(l_lane + q * 16);
+        }
+        for (int t = 0; t < W; ++t) {
+            const float lt = l_lane[t];
+            inv[t] = !(lt > 0) && !std::isnan(lt) ? 0.0f : 1.0f / lt;
+        }
+        unpack_outputs(blk.count, rows, ns.ot[i].data(), dv, inv, false);
+        for (int t = 0; t < blk.count; ++t) {
+            const float lt = l_lane[t];
+            const bool empty = !(lt > 0) && !std::isnan(lt);
+            if (blk.lse[t]) *blk.lse[t] = empty ? kNegInf : (m_lane[t] + std::log2(lt)) * kLn2;
+            if (blk.first_key[t])
+                *blk.first_key[t] = empty ? 0.0f : std::exp2(state[i].first_score[t] - m_lane[t]) * inv[t];
+        }
+        narrow_outputs(blk, i, rows, dv, on_block);
+    }
+}
+
+#endif  // GATTN_HAS_AVX512BF16_KERNEL
+
+/// Runs up to kGroupBlocks query blocks of one KV head (16-bit storage) against its keys with
+/// the kernel `which` (AVX512-BF16 where compiled and asked for, else widened float), and calls
+/// on_block(i, rows) on each block's float outputs before they are rounded into its out rows.
+template <class S, class O, class OnBlock>
+void narrow_attention_blocks(Bf16Kernel which, const FlashBlock<float, S, O>* blocks, int count, const S* key,
+                             Index key_stride, const S* value, Index value_stride, Index dk, Index dv, float scale,
+                             NarrowScratch<S, O>& ns, const OnBlock& on_block) {
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+    if constexpr (std::is_same_v<S, bfloat16>) {
+        if (which != Bf16Kernel::WidenedFloat) {
+            bf16_attention_blocks(blocks, count, key, key_stride, value, value_stride, dk, dv, scale, ns, on_block);
+            return;
+        }
+    }
+#endif
+    (void)which;
+    widened_attention_blocks(blocks, count, key, key_stride, value, value_stride, dk, dv, scale, ns, on_block);
+}
+
+}  // namespace kernel
+GATTN_END_ISA_NAMESPACE

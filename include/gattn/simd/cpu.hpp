@@ -1,0 +1,181 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// What the CPU and the operating system offer at run time, and which bf16 kernel an SDPA call
+/// on bf16 inputs runs (and why no faster one): gattn never falls back silently.
+///
+/// Kernels for 16-bit inputs, fastest first:
+///  - Amx: the AMX tile unit (TDPBF16PS). Detected here (CPUID and Linux's tile permission,
+///    arch_prctl ARCH_REQ_XCOMP_PERM), but gattn has no AMX kernel yet: such a CPU runs the
+///    AVX512-BF16 kernel, and bf16_kernel() says so.
+///  - Avx512Bf16: VDPBF16PS products of bf16 pairs into float accumulators
+///    (ops/bf16_flash_kernel.hpp); needs a translation unit built with AVX512-BF16
+///    (e.g. -march=native on Zen 4/5, Cooper Lake, Sapphire Rapids) and a CPU that has it.
+///  - WidenedFloat: inputs widened to float block by block inside the float kernel.
+
+#include <cstdint>
+#include <string>
+
+#if defined(__x86_64__) || defined(__i386__)
+#if defined(__GNUC__) || defined(__clang__)
+#include <cpuid.h>
+#define GATTN_HAS_CPUID 1
+#endif
+#endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#include "gattn/config.hpp"
+
+namespace gattn {
+
+/// Kernel families for bf16 SDPA, fastest first.
+enum class Bf16Kernel {
+    Amx,           ///< AMX tiles (TDPBF16PS)
+    Avx512Bf16,    ///< AVX512-BF16 (VDPBF16PS)
+    WidenedFloat,  ///< bf16 widened to float inside the float kernel
+};
+
+/// The kernel a call will run and, when it is not the fastest family, why.
+struct KernelChoice {
+    Bf16Kernel kernel = Bf16Kernel::WidenedFloat;
+    /// One line per faster kernel that is not used, e.g. "AMX: this CPU has no AMX-BF16";
+    /// empty when the fastest family runs.
+    std::string reason;
+};
+
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
+/// CPU features that gattn's kernels dispatch on, read once with CPUID and XGETBV.
+struct CpuFeatures {
+    bool avx512f = false;     ///< AVX-512 Foundation, and the OS saves the zmm state
+    bool avx512bf16 = false;  ///< AVX512-BF16 (VDPBF16PS), with the zmm state saved
+    bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID; the OS permission is separate)
+};
+
+namespace detail {
+
+inline CpuFeatures read_cpu_features() noexcept {
+    CpuFeatures f;
+#if defined(GATTN_HAS_CPUID)
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_max(0, nullptr) < 7) return f;
+    __cpuid(1, a, b, c, d);
+    const bool osxsave = (c >> 27) & 1u;
+    unsigned long long xcr0 = 0;
+    if (osxsave) {
+        unsigned lo = 0, hi = 0;
+        __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+        xcr0 = (static_cast<unsigned long long>(hi) << 32) | lo;
+    }
+    const bool os_zmm = (xcr0 & 0xE6) == 0xE6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
+    __cpuid_count(7, 0, a, b, c, d);
+    f.avx512f = os_zmm && ((b >> 16) & 1u);
+    const bool amx_tile = (d >> 24) & 1u, amx_bf16 = (d >> 22) & 1u;
+    f.amx_bf16 = amx_tile && amx_bf16;
+    __cpuid_count(7, 1, a, b, c, d);
+    f.avx512bf16 = f.avx512f && ((a >> 5) & 1u);
+#endif
+    return f;
+}
+
+/// Asks Linux, once per process, for permission to use the AMX tile registers
+/// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without it the first tile
+/// instruction faults. Returns whether permission is granted.
+inline bool request_amx_permission() noexcept {
+#if defined(__linux__) && defined(__x86_64__) && defined(SYS_arch_prctl)
+    static const bool granted = [] {
+        constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022, kXtileData = 18;
+        if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0) return false;
+        unsigned long bits = 0;
+        return syscall(SYS_arch_prctl, kGetXcompPerm, &bits) == 0 && ((bits >> kXtileData) & 1ul);
+    }();
+    return granted;
+#else
+    return false;
+#endif
+}
+
+/// The kernel family bf16 SDPA is limited to (set_bf16_kernel_limit); atomic-free: set it
+/// before calls, not during them.
+inline Bf16Kernel& bf16_kernel_limit() noexcept {
+    static Bf16Kernel limit = Bf16Kernel::Amx;
+    return limit;
+}
+
+}  // namespace detail
+
+/// The CPU's features (read once).
+inline const CpuFeatures& cpu_features() noexcept {
+    static const CpuFeatures f = detail::read_cpu_features();
+    return f;
+}
+
+/// Limits bf16 SDPA to `slowest_allowed` or slower families: Avx512Bf16 keeps AMX out,
+/// WidenedFloat runs the float kernel on widened inputs. For comparisons and tests; set it
+/// before calls, from one thread (it is not synchronised). Default: Amx (no limit).
+inline void set_bf16_kernel_limit(Bf16Kernel slowest_allowed) noexcept {
+    detail::bf16_kernel_limit() = slowest_allowed;
+}
+
+/// Whether this translation unit contains the AVX512-BF16 kernel (built with -mavx512bf16,
+/// -march=native on a CPU that has it, or -march=znver4/sapphirerapids/cooperlake).
+inline constexpr bool compiled_with_avx512bf16() noexcept {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return true;
+#else
+    return false;
+#endif
+}
+
+/// The kernel family an SDPA call on bf16 query, key and value runs here, and why no faster
+/// one (CPU lacks it, the OS refused the tile state, this unit was not compiled with the flags,
+/// the limit set by set_bf16_kernel_limit, or no kernel of that family in gattn yet). fp16
+/// inputs always run WidenedFloat. Cheap after the first call; thread-safe.
+inline KernelChoice bf16_kernel() {
+    const CpuFeatures& f = cpu_features();
+    const Bf16Kernel limit = detail::bf16_kernel_limit();
+    KernelChoice choice;
+    std::string why;
+    auto add = [&](const std::string& line) { why += (why.empty() ? "" : "; ") + line; };
+    if (limit != Bf16Kernel::Amx)
+        add("AMX: excluded by set_bf16_kernel_limit");
+    else if (!f.amx_bf16)
+        add("AMX: this CPU has no AMX-BF16");
+    else if (!detail::request_amx_permission())
+        add("AMX: the OS refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
+    else
+        add("AMX: no AMX kernel in this version of gattn");
+    if (limit == Bf16Kernel::WidenedFloat) {
+        add("AVX512-BF16: excluded by set_bf16_kernel_limit");
+    } else if (!f.avx512bf16) {
+        add("AVX512-BF16: this CPU has none");
+    } else if (!compiled_with_avx512bf16()) {
+        add("AVX512-BF16: not compiled with the flags (build with -march=native or -mavx512bf16)");
+    } else {
+        choice.kernel = Bf16Kernel::Avx512Bf16;
+    }
+    choice.reason = why;
+    return choice;
+}
+
+/// "AMX", "AVX512-BF16" or "widened float".
+inline const char* kernel_name(Bf16Kernel k) noexcept {
+    switch (k) {
+        case Bf16Kernel::Amx: return "AMX";
+        case Bf16Kernel::Avx512Bf16: return "AVX512-BF16";
+        default: return "widened float";
+    }
+}
+
+/// One line for logs and benchmark context: "<kernel> (<reasons>)".
+inline std::string describe(const KernelChoice& c) {
+    return std::string(kernel_name(c.kernel)) + (c.reason.empty() ? "" : " (" + c.reason + ")");
+}
+
+GATTN_END_ISA_NAMESPACE
