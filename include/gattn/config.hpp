@@ -21,7 +21,9 @@
 
 #include <cassert>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GATTN_ISA_NAMESPACE isa_avx512bf16  // the AVX512-BF16 kernel is compiled in
+#elif defined(__AVX512F__)
 #define GATTN_ISA_NAMESPACE isa_avx512f
 #elif defined(__AVX2__) && defined(__FMA__)
 #define GATTN_ISA_NAMESPACE isa_avx2_fma

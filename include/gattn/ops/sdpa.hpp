@@ -160,17 +160,17 @@ inline bool overlaps(const T* a, Index na, const T* b, Index nb) noexcept {
            pb < pa + static_cast<std::uintptr_t>(na) * sizeof(T);
 }
 
+/// Elements of a mask view.
+template <class T>
+inline Index numel(const MaskView<T>& v) noexcept {
+    return v.batch * v.heads * v.query_len * v.key_len;
+}
+
 /// True when a elements [a, a + na) and b elements [b, b + nb) of any two types share a byte.
 template <class A, class B>
 inline bool overlaps_any(const A* a, Index na, const B* b, Index nb) noexcept {
     return overlaps(reinterpret_cast<const char*>(a), na * Index(sizeof(A)), reinterpret_cast<const char*>(b),
                     nb * Index(sizeof(B)));
-}
-
-/// Elements of a mask view.
-template <class T>
-inline Index numel(const MaskView<T>& v) noexcept {
-    return v.batch * v.heads * v.query_len * v.key_len;
 }
 
 /// Memory span (in elements) of a strided row-major view.
@@ -182,10 +182,15 @@ inline Index span_of(const M& m) noexcept {
 /// True when two row-major views share an element. Views with the same row stride (column
 /// blocks of one matrix, say) are compared element by element; otherwise by their memory spans
 /// (first to last element), which may report an overlap for interleaved views that share none.
+/// Views of different element types (a float output of bf16 inputs) are compared by their spans.
 template <class MA, class MB>
 inline bool views_overlap(const MA& a, const MB& b) noexcept {
     using T = std::remove_cv_t<std::remove_pointer_t<decltype(a.data())>>;
+    using TB = std::remove_cv_t<std::remove_pointer_t<decltype(b.data())>>;
     const Index na = span_of(a), nb = span_of(b);
+    if constexpr (!std::is_same_v<T, TB>) {
+        return overlaps_any(a.data(), na, b.data(), nb);
+    } else {
     if (!overlaps(a.data(), na, static_cast<const T*>(b.data()), nb)) return false;
     const Index s = a.outerStride();
     const auto pa = reinterpret_cast<std::uintptr_t>(a.data()), pb = reinterpret_cast<std::uintptr_t>(b.data());
@@ -200,6 +205,7 @@ inline bool views_overlap(const MA& a, const MB& b) noexcept {
     auto meet = [](Index lo1, Index hi1, Index lo2, Index hi2) { return lo1 < hi2 && lo2 < hi1; };
     if (meet(0, ra, q, q + rb) && meet(0, ca, r, std::min(s, r + cb))) return true;
     return r + cb > s && meet(0, ra, q + 1, q + 1 + rb) && meet(0, ca, 0, r + cb - s);
+    }
 }
 
 /// True when m, an optional output that a call resizes (which frees its storage), holds an

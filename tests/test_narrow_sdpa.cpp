@@ -1,0 +1,332 @@
+// SPDX-License-Identifier: Apache-2.0
+// SDPA on 16-bit storage (bf16, fp16) against the float64 reference on the same rounded inputs:
+// every shape and mask of the float sweep, through each kernel this machine can run (AVX512-BF16
+// where compiled and present, widened float always), with bf16, fp16 and float outputs; NaN in
+// masked keys, including keys only some queries of a key block see; fully masked rows; thread
+// count invariance; the kernel report.
+//
+// Tolerances, from the rounding each path does (docs/conventions.md, "Numerics"):
+//  - widened float, float output: the float kernel's own 1e-5 (nothing is rounded after the
+//    inputs);
+//  - any bf16 or fp16 output: one rounding of the float result, |err| ≤ 2⁻⁸·|ref| (bf16) or
+//    2⁻¹¹·|ref| (fp16), plus the float kernel's error;
+//  - AVX512-BF16: P rounded to bf16 before the PV product (relative error ≤ 2⁻⁸ per weight) moves
+//    an output by at most 2⁻⁷·max|v| and the log-sum-exp by at most 2⁻⁸ (the row sum adds the
+//    rounded weights). NMSE bounds (2e-5 for bf16 outputs) sit about 3× above the worst observed.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "gattn/ops/sdpa.hpp"
+#include "gattn/simd/cpu.hpp"
+#include "support/compare.hpp"
+#include "support/reference.hpp"
+#include "support/sdpa_cases.hpp"
+
+namespace {
+
+using gattn::Bf16Kernel;
+using gattn::bfloat16;
+using gattn::half;
+using gattn::Index;
+using gattn_test::expect_close;
+using gattn_test::Mat;
+using gattn_test::random_matrix;
+using gattn_test::RefMasks;
+using gattn_test::rounded;
+using namespace gattn_test::sweep;
+
+/// Restores the bf16 kernel limit when a test ends.
+struct KernelLimit {
+    explicit KernelLimit(Bf16Kernel k) { gattn::set_bf16_kernel_limit(k); }
+    ~KernelLimit() { gattn::set_bf16_kernel_limit(Bf16Kernel::Amx); }
+};
+
+/// The kernel families this build and CPU can run for bf16 (the fastest first).
+std::vector<Bf16Kernel> runnable_kernels() {
+    std::vector<Bf16Kernel> ks;
+    if (gattn::bf16_kernel().kernel == Bf16Kernel::Avx512Bf16) ks.push_back(Bf16Kernel::Avx512Bf16);
+    ks.push_back(Bf16Kernel::WidenedFloat);
+    return ks;
+}
+
+/// Tolerances of one (storage, output, kernel) combination against the float64 reference.
+struct NarrowTol {
+    double atol, rtol, nmse, lse_atol, first_rtol;
+};
+
+template <class S, class Out>
+NarrowTol tolerance(Bf16Kernel k) {
+    const bool tiles = std::is_same_v<S, bfloat16> && k != Bf16Kernel::WidenedFloat;
+    const double out_rtol = std::is_same_v<Out, bfloat16> ? 0x1p-8 : std::is_same_v<Out, half> ? 0x1p-11 : 0.0;
+    NarrowTol t{1e-5, 1e-5 + out_rtol, 1e-10, 1e-5, 1e-5};
+    if (out_rtol > 0) t.nmse = std::is_same_v<Out, bfloat16> ? 2e-5 : 2e-7;
+    if (tiles) {
+        t.atol = 0x1p-7;  // inputs in (−1, 1): max|v| ≤ 1
+        t.nmse = 2e-5;
+        t.lse_atol = 0x1p-8;
+        t.first_rtol = 0x1p-7;
+    }
+    return t;
+}
+
+const char* kernel_label(Bf16Kernel k) {
+    return k == Bf16Kernel::Avx512Bf16 ? "Avx512Bf16" : k == Bf16Kernel::Amx ? "Amx" : "Widened";
+}
+
+template <class S>
+const char* storage_label() {
+    return std::is_same_v<S, bfloat16> ? "Bf16" : std::is_same_v<S, half> ? "Half" : "Float";
+}
+
+/// One sweep case with storage S, output Out and kernel limit k.
+template <class S, class Out>
+void run_case(const Shape& s, MaskKind kind, Bf16Kernel k) {
+    KernelLimit limit(k);
+    const std::uint64_t seed = 5000u + static_cast<std::uint64_t>(kind) * 37u +
+                               static_cast<std::uint64_t>(s.Nq * 131 + s.Nk * 7 + s.dk);
+    const std::string label = std::string("Sdpa") + storage_label<S>() + "To" + storage_label<Out>() + "/" +
+                              kernel_label(k) + "/" + s.name + "/" + mask_name(kind);
+    Mat q = rounded<S>(random_matrix(s.B * s.Nq, s.H * s.dk, seed));
+    Mat key = rounded<S>(random_matrix(s.B * s.Nk, s.Hkv * s.dk, seed + 1));
+    Mat v = rounded<S>(random_matrix(s.B * s.Nk, s.Hkv * s.dv, seed + 2));
+    const MaskBuild masks = make_masks(kind, s, seed + 3);
+    const RefMasks ref_masks = reference_masks<float>(masks, s.B, s.H, s.Nq, s.Nk);
+    poison_invisible_keys(ref_masks, s.B, s.H, s.Nq, s.Nk, key, v);
+    const auto ref = gattn_test::sdpa_reference(q, key, v, s.B, s.H, s.Hkv, masks.scale, ref_masks);
+
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = key.cast<S>(), vs = v.cast<S>();
+    std::vector<float> bias_store;
+    const gattn::SdpaOptions<float> opt = library_options<float>(masks, bias_store);
+    gattn::RowMatrix<Out> out = gattn::RowMatrix<Out>::Constant(s.B * s.Nq, s.H * s.dv, Out(-777));
+    gattn::RowMatrix<float> lse, probs, first;
+    gattn::SdpaOutputs<float> extra;
+    extra.log_sum_exp = &lse;
+    extra.probabilities = &probs;
+    extra.first_key_probability = &first;
+    gattn::scaled_dot_product_attention<S, Out>(qs, ks, vs, gattn::HeadLayout{s.B, s.H, s.Hkv}, out, opt, extra);
+
+    const NarrowTol t = tolerance<S, Out>(k);
+    const Mat got = out.template cast<float>().template cast<double>();
+    expect_close(got, ref.out, t.atol, t.rtol, label + "/out", t.nmse);
+    expect_close(lse, ref.log_sum_exp, t.lse_atol, 1e-5, label + "/lse");
+    expect_close(probs, ref.probabilities, 1e-5, 1e-5, label + "/probabilities");
+    expect_close(first, ref.first_key, 1e-5, t.first_rtol, label + "/first_key");
+    expect_masked_rows_zero<Out>(out, ref.log_sum_exp, s.dv, label);
+}
+
+class NarrowSweep : public ::testing::TestWithParam<std::tuple<Shape, MaskKind>> {};
+
+TEST_P(NarrowSweep, Bf16MatchesReference) {
+    const auto& [shape, kind] = GetParam();
+    for (Bf16Kernel k : runnable_kernels()) {
+        run_case<bfloat16, bfloat16>(shape, kind, k);
+        run_case<bfloat16, float>(shape, kind, k);
+    }
+}
+
+TEST_P(NarrowSweep, HalfMatchesReference) {
+    const auto& [shape, kind] = GetParam();
+    run_case<half, half>(shape, kind, Bf16Kernel::Amx);
+    run_case<half, float>(shape, kind, Bf16Kernel::Amx);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    ShapesAndMasks, NarrowSweep, ::testing::Combine(::testing::ValuesIn(kShapes), ::testing::ValuesIn(kMaskKinds)),
+    [](const ::testing::TestParamInfo<NarrowSweep::ParamType>& info) {
+        return std::string(std::get<0>(info.param).name) + mask_name(std::get<1>(info.param));
+    });
+
+/// A NaN key j is visible to queries i ≥ j only: the earlier queries of its key block (which the
+/// AVX512-BF16 kernel multiplies with P = −0 for it) stay finite and match the reference, the
+/// later ones are NaN. Odd and even key counts, the poisoned key in every position of a block.
+TEST(NarrowSdpa, NaNInCausalFutureKeysDoesNotLeak) {
+    const Index B = 2, H = 4, Hkv = 2, dk = 8, dv = 8;
+    for (Bf16Kernel k : runnable_kernels()) {
+        KernelLimit limit(k);
+        for (const auto& [N, poisoned] : {std::pair<Index, Index>{16, 11}, {100, 11}, {100, 37}, {100, 70}, {101, 99},
+                                          {130, 64}, {130, 127}}) {
+            SCOPED_TRACE(std::string(kernel_label(k)) + ", N = " + std::to_string(N) + ", poisoned key " +
+                         std::to_string(poisoned));
+            Mat q = rounded<bfloat16>(random_matrix(B * N, H * dk, 91)),
+                key = rounded<bfloat16>(random_matrix(B * N, Hkv * dk, 92)),
+                v = rounded<bfloat16>(random_matrix(B * N, Hkv * dv, 93));
+            for (Index b = 0; b < B; ++b) {
+                key.row(b * N + poisoned).setConstant(kNaN);
+                v.row(b * N + poisoned).setConstant(b == 0 ? kNaN : kInf);
+            }
+            const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(),
+                                             vs = v.cast<bfloat16>();
+            gattn::SdpaOptions<float> opt;
+            opt.mask.causal = true;
+            gattn::RowMatrix<float> got(B * N, H * dv);
+            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, got, opt);
+            RefMasks rm;
+            rm.causal = true;
+            const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
+            const NarrowTol t = tolerance<bfloat16, float>(k);
+            for (Index b = 0; b < B; ++b) {
+                const auto got_b = got.middleRows(b * N, poisoned);
+                EXPECT_TRUE(got_b.allFinite()) << "a future key's NaN or ∞ leaked into earlier queries";
+                expect_close(got_b, ref.out.middleRows(b * N, poisoned), t.atol, t.rtol, "NarrowNaNFuture/out");
+                EXPECT_TRUE(got.middleRows(b * N + poisoned, N - poisoned).array().isNaN().all())
+                    << "a query that sees the NaN key must be NaN";
+            }
+        }
+    }
+}
+
+/// Key lengths that end inside a key pair: the key after the last one (NaN, past the length)
+/// shares its packed pair with a visible key and must not reach the output.
+TEST(NarrowSdpa, KeyPastAnOddLengthDoesNotLeak) {
+    const Index B = 2, N = 70, H = 2, Hkv = 1, d = 16;
+    for (Bf16Kernel k : runnable_kernels()) {
+        KernelLimit limit(k);
+        for (Index len : {Index(1), Index(5), Index(63), Index(65), Index(69)}) {
+            SCOPED_TRACE(std::string(kernel_label(k)) + ", length " + std::to_string(len));
+            Mat q = rounded<bfloat16>(random_matrix(B * N, H * d, 7)),
+                key = rounded<bfloat16>(random_matrix(B * N, Hkv * d, 8)),
+                v = rounded<bfloat16>(random_matrix(B * N, Hkv * d, 9));
+            for (Index b = 0; b < B; ++b)
+                for (Index j = len; j < N; ++j) {
+                    key.row(b * N + j).setConstant(kNaN);
+                    v.row(b * N + j).setConstant(kInf);
+                }
+            gattn::SdpaOptions<float> opt;
+            opt.mask.key_lengths.push_back(len);
+            opt.mask.key_lengths.push_back(N);
+            // The second sequence sees its NaN keys: only the first is checked.
+            gattn::RowMatrix<float> got(B * N, H * d);
+            gattn::scaled_dot_product_attention<bfloat16, float>(q.cast<bfloat16>(), key.cast<bfloat16>(),
+                                                                 v.cast<bfloat16>(), {B, H, Hkv}, got, opt);
+            RefMasks first_only;
+            first_only.key_lengths.push_back(len);
+            const auto ref =
+                gattn_test::sdpa_reference(q.topRows(N), key.topRows(N), v.topRows(N), 1, H, Hkv, {}, first_only);
+            const NarrowTol t = tolerance<bfloat16, float>(k);
+            EXPECT_TRUE(got.topRows(N).allFinite());
+            expect_close(got.topRows(N), ref.out, t.atol, t.rtol, "NarrowOddLength/out");
+        }
+    }
+}
+
+/// Rows with no visible key give 0 and log-sum-exp −∞, never NaN, in every output type.
+TEST(NarrowSdpa, FullyMaskedRowsAreZero) {
+    const Index B = 2, N = 40, H = 2, d = 24;
+    for (Bf16Kernel k : runnable_kernels()) {
+        KernelLimit limit(k);
+        const gattn::RowMatrix<bfloat16> q = random_matrix(B * N, H * d, 1).cast<bfloat16>(),
+                                         key = random_matrix(B * N, H * d, 2).cast<bfloat16>(),
+                                         v = random_matrix(B * N, H * d, 3).cast<bfloat16>();
+        gattn::SdpaOptions<float> opt;
+        opt.mask.key_lengths.push_back(0);
+        opt.mask.key_lengths.push_back(N);
+        gattn::RowMatrix<float> lse;
+        gattn::SdpaOutputs<float> extra;
+        extra.log_sum_exp = &lse;
+        gattn::RowMatrix<bfloat16> out = gattn::RowMatrix<bfloat16>::Constant(B * N, H * d, bfloat16(5.0f));
+        gattn::scaled_dot_product_attention<bfloat16>(q, key, v, {B, H, H}, out, opt, extra);
+        for (Index r = 0; r < N; ++r)
+            for (Index c = 0; c < H * d; ++c) ASSERT_EQ(static_cast<float>(out(r, c)), 0.0f) << kernel_label(k);
+        EXPECT_TRUE((lse.topRows(N).array() == -std::numeric_limits<float>::infinity()).all());
+        EXPECT_TRUE(out.bottomRows(N).template cast<float>().allFinite());
+    }
+}
+
+/// Views with a row stride (column blocks of a fused QKV output) and an output block of a wider
+/// matrix: same result as contiguous copies, columns around the output untouched.
+TEST(NarrowSdpa, StridedViewsMatchContiguous) {
+    const Index N = 75, H = 4, Hkv = 2, d = 36;
+    const gattn::RowMatrix<bfloat16> qkv = random_matrix(N, (H + 2 * Hkv) * d, 11).cast<bfloat16>();
+    const auto q = qkv.leftCols(H * d), key = qkv.middleCols(H * d, Hkv * d), v = qkv.rightCols(Hkv * d);
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = true;
+    for (Bf16Kernel k : runnable_kernels()) {
+        KernelLimit limit(k);
+        gattn::RowMatrix<bfloat16> wide = gattn::RowMatrix<bfloat16>::Constant(N, H * d + 8, bfloat16(3.0f));
+        gattn::scaled_dot_product_attention<bfloat16>(q, key, v, {1, H, Hkv}, wide.middleCols(4, H * d), opt);
+        const gattn::RowMatrix<bfloat16> qc = q, kc = key, vc = v;
+        const gattn::RowMatrix<bfloat16> dense = gattn::scaled_dot_product_attention<bfloat16>(qc, kc, vc, {1, H, Hkv}, opt);
+        EXPECT_TRUE(wide.middleCols(4, H * d) == dense) << kernel_label(k);
+        EXPECT_TRUE((wide.leftCols(4).cast<float>().array() == 3.0f).all());
+        EXPECT_TRUE((wide.rightCols(4).cast<float>().array() == 3.0f).all());
+    }
+}
+
+/// The result is bitwise the same on 1, 2 and 3 threads (causal GQA prefill, several query
+/// block groups per KV head).
+TEST(NarrowSdpa, ThreadCountDoesNotChangeResults) {
+#ifdef _OPENMP
+    const Index B = 2, N = 300, H = 8, Hkv = 2, d = 64;
+    const gattn::RowMatrix<bfloat16> q = random_matrix(B * N, H * d, 21).cast<bfloat16>(),
+                                     key = random_matrix(B * N, Hkv * d, 22).cast<bfloat16>(),
+                                     v = random_matrix(B * N, Hkv * d, 23).cast<bfloat16>();
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = true;
+    const int saved = omp_get_max_threads();
+    for (Bf16Kernel k : runnable_kernels()) {
+        KernelLimit limit(k);
+        std::vector<gattn::RowMatrix<float>> outs;
+        for (int threads : {1, 2, 3}) {
+            omp_set_num_threads(threads);
+            gattn::RowMatrix<float> out(B * N, H * d);
+            gattn::scaled_dot_product_attention<bfloat16, float>(q, key, v, {B, H, Hkv}, out, opt);
+            outs.push_back(out);
+        }
+        EXPECT_TRUE(outs[0] == outs[1] && outs[0] == outs[2]) << kernel_label(k);
+    }
+    omp_set_num_threads(saved);
+#else
+    GTEST_SKIP() << "built without OpenMP";
+#endif
+}
+
+/// Bad shapes are refused with the argument named, before anything is written.
+TEST(NarrowSdpa, BadShapesThrowAndLeaveOutputUntouched) {
+    const gattn::RowMatrix<bfloat16> q = gattn::RowMatrix<bfloat16>::Zero(10, 16),
+                                     key = gattn::RowMatrix<bfloat16>::Zero(10, 12);
+    gattn::RowMatrix<bfloat16> out = gattn::RowMatrix<bfloat16>::Constant(10, 16, bfloat16(2.0f));
+    try {
+        gattn::scaled_dot_product_attention<bfloat16>(q, key, key, {1, 2, 1}, out);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("key"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE((out.cast<float>().array() == 2.0f).all());
+}
+
+/// The kernel report follows the CPU, the build and the limit.
+TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
+    const gattn::CpuFeatures& f = gattn::cpu_features();
+    const gattn::KernelChoice best = gattn::bf16_kernel();
+    if (f.avx512bf16 && gattn::compiled_with_avx512bf16())
+        EXPECT_EQ(best.kernel, Bf16Kernel::Avx512Bf16) << best.reason;
+    else
+        EXPECT_EQ(best.kernel, Bf16Kernel::WidenedFloat) << best.reason;
+    EXPECT_NE(best.reason.find("AMX: "), std::string::npos) << best.reason;  // no AMX kernel runs yet
+    if (!f.amx_bf16) {
+        EXPECT_NE(best.reason.find("no AMX-BF16"), std::string::npos) << best.reason;
+    }
+    if (!f.avx512bf16) {
+        EXPECT_NE(best.reason.find("AVX512-BF16: this CPU has none"), std::string::npos) << best.reason;
+    }
+    KernelLimit limit(Bf16Kernel::WidenedFloat);
+    const gattn::KernelChoice widened = gattn::bf16_kernel();
+    EXPECT_EQ(widened.kernel, Bf16Kernel::WidenedFloat);
+    EXPECT_NE(widened.reason.find("AVX512-BF16: excluded by set_bf16_kernel_limit"), std::string::npos)
+        << widened.reason;
+    EXPECT_EQ(gattn::describe(widened).rfind("widened float (", 0), 0u) << gattn::describe(widened);
+}
+
+}  // namespace
