@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -144,11 +145,14 @@ void BM_GattnVsCareful(benchmark::State& state) {
 }
 
 /// gattn's float SDPA and its bf16 SDPA in turn within every iteration. Args: N, causal,
-/// threads; d = 128, 8 heads. Counters: each one's GFLOP/s and speedup = float / bf16 time.
+/// threads, widened (1: bf16 limited to the widened-float kernel, what a CPU without bf16
+/// instructions runs); d = 128, 8 heads. Counters: each one's GFLOP/s and speedup = float /
+/// bf16 time.
 void BM_Bf16VsFloat(benchmark::State& state) {
     const gattn::Index n = state.range(0), d = 128;
     const bool causal = state.range(1) != 0;
     set_threads(static_cast<int>(state.range(2)));
+    gattn::set_bf16_kernel_limit(state.range(3) != 0 ? gattn::Bf16Kernel::WidenedFloat : gattn::Bf16Kernel::Amx);
     Inputs in(n, n, d);
     const gattn::RowMatrix<gattn::bfloat16> q = in.q.cast<gattn::bfloat16>(), k = in.k.cast<gattn::bfloat16>(),
                                             v = in.v.cast<gattn::bfloat16>();
@@ -175,7 +179,91 @@ void BM_Bf16VsFloat(benchmark::State& state) {
     state.counters["bf16_GFLOP/s"] = flops / t_bf16 / 1e9;
     state.counters["speedup"] = t_float / t_bf16;
     state.SetLabel(gattn::kernel_name(gattn::bf16_kernel().kernel));
+    gattn::set_bf16_kernel_limit(gattn::Bf16Kernel::Amx);
     set_threads(1);
+}
+
+/// One decoding step (one query token, 8 heads, d = 128) over a float cache and over a bf16
+/// cache, in turn within every iteration. Args: cached tokens, KV heads, threads. Counters:
+/// each one's time per call in µs and speedup = float / bf16 time (the step reads the cache
+/// from memory, so half the bytes is the bf16 cache's gain).
+void BM_Bf16DecodeVsFloat(benchmark::State& state) {
+    const gattn::Index nk = state.range(0), hkv = state.range(1), d = 128;
+    set_threads(static_cast<int>(state.range(2)));
+    const Matrix q = Matrix::Random(1, kHeads * d), k = Matrix::Random(nk, hkv * d), v = Matrix::Random(nk, hkv * d);
+    const gattn::RowMatrix<gattn::bfloat16> qb = q.cast<gattn::bfloat16>(), kb = k.cast<gattn::bfloat16>(),
+                                            vb = v.cast<gattn::bfloat16>();
+    Matrix out(1, kHeads * d);
+    gattn::RowMatrix<gattn::bfloat16> out_b(1, kHeads * d);
+    using Clock = std::chrono::steady_clock;
+    double t_float = 0, t_bf16 = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        gattn::scaled_dot_product_attention<gattn::bfloat16>(qb, kb, vb, {1, kHeads, hkv}, out_b);
+        benchmark::DoNotOptimize(out_b.data());
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        t_float += std::chrono::duration<double>(t1 - t0).count();
+        t_bf16 += std::chrono::duration<double>(t2 - t1).count();
+    }
+    const double n = static_cast<double>(state.iterations());
+    state.counters["float_us"] = t_float / n * 1e6;
+    state.counters["bf16_us"] = t_bf16 / n * 1e6;
+    state.counters["speedup"] = t_float / t_bf16;
+    set_threads(1);
+}
+
+/// Accuracy of bf16 SDPA against float64 SDPA on the same bf16 inputs, N(0, 1) entries, one head
+/// of d = 128, non-causal (the float64 reference is a plain three-pass softmax per row). Args: N,
+/// output (0: bf16, 1: float). Counters: NMSE = Σ(out − ref)² / Σ ref², max |out − ref|, and the
+/// same for the float SDPA on the widened inputs (float_*). Run once; not a timing.
+void BM_Bf16Accuracy(benchmark::State& state) {
+    const gattn::Index n = state.range(0), d = 128;
+    const bool float_out = state.range(1) != 0;
+    std::mt19937 rng(42);
+    std::normal_distribution<float> normal;
+    gattn::RowMatrix<gattn::bfloat16> q(n, d), k(n, d), v(n, d);
+    for (auto* m : {&q, &k, &v})
+        for (gattn::Index i = 0; i < m->size(); ++i) m->data()[i] = gattn::bfloat16(normal(rng));
+    const Matrix qf = q.cast<float>(), kf = k.cast<float>(), vf = v.cast<float>();
+    Matrix got(n, d), got_float(n, d);
+    for (auto _ : state) {
+        if (float_out) {
+            gattn::scaled_dot_product_attention<gattn::bfloat16, float>(q, k, v, {1, 1, 1}, got);
+        } else {
+            const gattn::RowMatrix<gattn::bfloat16> out = gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, {1, 1, 1});
+            got = out.cast<float>();
+        }
+        gattn::scaled_dot_product_attention<float>(qf, kf, vf, {1, 1, 1}, got_float);
+    }
+    // float64 reference, row by row.
+    const Eigen::MatrixXd kd = kf.cast<double>(), vd = vf.cast<double>();
+    const double scale = 1.0 / std::sqrt(double(d));
+    double err2 = 0, ref2 = 0, max_err = 0, ferr2 = 0, fmax = 0;
+    Eigen::VectorXd logits(n);
+    for (gattn::Index i = 0; i < n; ++i) {
+        logits.noalias() = kd * (qf.row(i).cast<double>().transpose() * scale);
+        const double m = logits.maxCoeff();
+        const Eigen::VectorXd p = (logits.array() - m).exp().matrix();
+        const Eigen::RowVectorXd ref = (p.transpose() * vd) / p.sum();
+        for (gattn::Index c = 0; c < d; ++c) {
+            const double e = got(i, c) - ref(c), f = got_float(i, c) - ref(c);
+            err2 += e * e;
+            ferr2 += f * f;
+            ref2 += ref(c) * ref(c);
+            max_err = std::max(max_err, std::abs(e));
+            fmax = std::max(fmax, std::abs(f));
+        }
+    }
+    state.counters["NMSE"] = err2 / ref2;
+    state.counters["max_err"] = max_err;
+    state.counters["float_NMSE"] = ferr2 / ref2;
+    state.counters["float_max_err"] = fmax;
+    state.SetLabel(gattn::kernel_name(gattn::bf16_kernel().kernel));
 }
 
 /// Typical hand-written Eigen attention: (Q·Kᵀ)·scale materialised, softmax through
@@ -279,7 +367,9 @@ BENCHMARK(BM_GattnSdpa)->Apply(prefill_args)->ArgNames({"Nq", "Nk", "d", "causal
 BENCHMARK(BM_GattnSdpa)->Name("BM_GattnDecode")->Apply(decode_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_GattnLongContext)->Arg(2)->ArgNames({"threads"})->Iterations(1)->Unit(benchmark::kSecond)->UseRealTime();
 BENCHMARK(BM_GattnVsCareful)->Args({512, 128, 0})->Args({512, 128, 1})->Args({2048, 128, 0})->Args({2048, 128, 1})->ArgNames({"N", "d", "causal"})->MinTime(3.0)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Bf16VsFloat)->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}})->Args({2048, 0, 2})->Args({2048, 1, 2})->ArgNames({"N", "causal", "threads"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Bf16VsFloat)->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}, {0}})->Args({2048, 0, 2, 0})->Args({2048, 1, 2, 0})->Args({2048, 0, 1, 1})->Args({2048, 1, 1, 1})->ArgNames({"N", "causal", "threads", "widened"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Bf16DecodeVsFloat)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_Bf16Accuracy)->ArgsProduct({{2048, 8192}, {0, 1}})->ArgNames({"N", "float_out"})->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EigenCarefulSdpa)->Apply(baseline_args)->ArgNames({"N", "d", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenTypicalSdpa)->Args({512, 128})->Args({2048, 128})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenGemmRoof)->Args({512, 128})->Args({2048, 128})->Args({2048, 64})->Args({2048, 256})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();

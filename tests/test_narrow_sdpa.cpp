@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // SDPA on 16-bit storage (bf16, fp16) against the float64 reference on the same rounded inputs:
-// every shape and mask of the float sweep, through each kernel this machine can run (AVX512-BF16
+// every shape and mask of the float sweep (prefill tiles and, for few queries per KV head, the
+// decoding kernel reading the 16-bit cache in place), through each kernel this machine can run (AVX512-BF16
 // where compiled and present, widened float always), with bf16, fp16 and float outputs; NaN in
 // masked keys, including keys only some queries of a key block see; fully masked rows; thread
 // count invariance; the kernel report.
@@ -217,6 +218,55 @@ TEST(NarrowSdpa, KeyPastAnOddLengthDoesNotLeak) {
             const NarrowTol t = tolerance<bfloat16, float>(k);
             EXPECT_TRUE(got.topRows(N).allFinite());
             expect_close(got.topRows(N), ref.out, t.atol, t.rtol, "NarrowOddLength/out");
+        }
+    }
+}
+
+/// Decoding (a few queries per KV head) reads a 16-bit cache where it lies: several 512-key
+/// chunks merged through the log-sum-exp, GQA, key lengths ending mid-chunk with NaN and ∞ in
+/// the unused slots, a window; bitwise the same on 1 and 2 threads.
+TEST(NarrowSdpa, DecodingOverLongCacheMatchesReference) {
+    const Index B = 2, Nq = 1, Nk = 1500, H = 8, Hkv = 2, d = 72;
+    for (bool window : {false, true}) {
+        SCOPED_TRACE(window ? "window 700" : "no window");
+        Mat q = rounded<bfloat16>(random_matrix(B * Nq, H * d, 31)),
+            key = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 32)),
+            v = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 33));
+        const std::vector<Index> lengths = {1100, 1500};
+        for (Index j = lengths[0]; j < Nk; ++j) {
+            key.row(j).setConstant(kNaN);
+            v.row(j).setConstant(kInf);
+        }
+        gattn::SdpaOptions<float> opt;
+        opt.mask.key_lengths = lengths;
+        if (window) opt.mask.sliding_window = 700;
+        opt.mask.causal = true;
+        RefMasks rm;
+        rm.key_lengths = lengths;
+        rm.causal = true;
+        if (window) rm.sliding_window = 700;
+        const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
+        const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
+        for (Bf16Kernel k : runnable_kernels()) {
+            KernelLimit limit(k);
+            gattn::RowMatrix<float> lse;
+            gattn::SdpaOutputs<float> extra;
+            extra.log_sum_exp = &lse;
+            gattn::RowMatrix<float> out(B * Nq, H * d);
+            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out, opt, extra);
+            expect_close(out, ref.out, 1e-5, 1e-5, "NarrowDecode/out");  // float math on exact inputs
+            expect_close(lse, ref.log_sum_exp, 1e-5, 1e-5, "NarrowDecode/lse");
+            const gattn::RowMatrix<bfloat16> out16 =
+                gattn::scaled_dot_product_attention<bfloat16>(qs, ks, vs, {B, H, Hkv}, opt);
+            expect_close(out16.cast<float>(), ref.out, 1e-5, 1e-5 + 0x1p-8, "NarrowDecode/out16");
+#ifdef _OPENMP
+            const int saved = omp_get_max_threads();
+            omp_set_num_threads(saved == 1 ? 2 : 1);
+            gattn::RowMatrix<float> again(B * Nq, H * d);
+            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, again, opt);
+            omp_set_num_threads(saved);
+            EXPECT_TRUE(again == out) << "thread count changed a decoding result";
+#endif
         }
     }
 }

@@ -106,6 +106,14 @@ struct NarrowScratch {
         thread_local NarrowScratch scratch;
         return scratch;
     }
+    /// Room for decoding num_kv_heads blocks at a time (widened queries, staged outputs).
+    void reserve_decode(Index dk, Index dv, Index num_kv_heads) {
+        const auto n = static_cast<std::size_t>(num_kv_heads);
+        if (blocks.size() < n) blocks.resize(n);
+        if (wide.size() < n) wide.resize(n);
+        if (q_rows.size() < num_kv_heads * W * dk) q_rows.resize(num_kv_heads * W, dk);
+        if (stage.size() < W * dv) stage.resize(W, dv);
+    }
     void reserve(Index dk, Index dv, int group_blocks, bool tiles) {
         auto grow = [](auto& m, Index rows, Index cols) {
             if (m.size() < rows * cols) m.resize(rows, cols);
@@ -137,6 +145,26 @@ inline void narrow_outputs(const FlashBlock<float, S, O>& blk, int i, float* con
     for (int t = 0; t < blk.count; ++t) narrow_row(rows[t], blk.out[t], dv);
 }
 
+/// w = b with its query rows widened into q_rows (W rows of d_k floats) and its outputs going to
+/// `rows` (float, or null when the caller writes them elsewhere).
+template <class S, class O>
+inline void widen_block(const FlashBlock<float, S, O>& b, FlashBlock<float>& w, float* q_rows, Index dk,
+                        float* const* rows) noexcept {
+    w.count = b.count;
+    for (int t = 0; t < NarrowScratch<S, O>::W; ++t) {
+        float* q = q_rows + Index(t) * dk;
+        if (t < b.count) widen_row(b.q[t], q, dk);
+        w.q[t] = q;
+        w.out[t] = rows ? rows[t] : nullptr;
+        w.begin[t] = b.begin[t];
+        w.end[t] = b.end[t];
+        w.bool_row[t] = b.bool_row[t];
+        w.bias_row[t] = b.bias_row[t];
+        w.lse[t] = b.lse[t];
+        w.first_key[t] = b.first_key[t];
+    }
+}
+
 /// The widened-float kernel: runs the float kernel's steps on Q, K and V widened block by block.
 template <class S, class O, class OnBlock>
 void widened_attention_blocks(const FlashBlock<float, S, O>* blocks, int count, const S* key, Index key_stride,
@@ -149,21 +177,8 @@ void widened_attention_blocks(const FlashBlock<float, S, O>* blocks, int count, 
     FlashState<float> state[G::kGroupBlocks];
     Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
     for (int i = 0; i < count; ++i) {
-        const FlashBlock<float, S, O>& b = blocks[i];
         FlashBlock<float>& w = ns.wide[static_cast<std::size_t>(i)];
-        w.count = b.count;
-        for (int t = 0; t < W; ++t) {
-            float* q = ns.q_rows.data() + (Index(i) * W + t) * dk;
-            if (t < b.count) widen_row(b.q[t], q, dk);
-            w.q[t] = q;
-            w.out[t] = nullptr;  // outputs go to the staging rows
-            w.begin[t] = b.begin[t];
-            w.end[t] = b.end[t];
-            w.bool_row[t] = b.bool_row[t];
-            w.bias_row[t] = b.bias_row[t];
-            w.lse[t] = b.lse[t];
-            w.first_key[t] = b.first_key[t];
-        }
+        widen_block(blocks[i], w, ns.q_rows.data() + Index(i) * W * dk, dk, nullptr);  // outputs: staging rows
         flash_begin(w, dk, dv, scale, fs.qt[i].data(), fs.ot[i].data(), state[i]);
         if (state[i].union_begin >= state[i].union_end) continue;
         k_begin = std::min(k_begin, state[i].first_block());

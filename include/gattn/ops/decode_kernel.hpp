@@ -18,10 +18,12 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/simd/math.hpp"
+#include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
 namespace kernel {
@@ -53,24 +55,47 @@ inline constexpr int kDecodeRows = 4, kDecodeValueRegisters = 16;
 inline constexpr int kDecodeRows = 2, kDecodeValueRegisters = 8;
 #endif
 
+/// One register of T from L values of type KV at p: a plain load, or 16-bit values widened
+/// exactly (bf16, fp16 keys and values of a 16-bit KV cache are read in place).
+template <class T, class KV>
+inline simd::Batch<T> load_widened(const KV* p) noexcept {
+    using B = simd::Batch<T>;
+    if constexpr (std::is_same_v<T, KV>) {
+        return B::load_unaligned(p);
+    } else {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float> && sizeof(B) == 64) {
+            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+            if constexpr (std::is_same_v<KV, bfloat16>)
+                return B(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+            else
+                return B(_mm512_cvtph_ps(h));
+        }
+#endif
+        alignas(64) T w[simd::kLanes<T>];
+        for (std::size_t i = 0; i < simd::kLanes<T>; ++i) w[i] = static_cast<T>(p[i]);
+        return B::load_aligned(w);
+    }
+}
+
 /// dots[r][kk] = Σ over vector steps of q_r[d]·K[kk][d] (one register of partial sums per
 /// row and key, d < dk_vec), for R rows and keys kk < nk; registers for kk in [nk, L) are 0.
 /// Four keys at a time: each K vector feeds the R rows, and 4·R independent FMA chains
 /// hide the FMA latency. Each (row, key) chain runs over d in order, as for one row alone.
-template <class T, int R>
-inline void group_logits(const T* const* q, const T* key, Index key_stride, Index nk, Index dk_vec,
+template <class T, int R, class KV = T>
+inline void group_logits(const T* const* q, const KV* key, Index key_stride, Index nk, Index dk_vec,
                          simd::Batch<T> (*dots)[simd::kLanes<T>]) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     Index kk = 0;
     for (; kk + 4 <= nk; kk += 4) {
-        const T* k = key + kk * key_stride;
+        const KV* k = key + kk * key_stride;
         B a[R][4];
         for (int r = 0; r < R; ++r)
             for (int i = 0; i < 4; ++i) a[r][i] = B(T(0));
         for (Index d = 0; d < dk_vec; d += L) {
             B kv[4];
-            for (int i = 0; i < 4; ++i) kv[i] = B::load_unaligned(k + i * key_stride + d);
+            for (int i = 0; i < 4; ++i) kv[i] = load_widened<T>(k + i * key_stride + d);
             for (int r = 0; r < R; ++r) {
                 const B qd = B::load_unaligned(q[r] + d);
                 for (int i = 0; i < 4; ++i) a[r][i] = simd::fma(qd, kv[i], a[r][i]);
@@ -83,8 +108,8 @@ inline void group_logits(const T* const* q, const T* key, Index key_stride, Inde
         for (int r = 0; r < R; ++r) {
             B a(T(0));
             if (kk < nk) {
-                const T* k = key + kk * key_stride;
-                for (Index d = 0; d < dk_vec; d += L) a = simd::fma(B::load_unaligned(q[r] + d), B::load_unaligned(k + d), a);
+                const KV* k = key + kk * key_stride;
+                for (Index d = 0; d < dk_vec; d += L) a = simd::fma(B::load_unaligned(q[r] + d), load_widened<T>(k + d), a);
             }
             dots[r][kk] = a;
         }
@@ -94,9 +119,9 @@ inline void group_logits(const T* const* q, const T* key, Index key_stride, Inde
 /// multiply-add per key, in registers across the keys; each V vector feeds the R rows. A
 /// masked key (score −∞) is skipped, its V row may be garbage, even NaN; a visible key whose
 /// weight underflowed to 0 is not (0·NaN = NaN).
-template <class T, int R>
+template <class T, int R, class KV = T>
 inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::kLanes<T>], Index nk,
-                         const T* value, Index value_stride, T* const* acc, Index dv) noexcept {
+                         const KV* value, Index value_stride, T* const* acc, Index dv) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr int C = std::min(8, kDecodeValueRegisters / (R > 2 ? 4 : R));  // registers of d_v per row
@@ -107,9 +132,9 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
         for (int r = 0; r < R; ++r)
             for (int c = 0; c < C; ++c) a[r][c] = B::load_unaligned(acc[r] + j + c * L);
         for (Index kk = 0; kk < nk; ++kk) {
-            const T* v = value + kk * value_stride + j;
+            const KV* v = value + kk * value_stride + j;
             B vb[C];
-            for (int c = 0; c < C; ++c) vb[c] = B::load_unaligned(v + c * L);
+            for (int c = 0; c < C; ++c) vb[c] = load_widened<T>(v + c * L);
             for (int r = 0; r < R; ++r) {
                 if (score[r][kk] == kNegInf) continue;
                 const B pk(p[r][kk]);
@@ -123,22 +148,24 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
         for (int r = 0; r < R; ++r) {
             B a = B::load_unaligned(acc[r] + j);
             for (Index kk = 0; kk < nk; ++kk)
-                if (score[r][kk] != kNegInf) a = simd::fma(B(p[r][kk]), B::load_unaligned(value + kk * value_stride + j), a);
+                if (score[r][kk] != kNegInf) a = simd::fma(B(p[r][kk]), load_widened<T>(value + kk * value_stride + j), a);
             a.store_unaligned(acc[r] + j);
         }
     for (; j < dv; ++j)
         for (int r = 0; r < R; ++r)
             for (Index kk = 0; kk < nk; ++kk)
-                if (score[r][kk] != kNegInf) acc[r][j] = std::fma(p[r][kk], value[kk * value_stride + j], acc[r][j]);
+                if (score[r][kk] != kNegInf)
+                    acc[r][j] = std::fma(p[r][kk], static_cast<T>(value[kk * value_stride + j]), acc[r][j]);
 }
 
 /// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
 /// [k_begin, k_end), accumulating into states[g]. key/value point at key 0, head 0 of the
 /// sequence. The KV heads are walked inside each key block, so a [N, H_kv·d] cache is read
-/// row after row (rows of one head alone would each sit in another page).
-template <class T>
+/// row after row (rows of one head alone would each sit in another page). KV: the type K and V
+/// are stored in (T, or bf16/fp16 widened as they are loaded); the queries are T.
+template <class T, class KV = T>
 void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin,
-                  Index k_end, const T* key_base, Index key_stride, const T* value_base, Index value_stride,
+                  Index k_end, const KV* key_base, Index key_stride, const KV* value_base, Index value_stride,
                   Index dk, Index dv, T scale) {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
@@ -164,16 +191,16 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         // The next block's K and V rows (all KV heads), a block ahead of their use: decoding
         // streams the cache once, from memory when it is long.
         for (Index kk = j0 + L; kk < std::min(j0 + 2 * L, k_end); ++kk) {
-            const T* k = key_base + kk * key_stride;
-            const T* v = value_base + kk * value_stride;
-            for (Index e = 0; e < num_kv_heads * dk; e += simd::kLineElems<T>) simd::prefetch(k + e);
-            for (Index e = 0; e < num_kv_heads * dv; e += simd::kLineElems<T>) simd::prefetch(v + e);
+            const KV* k = key_base + kk * key_stride;
+            const KV* v = value_base + kk * value_stride;
+            for (Index e = 0; e < num_kv_heads * dk; e += simd::kLineElems<KV>) simd::prefetch(k + e);
+            for (Index e = 0; e < num_kv_heads * dv; e += simd::kLineElems<KV>) simd::prefetch(v + e);
         }
         for (Index g = 0; g < num_kv_heads; ++g) {
             const FlashBlock<T>& blk = blks[g];
             PartialState<T>& st = states[g];
-            const T* key = key_base + g * dk;
-            const T* value = value_base + g * dv;
+            const KV* key = key_base + g * dk;
+            const KV* value = value_base + g * dv;
             for (int t0 = 0; t0 < blk.count; t0 += kDecodeRows) {
                 const int rows = std::min(kDecodeRows, blk.count - t0);
                 bool any = false;
@@ -184,7 +211,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                 with_constant<kDecodeRows + 1>(rows, [&](auto rows_constant) {
                     constexpr int R = decltype(rows_constant)::value;
                     if constexpr (R > 0) {
-                        group_logits<T, R>(blk.q + t0, key + j0 * key_stride, key_stride, nk, dk_vec, dots);
+                        group_logits<T, R, KV>(blk.q + t0, key + j0 * key_stride, key_stride, nk, dk_vec, dots);
                         for (int r = 0; r < R; ++r) {
                             // Logits of row t from its dot-product registers, masked (−∞: key
                             // skipped), then the online-softmax update of the row's m, l, acc.
@@ -198,9 +225,9 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             (simd::reduce_sum_rows<T>(dots[r]) * B(scale)).store_aligned(sr);
                             if (dk_vec < dk)
                                 for (Index kk = 0; kk < nk; ++kk) {
-                                    const T* k = key + (j0 + kk) * key_stride;
+                                    const KV* k = key + (j0 + kk) * key_stride;
                                     T tail = 0;
-                                    for (Index d = dk_vec; d < dk; ++d) tail += blk.q[t][d] * k[d];
+                                    for (Index d = dk_vec; d < dk; ++d) tail += blk.q[t][d] * static_cast<T>(k[d]);
                                     sr[kk] += tail * scale;
                                 }
                             if (lo == j0 && hi == j0 + nk && !blk.bool_row[t] && !blk.bias_row[t]) {
@@ -235,7 +262,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             pv.store_aligned(p[r]);
                             st.l[t] += simd::reduce_sum(pv);
                         }
-                        group_values<T, R>(s, p, nk, value + j0 * value_stride, value_stride, acc, dv);
+                        group_values<T, R, KV>(s, p, nk, value + j0 * value_stride, value_stride, acc, dv);
                     }
                 });
             }

@@ -323,11 +323,10 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     // queries in lanes (flash_kernel.hpp), tasks (sequence, KV head, block of Br pairs). Few
     // pairs (decoding): keys in lanes with the keys split into chunks (decode_kernel.hpp), tasks
     // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
-    // 16-bit storage has no decoding kernel yet: it always takes query tiles.
     using Geometry = kernel::FlashGeometry<T>;
     const Index group = H / Hkv;
     const Index pairs = group * Nq;
-    const bool decode = !kNarrow && pairs <= Geometry::kQueries / 4;
+    const bool decode = pairs <= Geometry::kQueries / 4;
     const Index blocks = decode ? 1 : (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
     const Index chunks = decode ? (Nk + kernel::kChunkKeys - 1) / kernel::kChunkKeys : 1;
     // A prefill task runs up to kGroupBlocks query blocks of one KV head together (they share
@@ -393,12 +392,35 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
 #endif
         {
             auto& scratch = kernel::NarrowScratch<Scalar, Out>::for_this_thread();
-            scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
+            if (decode)
+                scratch.reserve_decode(dk, dv, Hkv);
+            else
+                scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
             kernel::FlashBlock<T, Scalar, Out>* const blk = scratch.blocks.data();
+            kernel::FlashBlock<T>* const wide = scratch.wide.data();
+            // Decoding: the float decoding kernel on float queries, reading K and V where they
+            // lie and widening them as they are loaded; outputs staged in float, then rounded.
+            T* stage_rows[Geometry::kQueries];
+            for (int t = 0; t < Geometry::kQueries; ++t) stage_rows[t] = scratch.stage.data() + t * dv;
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
             for (Index task = 0; task < tasks; ++task) {
+                if (decode) {
+                    const Index chunk = task % chunks, b = task / chunks;
+                    kernel::PartialState<T>* states = partial.data() + task * Hkv;
+                    for (Index g = 0; g < Hkv; ++g) {
+                        describe_block(blk[g], b, g, 0);
+                        kernel::widen_block(blk[g], wide[g], scratch.q_rows.data() + g * Geometry::kQueries * dk, dk,
+                                            nullptr);
+                        states[g].reset(blk[g].count, dv);
+                    }
+                    const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
+                    kernel::decode_chunk<T, Scalar>(wide, states, Hkv, c0, c1, key.data() + b * Nk * key.outerStride(),
+                                                    key.outerStride(), value.data() + b * Nk * value.outerStride(),
+                                                    value.outerStride(), dk, dv, scale);
+                    continue;
+                }
                 const Index first = (block_tasks - 1 - task % block_tasks) * per_task,
                             g = (task / block_tasks) % Hkv, b = task / (block_tasks * Hkv);
                 const int count = static_cast<int>(std::min(per_task, blocks - first));
@@ -410,6 +432,20 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                                                 key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
                                                 value.data() + b * Nk * value.outerStride() + g * dv,
                                                 value.outerStride(), dk, dv, scale, scratch, on_block);
+            }
+            if (decode) {
+                // Merge each (sequence, KV head)'s chunks in order (after the implicit barrier).
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+                for (Index bg = 0; bg < B * Hkv; ++bg) {
+                    const Index b = bg / Hkv, g = bg % Hkv;
+                    describe_block(blk[0], b, g, 0);
+                    kernel::widen_block(blk[0], wide[0], scratch.q_rows.data(), dk, stage_rows);
+                    kernel::decode_finish<T>(wide[0], partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
+                    finish_block(blk[0].count, stage_rows, b, g, 0);
+                    for (int t = 0; t < blk[0].count; ++t) kernel::narrow_row(stage_rows[t], blk[0].out[t], dv);
+                }
             }
         }
     } else {
