@@ -364,6 +364,7 @@ TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
         EXPECT_EQ(best.kernel, Bf16Kernel::Avx512Bf16) << best.reason;
     else
         EXPECT_EQ(best.kernel, Bf16Kernel::WidenedFloat) << best.reason;
+    EXPECT_EQ(gattn::detail::bf16_kernel_family(), best.kernel);  // what SDPA dispatches on
     EXPECT_NE(best.reason.find("AMX: "), std::string::npos) << best.reason;  // no AMX kernel runs yet
     if (!f.amx_bf16) {
         EXPECT_NE(best.reason.find("no AMX-BF16"), std::string::npos) << best.reason;
@@ -374,6 +375,7 @@ TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
     KernelLimit limit(Bf16Kernel::WidenedFloat);
     const gattn::KernelChoice widened = gattn::bf16_kernel();
     EXPECT_EQ(widened.kernel, Bf16Kernel::WidenedFloat);
+    EXPECT_EQ(gattn::detail::bf16_kernel_family(), Bf16Kernel::WidenedFloat);
     EXPECT_NE(widened.reason.find("AVX512-BF16: excluded by set_bf16_kernel_limit"), std::string::npos)
         << widened.reason;
     EXPECT_EQ(gattn::describe(widened).rfind("widened float (", 0), 0u) << gattn::describe(widened);

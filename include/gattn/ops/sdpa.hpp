@@ -385,7 +385,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
-    const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? bf16_kernel().kernel : Bf16Kernel::WidenedFloat;
+    const Bf16Kernel narrow_kernel =
+        std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family() : Bf16Kernel::WidenedFloat;
     if constexpr (kNarrow) {
 #ifdef _OPENMP
 #pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))

@@ -6,9 +6,9 @@
 /// on bf16 inputs runs (and why no faster one): gattn never falls back silently.
 ///
 /// Kernels for 16-bit inputs, fastest first:
-///  - Amx: the AMX tile unit (TDPBF16PS). Detected here (CPUID and Linux's tile permission,
-///    arch_prctl ARCH_REQ_XCOMP_PERM), but gattn has no AMX kernel yet: such a CPU runs the
-///    AVX512-BF16 kernel, and bf16_kernel() says so.
+///  - Amx: the AMX tile unit (TDPBF16PS). Detected here (CPUID; Linux's tile permission is
+///    asked with arch_prctl ARCH_REQ_XCOMP_PERM by request_amx_permission), but gattn has no AMX
+///    kernel yet: such a CPU runs the AVX512-BF16 kernel, and bf16_kernel() says so.
 ///  - Avx512Bf16: VDPBF16PS products of bf16 pairs into float accumulators
 ///    (ops/bf16_flash_kernel.hpp); needs a translation unit built with AVX512-BF16
 ///    (e.g. -march=native on Zen 4/5, Cooper Lake, Sapphire Rapids) and a CPU that has it.
@@ -134,21 +134,21 @@ inline constexpr bool compiled_with_avx512bf16() noexcept {
 }
 
 /// The kernel family an SDPA call on bf16 query, key and value runs here, and why no faster
-/// one (CPU lacks it, the OS refused the tile state, this unit was not compiled with the flags,
-/// the limit set by set_bf16_kernel_limit, or no kernel of that family in gattn yet). fp16
-/// inputs always run WidenedFloat. Cheap after the first call; thread-safe.
+/// one (CPU lacks it, this unit was not compiled with the flags, the limit set by
+/// set_bf16_kernel_limit, or no kernel of that family in gattn yet). fp16
+/// inputs always run WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not).
 inline KernelChoice bf16_kernel() {
     const CpuFeatures& f = cpu_features();
     const Bf16Kernel limit = detail::bf16_kernel_limit();
     KernelChoice choice;
     std::string why;
     auto add = [&](const std::string& line) { why += (why.empty() ? "" : "; ") + line; };
+    // The tile state is not requested while there is no AMX kernel to use it (the request
+    // enlarges every context switch's saved state).
     if (limit != Bf16Kernel::Amx)
         add("AMX: excluded by set_bf16_kernel_limit");
     else if (!f.amx_bf16)
         add("AMX: this CPU has no AMX-BF16");
-    else if (!detail::request_amx_permission())
-        add("AMX: the OS refused the tile state (arch_prctl ARCH_REQ_XCOMP_PERM)");
     else
         add("AMX: no AMX kernel in this version of gattn");
     if (limit == Bf16Kernel::WidenedFloat) {
@@ -163,6 +163,15 @@ inline KernelChoice bf16_kernel() {
     choice.reason = why;
     return choice;
 }
+
+namespace detail {
+/// bf16_kernel().kernel without the reasons (no allocation): what an SDPA call dispatches on.
+inline Bf16Kernel bf16_kernel_family() noexcept {
+    if (bf16_kernel_limit() != Bf16Kernel::WidenedFloat && cpu_features().avx512bf16 && compiled_with_avx512bf16())
+        return Bf16Kernel::Avx512Bf16;
+    return Bf16Kernel::WidenedFloat;
+}
+}  // namespace detail
 
 /// "AMX", "AVX512-BF16" or "widened float".
 inline const char* kernel_name(Bf16Kernel k) noexcept {
