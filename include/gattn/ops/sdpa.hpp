@@ -585,6 +585,10 @@ struct identity {
 ///         window < 1, a scale not finite in Scalar, out sharing an element with an input or the
 ///         bias, or optional outputs that are or hold an input or are one another. Nothing is
 ///         written before validation passes.
+/// Scalar: float, double, or 16-bit storage (gattn::bfloat16, gattn::half) whose options and
+/// optional outputs are float and whose output (Out) is the storage type or float; 16-bit inputs
+/// run the kernels of ops/bf16_flash_kernel.hpp (gattn::bf16_kernel() says which, and what is
+/// rounded where is in docs/conventions.md, "16-bit storage"); the same exceptions.
 /// Accumulation and softmax run in Scalar (float or double). Two kernels, chosen by shape:
 /// query tiles (ops/flash_kernel.hpp) when a KV head serves more than Br/4 (head, query) pairs,
 /// else the decoding kernel with split-KV chunks (ops/decode_kernel.hpp). Compiled with OpenMP,
