@@ -20,6 +20,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gattn/gattn.hpp>
@@ -54,6 +55,26 @@ struct Inputs {
         : q(Matrix::Random(nq, kHeads * d)), k(Matrix::Random(nk, kHeads * d)), v(Matrix::Random(nk, kHeads * d)),
           out(nq, kHeads * d) {}
 };
+
+/// Runs a and b in turn within every iteration of state (so that both see the same state of a
+/// shared machine) and returns the seconds each took in all.
+template <class A, class B>
+std::pair<double, double> time_in_turn(benchmark::State& state, const A& a, const B& b) {
+    using Clock = std::chrono::steady_clock;
+    double ta = 0, tb = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        a();
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        b();
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        ta += std::chrono::duration<double>(t1 - t0).count();
+        tb += std::chrono::duration<double>(t2 - t1).count();
+    }
+    return {ta, tb};
+}
 
 /// gattn SDPA. Args: N_q, N_k, d, causal, threads.
 void BM_GattnSdpa(benchmark::State& state) {
@@ -122,21 +143,16 @@ void BM_GattnVsCareful(benchmark::State& state) {
     Matrix s(n, n), out(n, kHeads * d);
     gattn::SdpaOptions<float> opt;
     opt.mask.causal = causal;
-    using Clock = std::chrono::steady_clock;
-    double t_gattn = 0, t_careful = 0;
-    for (auto _ : state) {
-        const auto t0 = Clock::now();
-        gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, {1, kHeads, kHeads}, out, opt);
-        benchmark::DoNotOptimize(out.data());
-        benchmark::ClobberMemory();
-        const auto t1 = Clock::now();
-        careful_eigen_attention(in, s, d, causal);
-        benchmark::DoNotOptimize(in.out.data());
-        benchmark::ClobberMemory();
-        const auto t2 = Clock::now();
-        t_gattn += std::chrono::duration<double>(t1 - t0).count();
-        t_careful += std::chrono::duration<double>(t2 - t1).count();
-    }
+    const auto [t_gattn, t_careful] = time_in_turn(
+        state,
+        [&] {
+            gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, {1, kHeads, kHeads}, out, opt);
+            benchmark::DoNotOptimize(out.data());
+        },
+        [&] {
+            careful_eigen_attention(in, s, d, causal);
+            benchmark::DoNotOptimize(in.out.data());
+        });
     const double flops = attention_flops(n, n, d, causal) * static_cast<double>(state.iterations());
     state.counters["gattn_GFLOP/s"] = flops / t_gattn / 1e9;
     state.counters["careful_GFLOP/s"] = flops / t_careful / 1e9;
@@ -159,21 +175,16 @@ void BM_Bf16VsFloat(benchmark::State& state) {
     gattn::RowMatrix<gattn::bfloat16> out(n, kHeads * d);
     gattn::SdpaOptions<float> opt;
     opt.mask.causal = causal;
-    using Clock = std::chrono::steady_clock;
-    double t_float = 0, t_bf16 = 0;
-    for (auto _ : state) {
-        const auto t0 = Clock::now();
-        gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, {1, kHeads, kHeads}, in.out, opt);
-        benchmark::DoNotOptimize(in.out.data());
-        benchmark::ClobberMemory();
-        const auto t1 = Clock::now();
-        gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, {1, kHeads, kHeads}, out, opt);
-        benchmark::DoNotOptimize(out.data());
-        benchmark::ClobberMemory();
-        const auto t2 = Clock::now();
-        t_float += std::chrono::duration<double>(t1 - t0).count();
-        t_bf16 += std::chrono::duration<double>(t2 - t1).count();
-    }
+    const auto [t_float, t_bf16] = time_in_turn(
+        state,
+        [&] {
+            gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, {1, kHeads, kHeads}, in.out, opt);
+            benchmark::DoNotOptimize(in.out.data());
+        },
+        [&] {
+            gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, {1, kHeads, kHeads}, out, opt);
+            benchmark::DoNotOptimize(out.data());
+        });
     const double flops = attention_flops(n, n, d, causal) * static_cast<double>(state.iterations());
     state.counters["float_GFLOP/s"] = flops / t_float / 1e9;
     state.counters["bf16_GFLOP/s"] = flops / t_bf16 / 1e9;
@@ -195,21 +206,16 @@ void BM_Bf16DecodeVsFloat(benchmark::State& state) {
                                             vb = v.cast<gattn::bfloat16>();
     Matrix out(1, kHeads * d);
     gattn::RowMatrix<gattn::bfloat16> out_b(1, kHeads * d);
-    using Clock = std::chrono::steady_clock;
-    double t_float = 0, t_bf16 = 0;
-    for (auto _ : state) {
-        const auto t0 = Clock::now();
-        gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
-        benchmark::DoNotOptimize(out.data());
-        benchmark::ClobberMemory();
-        const auto t1 = Clock::now();
-        gattn::scaled_dot_product_attention<gattn::bfloat16>(qb, kb, vb, {1, kHeads, hkv}, out_b);
-        benchmark::DoNotOptimize(out_b.data());
-        benchmark::ClobberMemory();
-        const auto t2 = Clock::now();
-        t_float += std::chrono::duration<double>(t1 - t0).count();
-        t_bf16 += std::chrono::duration<double>(t2 - t1).count();
-    }
+    const auto [t_float, t_bf16] = time_in_turn(
+        state,
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
+            benchmark::DoNotOptimize(out.data());
+        },
+        [&] {
+            gattn::scaled_dot_product_attention<gattn::bfloat16>(qb, kb, vb, {1, kHeads, hkv}, out_b);
+            benchmark::DoNotOptimize(out_b.data());
+        });
     const double n = static_cast<double>(state.iterations());
     state.counters["float_us"] = t_float / n * 1e6;
     state.counters["bf16_us"] = t_bf16 / n * 1e6;

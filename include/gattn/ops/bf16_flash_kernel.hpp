@@ -479,34 +479,15 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
     using G = FlashGeometry<float>;
     using BF = simd::Batch<float>;
     constexpr int W = G::kQueries, C = G::kCols;
-    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     const float c = scale * simd::detail::kLog2eF;  // logits in base 2
     FlashState<float> state[G::kGroupBlocks];
     Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
     for (int i = 0; i < count; ++i) {
-        const FlashBlock<float, bfloat16, O>& blk = blocks[i];
         FlashState<float>& s = state[i];
-        s.union_begin = std::numeric_limits<Index>::max();
-        s.union_end = 0;
-        s.common_begin = 0;
-        s.common_end = std::numeric_limits<Index>::max();
-        s.elementwise = false;
-        for (int t = 0; t < blk.count; ++t) {
-            if (blk.bool_row[t] || blk.bias_row[t]) s.elementwise = true;
-            s.common_begin = std::max(s.common_begin, blk.begin[t]);
-            s.common_end = std::min(s.common_end, blk.end[t]);
-            if (blk.begin[t] >= blk.end[t]) continue;
-            s.union_begin = std::min(s.union_begin, blk.begin[t]);
-            s.union_end = std::max(s.union_end, blk.end[t]);
-        }
-        bf16::pack_query_pairs(blk, dk, ns.qp[i].data());
+        s.reset(blocks[i]);
+        bf16::pack_query_pairs(blocks[i], dk, ns.qp[i].data());
         std::fill(ns.ot[i].data(), ns.ot[i].data() + dv * W, 0.0f);
-        for (int q = 0; q < C; ++q) {
-            s.m[q] = BF(kNegInf);
-            s.l[q] = BF(0.0f);
-        }
-        for (int t = 0; t < W; ++t) s.first_score[t] = kNegInf;
-        if (s.union_begin >= s.union_end) continue;
+        if (!s.any_key()) continue;
         k_begin = std::min(k_begin, s.first_block());
         k_end = std::max(k_end, s.union_end);
     }
@@ -515,36 +496,23 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
         const bool non_finite = bf16::pack_value_pairs(value + k0 * value_stride, value_stride, nk, dv, ns.vt.data());
         for (int i = 0; i < count; ++i) {
             FlashState<float>& s = state[i];
-            if (!(s.union_begin < s.union_end && s.first_block() <= k0 && k0 < s.union_end)) continue;
+            if (!(s.any_key() && s.first_block() <= k0 && k0 < s.union_end)) continue;
             const Index n = std::min<Index>(G::kKeys, s.union_end - k0);
             bf16::step(blocks[i], s, k0, n, nk, key + k0 * key_stride, key_stride, ns.vt.data(), non_finite, dk, dv, c,
                        ns.qp[i].data(), ns.st.data(), ns.pt.data(), ns.ot[i].data());
         }
     }
-    // Outputs: O = Oᵀᵀ / l, log-sum-exp = ln 2 · (m + log₂ l), first key 2^(s₀ − m) / l.
+    // Outputs through the float kernel's finish, with m and the first score back in natural
+    // log units (·ln 2): log-sum-exp = m + ln l, first key e^(s₀ − m) / l.
     float* rows[W];
     for (int t = 0; t < W; ++t) rows[t] = ns.stage.data() + t * dv;
-    constexpr float kLn2 = 0.693147180559945309f;
+    const BF ln2(0.693147180559945309f);
     for (int i = 0; i < count; ++i) {
-        const FlashBlock<float, bfloat16, O>& blk = blocks[i];
-        alignas(64) float m_lane[W], l_lane[W], inv[W];
-        for (int q = 0; q < C; ++q) {
-            state[i].m[q].store_aligned(m_lane + q * 16);
-            state[i].l[q].store_aligned(l_lane + q * 16);
-        }
-        for (int t = 0; t < W; ++t) {
-            const float lt = l_lane[t];
-            inv[t] = !(lt > 0) && !std::isnan(lt) ? 0.0f : 1.0f / lt;
-        }
-        unpack_outputs(blk.count, rows, ns.ot[i].data(), dv, inv, false);
-        for (int t = 0; t < blk.count; ++t) {
-            const float lt = l_lane[t];
-            const bool empty = !(lt > 0) && !std::isnan(lt);
-            if (blk.lse[t]) *blk.lse[t] = empty ? kNegInf : (m_lane[t] + std::log2(lt)) * kLn2;
-            if (blk.first_key[t])
-                *blk.first_key[t] = empty ? 0.0f : std::exp2(state[i].first_score[t] - m_lane[t]) * inv[t];
-        }
-        narrow_outputs(blk, i, rows, dv, on_block);
+        FlashState<float>& s = state[i];
+        for (int q = 0; q < C; ++q) s.m[q] = s.m[q] * ln2;
+        for (int t = 0; t < W; ++t) s.first_score[t] *= 0.693147180559945309f;
+        flash_finish(blocks[i], s, ns.ot[i].data(), dv, rows, false);
+        narrow_outputs(blocks[i], i, rows, dv, on_block);
     }
 }
 

@@ -330,6 +330,30 @@ struct FlashState {
     /// First key block this query block visits (key blocks start at multiples of Bc, so a
     /// lane's blocking and rounding do not depend on which other lanes share its block).
     Index first_block() const { return union_begin / G::kKeys * G::kKeys; }
+    /// Starts a query block (any storage of its rows): its lanes' key ranges, m = −∞, l = 0.
+    template <class Block>
+    void reset(const Block& blk) noexcept {
+        union_begin = std::numeric_limits<Index>::max();
+        union_end = 0;
+        common_begin = 0;
+        common_end = std::numeric_limits<Index>::max();
+        elementwise = false;
+        for (int t = 0; t < blk.count; ++t) {
+            if (blk.bool_row[t] || blk.bias_row[t]) elementwise = true;
+            common_begin = std::max(common_begin, blk.begin[t]);
+            common_end = std::min(common_end, blk.end[t]);
+            if (blk.begin[t] >= blk.end[t]) continue;
+            union_begin = std::min(union_begin, blk.begin[t]);
+            union_end = std::max(union_end, blk.end[t]);
+        }
+        for (int c = 0; c < G::kCols; ++c) {
+            m[c] = B(-std::numeric_limits<T>::infinity());
+            l[c] = B(T(0));
+        }
+        std::fill(first_score, first_score + G::kQueries, -std::numeric_limits<T>::infinity());
+    }
+    /// Whether the block sees any key.
+    bool any_key() const noexcept { return union_begin < union_end; }
 };
 
 GATTN_EIGEN_PACKETS_BEGIN
@@ -407,30 +431,9 @@ GATTN_EIGEN_PACKETS_END
 /// Prepares a query block: ranges, scale·Qᵀ (padding lanes zero), Oᵀ = 0, m = −∞, l = 0.
 template <class T>
 void flash_begin(const FlashBlock<T>& blk, Index dk, Index dv, T scale, T* qt, T* ot, FlashState<T>& st) {
-    using B = simd::Batch<T>;
-    using G = FlashGeometry<T>;
-    constexpr int C = G::kCols, W = G::kQueries;
-    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-    st.union_begin = std::numeric_limits<Index>::max();
-    st.union_end = 0;
-    st.common_begin = 0;
-    st.common_end = std::numeric_limits<Index>::max();
-    st.elementwise = false;
-    for (int t = 0; t < blk.count; ++t) {
-        if (blk.bool_row[t] || blk.bias_row[t]) st.elementwise = true;
-        st.common_begin = std::max(st.common_begin, blk.begin[t]);
-        st.common_end = std::min(st.common_end, blk.end[t]);
-        if (blk.begin[t] >= blk.end[t]) continue;
-        st.union_begin = std::min(st.union_begin, blk.begin[t]);
-        st.union_end = std::max(st.union_end, blk.end[t]);
-    }
+    st.reset(blk);
     pack_queries(blk, dk, scale, qt);
-    std::fill(ot, ot + dv * W, T(0));
-    for (int c = 0; c < C; ++c) {
-        st.m[c] = B(kNegInf);
-        st.l[c] = B(T(0));
-    }
-    for (int t = 0; t < W; ++t) st.first_score[t] = kNegInf;
+    std::fill(ot, ot + dv * FlashGeometry<T>::kQueries, T(0));
 }
 
 /// One key block [k0, k0 + Bc) ∩ [0, union_end) of a query block: scores, mask, online softmax
@@ -566,9 +569,10 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
 }
 
 /// Writes a query block's outputs: O = Oᵀᵀ / l (0 for a lane that sees no key) into rows (the
-/// block's out rows or staging rows), log-sum-exp and first-key probability.
-template <class T>
-void flash_finish(const FlashBlock<T>& blk, const FlashState<T>& state, const T* ot, Index dv, T* const* rows,
+/// block's out rows or staging rows), log-sum-exp and first-key probability. The block's rows
+/// may be of any storage (only its count and optional outputs are used).
+template <class T, class S, class O>
+void flash_finish(const FlashBlock<T, S, O>& blk, const FlashState<T>& state, const T* ot, Index dv, T* const* rows,
                   bool stream) {
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;

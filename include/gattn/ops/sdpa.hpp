@@ -387,97 +387,65 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
     const Bf16Kernel narrow_kernel =
         std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family() : Bf16Kernel::WidenedFloat;
-    if constexpr (kNarrow) {
-#ifdef _OPENMP
-#pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
-#endif
-        {
-            auto& scratch = kernel::NarrowScratch<Scalar, Out>::for_this_thread();
-            if (decode)
-                scratch.reserve_decode(dk, dv, Hkv);
-            else
-                scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
-            kernel::FlashBlock<T, Scalar, Out>* const blk = scratch.blocks.data();
-            kernel::FlashBlock<T>* const wide = scratch.wide.data();
-            // Decoding: the float decoding kernel on float queries, reading K and V where they
-            // lie and widening them as they are loaded; outputs staged in float, then rounded.
-            T* stage_rows[Geometry::kQueries];
-            for (int t = 0; t < Geometry::kQueries; ++t) stage_rows[t] = scratch.stage.data() + t * dv;
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-            for (Index task = 0; task < tasks; ++task) {
-                if (decode) {
-                    const Index chunk = task % chunks, b = task / chunks;
-                    kernel::PartialState<T>* states = partial.data() + task * Hkv;
-                    for (Index g = 0; g < Hkv; ++g) {
-                        describe_block(blk[g], b, g, 0);
-                        kernel::widen_block(blk[g], wide[g], scratch.q_rows.data() + g * Geometry::kQueries * dk, dk,
-                                            nullptr);
-                        states[g].reset(blk[g].count, dv);
-                    }
-                    const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
-                    kernel::decode_chunk<T, Scalar>(wide, states, Hkv, c0, c1, key.data() + b * Nk * key.outerStride(),
-                                                    key.outerStride(), value.data() + b * Nk * value.outerStride(),
-                                                    value.outerStride(), dk, dv, scale);
-                    continue;
-                }
-                const Index first = (block_tasks - 1 - task % block_tasks) * per_task,
-                            g = (task / block_tasks) % Hkv, b = task / (block_tasks * Hkv);
-                const int count = static_cast<int>(std::min(per_task, blocks - first));
-                for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
-                auto on_block = [&](int i, T* const* rows) {
-                    finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
-                };
-                kernel::narrow_attention_blocks(narrow_kernel, blk, count,
-                                                key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
-                                                value.data() + b * Nk * value.outerStride() + g * dv,
-                                                value.outerStride(), dk, dv, scale, scratch, on_block);
-            }
-            if (decode) {
-                // Merge each (sequence, KV head)'s chunks in order (after the implicit barrier).
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-                for (Index bg = 0; bg < B * Hkv; ++bg) {
-                    const Index b = bg / Hkv, g = bg % Hkv;
-                    describe_block(blk[0], b, g, 0);
-                    kernel::widen_block(blk[0], wide[0], scratch.q_rows.data(), dk, stage_rows);
-                    kernel::decode_finish<T>(wide[0], partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
-                    finish_block(blk[0].count, stage_rows, b, g, 0);
-                    for (int t = 0; t < blk[0].count; ++t) kernel::narrow_row(stage_rows[t], blk[0].out[t], dv);
-                }
-            }
-        }
-    } else {
 #ifdef _OPENMP
 #pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
 #endif
     {
-        auto& scratch = kernel::FlashScratch<Scalar>::for_this_thread();
-        if (decode)
-            scratch.reserve_blocks(Hkv);
-        else
-            scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride(),
-                            writes == kernel::OutputWrites::Staged);
+        // The thread's scratch: the float kernel's, or the 16-bit kernels' (which also hold the
+        // float copies of decoding blocks).
+        auto& scratch = []() -> auto& {
+            if constexpr (kNarrow)
+                return kernel::NarrowScratch<Scalar, Out>::for_this_thread();
+            else
+                return kernel::FlashScratch<Scalar>::for_this_thread();
+        }();
+        if constexpr (kNarrow) {
+            if (decode)
+                scratch.reserve_decode(dk, dv, Hkv);
+            else
+                scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
+        } else {
+            if (decode)
+                scratch.reserve_blocks(Hkv);
+            else
+                scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride(),
+                                writes == kernel::OutputWrites::Staged);
+        }
         // Prefill: a task's query blocks. Decoding: a chunk's KV heads, later the block of a merge.
-        kernel::FlashBlock<Scalar>* const blk = scratch.blocks.data();
+        kernel::FlashBlock<T, Scalar, Out>* const blk = scratch.blocks.data();
+        // Decoding runs on float blocks: for 16-bit storage, copies of blk with float queries
+        // whose outputs are staged in float (then rounded); otherwise blk itself.
+        kernel::FlashBlock<T>* const decode_blk = [&] {
+            if constexpr (kNarrow)
+                return scratch.wide.data();
+            else
+                return blk;
+        }();
+        T* stage_rows[Geometry::kQueries] = {};
+        if constexpr (kNarrow)
+            for (int t = 0; t < Geometry::kQueries; ++t) stage_rows[t] = scratch.stage.data() + t * dv;
+        auto to_decode_block = [&](Index g) {
+            if constexpr (kNarrow)
+                kernel::widen_block(blk[g], decode_blk[g], scratch.q_rows.data() + g * Geometry::kQueries * dk, dk,
+                                    stage_rows);
+        };
 #ifdef _OPENMP
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (Index task = 0; task < tasks; ++task) {
             if (decode) {
                 const Index chunk = task % chunks, b = task / chunks;
-                kernel::PartialState<Scalar>* states = partial.data() + task * Hkv;
+                kernel::PartialState<T>* states = partial.data() + task * Hkv;
                 for (Index g = 0; g < Hkv; ++g) {
                     describe_block(blk[g], b, g, 0);
+                    to_decode_block(g);
                     states[g].reset(blk[g].count, dv);
                 }
                 const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
-                kernel::decode_chunk<Scalar>(blk, states, Hkv, c0, c1,
-                                             key.data() + b * Nk * key.outerStride(), key.outerStride(),
-                                             value.data() + b * Nk * value.outerStride(), value.outerStride(),
-                                             dk, dv, scale);
+                kernel::decode_chunk<T, Scalar>(decode_blk, states, Hkv, c0, c1,
+                                                key.data() + b * Nk * key.outerStride(), key.outerStride(),
+                                                value.data() + b * Nk * value.outerStride(), value.outerStride(),
+                                                dk, dv, scale);
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.
@@ -487,13 +455,19 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                 const int count = static_cast<int>(std::min(per_task, blocks - first));
                 for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
                 // Each block's epilogue, on its rows (staged: before they go to the output rows).
-                auto on_block = [&](int i, Scalar* const* rows) {
+                auto on_block = [&](int i, T* const* rows) {
                     finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
                 };
-                kernel::flash_attention_blocks<Scalar>(
-                    blk, count, key.data() + b * Nk * key.outerStride() + g * dk, key.outerStride(),
-                    value.data() + b * Nk * value.outerStride() + g * dv, value.outerStride(), dk, dv, scale,
-                    scratch, writes, on_block);
+                const Scalar* key_head = key.data() + b * Nk * key.outerStride() + g * dk;
+                const Scalar* value_head = value.data() + b * Nk * value.outerStride() + g * dv;
+                if constexpr (kNarrow)
+                    kernel::narrow_attention_blocks(narrow_kernel, blk, count, key_head, key.outerStride(),
+                                                    value_head, value.outerStride(), dk, dv, scale, scratch,
+                                                    on_block);
+                else
+                    kernel::flash_attention_blocks<Scalar>(blk, count, key_head, key.outerStride(), value_head,
+                                                           value.outerStride(), dk, dv, scale, scratch, writes,
+                                                           on_block);
             }
         }
         if (decode) {
@@ -504,12 +478,14 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
             for (Index bg = 0; bg < B * Hkv; ++bg) {
                 const Index b = bg / Hkv, g = bg % Hkv;
                 describe_block(blk[0], b, g, 0);
+                to_decode_block(0);
                 // State of (b, chunk c, g) sits at (b·chunks + c)·H_kv + g.
-                kernel::decode_finish<Scalar>(blk[0], partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
-                finish_block(blk[0].count, blk[0].out, b, g, 0);
+                kernel::decode_finish<T>(decode_blk[0], partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
+                finish_block(blk[0].count, decode_blk[0].out, b, g, 0);
+                if constexpr (kNarrow)
+                    for (int t = 0; t < blk[0].count; ++t) kernel::narrow_row(stage_rows[t], blk[0].out[t], dv);
             }
         }
-    }
     }
 
     if (!extra.probabilities) return;

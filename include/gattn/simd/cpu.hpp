@@ -6,9 +6,9 @@
 /// on bf16 inputs runs (and why no faster one): gattn never falls back silently.
 ///
 /// Kernels for 16-bit inputs, fastest first:
-///  - Amx: the AMX tile unit (TDPBF16PS). Detected here (CPUID; Linux's tile permission is
-///    asked with arch_prctl ARCH_REQ_XCOMP_PERM by request_amx_permission), but gattn has no AMX
-///    kernel yet: such a CPU runs the AVX512-BF16 kernel, and bf16_kernel() says so.
+///  - Amx: the AMX tile unit (TDPBF16PS). Detected here (CPUID), but gattn has no AMX kernel
+///    yet: such a CPU runs the AVX512-BF16 kernel, and bf16_kernel() says so. (An AMX kernel
+///    will also need Linux's tile permission, arch_prctl ARCH_REQ_XCOMP_PERM.)
 ///  - Avx512Bf16: VDPBF16PS products of bf16 pairs into float accumulators
 ///    (ops/bf16_flash_kernel.hpp); needs a translation unit built with AVX512-BF16
 ///    (e.g. -march=native on Zen 4/5, Cooper Lake, Sapphire Rapids) and a CPU that has it.
@@ -22,10 +22,6 @@
 #include <cpuid.h>
 #define GATTN_HAS_CPUID 1
 #endif
-#endif
-#if defined(__linux__) && defined(__x86_64__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #include "gattn/config.hpp"
@@ -55,7 +51,7 @@ GATTN_BEGIN_ISA_NAMESPACE
 struct CpuFeatures {
     bool avx512f = false;     ///< AVX-512 Foundation, and the OS saves the zmm state
     bool avx512bf16 = false;  ///< AVX512-BF16 (VDPBF16PS), with the zmm state saved
-    bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID; the OS permission is separate)
+    bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID; Linux grants the tile state separately)
 };
 
 namespace detail {
@@ -82,23 +78,6 @@ inline CpuFeatures read_cpu_features() noexcept {
     f.avx512bf16 = f.avx512f && ((a >> 5) & 1u);
 #endif
     return f;
-}
-
-/// Asks Linux, once per process, for permission to use the AMX tile registers
-/// (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)); without it the first tile
-/// instruction faults. Returns whether permission is granted.
-inline bool request_amx_permission() noexcept {
-#if defined(__linux__) && defined(__x86_64__) && defined(SYS_arch_prctl)
-    static const bool granted = [] {
-        constexpr long kReqXcompPerm = 0x1023, kGetXcompPerm = 0x1022, kXtileData = 18;
-        if (syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) != 0) return false;
-        unsigned long bits = 0;
-        return syscall(SYS_arch_prctl, kGetXcompPerm, &bits) == 0 && ((bits >> kXtileData) & 1ul);
-    }();
-    return granted;
-#else
-    return false;
-#endif
 }
 
 /// The kernel family bf16 SDPA is limited to (set_bf16_kernel_limit); atomic-free: set it
@@ -143,8 +122,6 @@ inline KernelChoice bf16_kernel() {
     KernelChoice choice;
     std::string why;
     auto add = [&](const std::string& line) { why += (why.empty() ? "" : "; ") + line; };
-    // The tile state is not requested while there is no AMX kernel to use it (the request
-    // enlarges every context switch's saved state).
     if (limit != Bf16Kernel::Amx)
         add("AMX: excluded by set_bf16_kernel_limit");
     else if (!f.amx_bf16)
