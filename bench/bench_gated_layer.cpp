@@ -4,6 +4,9 @@
 // The gate's two parts alone: its projection GEMM and the fused activation-and-multiply pass;
 // BM_GateCostPaired runs the ungated layer, the gated layer and the projection in turn.
 // BM_DecodeStep: one decoding step of each variant against a KV cache of 1k or 4k tokens.
+// BM_ProjectionBf16: the layer's fused input projection (Q, K, V and gate: 2048 -> 4608) as
+// Eigen's float GEMM, gattn's bf16 PackedLinear and, when built with oneDNN (found by CMake),
+// oneDNN's bf16 matmul, in turn within every iteration.
 // Threads: OMP_NUM_THREADS (one core: OMP_NUM_THREADS=1).
 //
 // Run: build/bench/bench/bench_gated_layer --benchmark_counters_tabular=true
@@ -16,6 +19,11 @@
 #include <vector>
 
 #include <gattn/gattn.hpp>
+#include <gattn/ops/packed_linear.hpp>
+
+#if defined(GATTN_BENCH_ONEDNN)
+#include <dnnl.hpp>
+#endif
 
 namespace {
 
@@ -117,6 +125,87 @@ void BM_GateProjection(benchmark::State& state) {
                                                   benchmark::Counter::kIsIterationInvariantRate);
 }
 
+#if defined(GATTN_BENCH_ONEDNN)
+/// oneDNN's matmul y = x·wᵀ, bf16 x and w, float y, weights reordered once into the layout
+/// oneDNN picks for this CPU.
+struct OneDnnMatmul {
+    dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+    dnnl::stream stream{engine};
+    dnnl::matmul prim;
+    dnnl::memory src, weights, dst;
+    OneDnnMatmul(const gattn::RowMatrix<gattn::bfloat16>& x, const gattn::RowMatrix<gattn::bfloat16>& w,
+                 gattn::RowMatrix<float>& y) {
+        using dt = dnnl::memory::data_type;
+        using tag = dnnl::memory::format_tag;
+        const dnnl::memory::dim n = x.rows(), k = x.cols(), o = w.rows();
+        const dnnl::memory::desc src_md({n, k}, dt::bf16, tag::ab), dst_md({n, o}, dt::f32, tag::ab);
+        const dnnl::memory::desc w_user({k, o}, dt::bf16, tag::ba), w_any({k, o}, dt::bf16, tag::any);
+        const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(src_md, w_any, dst_md), engine);
+        prim = dnnl::matmul(pd);
+        src = dnnl::memory(src_md, engine, const_cast<gattn::bfloat16*>(x.data()));
+        dst = dnnl::memory(dst_md, engine, y.data());
+        dnnl::memory user(w_user, engine, const_cast<gattn::bfloat16*>(w.data()));
+        weights = dnnl::memory(pd.weights_desc(), engine);
+        dnnl::reorder(user, weights).execute(stream, user, weights);
+        stream.wait();
+        implementation = pd.impl_info_str();
+    }
+    void run() {
+        prim.execute(stream, {{DNNL_ARG_SRC, src}, {DNNL_ARG_WEIGHTS, weights}, {DNNL_ARG_DST, dst}});
+        stream.wait();
+    }
+    std::string implementation;
+};
+#endif
+
+/// The layer's fused input projection (D = 2048 -> Q 2048 + gate 2048 + K 256 + V 256) for
+/// seq_len rows: Eigen's float GEMM (gattn's float layers), gattn's bf16 PackedLinear (float x
+/// rounded to bf16 inside the call) and, when built with oneDNN, oneDNN's bf16 matmul (x given
+/// in bf16), in turn within every iteration. Counters: GFLOP/s of each, bf16_vs_float =
+/// float time / PackedLinear time, bf16_vs_onednn = oneDNN time / PackedLinear time.
+void BM_ProjectionBf16(benchmark::State& state) {
+    using Clock = std::chrono::steady_clock;
+    const gattn::Index rows = state.range(0), d_model = 2048, width = 4608;
+    const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(rows, d_model);
+    const gattn::RowMatrix<float> w = gattn::RowMatrix<float>::Random(width, d_model) * 0.02f;
+    const gattn::RowMatrix<gattn::bfloat16> w16 = w.cast<gattn::bfloat16>(), x16 = x.cast<gattn::bfloat16>();
+    const gattn::Vector<float> no_bias;
+    const gattn::PackedLinear<gattn::bfloat16> packed(w16);
+    gattn::RowMatrix<float> y_float(rows, width), y_bf16(rows, width), y_onednn(rows, width);
+#if defined(GATTN_BENCH_ONEDNN)
+    OneDnnMatmul onednn(x16, w16, y_onednn);
+    state.SetLabel(std::string(gattn::kernel_name(packed.kernel())) + " | oneDNN " + onednn.implementation);
+#else
+    state.SetLabel(gattn::kernel_name(packed.kernel()));
+#endif
+    double t_float = 0, t_bf16 = 0, t_onednn = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        gattn::detail::linear<float>(x, w, no_bias, y_float);
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        packed.forward<float, float>(x, y_bf16);
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+#if defined(GATTN_BENCH_ONEDNN)
+        onednn.run();
+        benchmark::ClobberMemory();
+#endif
+        const auto t3 = Clock::now();
+        t_float += std::chrono::duration<double>(t1 - t0).count();
+        t_bf16 += std::chrono::duration<double>(t2 - t1).count();
+        t_onednn += std::chrono::duration<double>(t3 - t2).count();
+    }
+    const double flops = 2.0 * double(rows) * double(d_model) * double(width) * double(state.iterations());
+    state.counters["float_GFLOP/s"] = flops / t_float / 1e9;
+    state.counters["bf16_GFLOP/s"] = flops / t_bf16 / 1e9;
+    state.counters["bf16_vs_float"] = t_float / t_bf16;
+#if defined(GATTN_BENCH_ONEDNN)
+    state.counters["onednn_GFLOP/s"] = flops / t_onednn / 1e9;
+    state.counters["bf16_vs_onednn"] = t_onednn / t_bf16;
+#endif
+}
+
 /// The gate's cost read off one benchmark: the ungated layer, the G1 elementwise gated layer and
 /// the gate projection GEMM alone run in turn within every iteration (same state of a shared
 /// machine for all three). Counters in ms per forward, and gated / (ungated + projection): at
@@ -208,6 +297,15 @@ const bool registered = [] {
         ->Arg(512)
         ->Arg(2048)
         ->MinTime(3.0)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_ProjectionBf16", BM_ProjectionBf16)
+        ->Arg(1)
+        ->Arg(16)
+        ->Arg(512)
+        ->Arg(2048)
+        ->ArgNames({"rows"})
+        ->MinTime(1.0)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
     benchmark::RegisterBenchmark("BM_GateProjection", BM_GateProjection)

@@ -1,0 +1,255 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Linear layer out = x·wᵀ + b (PyTorch's nn.Linear: w is [out_features, in_features]) with the
+/// weights stored in 16 bits (bf16 or fp16) and packed once, at construction, for the kernel
+/// that will multiply them; accumulation in float.
+///
+/// Kernels (the same families as SDPA's, gattn::bf16_kernel()):
+///  - AVX512-BF16, bf16 weights: the weights are packed as pairs of inputs in panels of 64
+///    outputs, [⌈in/2⌉][64] pairs per panel (the same bytes as the bf16 weights); x is rounded
+///    to bf16 (nearest even) when it is float, and each output is Σ over input pairs of
+///    VDPBF16PS products, in float, in input order, plus the bias in float. Tiles of 6 rows of x
+///    × 64 outputs (24 accumulators); the panels are split over the OpenMP threads.
+///  - Widened float (fp16 weights; bf16 without AVX512-BF16): the weights stay as given; each
+///    panel of 64 output rows is widened exactly to float in a per-thread scratch and multiplied
+///    by float x with Eigen's GEMM (one thread per panel).
+/// Either way each output is computed by one thread in a fixed order: the result does not
+/// depend on the thread count.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "gattn/errors.hpp"
+#include "gattn/ops/bf16_flash_kernel.hpp"
+#include "gattn/ops/sdpa.hpp"  // detail::overlaps_any, span_of
+#include "gattn/simd/cpu.hpp"
+#include "gattn/types.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+
+namespace detail {
+
+/// Outputs per packed panel (4 AVX-512 registers of float).
+inline constexpr Index kLinearPanel = 64;
+
+/// Per-thread scratch of PackedLinear (grows only).
+struct PackedLinearScratch {
+    std::vector<std::uint32_t> x_pairs;  // x rounded to bf16, [rows][⌈in/2⌉] pairs
+    RowMatrix<float> x_wide;             // x widened, [rows, in]
+    RowMatrix<float> panel;              // one panel's weights widened, [64, in]
+    static PackedLinearScratch& for_this_thread() {
+        thread_local PackedLinearScratch s;
+        return s;
+    }
+};
+
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+/// out[r][o0 + j] = Σ_p x_pairs[r][p]·panel[p][j] + bias (j < n ≤ 64) for R rows.
+template <int R>
+inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::uint32_t* panel, const float* bias,
+                        float* out, Index out_stride, Index n) noexcept {
+    constexpr int C = 4, L = 16;
+    __m512 acc[R][C];
+    for (int r = 0; r < R; ++r)
+        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (Index p = 0; p < pairs; ++p) {
+        __m512i w[C];
+        for (int c = 0; c < C; ++c) w[c] = _mm512_load_si512(panel + p * kLinearPanel + c * L);
+        for (int r = 0; r < R; ++r) {
+            const __m512i xb = _mm512_set1_epi32(static_cast<int>(x_pairs[r * pairs + p]));
+            for (int c = 0; c < C; ++c) acc[r][c] = kernel::bf16::dp(acc[r][c], xb, w[c]);
+        }
+    }
+    for (int c = 0; c < C; ++c) {
+        const Index j = c * L;
+        if (j >= n) break;
+        const __mmask16 m = n - j >= L ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + j) : _mm512_setzero_ps();
+        for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride + j, m, _mm512_add_ps(acc[r][c], b));
+    }
+}
+#endif
+
+}  // namespace detail
+
+/// A linear layer y = x·wᵀ + b with 16-bit weights packed once for this CPU's kernel.
+/// Storage: gattn::bfloat16 or gattn::half. Resident memory: the weights' own 16-bit bytes (plus
+/// up to 63 rows of zero padding per layer), the bias in float.
+template <class Storage>
+class PackedLinear {
+    static_assert(is_narrow_storage_v<Storage>, "GATTN_PACKED_LINEAR_STORAGE_MUST_BE_BFLOAT16_OR_HALF");
+
+public:
+    PackedLinear() = default;
+
+    /// \param weight [out_features, in_features] (nn.Linear layout, any row stride; copied).
+    /// \param bias   [out_features] in float, or empty for none.
+    /// The kernel is chosen here (gattn::bf16_kernel(), limits included) and kept.
+    /// \throws shape_error when bias is neither empty nor out_features long;
+    ///         std::invalid_argument when a dimension is 0.
+    explicit PackedLinear(ConstMatrixRef<Storage> weight, const Vector<float>& bias = Vector<float>()) {
+        constexpr const char* fn = "gattn::PackedLinear";
+        if (weight.rows() == 0 || weight.cols() == 0)
+            detail::throw_invalid(fn, "weight", "must have out_features, in_features >= 1, got " +
+                                                    detail::shape_string({weight.rows(), weight.cols()}));
+        if (bias.size() != 0 && bias.size() != weight.rows())
+            detail::throw_shape(fn, "bias", "[0] or " + detail::shape_string({weight.rows()}),
+                                detail::shape_string({bias.size()}));
+        m_in = weight.cols();
+        m_out = weight.rows();
+        m_bias = bias;
+        m_kernel = std::is_same_v<Storage, bfloat16> ? detail::bf16_kernel_family() : Bf16Kernel::WidenedFloat;
+        if (m_kernel == Bf16Kernel::WidenedFloat) {
+            m_rows = weight;
+            return;
+        }
+        // Panels of 64 outputs, [⌈in/2⌉][64] pairs each; outputs past m_out are zero.
+        const Index pairs = (m_in + 1) / 2, panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
+        m_packed.setZero(panels * pairs, detail::kLinearPanel);
+        for (Index o = 0; o < m_out; ++o) {
+            std::uint32_t* col = m_packed.data() + (o / detail::kLinearPanel) * pairs * detail::kLinearPanel +
+                                 o % detail::kLinearPanel;
+            const Storage* w = weight.data() + o * weight.outerStride();
+            for (Index p = 0; p < pairs; ++p)
+                col[p * detail::kLinearPanel] = std::uint32_t(kernel::bits16(w[2 * p])) |
+                                                (2 * p + 1 < m_in ? std::uint32_t(kernel::bits16(w[2 * p + 1])) << 16 : 0u);
+        }
+    }
+
+    Index in_features() const noexcept { return m_in; }
+    Index out_features() const noexcept { return m_out; }
+    /// The kernel chosen at construction.
+    Bf16Kernel kernel() const noexcept { return m_kernel; }
+    /// Bytes of weights and bias held.
+    std::size_t bytes() const noexcept {
+        return sizeof(std::uint32_t) * static_cast<std::size_t>(m_packed.size()) +
+               sizeof(Storage) * static_cast<std::size_t>(m_rows.size()) +
+               sizeof(float) * static_cast<std::size_t>(m_bias.size());
+    }
+
+    /// out = x·wᵀ + b. X, Y: float or Storage (the output is rounded once, to nearest even).
+    /// \param x   [R, in_features], any row stride.
+    /// \param out [R, out_features], written; must share no memory with x.
+    /// \throws shape_error when a shape disagrees; std::invalid_argument when out overlaps x.
+    /// Nothing is written before the checks pass.
+    template <class X, class Y>
+    void forward(ConstMatrixRef<X> x, MatrixRef<Y> out) const {
+        static_assert(std::is_same_v<X, float> || std::is_same_v<X, Storage>, "x: float or the storage type");
+        static_assert(std::is_same_v<Y, float> || std::is_same_v<Y, Storage>, "out: float or the storage type");
+        constexpr const char* fn = "gattn::PackedLinear::forward";
+        if (x.cols() != m_in)
+            detail::throw_shape(fn, "x", "[R, " + std::to_string(m_in) + "]", detail::shape_string({x.rows(), x.cols()}));
+        detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), m_out);
+        if (detail::overlaps_any(x.data(), detail::span_of(x), out.data(), detail::span_of(out)))
+            detail::throw_invalid(fn, "out", "must not share memory with x");
+        const Index rows = x.rows();
+        if (rows == 0) return;
+        // Float results go straight to out when it is float; else to a staging matrix.
+        RowMatrix<float> staged;
+        float* y;
+        Index ldy;
+        if constexpr (std::is_same_v<Y, float>) {
+            y = out.data();
+            ldy = out.outerStride();
+        } else {
+            staged.resize(rows, m_out);
+            y = staged.data();
+            ldy = m_out;
+        }
+        if (m_kernel == Bf16Kernel::WidenedFloat)
+            forward_widened(x, y, ldy);
+        else
+            forward_pairs(x, y, ldy);
+        if constexpr (!std::is_same_v<Y, float>)
+            for (Index r = 0; r < rows; ++r) kernel::narrow_row(staged.data() + r * m_out, &out(r, 0), m_out);
+    }
+
+private:
+    template <class X>
+    void forward_widened(ConstMatrixRef<X> x, float* y, Index ldy) const {
+        const Index rows = x.rows(), panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
+        const float* xf;
+        Index ldx;
+        auto& caller = detail::PackedLinearScratch::for_this_thread();
+        if constexpr (std::is_same_v<X, float>) {
+            xf = x.data();
+            ldx = x.outerStride();
+        } else {
+            if (caller.x_wide.size() < rows * m_in) caller.x_wide.resize(rows, m_in);
+            for (Index r = 0; r < rows; ++r) kernel::widen_row(x.data() + r * x.outerStride(), caller.x_wide.data() + r * m_in, m_in);
+            xf = caller.x_wide.data();
+            ldx = m_in;
+        }
+        using ConstMap = Eigen::Map<const RowMatrix<float>, 0, Eigen::OuterStride<>>;
+        using Map = Eigen::Map<RowMatrix<float>, 0, Eigen::OuterStride<>>;
+        const ConstMap xm(xf, rows, m_in, Eigen::OuterStride<>(ldx));
+        // Always a parallel region: inside one, Eigen's GEMM runs on one thread, so a panel's
+        // blocking (and its rounding) does not depend on the thread count.
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+        for (Index k = 0; k < panels; ++k) {
+            const Index o = k * detail::kLinearPanel, n = std::min(detail::kLinearPanel, m_out - o);
+            auto& s = detail::PackedLinearScratch::for_this_thread();
+            if (s.panel.size() < detail::kLinearPanel * m_in) s.panel.resize(detail::kLinearPanel, m_in);
+            for (Index j = 0; j < n; ++j) kernel::widen_row(m_rows.data() + (o + j) * m_in, s.panel.data() + j * m_in, m_in);
+            const ConstMap wk(s.panel.data(), n, m_in, Eigen::OuterStride<>(m_in));
+            Map yk(y + o, rows, n, Eigen::OuterStride<>(ldy));
+            yk.noalias() = xm * wk.transpose();
+            if (m_bias.size()) yk.rowwise() += m_bias.segment(o, n).transpose();
+        }
+    }
+
+    template <class X>
+    void forward_pairs(ConstMatrixRef<X> x, float* y, Index ldy) const {
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+        const Index rows = x.rows(), pairs = (m_in + 1) / 2;
+        const Index panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
+        // x as bf16 pairs, rounded once when it is float.
+        auto& caller = detail::PackedLinearScratch::for_this_thread();
+        if (static_cast<Index>(caller.x_pairs.size()) < rows * pairs)
+            caller.x_pairs.resize(static_cast<std::size_t>(rows * pairs));
+        std::uint32_t* xp = caller.x_pairs.data();
+        for (Index r = 0; r < rows; ++r) {
+            const X* xr = x.data() + r * x.outerStride();
+            for (Index p = 0; p < pairs; ++p) {
+                const bfloat16 lo(xr[2 * p]), hi(2 * p + 1 < m_in ? bfloat16(xr[2 * p + 1]) : bfloat16(0.0f));
+                xp[r * pairs + p] = std::uint32_t(kernel::bits16(lo)) | (std::uint32_t(kernel::bits16(hi)) << 16);
+            }
+        }
+        const float* bias = m_bias.size() ? m_bias.data() : nullptr;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) if (panels > 1 && rows * m_out * m_in >= (Index(1) << 20))
+#endif
+        for (Index k = 0; k < panels; ++k) {
+            const Index o = k * detail::kLinearPanel, n = std::min(detail::kLinearPanel, m_out - o);
+            const std::uint32_t* panel = m_packed.data() + k * pairs * detail::kLinearPanel;
+            for (Index r0 = 0; r0 < rows; r0 += 6) {
+                const int tile = static_cast<int>(std::min<Index>(6, rows - r0));
+                kernel::with_constant<7>(tile, [&](auto count) {
+                    constexpr int R = decltype(count)::value;
+                    if constexpr (R > 0)
+                        detail::linear_tile<R>(xp + r0 * pairs, pairs, panel, bias ? bias + o : nullptr,
+                                               y + r0 * ldy + o, ldy, n);
+                });
+            }
+        }
+#else
+        (void)x, (void)y, (void)ldy;
+#endif
+    }
+
+    Index m_in = 0, m_out = 0;
+    Bf16Kernel m_kernel = Bf16Kernel::WidenedFloat;
+    Eigen::Matrix<std::uint32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_packed;  // AVX512-BF16 panels
+    RowMatrix<Storage> m_rows;  // widened kernel: the weights as given
+    Vector<float> m_bias;
+};
+
+GATTN_END_ISA_NAMESPACE

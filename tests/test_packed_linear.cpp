@@ -1,0 +1,172 @@
+// SPDX-License-Identifier: Apache-2.0
+// PackedLinear (16-bit weights packed for this CPU's kernel) against y = x·wᵀ + b computed in
+// double from the same rounded weights: x rounded to bf16 where the AVX512-BF16 kernel rounds
+// it, exact float x on the widened path. Odd sizes, bias or none, strided x, 16-bit outputs,
+// fp16 weights, thread-count invariance, argument checks, resident bytes.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "gattn/ops/packed_linear.hpp"
+#include "support/compare.hpp"
+
+namespace {
+
+using gattn::Bf16Kernel;
+using gattn::bfloat16;
+using gattn::half;
+using gattn::Index;
+using gattn_test::random_matrix;
+
+struct KernelLimit {
+    explicit KernelLimit(Bf16Kernel k) { gattn::set_bf16_kernel_limit(k); }
+    ~KernelLimit() { gattn::set_bf16_kernel_limit(Bf16Kernel::Amx); }
+};
+
+std::vector<Bf16Kernel> runnable_kernels() {
+    std::vector<Bf16Kernel> ks;
+    if (gattn::bf16_kernel().kernel == Bf16Kernel::Avx512Bf16) ks.push_back(Bf16Kernel::Avx512Bf16);
+    ks.push_back(Bf16Kernel::WidenedFloat);
+    return ks;
+}
+
+/// y = x·wᵀ + b in double; x rounded to bf16 first when round_x.
+gattn::RowMatrix<double> reference(const gattn::RowMatrix<float>& x, const gattn::RowMatrix<double>& w,
+                                   const gattn::Vector<float>& b, bool round_x) {
+    gattn::RowMatrix<double> y(x.rows(), w.rows());
+    for (Index r = 0; r < x.rows(); ++r)
+        for (Index o = 0; o < w.rows(); ++o) {
+            double acc = b.size() ? double(b[o]) : 0.0;
+            for (Index i = 0; i < x.cols(); ++i)
+                acc += (round_x ? double(float(bfloat16(x(r, i)))) : double(x(r, i))) * w(o, i);
+            y(r, o) = acc;
+        }
+    return y;
+}
+
+/// Float accumulation over `in` products of size ≤ 1: a bound of in·2⁻²³ plus slack.
+double tolerance(Index in) { return 4e-7 * double(in) + 1e-6; }
+
+template <class S>
+void check_shapes(Bf16Kernel k) {
+    KernelLimit limit(k);
+    for (Index rows : {1, 5, 6, 13})
+        for (Index in : {1, 7, 64, 301})
+            for (Index out : {1, 63, 64, 130})
+                for (bool with_bias : {false, true}) {
+                    const std::string label = std::string(gattn::kernel_name(k)) + " rows " + std::to_string(rows) +
+                                              " in " + std::to_string(in) + " out " + std::to_string(out) +
+                                              (with_bias ? " bias" : "");
+                    const std::uint64_t seed = std::uint64_t(rows * 1000 + in * 10 + out);
+                    const gattn::RowMatrix<S> w = random_matrix(out, in, seed).cast<S>();
+                    const gattn::RowMatrix<float> x = random_matrix(rows, in, seed + 1).cast<float>();
+                    const gattn::Vector<float> b =
+                        with_bias ? gattn::Vector<float>(random_matrix(out, 1, seed + 2).cast<float>()) : gattn::Vector<float>();
+                    const gattn::PackedLinear<S> lin(w, b);
+                    const bool rounds_x = std::is_same_v<S, bfloat16> && lin.kernel() == Bf16Kernel::Avx512Bf16;
+                    const auto ref = reference(x, w.template cast<float>().template cast<double>(), b, rounds_x);
+                    gattn::RowMatrix<float> y(rows, out);
+                    lin.template forward<float, float>(x, y);
+                    gattn_test::expect_close(y, ref, tolerance(in), 0.0, "PackedLinear/" + label);
+                    gattn::RowMatrix<S> y16(rows, out);
+                    lin.template forward<float, S>(x, y16);
+                    const double rtol = std::is_same_v<S, bfloat16> ? 0x1p-8 : 0x1p-11;
+                    gattn_test::expect_close(y16.template cast<float>(), ref, tolerance(in), rtol,
+                                             "PackedLinear16/" + label);
+                }
+}
+
+TEST(PackedLinear, Bf16MatchesReference) {
+    for (Bf16Kernel k : runnable_kernels()) check_shapes<bfloat16>(k);
+}
+
+TEST(PackedLinear, HalfMatchesReference) { check_shapes<half>(Bf16Kernel::Amx); }
+
+/// bf16 x gives the same result as the float x it was rounded from (the kernel rounds float x
+/// the same way), and a strided x (a column block) the same as a contiguous copy.
+TEST(PackedLinear, Bf16InputAndStridedViews) {
+    const Index rows = 9, in = 99, out = 70;
+    const gattn::RowMatrix<bfloat16> w = random_matrix(out, in, 3).cast<bfloat16>();
+    const gattn::RowMatrix<float> wide = random_matrix(rows, in + 10, 4).cast<float>();
+    const auto x = wide.middleCols(5, in);
+    for (Bf16Kernel k : runnable_kernels()) {
+        KernelLimit limit(k);
+        const gattn::PackedLinear<bfloat16> lin(w);
+        gattn::RowMatrix<float> y_view(rows, out), y_copy(rows, out), y_16(rows, out);
+        lin.forward<float, float>(x, y_view);
+        const gattn::RowMatrix<float> x_copy = x;
+        lin.forward<float, float>(x_copy, y_copy);
+        EXPECT_TRUE(y_view == y_copy) << gattn::kernel_name(k);
+        if (lin.kernel() == Bf16Kernel::Avx512Bf16) {
+            const gattn::RowMatrix<bfloat16> x16 = x_copy.cast<bfloat16>();
+            lin.forward<bfloat16, float>(x16, y_16);
+            EXPECT_TRUE(y_16 == y_copy);
+        }
+    }
+}
+
+/// The result is bitwise the same on 1, 2 and 3 threads, for decoding-sized and prefill-sized x.
+TEST(PackedLinear, ThreadCountDoesNotChangeResults) {
+#ifdef _OPENMP
+    const Index in = 512, out = 700;
+    const gattn::RowMatrix<bfloat16> w = random_matrix(out, in, 5).cast<bfloat16>();
+    const int saved = omp_get_max_threads();
+    for (Index rows : {2, 300}) {
+        const gattn::RowMatrix<float> x = random_matrix(rows, in, 6).cast<float>();
+        for (Bf16Kernel k : runnable_kernels()) {
+            KernelLimit limit(k);
+            const gattn::PackedLinear<bfloat16> lin(w);
+            std::vector<gattn::RowMatrix<float>> ys;
+            for (int threads : {1, 2, 3}) {
+                omp_set_num_threads(threads);
+                gattn::RowMatrix<float> y(rows, out);
+                lin.forward<float, float>(x, y);
+                ys.push_back(y);
+            }
+            EXPECT_TRUE(ys[0] == ys[1] && ys[0] == ys[2]) << gattn::kernel_name(k) << " rows " << rows;
+        }
+    }
+    omp_set_num_threads(saved);
+#else
+    GTEST_SKIP() << "built without OpenMP";
+#endif
+}
+
+TEST(PackedLinear, BadArgumentsThrowAndLeaveOutputUntouched) {
+    const gattn::RowMatrix<bfloat16> w = random_matrix(8, 6, 7).cast<bfloat16>();
+    EXPECT_THROW(gattn::PackedLinear<bfloat16>(w, gattn::Vector<float>::Zero(7)), gattn::shape_error);
+    EXPECT_THROW(gattn::PackedLinear<bfloat16>(gattn::RowMatrix<bfloat16>(0, 6)), std::invalid_argument);
+    const gattn::PackedLinear<bfloat16> lin(w);
+    gattn::RowMatrix<float> y = gattn::RowMatrix<float>::Constant(3, 8, 2.0f);
+    try {
+        lin.forward<float, float>(gattn::RowMatrix<float>::Zero(3, 5), y);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("x must have shape [R, 6]"), std::string::npos) << e.what();
+    }
+    auto forward = [&](gattn::ConstMatrixRef<float> x, gattn::MatrixRef<float> out) { lin.forward<float, float>(x, out); };
+    gattn::RowMatrix<float> short_out(2, 8);
+    EXPECT_THROW(forward(gattn::RowMatrix<float>::Zero(3, 6), short_out), gattn::shape_error);
+    gattn::RowMatrix<float> buffer = gattn::RowMatrix<float>::Zero(3, 14);
+    EXPECT_THROW(forward(buffer.leftCols(6), buffer.rightCols(8)), std::invalid_argument);
+    EXPECT_TRUE((y.array() == 2.0f).all());
+}
+
+/// A loaded layer holds its weights' 16-bit bytes, not a widened copy.
+TEST(PackedLinear, HoldsSixteenBitBytes) {
+    const Index in = 2048, out = 256;
+    const gattn::RowMatrix<bfloat16> w = gattn::RowMatrix<bfloat16>::Zero(out, in);
+    for (Bf16Kernel k : runnable_kernels()) {
+        KernelLimit limit(k);
+        EXPECT_EQ(gattn::PackedLinear<bfloat16>(w).bytes(), std::size_t(in * out * 2)) << gattn::kernel_name(k);
+    }
+}
+
+}  // namespace
