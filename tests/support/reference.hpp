@@ -173,19 +173,7 @@ inline Mat ref_linear(const Mat& x, const Mat& W, const Vec& b) {
 /// The weights converted to float64 (so that the reference sees exactly the library's inputs).
 template <class Scalar>
 gattn::AttentionWeights<double> weights_to_double(const gattn::AttentionWeights<Scalar>& w) {
-    gattn::AttentionWeights<double> d;
-    d.q_proj_weight = w.q_proj_weight.template cast<double>();
-    d.k_proj_weight = w.k_proj_weight.template cast<double>();
-    d.v_proj_weight = w.v_proj_weight.template cast<double>();
-    d.o_proj_weight = w.o_proj_weight.template cast<double>();
-    d.q_proj_bias = w.q_proj_bias.template cast<double>();
-    d.k_proj_bias = w.k_proj_bias.template cast<double>();
-    d.v_proj_bias = w.v_proj_bias.template cast<double>();
-    d.o_proj_bias = w.o_proj_bias.template cast<double>();
-    d.gate_proj_weight = w.gate_proj_weight.template cast<double>();
-    d.gate_proj_bias = w.gate_proj_bias.template cast<double>();
-    d.gate_theta = w.gate_theta.template cast<double>();
-    return d;
+    return w.template cast<double>();
 }
 
 /// Results of layer_reference.

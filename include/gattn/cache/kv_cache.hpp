@@ -148,9 +148,9 @@ namespace detail {
 /// \throws shape_error for x, out, counts or the cache's heads; std::invalid_argument for a
 ///         count outside [0, N], a sequence that would exceed the capacity, or out or x
 ///         overlapping what they must not. Every message is named by fn and the argument.
-template <class Scalar>
-std::vector<Index> validate_cache_call(const char* fn, const KVCache<Scalar>& cache, const ConstMatrixRef<Scalar>& x,
-                                       const MatrixRef<Scalar>& out, const char* width_name, Index width,
+template <class Scalar, class X, class Y>
+std::vector<Index> validate_cache_call(const char* fn, const KVCache<Scalar>& cache, const ConstMatrixRef<X>& x,
+                                       const MatrixRef<Y>& out, const char* width_name, Index width,
                                        Index num_kv_heads, Index head_dim, Index value_head_dim,
                                        std::vector<Index>& counts) {
     const Index B = cache.batch();

@@ -27,6 +27,7 @@
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/ops/linear.hpp"
+#include "gattn/ops/packed_linear.hpp"
 #include "gattn/ops/sdpa.hpp"
 
 namespace gattn {
@@ -78,6 +79,25 @@ struct AttentionWeights {
     void for_each(F&& f) const {
         const_cast<AttentionWeights*>(this)->for_each(
             [&](const char* name, auto* p) { f(name, static_cast<const decltype(*p)&>(*p)); });
+    }
+    /// The same weights converted to To (rounded to nearest even when To is narrower), e.g.
+    /// float weights to bf16 for a GatedMultiHeadAttention<gattn::bfloat16>.
+    template <class To>
+    AttentionWeights<To> cast() const {
+        AttentionWeights<To> out;
+        const AttentionWeights* src = this;
+        out.q_proj_weight = src->q_proj_weight.template cast<To>();
+        out.k_proj_weight = src->k_proj_weight.template cast<To>();
+        out.v_proj_weight = src->v_proj_weight.template cast<To>();
+        out.o_proj_weight = src->o_proj_weight.template cast<To>();
+        out.q_proj_bias = src->q_proj_bias.template cast<To>();
+        out.k_proj_bias = src->k_proj_bias.template cast<To>();
+        out.v_proj_bias = src->v_proj_bias.template cast<To>();
+        out.o_proj_bias = src->o_proj_bias.template cast<To>();
+        out.gate_proj_weight = src->gate_proj_weight.template cast<To>();
+        out.gate_proj_bias = src->gate_proj_bias.template cast<To>();
+        out.gate_theta = src->gate_theta.template cast<To>();
+        return out;
     }
 };
 
@@ -133,14 +153,27 @@ struct ForwardTrace {
     }
 };
 
-/// Gated multi-head attention layer (arXiv:2505.06708), float or double.
+/// Gated multi-head attention layer (arXiv:2505.06708).
 ///
 /// Construct from an AttentionConfig and AttentionWeights (nn.Linear layout, HF names); call
 /// forward on X [B·N, D] row-major (B sequences of N tokens) to get Y [B·N, D]. The layer is
 /// immutable after construction: concurrent forward calls on one layer are safe.
-template <class Scalar>
+///
+/// Scalar: the type of the weights and of the KV cache, float, double, or 16-bit
+/// (gattn::bfloat16, gattn::half). With 16-bit weights the projections run in PackedLinear
+/// (weights packed once, float accumulation), Q, K and V are rounded once to Scalar for SDPA
+/// and the cache (after a G2–G4 gate, which acts in float), and the gate, U, the biases, masks'
+/// bias and the trace are float (compute_t<Scalar>). Activation: the type of x and out, the
+/// compute type (default) or Scalar (16-bit x is widened on entry, out rounded once at the end).
+template <class Scalar, class Activation = compute_t<Scalar>>
 class GatedMultiHeadAttention {
-    static_assert(is_supported_scalar_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
+    static_assert(is_supported_storage_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_DOUBLE_BFLOAT16_OR_HALF");
+    static_assert(std::is_same_v<Activation, compute_t<Scalar>> || std::is_same_v<Activation, Scalar>,
+                  "GATTN_ACTIVATION_MUST_BE_THE_COMPUTE_TYPE_OR_THE_STORAGE_TYPE");
+    using T = compute_t<Scalar>;
+    static constexpr bool kNarrow = is_narrow_storage_v<Scalar>;
+    /// The projections' weights: as given (Eigen GEMM) or packed 16-bit.
+    using Projection = std::conditional_t<kNarrow, PackedLinear<Scalar>, DenseLinear<Scalar>>;
 
 public:
     /// \throws std::invalid_argument for an invalid config (validate_config);
@@ -171,9 +204,8 @@ public:
     /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, for x
     ///         or out of the wrong shape, out overlapping x, and a trace matrix that holds x, out
     ///         or options.bias; nothing is written before validation passes.
-    void forward(ConstMatrixRef<Scalar> x, Index batch, MatrixRef<Scalar> out,
-                 const ForwardOptions<Scalar>& options = {},
-                 ForwardTrace<Scalar>* trace = nullptr) const {
+    void forward(ConstMatrixRef<Activation> x, Index batch, MatrixRef<Activation> out,
+                 const ForwardOptions<T>& options = {}, ForwardTrace<T>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
@@ -187,7 +219,7 @@ public:
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
         check_trace(fn, trace, x, out, &options.bias);
-        SdpaOptions<Scalar> sdpa = sdpa_options();
+        SdpaOptions<T> sdpa = sdpa_options();
         sdpa.mask.key_lengths = options.key_lengths;
         // Self-attention: the padding tokens are padding queries too, so the causal and window
         // masks align on token positions (i' = i) rather than on the key count's end.
@@ -196,16 +228,15 @@ public:
         sdpa.mask.bias = options.bias;
         const Index rows = x.rows();
         // Validate the attention call before anything is written.
-        gattn::detail::validate_sdpa(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv,
-                                     HeadLayout{batch, H, Hkv}, sdpa, "options.");
-        run(x, HeadLayout{batch, H, Hkv}, out, sdpa, trace, nullptr, {});
+        gattn::detail::validate_sdpa<T>(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv,
+                                        HeadLayout{batch, H, Hkv}, sdpa, "options.");
+        run_activations(x, HeadLayout{batch, H, Hkv}, out, sdpa, trace, nullptr, {});
     }
 
     /// Forward pass, convenience form: returns Y [B·N, D]. Same contract as the core form.
-    RowMatrix<Scalar> forward(ConstMatrixRef<Scalar> x, Index batch,
-                              const ForwardOptions<Scalar>& options = {},
-                              ForwardTrace<Scalar>* trace = nullptr) const {
-        RowMatrix<Scalar> out(x.rows(), m_config.d_model);
+    RowMatrix<Activation> forward(ConstMatrixRef<Activation> x, Index batch, const ForwardOptions<T>& options = {},
+                                  ForwardTrace<T>* trace = nullptr) const {
+        RowMatrix<Activation> out(x.rows(), m_config.d_model);
         forward(x, batch, out, options, trace);
         return out;
     }
@@ -241,8 +272,8 @@ public:
     ///         that would exceed the cache's capacity, out overlapping x, x or out sharing an
     ///         element with the cache's storage, or a trace matrix holding x or out. Nothing is
     ///         written (cache included) before validation passes.
-    void forward(ConstMatrixRef<Scalar> x, KVCache<Scalar>& cache, MatrixRef<Scalar> out,
-                 std::vector<Index> counts = {}, ForwardTrace<Scalar>* trace = nullptr) const {
+    void forward(ConstMatrixRef<Activation> x, KVCache<Scalar>& cache, MatrixRef<Activation> out,
+                 std::vector<Index> counts = {}, ForwardTrace<T>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
@@ -250,21 +281,21 @@ public:
         std::vector<Index> lengths =
             gattn::detail::validate_cache_call(fn, cache, x, out, "d_model", D, Hkv, dk, dv, counts);
         check_trace(fn, trace, x, out, nullptr);
-        SdpaOptions<Scalar> sdpa = sdpa_options();
+        SdpaOptions<T> sdpa = sdpa_options();
         sdpa.mask.key_lengths = std::move(lengths);
         sdpa.mask.query_lengths = counts;
-        gattn::detail::validate_sdpa(fn, rows, H * dk, cache.keys().rows(), Hkv * dk, cache.values().rows(), Hkv * dv,
-                                     HeadLayout{B, H, Hkv}, sdpa, "");
-        run(x, HeadLayout{B, H, Hkv}, out, sdpa, trace, &cache, counts);
+        gattn::detail::validate_sdpa<T>(fn, rows, H * dk, cache.keys().rows(), Hkv * dk, cache.values().rows(),
+                                        Hkv * dv, HeadLayout{B, H, Hkv}, sdpa, "");
+        run_activations(x, HeadLayout{B, H, Hkv}, out, sdpa, trace, &cache, counts);
     }
 
 private:
     /// Refuses a trace matrix that holds x, out or the bias: the trace's matrices are resized,
     /// which frees their storage.
-    static void check_trace(const char* fn, const ForwardTrace<Scalar>* trace, const ConstMatrixRef<Scalar>& x,
-                            const MatrixRef<Scalar>& out, const MaskView<Scalar>* bias) {
+    static void check_trace(const char* fn, const ForwardTrace<T>* trace, const ConstMatrixRef<Activation>& x,
+                            const MatrixRef<Activation>& out, const MaskView<T>* bias) {
         if (!trace) return;
-        for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
+        for (const auto& [m, name] : {std::pair<const RowMatrix<T>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
                                       {&trace->first_key_attention, "trace->first_key_attention"},
                                       {&trace->probabilities, "trace->probabilities"}})
             if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out) ||
@@ -273,20 +304,34 @@ private:
     }
 
     /// SDPA options of the config: scale, causal and window masks.
-    SdpaOptions<Scalar> sdpa_options() const {
-        SdpaOptions<Scalar> sdpa;
+    SdpaOptions<T> sdpa_options() const {
+        SdpaOptions<T> sdpa;
         sdpa.scale = m_config.scale;
         sdpa.mask.causal = m_config.causal;
         sdpa.mask.sliding_window = m_config.sliding_window;
         return sdpa;
     }
 
+    /// run() on activations in the compute type: 16-bit x is widened first, and out is rounded
+    /// once from the float result.
+    void run_activations(ConstMatrixRef<Activation> x, const HeadLayout& layout, MatrixRef<Activation> out,
+                         const SdpaOptions<T>& sdpa, ForwardTrace<T>* trace, KVCache<Scalar>* cache,
+                         const std::vector<Index>& counts) const {
+        if constexpr (std::is_same_v<Activation, T>) {
+            run(x, layout, out, sdpa, trace, cache, counts);
+        } else {
+            const RowMatrix<T> x_wide = x.template cast<T>();
+            RowMatrix<T> y(x.rows(), out.cols());
+            run(x_wide, layout, y, sdpa, trace, cache, counts);
+            out = y.template cast<Activation>();
+        }
+    }
+
     /// The layer's arithmetic on validated arguments. Without a cache, SDPA reads this call's
     /// keys and values; with one, they are appended to it (counts per sequence) and SDPA reads
     /// the cache.
-    void run(ConstMatrixRef<Scalar> x, const HeadLayout& layout, MatrixRef<Scalar> out,
-             const SdpaOptions<Scalar>& sdpa, ForwardTrace<Scalar>* trace, KVCache<Scalar>* cache,
-             const std::vector<Index>& counts) const {
+    void run(ConstMatrixRef<T> x, const HeadLayout& layout, MatrixRef<T> out, const SdpaOptions<T>& sdpa,
+             ForwardTrace<T>* trace, KVCache<Scalar>* cache, const std::vector<Index>& counts) const {
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
         const Index rows = x.rows();
@@ -308,17 +353,17 @@ private:
         // mapped afresh in every call).
         const GateSpec& g = c.gate;
         const bool input_gate = g.enabled() && g.source == GateSource::Input;
-        RowMatrix<Scalar> z;  // gate logits [B·N, gate_width]
+        RowMatrix<T> z;  // gate logits [B·N, gate_width]
         if (input_gate) {
-            z.resize(rows, m_w_gate.rows());
-            gattn::detail::linear<Scalar>(x, m_w_gate, m_b_gate, z);
+            z.resize(rows, m_gate.out_features());
+            m_gate.template forward<T, T>(x, z);
         }
-        RowMatrix<Scalar> proj(rows, m_w_in.rows());
-        gattn::detail::linear<Scalar>(x, m_w_in, m_b_in, proj);
+        RowMatrix<T> proj(rows, m_in.out_features());
+        m_in.template forward<T, T>(x, proj);
         auto q = proj.middleCols(0, H * dk);
         auto k = proj.middleCols(H * dk, Hkv * dk);
         auto v = proj.middleCols(H * dk + Hkv * dk, Hkv * dv);
-        RowMatrix<Scalar>* scores = trace ? &trace->gate_scores : nullptr;
+        RowMatrix<T>* scores = trace ? &trace->gate_scores : nullptr;
         if (trace) {
             trace->gate_scores.resize(0, 0);
             trace->probabilities.resize(0, 0);
@@ -331,14 +376,25 @@ private:
             if (g.position == GatePosition::G4) gate_heads(q.data(), q.outerStride(), H, dk, z, nullptr, scores, rows);
         }
 
+        // Q, K and V in the storage type: the projection itself, or (16-bit) rounded from it once.
+        RowMatrix<Scalar> rounded;
+        if constexpr (kNarrow) rounded = proj.template cast<Scalar>();
+        const RowMatrix<Scalar>& qkv = [&]() -> const RowMatrix<Scalar>& {
+            if constexpr (kNarrow)
+                return rounded;
+            else
+                return proj;
+        }();
+        const ConstMatrixRef<Scalar> q_s = qkv.middleCols(0, H * dk);
+        const ConstMatrixRef<Scalar> k_s = qkv.middleCols(H * dk, Hkv * dk);
+        const ConstMatrixRef<Scalar> v_s = qkv.middleCols(H * dk + Hkv * dk, Hkv * dv);
         // Keys and values: this call's, or the cache's once this call's are appended.
-        if (cache) cache->append(k, v, counts);
-        const ConstMatrixRef<Scalar> keys = cache ? ConstMatrixRef<Scalar>(cache->keys()) : ConstMatrixRef<Scalar>(k);
-        const ConstMatrixRef<Scalar> values =
-            cache ? ConstMatrixRef<Scalar>(cache->values()) : ConstMatrixRef<Scalar>(v);
+        if (cache) cache->append(k_s, v_s, counts);
+        const ConstMatrixRef<Scalar> keys = cache ? ConstMatrixRef<Scalar>(cache->keys()) : k_s;
+        const ConstMatrixRef<Scalar> values = cache ? ConstMatrixRef<Scalar>(cache->values()) : v_s;
 
-        RowMatrix<Scalar> u(rows, H * dv);
-        SdpaOutputs<Scalar> extra;
+        RowMatrix<T> u(rows, H * dv);
+        SdpaOutputs<T> extra;
         if (trace) {
             extra.first_key_probability = &trace->first_key_attention;
             if (trace->record_probabilities) extra.probabilities = &trace->probabilities;
@@ -350,17 +406,18 @@ private:
                               g.sharing == GateSharing::HeadSpecific && !scores;
         if (fused_g1) {
             const Index zw = gate_logits_per_head(dv);
-            gattn::detail::sdpa_with_epilogue<Scalar>(
-                q, keys, values, layout, u, sdpa, extra, [&](Index row, Index h, Scalar* y) {
+            gattn::detail::sdpa_with_epilogue_to<Scalar, T>(
+                q_s, keys, values, layout, u, sdpa, extra, [&](Index row, Index h, T* y) {
                     // SDPA finishes a head's rows in order; the logits of row + 8 are fetched
                     // now (rows are H·d_v apart: a page each, which hardware prefetchers skip).
                     if (row + 8 < rows)
-                        for (Index e = 0; e < zw; e += static_cast<Index>(simd::kLineElems<Scalar>))
+                        for (Index e = 0; e < zw; e += static_cast<Index>(simd::kLineElems<T>))
                             simd::prefetch(z.data() + (row + 8) * z.outerStride() + h * zw + e);
                     gate_head(y, z.data() + row * z.outerStride(), h, dv);
                 });
         } else {
-            scaled_dot_product_attention<Scalar>(q, keys, values, layout, u, sdpa, extra);
+            gattn::detail::sdpa_with_epilogue_to<Scalar, T>(q_s, keys, values, layout, u, sdpa, extra,
+                                                            gattn::detail::NoEpilogue{});
         }
 
         if (g.position == GatePosition::G1) {
@@ -376,24 +433,24 @@ private:
                     for (Index h = 0; h < H; ++h)
                         z(r, h) = simd::dot(q.data() + r * q.outerStride() + h * dk,
                                             m_gate_query.data() + h * dk, static_cast<std::size_t>(dk)) +
-                                  (m_gate_query_bias.size() ? m_gate_query_bias[h] : Scalar(0));
+                                  (m_gate_query_bias.size() ? m_gate_query_bias[h] : T(0));
                 gate_heads(u.data(), u.outerStride(), H, dv, z, nullptr, scores, rows);
             } else {
                 // Input-independent σ(θ): activate once, then multiply every row.
-                RowMatrix<Scalar> gate(1, H * dv);
+                RowMatrix<T> gate(1, H * dv);
                 activate(g.activation, m_gate_theta.data(), gate.data(), static_cast<std::size_t>(H * dv));
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (rows * H * dv >= (Index(1) << 16))
 #endif
                 for (Index r = 0; r < rows; ++r)
                     apply_gate(g.activation, GateCombine::Multiplicative, u.data() + r * u.outerStride(),
-                               gate.data(), static_cast<const Scalar*>(nullptr), static_cast<Scalar*>(nullptr),
+                               gate.data(), static_cast<const T*>(nullptr), static_cast<T*>(nullptr),
                                static_cast<std::size_t>(H * dv), /*activated=*/true);
                 if (scores) *scores = gate;
             }
         }
 
-        gattn::detail::linear<Scalar>(u, m_w_o, m_b_o, out);
+        m_o.template forward<T, T>(u, out);
 
         if (g.position == GatePosition::G5)
             gate_heads(out.data(), out.outerStride(), 1, D, z, &x, scores, rows);
@@ -410,10 +467,10 @@ private:
         const GateSpec& g = c.gate;
         const bool input_gate = g.enabled() && g.source == GateSource::Input;
         const Index gw = input_gate ? gate_width(c) : 0;
-        m_w_in.resize(H * dk + Hkv * dk + Hkv * dv, D);
-        Vector<Scalar> bias = Vector<Scalar>::Zero(m_w_in.rows());
-        if (input_gate) m_w_gate.resize(gw, D);
-        Vector<Scalar> gate_bias = Vector<Scalar>::Zero(gw);
+        RowMatrix<Scalar> w_in(H * dk + Hkv * dk + Hkv * dv, D), w_gate;
+        Vector<T> bias = Vector<T>::Zero(w_in.rows());
+        if (input_gate) w_gate.resize(gw, D);
+        Vector<T> gate_bias = Vector<T>::Zero(gw);
         const bool fused = input_gate && g.layout != GateLayout::Separate;
         if (fused) {
             // Per head, gw_h gate rows (d_v elementwise, 1 headwise) follow or are grouped.
@@ -428,45 +485,43 @@ private:
                     q_src = block + local * dk;
                     g_src = block + group * dk + local * gwh;
                 }
-                m_w_in.middleRows(h * dk, dk) = w.q_proj_weight.middleRows(q_src, dk);
-                m_w_gate.middleRows(h * gwh, gwh) = w.q_proj_weight.middleRows(g_src, gwh);
+                w_in.middleRows(h * dk, dk) = w.q_proj_weight.middleRows(q_src, dk);
+                w_gate.middleRows(h * gwh, gwh) = w.q_proj_weight.middleRows(g_src, gwh);
                 if (c.qkv_bias) {
-                    bias.segment(h * dk, dk) = w.q_proj_bias.segment(q_src, dk);
-                    gate_bias.segment(h * gwh, gwh) = w.q_proj_bias.segment(g_src, gwh);
+                    bias.segment(h * dk, dk) = w.q_proj_bias.segment(q_src, dk).template cast<T>();
+                    gate_bias.segment(h * gwh, gwh) = w.q_proj_bias.segment(g_src, gwh).template cast<T>();
                 }
             }
         } else {
-            m_w_in.middleRows(0, H * dk) = w.q_proj_weight;
-            if (c.qkv_bias) bias.segment(0, H * dk) = w.q_proj_bias;
+            w_in.middleRows(0, H * dk) = w.q_proj_weight;
+            if (c.qkv_bias) bias.segment(0, H * dk) = w.q_proj_bias.template cast<T>();
             if (input_gate) {
-                m_w_gate = w.gate_proj_weight;
-                if (g.bias) gate_bias = w.gate_proj_bias;
+                w_gate = w.gate_proj_weight;
+                if (g.bias) gate_bias = w.gate_proj_bias.template cast<T>();
             }
         }
-        m_w_in.middleRows(H * dk, Hkv * dk) = w.k_proj_weight;
-        m_w_in.middleRows(H * dk + Hkv * dk, Hkv * dv) = w.v_proj_weight;
+        w_in.middleRows(H * dk, Hkv * dk) = w.k_proj_weight;
+        w_in.middleRows(H * dk + Hkv * dk, Hkv * dv) = w.v_proj_weight;
         if (c.qkv_bias) {
-            bias.segment(H * dk, Hkv * dk) = w.k_proj_bias;
-            bias.segment(H * dk + Hkv * dk, Hkv * dv) = w.v_proj_bias;
+            bias.segment(H * dk, Hkv * dk) = w.k_proj_bias.template cast<T>();
+            bias.segment(H * dk + Hkv * dk, Hkv * dv) = w.v_proj_bias.template cast<T>();
         }
-        if (c.qkv_bias) m_b_in = bias;
-        if (input_gate && (fused ? c.qkv_bias : g.bias)) m_b_gate = gate_bias;
-        m_w_o = w.o_proj_weight;
-        if (c.o_bias) m_b_o = w.o_proj_bias;
+        m_in = Projection(std::move(w_in), c.qkv_bias ? bias : Vector<T>());
+        if (input_gate) m_gate = Projection(std::move(w_gate), (fused ? c.qkv_bias : g.bias) ? gate_bias : Vector<T>());
+        m_o = Projection(w.o_proj_weight, c.o_bias ? Vector<T>(w.o_proj_bias.template cast<T>()) : Vector<T>());
         if (g.enabled() && g.source == GateSource::Query) {
-            m_gate_query = w.gate_proj_weight;
-            if (g.bias) m_gate_query_bias = w.gate_proj_bias;
+            m_gate_query = w.gate_proj_weight.template cast<T>();
+            if (g.bias) m_gate_query_bias = w.gate_proj_bias.template cast<T>();
         }
-        if (g.enabled() && g.source == GateSource::InputIndependent) m_gate_theta = w.gate_theta;
+        if (g.enabled() && g.source == GateSource::InputIndependent) m_gate_theta = w.gate_theta.template cast<T>();
     }
 
     /// Applies the gate to `rows` rows of a target holding `heads` heads of `width` each.
     /// z: logits [rows, heads·width] (elementwise), [rows, heads] (headwise); head-shared gates
     /// average the logits over heads first. residual: the layer input (G5 residual mix).
     template <class Logits>
-    void gate_heads(Scalar* target, Index stride, Index heads, Index width, const Logits& z,
-                    const ConstMatrixRef<Scalar>* residual, RowMatrix<Scalar>* scores,
-                    Index rows) const {
+    void gate_heads(T* target, Index stride, Index heads, Index width, const Logits& z,
+                    const ConstMatrixRef<T>* residual, RowMatrix<T>* scores, Index rows) const {
         const GateSpec& g = m_config.gate;
         const bool elem = g.granularity == GateGranularity::Elementwise;
         const bool shared = g.sharing == GateSharing::HeadShared;
@@ -481,36 +536,36 @@ private:
         const int threads = 1;
 #endif
         const std::size_t per_thread = static_cast<std::size_t>(width);  // head-shared mean
-        std::vector<Scalar> scratch(static_cast<std::size_t>(threads) * per_thread);
+        std::vector<T> scratch(static_cast<std::size_t>(threads) * per_thread);
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (threads > 1 && rows * heads * width >= (Index(1) << 16))
 #endif
         for (Index r = 0; r < rows; ++r) {
 #ifdef _OPENMP
-            Scalar* const mean = scratch.data() + static_cast<std::size_t>(omp_get_thread_num()) * per_thread;
+            T* const mean = scratch.data() + static_cast<std::size_t>(omp_get_thread_num()) * per_thread;
 #else
-            Scalar* const mean = scratch.data();
+            T* const mean = scratch.data();
 #endif
-            Scalar* y = target + r * stride;
-            const Scalar* zr = z.data() + r * z.outerStride();
-            Scalar* s = scores ? scores->data() + r * score_width : nullptr;
-            const Scalar* xr = residual ? residual->data() + r * residual->outerStride() : nullptr;
+            T* y = target + r * stride;
+            const T* zr = z.data() + r * z.outerStride();
+            T* s = scores ? scores->data() + r * score_width : nullptr;
+            const T* xr = residual ? residual->data() + r * residual->outerStride() : nullptr;
             // Gate scores for a trace come from a separate activation pass, so that the gate pass
             // itself (and its floating-point contraction) is the same with and without a trace.
             if (elem && !shared) {
                 if (s) activate(g.activation, zr, s, static_cast<std::size_t>(heads * width));
-                apply_gate(g.activation, g.combine, y, zr, xr, static_cast<Scalar*>(nullptr),
+                apply_gate(g.activation, g.combine, y, zr, xr, static_cast<T*>(nullptr),
                            static_cast<std::size_t>(heads * width));
             } else if (elem) {
                 for (Index e = 0; e < width; ++e) {
-                    Scalar acc = 0;
+                    T acc = 0;
                     for (Index h = 0; h < heads; ++h) acc += zr[h * width + e];
-                    mean[e] = acc / Scalar(heads);
+                    mean[e] = acc / T(heads);
                 }
                 if (s) activate(g.activation, mean, s, static_cast<std::size_t>(width));
                 for (Index h = 0; h < heads; ++h)
                     apply_gate(g.activation, g.combine, y + h * width, mean,
-                               xr ? xr + h * width : nullptr, static_cast<Scalar*>(nullptr),
+                               xr ? xr + h * width : nullptr, static_cast<T*>(nullptr),
                                static_cast<std::size_t>(width));
             } else {
                 for (Index h = 0; h < heads; ++h) {
@@ -529,15 +584,15 @@ private:
     /// Applies the head-specific gate of head h to its `width` values y; z_row holds the row's
     /// logits (gate_logits_per_head(width) per head). Elementwise, each value's result does not
     /// depend on where its run of values starts, so a head at a time equals a row at a time.
-    void gate_head(Scalar* y, const Scalar* z_row, Index h, Index width) const {
+    void gate_head(T* y, const T* z_row, Index h, Index width) const {
         const GateSpec& g = m_config.gate;
-        const Scalar* zh = z_row + h * gate_logits_per_head(width);
+        const T* zh = z_row + h * gate_logits_per_head(width);
         if (g.granularity == GateGranularity::Elementwise) {
-            apply_gate(g.activation, g.combine, y, zh, static_cast<const Scalar*>(nullptr),
-                       static_cast<Scalar*>(nullptr), static_cast<std::size_t>(width));
+            apply_gate(g.activation, g.combine, y, zh, static_cast<const T*>(nullptr), static_cast<T*>(nullptr),
+                       static_cast<std::size_t>(width));
             return;
         }
-        Scalar gh;
+        T gh;
         activate(g.activation, zh, &gh, 1);
         if (g.combine == GateCombine::Additive)
             for (Index e = 0; e < width; ++e) y[e] += gh;
@@ -546,15 +601,12 @@ private:
     }
 
     AttentionConfig m_config;
-    RowMatrix<Scalar> m_w_in;   // [H·d_k + H_kv·d_k + H_kv·d_v, D]
-    Vector<Scalar> m_b_in;      // empty without q/k/v biases
-    RowMatrix<Scalar> m_w_gate;  // [gate_width, D] (input-sourced gate)
-    Vector<Scalar> m_b_gate;     // empty without a gate bias
-    RowMatrix<Scalar> m_w_o;    // [D, H·d_v]
-    Vector<Scalar> m_b_o;
-    RowMatrix<Scalar> m_gate_query;  // [H, d_k] (query-sourced gate)
-    Vector<Scalar> m_gate_query_bias;
-    RowMatrix<Scalar> m_gate_theta;  // [H, d_v] (input-independent gate)
+    Projection m_in;    // [W_q; W_k; W_v]: [H·d_k + H_kv·d_k + H_kv·d_v, D], biases if any
+    Projection m_gate;  // W_g: [gate_width, D] (input-sourced gate)
+    Projection m_o;     // W_o: [D, H·d_v]
+    RowMatrix<T> m_gate_query;  // [H, d_k] (query-sourced gate)
+    Vector<T> m_gate_query_bias;
+    RowMatrix<T> m_gate_theta;  // [H, d_v] (input-independent gate)
 };
 
 GATTN_END_ISA_NAMESPACE

@@ -6,6 +6,8 @@
 /// projections around attention, computed with Eigen.
 
 #include <algorithm>
+#include <type_traits>
+#include <utility>
 
 #include "gattn/types.hpp"
 
@@ -51,4 +53,28 @@ void linear(ConstMatrixRef<Scalar> x, const RowMatrix<Scalar>& w, const Vector<S
 }
 
 }  // namespace detail
+
+/// A float or double linear layer as the layers keep it, y = x·wᵀ + b through detail::linear:
+/// the counterpart of PackedLinear (ops/packed_linear.hpp) for 16-bit weights, with the same
+/// interface. Shapes are the caller's to check.
+template <class Scalar>
+class DenseLinear {
+public:
+    DenseLinear() = default;
+    /// weight [out_features, in_features], bias [out_features] or empty.
+    DenseLinear(RowMatrix<Scalar> weight, Vector<Scalar> bias) : m_w(std::move(weight)), m_b(std::move(bias)) {}
+    Index in_features() const noexcept { return m_w.cols(); }
+    Index out_features() const noexcept { return m_w.rows(); }
+    /// out [R, out_features] = x [R, in_features]·wᵀ + b; out must not overlap x.
+    template <class X, class Y>
+    void forward(ConstMatrixRef<X> x, MatrixRef<Y> out) const {
+        static_assert(std::is_same_v<X, Scalar> && std::is_same_v<Y, Scalar>, "float or double throughout");
+        detail::linear<Scalar>(x, m_w, m_b, out);
+    }
+
+private:
+    RowMatrix<Scalar> m_w;
+    Vector<Scalar> m_b;
+};
+
 GATTN_END_ISA_NAMESPACE
