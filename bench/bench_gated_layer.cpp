@@ -206,6 +206,39 @@ void BM_ProjectionBf16(benchmark::State& state) {
 #endif
 }
 
+/// The G1-gated layer (D = 2048, 16 heads, 2 KV heads, causal) in float and with bf16 weights
+/// (float activations), in turn within every iteration. Args: N, head_dim (128, or Qwen3-Next's
+/// 256). Counters: ms of each and speedup = float time / bf16 time; the label names the bf16
+/// kernel.
+void BM_LayerBf16VsFloat(benchmark::State& state) {
+    const gattn::Index seq_len = state.range(0);
+    gattn::AttentionConfig config = realistic_config(GateSpec::g1_elementwise());
+    config.head_dim = state.range(1);
+    const auto weights = gattn::make_random_weights<float>(config, 1);
+    const gattn::GatedMultiHeadAttention<float> layer(config, weights);
+    const gattn::GatedMultiHeadAttention<gattn::bfloat16> layer16(config, weights.cast<gattn::bfloat16>());
+    const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, config.d_model);
+    gattn::RowMatrix<float> y(seq_len, config.d_model), y16(seq_len, config.d_model);
+    using Clock = std::chrono::steady_clock;
+    double t_float = 0, t_bf16 = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        layer.forward(x, 1, y);
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        layer16.forward(x, 1, y16);
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        t_float += std::chrono::duration<double>(t1 - t0).count();
+        t_bf16 += std::chrono::duration<double>(t2 - t1).count();
+    }
+    const double n = static_cast<double>(state.iterations());
+    state.counters["float_ms"] = t_float / n * 1e3;
+    state.counters["bf16_ms"] = t_bf16 / n * 1e3;
+    state.counters["speedup"] = t_float / t_bf16;
+    state.SetLabel(gattn::kernel_name(gattn::bf16_kernel().kernel));
+}
+
 /// The gate's cost read off one benchmark: the ungated layer, the G1 elementwise gated layer and
 /// the gate projection GEMM alone run in turn within every iteration (same state of a shared
 /// machine for all three). Counters in ms per forward, and gated / (ungated + projection): at
@@ -297,6 +330,14 @@ const bool registered = [] {
         ->Arg(512)
         ->Arg(2048)
         ->MinTime(3.0)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_LayerBf16VsFloat", BM_LayerBf16VsFloat)
+        ->Args({2048, 128})
+        ->Args({2048, 256})
+        ->Args({512, 128})
+        ->ArgNames({"N", "head_dim"})
+        ->MinTime(2.0)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
     benchmark::RegisterBenchmark("BM_ProjectionBf16", BM_ProjectionBf16)

@@ -50,8 +50,8 @@ struct LayerTol<double> {
 };
 /// bf16 weights and cache (float activations): the reference runs on the same rounded weights;
 /// the layer also rounds x (in the AVX512-BF16 projections), Q, K and V, the attention weights
-/// and U (in the output projection) to bf16, each a relative 2⁻⁹ at most. Observed worst |err| ≈ 3.6e-3 per
-/// element, NMSE ≈ 2e-5 over a layer's output.
+/// and U (in the output projection) to bf16, each a relative 2⁻⁹ at most. Observed worst
+/// |err| ≈ 3.6e-3 per element, NMSE ≈ 2e-5 over a layer's output.
 template <>
 struct LayerTol<gattn::bfloat16> {
     static constexpr double atol = 2e-2, rtol = 2e-2, nmse = 1e-4;
@@ -306,6 +306,18 @@ TEST_P(GateSpecs, Bf16MhaKeyLengths) { run_layer_case<gattn::bfloat16>(GetParam(
 TEST_P(GateSpecs, DoubleGqaCausal) { run_layer_case<double>(GetParam(), kGqaCausal); }
 TEST_P(GateSpecs, FloatMhaKeyLengths) { run_layer_case<float>(GetParam(), kMhaKeyLengths); }
 TEST_P(GateSpecs, DoubleMhaKeyLengths) { run_layer_case<double>(GetParam(), kMhaKeyLengths); }
+
+/// bf16 activations are the float path on the widened input, rounded once at the end.
+TEST(Bf16Layer, Bf16ActivationsAreTheFloatPathRoundedOnce) {
+    const gattn::AttentionConfig c = make_config(GateSpec::g1_elementwise(), kGqaCausal);
+    const auto w = gattn::make_random_weights<gattn::bfloat16>(c, 7u);
+    const gattn::GatedMultiHeadAttention<gattn::bfloat16> layer(c, w);
+    const gattn::GatedMultiHeadAttention<gattn::bfloat16, gattn::bfloat16> layer16(c, w);
+    const gattn::RowMatrix<gattn::bfloat16> x16 = gattn_test::random_matrix(10, c.d_model, 8u).cast<gattn::bfloat16>();
+    const gattn::RowMatrix<float> y = layer.forward(x16.cast<float>(), 2);
+    const gattn::RowMatrix<gattn::bfloat16> y16 = layer16.forward(x16, 2);
+    EXPECT_TRUE(y16 == y.cast<gattn::bfloat16>());
+}
 
 INSTANTIATE_TEST_SUITE_P(AllValid, GateSpecs, ::testing::ValuesIn(gattn::all_valid_gate_specs()),
                          [](const ::testing::TestParamInfo<GateSpec>& info) { return spec_name(info.param); });
