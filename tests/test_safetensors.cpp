@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
@@ -57,6 +58,29 @@ TEST(Safetensors, ConvertsF16BF16F32F64) {
     EXPECT_EQ(f.vector<float>("h").size(), 5);
     EXPECT_EQ(f.metadata().at("format"), "pt");
     EXPECT_THROW(f.vector<float>("f"), gattn::shape_error);
+}
+
+/// 16-bit tensors read as their own type keep their bits (NaN payload included); F32 read as
+/// bf16 rounds to nearest, ties to even (hand-worked: 1 + 2⁻⁸ is a tie between 1 and 1 + 2⁻⁷
+/// and goes to 1 (0x3F80); 1 + 3·2⁻⁸ goes to 1 + 2⁻⁶ (0x3F82)); a bf16 layer loads from them.
+TEST(Safetensors, ReadsSixteenBitTensorsAsSixteenBitTypes) {
+    const std::string path = write_file(
+        "sixteen", {{"b", "BF16", {3}, u16_bytes({0x3F80, 0xC0A0, 0x7FC1})},
+                    {"h", "F16", {2}, u16_bytes({0x3555, 0x7E01})},
+                    {"f", "F32", {2}, bytes_of(std::vector<float>{1.00390625f, 1.01171875f})}});
+    const gattn::SafetensorsFile f(path);
+    auto bits = [](const auto& v) {
+        std::vector<std::uint16_t> out;
+        for (const auto& x : v) {
+            std::uint16_t b;
+            std::memcpy(&b, &x, 2);
+            out.push_back(b);
+        }
+        return out;
+    };
+    EXPECT_EQ(bits(f.values<gattn::bfloat16>("b")), (std::vector<std::uint16_t>{0x3F80, 0xC0A0, 0x7FC1}));
+    EXPECT_EQ(bits(f.values<gattn::half>("h")), (std::vector<std::uint16_t>{0x3555, 0x7E01}));
+    EXPECT_EQ(bits(f.values<gattn::bfloat16>("f")), (std::vector<std::uint16_t>{0x3F80, 0x3F82}));
 }
 
 void expect_io_error(const std::string& path, const std::string& needle) {

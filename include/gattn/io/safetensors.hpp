@@ -208,7 +208,9 @@ public:
     /// The free-form string map "__metadata__" (empty when absent).
     const std::map<std::string, std::string>& metadata() const noexcept { return m_metadata; }
 
-    /// All values of a tensor, row-major, converted to Scalar.
+    /// All values of a tensor, row-major, converted to Scalar (float, double, gattn::bfloat16 or
+    /// gattn::half; conversions to 16 bits round to nearest even, a tensor of that very type is
+    /// copied bit for bit).
     /// \throws io_error (missing tensor, unsupported dtype, read failure).
     template <class Scalar>
     std::vector<Scalar> values(const std::string& name) const {
@@ -221,6 +223,17 @@ public:
         if (!in) fail("cannot read tensor '" + name + "'");
         std::vector<Scalar> out(n);
         const unsigned char* p = raw.data();
+        // A 16-bit tensor read as its own type: the bits as stored (a bf16 checkpoint loads
+        // without widening or rounding; NaN payloads kept).
+        if constexpr (std::is_same_v<Scalar, bfloat16> || std::is_same_v<Scalar, half>) {
+            if (t.dtype == (std::is_same_v<Scalar, bfloat16> ? "BF16" : "F16")) {
+                for (std::size_t i = 0; i < n; ++i) {
+                    const std::uint16_t h = static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
+                    out[i] = Eigen::numext::bit_cast<Scalar>(h);
+                }
+                return out;
+            }
+        }
         if (t.dtype == "F32") {
             for (std::size_t i = 0; i < n; ++i) {
                 float f;
