@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdio>
+
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -117,6 +119,52 @@ TYPED_TEST(Qwen3Next, PrefillEqualsTokenByTokenDecoding) {
         }
     }
     EXPECT_EQ(step_cache.lengths(), prefill_cache.lengths());
+}
+
+/// The layer with bf16 weights (the F32 checkpoint rounded on load) and a bf16 cache, float
+/// activations, against PyTorch's float64 outputs for the F32 weights: prefill, decoding and a
+/// chunk. The bound covers the rounding of the weights, x, Q, K, V, P and U to bf16 (each a
+/// relative 2⁻⁹ at most); worst observed |err| / (1 + |want|) ≈ 1.6e-3, NMSE ≈ 1.1e-6.
+TEST(Qwen3NextBf16, PrefillDecodeAndChunkMatchPyTorch) {
+    gattn::SafetensorsFile cases{kDir + "/cases.safetensors"};
+    const auto layer = gattn::load_qwen3_next_attention<gattn::bfloat16>(kDir, kLayer);
+    auto indices = [&](const std::string& name) {
+        std::vector<Index> out;
+        for (double v : cases.values<double>(name)) out.push_back(static_cast<Index>(v));
+        return out;
+    };
+    double err2 = 0, ref2 = 0, worst = 0;
+    auto check = [&](const RowMatrix<float>& got, const std::string& name, Index batch, const std::vector<Index>& counts) {
+        const RowMatrix<double> want = cases.matrix<double>(name);
+        const Index n = got.rows() / batch;
+        for (Index b = 0; b < batch; ++b)
+            for (Index t = 0; t < counts[b]; ++t)
+                for (Index c = 0; c < got.cols(); ++c) {
+                    const double g = got(b * n + t, c), w = want(b * n + t, c);
+                    worst = std::max(worst, std::abs(g - w) / (1 + std::abs(w)));
+                    err2 += (g - w) * (g - w);
+                    ref2 += w * w;
+                }
+    };
+    auto cache = layer.make_cache(2, 16);
+    const std::vector<Index> lengths = indices("prefill.lengths");
+    RowMatrix<float> out(14, 64), gates;
+    layer.forward(cases.matrix<float>("prefill.hidden"), indices("prefill.positions"), cache, out, lengths, &gates);
+    check(out, "prefill.output", 2, lengths);
+    check(gates, "prefill.gate", 2, lengths);
+    for (int s = 0; s < 3; ++s) {
+        const std::string step = "decode." + std::to_string(s) + ".";
+        RowMatrix<float> y(2, 64);
+        layer.forward(cases.matrix<float>(step + "hidden"), indices(step + "positions"), cache, y);
+        check(y, step + "output", 2, {1, 1});
+    }
+    RowMatrix<float> y(4, 64);
+    layer.forward(cases.matrix<float>("chunk.hidden"), indices("chunk.positions"), cache, y);
+    check(y, "chunk.output", 2, {2, 2});
+    EXPECT_EQ(cache.lengths(), (std::vector<Index>{12, 10}));
+    EXPECT_LE(worst, 6e-3);
+    EXPECT_LE(err2 / ref2, 1e-5);
+    std::printf("bf16 Qwen3-Next layer against PyTorch float64: worst %.3g, NMSE %.3g\n", worst, err2 / ref2);
 }
 
 /// NaN and ±∞ in the cache rows past each sequence's length (left there by a rolled-back

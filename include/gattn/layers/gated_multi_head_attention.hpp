@@ -172,8 +172,6 @@ class GatedMultiHeadAttention {
                   "GATTN_ACTIVATION_MUST_BE_THE_COMPUTE_TYPE_OR_THE_STORAGE_TYPE");
     using T = compute_t<Scalar>;
     static constexpr bool kNarrow = is_narrow_storage_v<Scalar>;
-    /// The projections' weights: as given (Eigen GEMM) or packed 16-bit.
-    using Projection = std::conditional_t<kNarrow, PackedLinear<Scalar>, DenseLinear<Scalar>>;
 
 public:
     /// \throws std::invalid_argument for an invalid config (validate_config);
@@ -506,9 +504,9 @@ private:
             bias.segment(H * dk, Hkv * dk) = w.k_proj_bias.template cast<T>();
             bias.segment(H * dk + Hkv * dk, Hkv * dv) = w.v_proj_bias.template cast<T>();
         }
-        m_in = Projection(std::move(w_in), c.qkv_bias ? bias : Vector<T>());
-        if (input_gate) m_gate = Projection(std::move(w_gate), (fused ? c.qkv_bias : g.bias) ? gate_bias : Vector<T>());
-        m_o = Projection(w.o_proj_weight, c.o_bias ? Vector<T>(w.o_proj_bias.template cast<T>()) : Vector<T>());
+        m_in = Projection<Scalar>(std::move(w_in), c.qkv_bias ? bias : Vector<T>());
+        if (input_gate) m_gate = Projection<Scalar>(std::move(w_gate), (fused ? c.qkv_bias : g.bias) ? gate_bias : Vector<T>());
+        m_o = Projection<Scalar>(w.o_proj_weight, c.o_bias ? Vector<T>(w.o_proj_bias.template cast<T>()) : Vector<T>());
         if (g.enabled() && g.source == GateSource::Query) {
             m_gate_query = w.gate_proj_weight.template cast<T>();
             if (g.bias) m_gate_query_bias = w.gate_proj_bias.template cast<T>();
@@ -601,9 +599,9 @@ private:
     }
 
     AttentionConfig m_config;
-    Projection m_in;    // [W_q; W_k; W_v]: [H·d_k + H_kv·d_k + H_kv·d_v, D], biases if any
-    Projection m_gate;  // W_g: [gate_width, D] (input-sourced gate)
-    Projection m_o;     // W_o: [D, H·d_v]
+    Projection<Scalar> m_in;    // [W_q; W_k; W_v]: [H·d_k + H_kv·d_k + H_kv·d_v, D], biases if any
+    Projection<Scalar> m_gate;  // W_g: [gate_width, D] (input-sourced gate)
+    Projection<Scalar> m_o;     // W_o: [D, H·d_v]
     RowMatrix<T> m_gate_query;  // [H, d_k] (query-sourced gate)
     Vector<T> m_gate_query_bias;
     RowMatrix<T> m_gate_theta;  // [H, d_v] (input-independent gate)

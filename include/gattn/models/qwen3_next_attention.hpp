@@ -26,6 +26,7 @@
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/ops/linear.hpp"
+#include "gattn/ops/packed_linear.hpp"
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
@@ -134,9 +135,17 @@ inline std::string qwen3_next_q_proj_hint(const Qwen3NextConfig& c, Index rows) 
 }
 
 /// Qwen3-Next gated full attention with a KV cache.
-template <class Scalar>
+/// Scalar: the weights' and the cache's type, float, double, or 16-bit (gattn::bfloat16 as the
+/// checkpoints ship, gattn::half): then the projections run in PackedLinear, Q, K and V are
+/// rounded once to Scalar after q/k norm and RoPE (which run in float), and the gate, U, norms
+/// and optional outputs are float, as in GatedMultiHeadAttention. Activation: the type of x and
+/// out, the compute type (default) or Scalar.
+template <class Scalar, class Activation = compute_t<Scalar>>
 class Qwen3NextAttention {
-    static_assert(is_supported_scalar_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
+    static_assert(is_supported_storage_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_DOUBLE_BFLOAT16_OR_HALF");
+    static_assert(std::is_same_v<Activation, compute_t<Scalar>> || std::is_same_v<Activation, Scalar>,
+                  "GATTN_ACTIVATION_MUST_BE_THE_COMPUTE_TYPE_OR_THE_STORAGE_TYPE");
+    using T = compute_t<Scalar>;
 
 public:
     /// \throws std::invalid_argument for an invalid config; shape_error for a weight of the wrong
@@ -161,26 +170,27 @@ public:
         const Index D = config.hidden_size, H = config.num_attention_heads, Hkv = config.num_key_value_heads;
         const Index d = config.head_dim, G = gate_width();
         const Index q_stride = config.attn_output_gate ? 2 * d : d;  // q_proj rows per head
-        m_w_in.resize(H * d + G + 2 * Hkv * d, D);
-        Vector<Scalar> bias = Vector<Scalar>::Zero(m_w_in.rows());
+        RowMatrix<Scalar> w_in(H * d + G + 2 * Hkv * d, D);
+        Vector<T> bias = Vector<T>::Zero(w_in.rows());
         for (Index h = 0; h < H; ++h) {
-            m_w_in.middleRows(h * d, d) = w.q_proj_weight.middleRows(h * q_stride, d);
-            if (config.attention_bias) bias.segment(h * d, d) = w.q_proj_bias.segment(h * q_stride, d);
+            w_in.middleRows(h * d, d) = w.q_proj_weight.middleRows(h * q_stride, d);
+            if (config.attention_bias) bias.segment(h * d, d) = w.q_proj_bias.segment(h * q_stride, d).template cast<T>();
             if (G == 0) continue;
-            m_w_in.middleRows(H * d + h * d, d) = w.q_proj_weight.middleRows(h * q_stride + d, d);
-            if (config.attention_bias) bias.segment(H * d + h * d, d) = w.q_proj_bias.segment(h * q_stride + d, d);
+            w_in.middleRows(H * d + h * d, d) = w.q_proj_weight.middleRows(h * q_stride + d, d);
+            if (config.attention_bias)
+                bias.segment(H * d + h * d, d) = w.q_proj_bias.segment(h * q_stride + d, d).template cast<T>();
         }
-        m_w_in.middleRows(H * d + G, Hkv * d) = w.k_proj_weight;
-        m_w_in.middleRows(H * d + G + Hkv * d, Hkv * d) = w.v_proj_weight;
+        w_in.middleRows(H * d + G, Hkv * d) = w.k_proj_weight;
+        w_in.middleRows(H * d + G + Hkv * d, Hkv * d) = w.v_proj_weight;
         if (config.attention_bias) {
-            bias.segment(H * d + G, Hkv * d) = w.k_proj_bias;
-            bias.segment(H * d + G + Hkv * d, Hkv * d) = w.v_proj_bias;
-            m_b_in = bias;
-            m_b_o = w.o_proj_bias;
+            bias.segment(H * d + G, Hkv * d) = w.k_proj_bias.template cast<T>();
+            bias.segment(H * d + G + Hkv * d, Hkv * d) = w.v_proj_bias.template cast<T>();
         }
-        m_w_o = w.o_proj_weight;
-        m_q_norm = w.q_norm_weight;
-        m_k_norm = w.k_norm_weight;
+        m_in = Projection<Scalar>(std::move(w_in), config.attention_bias ? bias : Vector<T>());
+        m_o = Projection<Scalar>(w.o_proj_weight, config.attention_bias ? Vector<T>(w.o_proj_bias.template cast<T>())
+                                                                        : Vector<T>());
+        m_q_norm = w.q_norm_weight.template cast<T>();
+        m_k_norm = w.k_norm_weight.template cast<T>();
     }
 
     const Qwen3NextConfig& config() const noexcept { return m_config; }
@@ -212,65 +222,94 @@ public:
     ///         or a full cache, for out overlapping x, x or out sharing an element with the
     ///         cache's storage, and for an optional output that holds x or out or is the other
     ///         optional output; nothing is written (cache included) when it throws.
-    void forward(ConstMatrixRef<Scalar> x, const std::vector<Index>& positions, KVCache<Scalar>& cache,
-                 MatrixRef<Scalar> out, std::vector<Index> counts = {},
-                 RowMatrix<Scalar>* gate_scores = nullptr,
-                 RowMatrix<Scalar>* first_key_probability = nullptr) const {
+    void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& positions, KVCache<Scalar>& cache,
+                 MatrixRef<Activation> out, std::vector<Index> counts = {}, RowMatrix<T>* gate_scores = nullptr,
+                 RowMatrix<T>* first_key_probability = nullptr) const {
         constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
         const Qwen3NextConfig& c = m_config;
-        const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
-        const Index B = cache.batch(), rows = x.rows();
+        const Index D = c.hidden_size, Hkv = c.num_key_value_heads, d = c.head_dim, rows = x.rows();
         gattn::detail::validate_cache_call(fn, cache, x, out, "hidden_size", D, Hkv, d, d, counts);
-        const Index N = rows / B;
         if (static_cast<Index>(positions.size()) != rows)
             gattn::detail::throw_shape(fn, "positions", gattn::detail::shape_string({rows}),
                                        gattn::detail::shape_string({static_cast<Index>(positions.size())}));
         // The optional outputs are resized, which frees their storage.
         if (gate_scores && gate_scores == first_key_probability)
             gattn::detail::throw_invalid(fn, "gate_scores", "must not be first_key_probability");
-        for (const auto& [m, name] : {std::pair<const RowMatrix<Scalar>*, const char*>{gate_scores, "gate_scores"},
+        for (const auto& [m, name] : {std::pair<const RowMatrix<T>*, const char*>{gate_scores, "gate_scores"},
                                       {first_key_probability, "first_key_probability"}})
             if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
                 gattn::detail::throw_invalid(fn, name, "must not hold x or out");
+        if constexpr (std::is_same_v<Activation, T>) {
+            run(x, positions, cache, out, counts, gate_scores, first_key_probability);
+        } else {  // 16-bit activations: widened on entry, rounded once at the end
+            const RowMatrix<T> x_wide = x.template cast<T>();
+            RowMatrix<T> y(rows, D);
+            run(x_wide, positions, cache, y, counts, gate_scores, first_key_probability);
+            out = y.template cast<Activation>();
+        }
+    }
 
-        RowMatrix<Scalar> proj(rows, m_w_in.rows());
-        gattn::detail::linear<Scalar>(x, m_w_in, m_b_in, proj);
-        Scalar* p = proj.data();
+private:
+    /// forward's arithmetic on validated arguments, in the compute type.
+    void run(ConstMatrixRef<T> x, const std::vector<Index>& positions, KVCache<Scalar>& cache, MatrixRef<T> out,
+             const std::vector<Index>& counts, RowMatrix<T>* gate_scores, RowMatrix<T>* first_key_probability) const {
+        const Qwen3NextConfig& c = m_config;
+        const Index H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
+        const Index B = cache.batch(), rows = x.rows(), N = rows / B;
+        RowMatrix<T> proj(rows, m_in.out_features());
+        m_in.template forward<T, T>(x, proj);
+        T* p = proj.data();
         const Index ld = proj.outerStride(), G = gate_width(), k0 = H * d + G;  // k0: first key column
         rms_norm_heads(p, rows, ld, H, d, m_q_norm.data(), c.rms_norm_eps);        // query
         rms_norm_heads(p + k0, rows, ld, Hkv, d, m_k_norm.data(), c.rms_norm_eps);  // key
         apply_rope(p, rows, ld, H, d, c.rotary_dim(), positions.data(), c.rope_theta);
         apply_rope(p + k0, rows, ld, Hkv, d, c.rotary_dim(), positions.data(), c.rope_theta);
 
-        cache.append(proj.middleCols(k0, Hkv * d), proj.middleCols(k0 + Hkv * d, Hkv * d), counts);
-        SdpaOptions<Scalar> opt;
+        // Q, K and V in the storage type: the projection itself, or (16-bit) rounded from it once.
+        RowMatrix<Scalar> q_rounded, kv_rounded;
+        if constexpr (is_narrow_storage_v<Scalar>) {
+            q_rounded = proj.middleCols(0, H * d).template cast<Scalar>();
+            kv_rounded = proj.middleCols(k0, 2 * Hkv * d).template cast<Scalar>();
+        }
+        const ConstMatrixRef<Scalar> q = [&] {
+            if constexpr (is_narrow_storage_v<Scalar>)
+                return ConstMatrixRef<Scalar>(q_rounded);
+            else
+                return ConstMatrixRef<Scalar>(proj.middleCols(0, H * d));
+        }();
+        const ConstMatrixRef<Scalar> kv = [&] {
+            if constexpr (is_narrow_storage_v<Scalar>)
+                return ConstMatrixRef<Scalar>(kv_rounded);
+            else
+                return ConstMatrixRef<Scalar>(proj.middleCols(k0, 2 * Hkv * d));
+        }();
+        cache.append(kv.leftCols(Hkv * d), kv.rightCols(Hkv * d), counts);
+        SdpaOptions<T> opt;
         opt.scale = 1.0 / std::sqrt(double(d));
         opt.mask.causal = true;
         opt.mask.key_lengths = cache.lengths();
         opt.mask.query_lengths = counts;
-        SdpaOutputs<Scalar> extra;
+        SdpaOutputs<T> extra;
         extra.first_key_probability = first_key_probability;
-        RowMatrix<Scalar> u(rows, H * d);
-        scaled_dot_product_attention<Scalar>(proj.middleCols(0, H * d), cache.keys(), cache.values(),
-                                             HeadLayout{B, H, Hkv}, u, opt, extra);
+        RowMatrix<T> u(rows, H * d);
+        gattn::detail::sdpa_with_epilogue_to<Scalar, T>(q, cache.keys(), cache.values(), HeadLayout{B, H, Hkv}, u, opt,
+                                                        extra, gattn::detail::NoEpilogue{});
         if (gate_scores) gate_scores->resize(rows, G);
         for (Index r = 0; r < rows && G > 0; ++r) {
-            const Scalar* z = p + r * ld + H * d;
+            const T* z = p + r * ld + H * d;
             if (gate_scores) activate(GateActivation::Sigmoid, z, gate_scores->data() + r * G, static_cast<std::size_t>(G));
             apply_gate(GateActivation::Sigmoid, GateCombine::Multiplicative, u.data() + r * H * d, z,
-                       static_cast<const Scalar*>(nullptr), static_cast<Scalar*>(nullptr), static_cast<std::size_t>(G));
+                       static_cast<const T*>(nullptr), static_cast<T*>(nullptr), static_cast<std::size_t>(G));
         }
-        gattn::detail::linear<Scalar>(u, m_w_o, m_b_o, out);
+        m_o.template forward<T, T>(u, out);
         for (Index b = 0; b < B; ++b)  // padding slots: no token, no output
             for (Index t = counts[b]; t < N; ++t) out.row(b * N + t).setZero();
     }
 
-private:
     Qwen3NextConfig m_config;
-    RowMatrix<Scalar> m_w_in;  // [H·d query | H·d gate (if gated) | H_kv·d key | H_kv·d value] × D
-    Vector<Scalar> m_b_in, m_b_o;
-    RowMatrix<Scalar> m_w_o;
-    Vector<Scalar> m_q_norm, m_k_norm;
+    Projection<Scalar> m_in;  // [H·d query | H·d gate (if gated) | H_kv·d key | H_kv·d value] × D
+    Projection<Scalar> m_o;   // [D, H·d]
+    Vector<T> m_q_norm, m_k_norm;
 };
 
 GATTN_END_ISA_NAMESPACE

@@ -27,6 +27,7 @@
 
 #include "gattn/errors.hpp"
 #include "gattn/ops/bf16_flash_kernel.hpp"
+#include "gattn/ops/linear.hpp"
 #include "gattn/ops/sdpa.hpp"  // detail::overlaps_any, span_of
 #include "gattn/simd/cpu.hpp"
 #include "gattn/types.hpp"
@@ -251,5 +252,10 @@ private:
     RowMatrix<Storage> m_rows;  // widened kernel: the weights as given
     Vector<float> m_bias;
 };
+
+/// How the layers keep a projection of Scalar weights: packed 16-bit (PackedLinear) or float
+/// and double as given (DenseLinear); both have the same interface.
+template <class Scalar>
+using Projection = std::conditional_t<is_narrow_storage_v<Scalar>, PackedLinear<Scalar>, DenseLinear<Scalar>>;
 
 GATTN_END_ISA_NAMESPACE
