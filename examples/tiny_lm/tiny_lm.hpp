@@ -43,8 +43,13 @@ struct LayerStats {
     std::vector<double> max_abs_hidden;                 ///< per layer: max |h| of its output (M-Act)
 };
 
-template <class Scalar>
+/// Scalar: embedding, norms, MLP and logits. Attention: the attention layers' weights and KV
+/// caches (Scalar, or gattn::bfloat16 with a float Scalar: the checkpoint's weights rounded to
+/// bf16 on load, the attention computed as gattn's bf16 layers do).
+template <class Scalar, class Attention = Scalar>
 class TinyLM {
+    static_assert(std::is_same_v<gattn::compute_t<Attention>, Scalar>, "attention computes in Scalar");
+
 public:
     /// Loads config.json and model.safetensors from `dir`.
     /// Throws gattn::io_error / gattn::shape_error for missing or malformed files.
@@ -66,8 +71,8 @@ public:
         const Index num_layers = j.at("num_hidden_layers").get<Index>();
         for (Index l = 0; l < num_layers; ++l) {
             const std::string p = "model.layers." + std::to_string(l) + ".";
-            Block b{gattn::Qwen3NextAttention<Scalar>(
-                        attention_, gattn::load_qwen3_next_attention_weights<Scalar>(dir, l, attention_)),
+            Block b{gattn::Qwen3NextAttention<Attention>(
+                        attention_, gattn::load_qwen3_next_attention_weights<Attention>(dir, l, attention_)),
                     file.vector<Scalar>(p + "input_layernorm.weight"),
                     file.vector<Scalar>(p + "post_attention_layernorm.weight"),
                     file.matrix<Scalar>(p + "mlp.gate_proj.weight"), file.matrix<Scalar>(p + "mlp.up_proj.weight"),
@@ -82,8 +87,8 @@ public:
     const gattn::Qwen3NextConfig& attention_config() const { return attention_; }
 
     /// One KV cache per layer for `batch` sequences of up to `capacity` tokens.
-    std::vector<gattn::KVCache<Scalar>> make_caches(Index batch, Index capacity) const {
-        std::vector<gattn::KVCache<Scalar>> caches;
+    std::vector<gattn::KVCache<Attention>> make_caches(Index batch, Index capacity) const {
+        std::vector<gattn::KVCache<Attention>> caches;
         for (const Block& b : blocks_) caches.push_back(b.attn.make_cache(batch, capacity));
         return caches;
     }
@@ -92,7 +97,7 @@ public:
     /// caches hold, appends them to the caches and returns the logits [B·N, vocab].
     /// Throws std::invalid_argument for a wrong number of caches or tokens, a token outside the
     /// vocabulary, or a full cache.
-    Matrix<Scalar> forward(const std::vector<int>& tokens, std::vector<gattn::KVCache<Scalar>>& caches,
+    Matrix<Scalar> forward(const std::vector<int>& tokens, std::vector<gattn::KVCache<Attention>>& caches,
                            LayerStats<Scalar>* stats = nullptr) const {
         if (caches.size() != blocks_.size())
             throw std::invalid_argument("tiny_lm::forward: caches: expected one per layer (" +
@@ -149,7 +154,7 @@ public:
 
 private:
     struct Block {
-        gattn::Qwen3NextAttention<Scalar> attn;
+        gattn::Qwen3NextAttention<Attention> attn;
         Vector<Scalar> input_norm, post_norm;
         Matrix<Scalar> gate_proj, up_proj, down_proj;  // nn.Linear layout [out, in]
     };
@@ -188,8 +193,8 @@ inline std::string decode(const std::vector<int>& tokens) {
 /// independent sequence starting at position 0; bytes 1…window−1 are predicted from their
 /// prefixes. Runs `batch` windows at a time; `stats_each` (optional) sees each batch's stats.
 /// Throws std::invalid_argument when the text holds no full window.
-template <class Scalar, class F = std::nullptr_t>
-double heldout_nll(const TinyLM<Scalar>& model, const std::string& text, Index window, Index max_windows,
+template <class Scalar, class Attention, class F = std::nullptr_t>
+double heldout_nll(const TinyLM<Scalar, Attention>& model, const std::string& text, Index window, Index max_windows,
                    Index batch = 8, F&& stats_each = nullptr) {
     const std::vector<int> all = encode(text);
     const Index windows = std::min<Index>(max_windows, static_cast<Index>(all.size()) / window);
