@@ -1,15 +1,20 @@
 // Decoding with Qwen3-Next's gated full-attention layer at the real model's shapes
 // (hidden 2048, 16 query heads, 2 KV heads, head_dim 256, partial RoPE 0.25; random weights):
 // one token per step against KV caches of 1k–32k tokens, for one sequence and for a batch of 4
-// decoded together (one row each). Counters steps/s and tokens/s.
+// decoded together (one row each). Counters steps/s and tokens/s. BM_Qwen3NextDecodeStep/...
+// runs the float layer; BM_Qwen3NextDecodeStepBf16 the same layer with bf16 weights and cache
+// (float activations), and the label names the bf16 kernel.
 //
 // Run: build/bench/bench/bench_qwen3_next --benchmark_counters_tabular=true
 
 #include <benchmark/benchmark.h>
 
 #include <gattn/gattn.hpp>
+#include <gattn/simd/cpu.hpp>
 
 #include <random>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef _OPENMP
@@ -43,19 +48,29 @@ gattn::Qwen3NextAttentionWeights<float> random_weights(const gattn::Qwen3NextCon
     return w;
 }
 
-/// Args: KV length, batch (sequences decoded together, one token each), threads.
+/// Args: KV length, batch (sequences decoded together, one token each), threads. Storage: the
+/// weights' and the cache's type (float or gattn::bfloat16).
+template <class Storage>
 void BM_Qwen3NextDecodeStep(benchmark::State& state) {
     const gattn::Index kv_len = state.range(0), batch = state.range(1);
 #ifdef _OPENMP
     omp_set_num_threads(static_cast<int>(state.range(2)));
 #endif
     const auto config = real_config();
-    const gattn::Qwen3NextAttention<float> layer(config, random_weights(config));
+    const auto weights = random_weights(config);
+    gattn::Qwen3NextAttentionWeights<Storage> stored;
+    weights.for_each([&](const char* name, const auto& t) {
+        stored.for_each([&](const char* other, auto* p) {
+            if (std::string(name) == other) *p = t.template cast<Storage>();
+        });
+    });
+    const gattn::Qwen3NextAttention<Storage> layer(config, stored);
     auto cache = layer.make_cache(batch, kv_len + 1);
     // Fill the cache with random keys and values (prefilling 32k tokens would dominate the run).
     const gattn::Index width = config.num_key_value_heads * config.head_dim;
     const std::vector<gattn::Index> lengths(static_cast<std::size_t>(batch), kv_len);
-    cache.append(Matrix::Random(batch * kv_len, width), Matrix::Random(batch * kv_len, width), lengths);
+    cache.append(Matrix::Random(batch * kv_len, width).cast<Storage>(),
+                 Matrix::Random(batch * kv_len, width).cast<Storage>(), lengths);
     const Matrix x = Matrix::Random(batch, config.hidden_size);
     Matrix out(batch, config.hidden_size);
     for (auto _ : state) {
@@ -65,13 +80,22 @@ void BM_Qwen3NextDecodeStep(benchmark::State& state) {
     }
     state.counters["steps/s"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
     state.counters["tokens/s"] = benchmark::Counter(double(batch), benchmark::Counter::kIsIterationInvariantRate);
-    state.SetLabel(gattn::simd::arch_name());
+    state.SetLabel(std::is_same_v<Storage, float> ? gattn::simd::arch_name()
+                                                   : gattn::kernel_name(gattn::bf16_kernel().kernel));
 #ifdef _OPENMP
     omp_set_num_threads(1);
 #endif
 }
 
-BENCHMARK(BM_Qwen3NextDecodeStep)
+BENCHMARK_TEMPLATE(BM_Qwen3NextDecodeStep, float)
+    ->Name("BM_Qwen3NextDecodeStep")
+    ->ArgsProduct({{1024, 4096, 8192, 32768}, {1}, {1, 2}})
+    ->ArgsProduct({{4096}, {4}, {1, 2}})
+    ->ArgNames({"kv_len", "batch", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_Qwen3NextDecodeStep, gattn::bfloat16)
+    ->Name("BM_Qwen3NextDecodeStepBf16")
     ->ArgsProduct({{1024, 4096, 8192, 32768}, {1}, {1, 2}})
     ->ArgsProduct({{4096}, {4}, {1, 2}})
     ->ArgNames({"kv_len", "batch", "threads"})
