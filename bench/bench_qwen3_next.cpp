@@ -13,7 +13,6 @@
 #include <gattn/simd/cpu.hpp>
 
 #include <random>
-#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -57,14 +56,7 @@ void BM_Qwen3NextDecodeStep(benchmark::State& state) {
     omp_set_num_threads(static_cast<int>(state.range(2)));
 #endif
     const auto config = real_config();
-    const auto weights = random_weights(config);
-    gattn::Qwen3NextAttentionWeights<Storage> stored;
-    weights.for_each([&](const char* name, const auto& t) {
-        stored.for_each([&](const char* other, auto* p) {
-            if (std::string(name) == other) *p = t.template cast<Storage>();
-        });
-    });
-    const gattn::Qwen3NextAttention<Storage> layer(config, stored);
+    const gattn::Qwen3NextAttention<Storage> layer(config, random_weights(config).template cast<Storage>());
     auto cache = layer.make_cache(batch, kv_len + 1);
     // Fill the cache with random keys and values (prefilling 32k tokens would dominate the run).
     const gattn::Index width = config.num_key_value_heads * config.head_dim;

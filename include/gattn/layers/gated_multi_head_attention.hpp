@@ -85,18 +85,17 @@ struct AttentionWeights {
     template <class To>
     AttentionWeights<To> cast() const {
         AttentionWeights<To> out;
-        const AttentionWeights* src = this;
-        out.q_proj_weight = src->q_proj_weight.template cast<To>();
-        out.k_proj_weight = src->k_proj_weight.template cast<To>();
-        out.v_proj_weight = src->v_proj_weight.template cast<To>();
-        out.o_proj_weight = src->o_proj_weight.template cast<To>();
-        out.q_proj_bias = src->q_proj_bias.template cast<To>();
-        out.k_proj_bias = src->k_proj_bias.template cast<To>();
-        out.v_proj_bias = src->v_proj_bias.template cast<To>();
-        out.o_proj_bias = src->o_proj_bias.template cast<To>();
-        out.gate_proj_weight = src->gate_proj_weight.template cast<To>();
-        out.gate_proj_bias = src->gate_proj_bias.template cast<To>();
-        out.gate_theta = src->gate_theta.template cast<To>();
+        out.q_proj_weight = q_proj_weight.template cast<To>();
+        out.k_proj_weight = k_proj_weight.template cast<To>();
+        out.v_proj_weight = v_proj_weight.template cast<To>();
+        out.o_proj_weight = o_proj_weight.template cast<To>();
+        out.q_proj_bias = q_proj_bias.template cast<To>();
+        out.k_proj_bias = k_proj_bias.template cast<To>();
+        out.v_proj_bias = v_proj_bias.template cast<To>();
+        out.o_proj_bias = o_proj_bias.template cast<To>();
+        out.gate_proj_weight = gate_proj_weight.template cast<To>();
+        out.gate_proj_bias = gate_proj_bias.template cast<To>();
+        out.gate_theta = gate_theta.template cast<To>();
         return out;
     }
 };

@@ -102,6 +102,23 @@ struct Qwen3NextAttentionWeights {
         const_cast<Qwen3NextAttentionWeights*>(this)->for_each(
             [&](const char* name, auto* p) { f(name, static_cast<const decltype(*p)&>(*p)); });
     }
+    /// The same weights converted to To (rounded to nearest even when To is narrower), e.g.
+    /// float weights to bf16 for a Qwen3NextAttention<gattn::bfloat16>.
+    template <class To>
+    Qwen3NextAttentionWeights<To> cast() const {
+        Qwen3NextAttentionWeights<To> out;
+        out.q_proj_weight = q_proj_weight.template cast<To>();
+        out.k_proj_weight = k_proj_weight.template cast<To>();
+        out.v_proj_weight = v_proj_weight.template cast<To>();
+        out.o_proj_weight = o_proj_weight.template cast<To>();
+        out.q_norm_weight = q_norm_weight.template cast<To>();
+        out.k_norm_weight = k_norm_weight.template cast<To>();
+        out.q_proj_bias = q_proj_bias.template cast<To>();
+        out.k_proj_bias = k_proj_bias.template cast<To>();
+        out.v_proj_bias = v_proj_bias.template cast<To>();
+        out.o_proj_bias = o_proj_bias.template cast<To>();
+        return out;
+    }
 };
 
 /// Shapes the layer expects, by HF name (biases only with attention_bias).
