@@ -102,8 +102,8 @@ inline void set_bf16_kernel_limit(Bf16Kernel slowest_allowed) noexcept {
     detail::bf16_kernel_limit() = slowest_allowed;
 }
 
-/// Whether this translation unit contains the AVX512-BF16 kernel (built with -mavx512bf16,
-/// -march=native on a CPU that has it, or -march=znver4/sapphirerapids/cooperlake).
+/// Whether this translation unit contains the AVX512-BF16 kernel (built with -march=native on a
+/// CPU that has it, -march=znver4/sapphirerapids/cooperlake, or -march=x86-64-v4 -mavx512bf16).
 inline constexpr bool compiled_with_avx512bf16() noexcept {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
     return true;
@@ -133,7 +133,7 @@ inline KernelChoice bf16_kernel() {
     } else if (!f.avx512bf16) {
         add("AVX512-BF16: this CPU has none");
     } else if (!compiled_with_avx512bf16()) {
-        add("AVX512-BF16: not compiled with the flags (build with -march=native or -mavx512bf16)");
+        add("AVX512-BF16: not compiled with the flags (build with -march=native, or -march=x86-64-v4 -mavx512bf16)");
     } else {
         choice.kernel = Bf16Kernel::Avx512Bf16;
     }
