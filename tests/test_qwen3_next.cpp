@@ -167,6 +167,29 @@ TEST(Qwen3NextBf16, PrefillDecodeAndChunkMatchPyTorch) {
     std::printf("bf16 Qwen3-Next layer against PyTorch float64: worst %.3g, NMSE %.3g\n", worst, err2 / ref2);
 }
 
+/// A Qwen3-Next-sized layer with bf16 weights holds its weights' bf16 bytes (plus the float
+/// norm weights), half of the float layer's: no widened copy is kept.
+TEST(Qwen3NextBf16, HoldsItsBf16Bytes) {
+    gattn::Qwen3NextConfig c;
+    c.hidden_size = 2048;
+    c.num_attention_heads = 16;
+    c.num_key_value_heads = 2;
+    c.head_dim = 256;
+    c.partial_rotary_factor = 0.25;
+    gattn::Qwen3NextAttentionWeights<float> w;
+    w.q_proj_weight = RowMatrix<float>::Zero(2 * 16 * 256, 2048);
+    w.k_proj_weight = RowMatrix<float>::Zero(2 * 256, 2048);
+    w.v_proj_weight = RowMatrix<float>::Zero(2 * 256, 2048);
+    w.o_proj_weight = RowMatrix<float>::Zero(2048, 16 * 256);
+    w.q_norm_weight = gattn::Vector<float>::Zero(256);
+    w.k_norm_weight = gattn::Vector<float>::Zero(256);
+    const std::size_t params = std::size_t(2 * 16 * 256 + 4 * 256) * 2048 + std::size_t(2048) * 16 * 256;
+    const gattn::Qwen3NextAttention<gattn::bfloat16> layer16(c, w.cast<gattn::bfloat16>());
+    const gattn::Qwen3NextAttention<float> layer32(c, w);
+    EXPECT_EQ(layer16.weight_bytes(), 2 * params + 4 * 512);  // 52 MiB of bf16 projections
+    EXPECT_EQ(layer32.weight_bytes(), 4 * params + 4 * 512);
+}
+
 /// NaN and ±∞ in the cache rows past each sequence's length (left there by a rolled-back
 /// speculative step, say) and in the input rows of padding slots are never read into a result:
 /// prefill and decoding give bitwise the outputs and first-token attention of a zeroed cache and

@@ -190,6 +190,13 @@ public:
 
     const AttentionConfig& config() const noexcept { return m_config; }
 
+    /// Bytes of the weights the layer holds (projections as packed or kept, biases, gate
+    /// parameters): for 16-bit weights about their checkpoint's bytes, never a widened copy.
+    std::size_t weight_bytes() const noexcept {
+        return m_in.bytes() + m_gate.bytes() + m_o.bytes() +
+               sizeof(T) * static_cast<std::size_t>(m_gate_query.size() + m_gate_query_bias.size() + m_gate_theta.size());
+    }
+
     /// Forward pass, core form.
     /// \param x     [B·N, D] layer input, row-major, any row stride.
     /// \param batch B ≥ 0; x.rows() must be a multiple of it (B = 0 requires 0 rows).

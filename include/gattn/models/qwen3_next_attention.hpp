@@ -212,6 +212,12 @@ public:
 
     const Qwen3NextConfig& config() const noexcept { return m_config; }
 
+    /// Bytes of the weights the layer holds (projections as packed or kept, biases, norm
+    /// weights): for bf16 weights about the checkpoint's bytes, never a widened copy.
+    std::size_t weight_bytes() const noexcept {
+        return m_in.bytes() + m_o.bytes() + sizeof(T) * static_cast<std::size_t>(m_q_norm.size() + m_k_norm.size());
+    }
+
     /// Gate columns per token: H·d with the output gate, 0 without.
     Index gate_width() const noexcept {
         return m_config.attn_output_gate ? m_config.num_attention_heads * m_config.head_dim : 0;

@@ -6,6 +6,7 @@
 /// projections around attention, computed with Eigen.
 
 #include <algorithm>
+#include <cstddef>
 #include <type_traits>
 #include <utility>
 
@@ -65,6 +66,10 @@ public:
     DenseLinear(RowMatrix<Scalar> weight, Vector<Scalar> bias) : m_w(std::move(weight)), m_b(std::move(bias)) {}
     Index in_features() const noexcept { return m_w.cols(); }
     Index out_features() const noexcept { return m_w.rows(); }
+    /// Bytes of weights and bias held.
+    std::size_t bytes() const noexcept {
+        return sizeof(Scalar) * static_cast<std::size_t>(m_w.size() + m_b.size());
+    }
     /// out [R, out_features] = x [R, in_features]·wᵀ + b; out must not overlap x.
     template <class X, class Y>
     void forward(ConstMatrixRef<X> x, MatrixRef<Y> out) const {
