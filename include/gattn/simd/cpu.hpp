@@ -95,9 +95,10 @@ inline const CpuFeatures& cpu_features() noexcept {
     return f;
 }
 
-/// Limits bf16 SDPA to `slowest_allowed` or slower families: Avx512Bf16 keeps AMX out,
-/// WidenedFloat runs the float kernel on widened inputs. For comparisons and tests; set it
-/// before calls, from one thread (it is not synchronised). Default: Amx (no limit).
+/// Limits bf16 SDPA (each call) and PackedLinear (at its construction) to `slowest_allowed` or
+/// slower families: Avx512Bf16 keeps AMX out, WidenedFloat runs the float kernels on widened
+/// inputs. For comparisons and tests; set it before calls, from one thread (it is not
+/// synchronised). Default: Amx (no limit).
 inline void set_bf16_kernel_limit(Bf16Kernel slowest_allowed) noexcept {
     detail::bf16_kernel_limit() = slowest_allowed;
 }
@@ -114,8 +115,8 @@ inline constexpr bool compiled_with_avx512bf16() noexcept {
 
 /// The kernel family an SDPA call on bf16 query, key and value runs here, and why no faster
 /// one (CPU lacks it, this unit was not compiled with the flags, the limit set by
-/// set_bf16_kernel_limit, or no kernel of that family in gattn yet). fp16
-/// inputs always run WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not).
+/// set_bf16_kernel_limit, or no kernel of that family in gattn yet). fp16 inputs always run
+/// WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not).
 inline KernelChoice bf16_kernel() {
     const CpuFeatures& f = cpu_features();
     const Bf16Kernel limit = detail::bf16_kernel_limit();
