@@ -5,8 +5,9 @@
 // BM_GateCostPaired runs the ungated layer, the gated layer and the projection in turn.
 // BM_DecodeStep: one decoding step of each variant against a KV cache of 1k or 4k tokens.
 // BM_ProjectionBf16: the layer's fused input projection (Q, K, V and gate: 2048 -> 4608) as
-// Eigen's float GEMM, gattn's bf16 PackedLinear and, when built with oneDNN (found by CMake),
-// oneDNN's bf16 matmul, in turn within every iteration.
+// Eigen's float GEMM, gattn's header-only bf16 PackedLinear and, when oneDNN is installed
+// (found by CMake), oneDNN's bf16 matmul, in turn within every iteration. BM_LayerBf16VsFloat:
+// the layer in float and bf16 (and bf16 with oneDNN's projections in GATTN_WITH_ONEDNN builds).
 // Threads: OMP_NUM_THREADS (one core: OMP_NUM_THREADS=1).
 //
 // Run: build/bench/bench/bench_gated_layer --benchmark_counters_tabular=true
@@ -15,6 +16,7 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -170,13 +172,13 @@ void BM_ProjectionBf16(benchmark::State& state) {
     const gattn::RowMatrix<float> w = gattn::RowMatrix<float>::Random(width, d_model) * 0.02f;
     const gattn::RowMatrix<gattn::bfloat16> w16 = w.cast<gattn::bfloat16>(), x16 = x.cast<gattn::bfloat16>();
     const gattn::Vector<float> no_bias;
-    const gattn::PackedLinear<gattn::bfloat16> packed(w16);
+    const gattn::PackedLinear<gattn::bfloat16> packed(w16, no_bias, gattn::LinearBackend::HeaderOnly);
     gattn::RowMatrix<float> y_float(rows, width), y_bf16(rows, width), y_onednn(rows, width);
 #if defined(GATTN_BENCH_ONEDNN)
     OneDnnMatmul onednn(x16, w16, y_onednn);
-    state.SetLabel(std::string(gattn::kernel_name(packed.kernel())) + " | oneDNN " + onednn.implementation);
+    state.SetLabel(gattn::kernel_name(packed.kernel()) + std::string(" | oneDNN ") + onednn.implementation);
 #else
-    state.SetLabel(gattn::kernel_name(packed.kernel()));
+    state.SetLabel(packed.describe());
 #endif
     double t_float = 0, t_bf16 = 0, t_onednn = 0;
     for (auto _ : state) {
@@ -207,20 +209,30 @@ void BM_ProjectionBf16(benchmark::State& state) {
 }
 
 /// The G1-gated layer (D = 2048, 16 heads, 2 KV heads, causal) in float and with bf16 weights
-/// (float activations), in turn within every iteration. Args: N, head_dim (128, or Qwen3-Next's
-/// 256). Counters: ms of each and speedup = float time / bf16 time; the label names the bf16
-/// kernel.
+/// (float activations), in turn within every iteration: bf16 with the header-only projections
+/// and, in builds with GATTN_WITH_ONEDNN, bf16 with oneDNN's. Args: N, head_dim (128, or
+/// Qwen3-Next's 256). Counters: ms of each, speedup = float time / header-only bf16 time and
+/// speedup_onednn = float time / oneDNN bf16 time; the label names the kernels.
 void BM_LayerBf16VsFloat(benchmark::State& state) {
+    using Layer16 = gattn::GatedMultiHeadAttention<gattn::bfloat16>;
     const gattn::Index seq_len = state.range(0);
     gattn::AttentionConfig config = realistic_config(GateSpec::g1_elementwise());
     config.head_dim = state.range(1);
     const auto weights = gattn::make_random_weights<float>(config, 1);
+    const auto weights16 = weights.cast<gattn::bfloat16>();
     const gattn::GatedMultiHeadAttention<float> layer(config, weights);
-    const gattn::GatedMultiHeadAttention<gattn::bfloat16> layer16(config, weights.cast<gattn::bfloat16>());
+    gattn::set_default_linear_backend(gattn::LinearBackend::HeaderOnly);
+    const Layer16 layer16(config, weights16);
+    std::optional<Layer16> layer_onednn;
+    if (gattn::compiled_with_onednn()) {
+        gattn::set_default_linear_backend(gattn::LinearBackend::OneDnn);
+        layer_onednn.emplace(config, weights16);
+    }
+    gattn::set_default_linear_backend(gattn::LinearBackend::Default);
     const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, config.d_model);
     gattn::RowMatrix<float> y(seq_len, config.d_model), y16(seq_len, config.d_model);
     using Clock = std::chrono::steady_clock;
-    double t_float = 0, t_bf16 = 0;
+    double t_float = 0, t_bf16 = 0, t_onednn = 0;
     for (auto _ : state) {
         const auto t0 = Clock::now();
         layer.forward(x, 1, y);
@@ -229,14 +241,24 @@ void BM_LayerBf16VsFloat(benchmark::State& state) {
         layer16.forward(x, 1, y16);
         benchmark::ClobberMemory();
         const auto t2 = Clock::now();
+        if (layer_onednn) layer_onednn->forward(x, 1, y16);
+        benchmark::ClobberMemory();
+        const auto t3 = Clock::now();
         t_float += std::chrono::duration<double>(t1 - t0).count();
         t_bf16 += std::chrono::duration<double>(t2 - t1).count();
+        t_onednn += std::chrono::duration<double>(t3 - t2).count();
     }
     const double n = static_cast<double>(state.iterations());
     state.counters["float_ms"] = t_float / n * 1e3;
     state.counters["bf16_ms"] = t_bf16 / n * 1e3;
     state.counters["speedup"] = t_float / t_bf16;
-    state.SetLabel(gattn::kernel_name(gattn::bf16_kernel().kernel));
+    std::string label = gattn::kernel_name(gattn::bf16_kernel().kernel);
+    if (layer_onednn) {
+        state.counters["onednn_ms"] = t_onednn / n * 1e3;
+        state.counters["speedup_onednn"] = t_float / t_onednn;
+        label += " | projections: oneDNN";
+    }
+    state.SetLabel(label);
 }
 
 /// The gate's cost read off one benchmark: the ungated layer, the G1 elementwise gated layer and

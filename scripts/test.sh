@@ -8,6 +8,9 @@
 #          assertions on, any report fails the test);
 #   tsan   ThreadSanitizer on test_layer, the tests that run threads (std::thread and OpenMP;
 #          libomp's archer tool tells ThreadSanitizer about OpenMP's synchronisation).
+# Backend flavour (g++, -march=native, Debian's libdnnl-dev):
+#   onednn -DGATTN_WITH_ONEDNN=ON: the tests of bf16 projections, layers and models, with the
+#          bf16 projections on oneDNN's matmul.
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline avx2 native" on x86-64, else
 # "baseline native"; any of those and "clang asan tsan"), CMAKE_ARGS (extra CMake args).
@@ -22,9 +25,11 @@ jobs="${JOBS:-$(nproc)}"
 default_flavours="baseline native"
 [ "$(uname -m)" = x86_64 ] && default_flavours="baseline avx2 native"
 flavours="${FLAVOURS:-$default_flavours}"
+extra_packages=()
+case " $flavours " in *" onednn "*) extra_packages+=(libdnnl-dev) ;; esac
 case " $flavours " in
-  *" clang "* | *" asan "* | *" tsan "*) scripts/deps.sh clang ;;
-  *) scripts/deps.sh test ;;
+  *" clang "* | *" asan "* | *" tsan "*) scripts/deps.sh clang "${extra_packages[@]}" ;;
+  *) scripts/deps.sh test "${extra_packages[@]}" ;;
 esac
 
 for flavour in $flavours; do
@@ -36,6 +41,13 @@ for flavour in $flavours; do
     baseline) arch="" ;;
     avx2) arch="-mavx2 -mfma" ;;
     native) arch="-march=native" ;;
+    onednn)
+      arch="-march=native"
+      cmake_args+=(-DGATTN_WITH_ONEDNN=ON -DGATTN_BUILD_EXAMPLES=OFF)
+      onednn_tests=(test_packed_linear test_gates test_qwen3_next test_tiny_lm)
+      build_args=(--target "${onednn_tests[@]}")
+      ctest_args=(-R "PackedLinear|Bf16")  # Bf16Layer, GateSpecs.Bf16*, Qwen3NextBf16, TinyLMBf16
+      ;;
     clang)
       arch=""
       cmake_args+=(-DCMAKE_CXX_COMPILER=clang++)

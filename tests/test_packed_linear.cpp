@@ -2,7 +2,8 @@
 // PackedLinear (16-bit weights packed for this CPU's kernel) against y = x·wᵀ + b computed in
 // double from the same rounded weights: x rounded to bf16 where the AVX512-BF16 kernel rounds
 // it, exact float x on the widened path. Odd sizes, bias or none, strided x, 16-bit outputs,
-// fp16 weights, thread-count invariance, argument checks, resident bytes.
+// fp16 weights, thread-count invariance, argument checks, resident bytes; every header-only
+// kernel this CPU runs and, in builds with GATTN_WITH_ONEDNN, the oneDNN backend.
 
 #include <gtest/gtest.h>
 
@@ -30,11 +31,28 @@ struct KernelLimit {
     ~KernelLimit() { gattn::set_bf16_kernel_limit(Bf16Kernel::Amx); }
 };
 
-std::vector<Bf16Kernel> runnable_kernels() {
-    std::vector<Bf16Kernel> ks;
-    if (gattn::bf16_kernel().kernel == Bf16Kernel::Avx512Bf16) ks.push_back(Bf16Kernel::Avx512Bf16);
-    ks.push_back(Bf16Kernel::WidenedFloat);
-    return ks;
+/// A backend and kernel limit to construct PackedLinear under.
+struct Choice {
+    gattn::LinearBackend backend;
+    Bf16Kernel limit;
+};
+
+/// Every backend and header-only kernel that runs here.
+std::vector<Choice> runnable() {
+    std::vector<Choice> cs;
+    if (gattn::bf16_kernel().kernel == Bf16Kernel::Avx512Bf16)
+        cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Avx512Bf16});
+    cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::WidenedFloat});
+    if (gattn::compiled_with_onednn() &&
+        gattn::PackedLinear<bfloat16>(gattn::RowMatrix<bfloat16>::Zero(1, 1)).backend() == gattn::LinearBackend::OneDnn)
+        cs.push_back({gattn::LinearBackend::OneDnn, Bf16Kernel::Amx});
+    return cs;
+}
+
+/// Whether lin rounds float x to bf16 (the AVX512-BF16 kernel and oneDNN) or widens its weights.
+template <class S>
+bool rounds_x(const gattn::PackedLinear<S>& lin) {
+    return lin.backend() == gattn::LinearBackend::OneDnn || lin.kernel() == Bf16Kernel::Avx512Bf16;
 }
 
 /// y = x·wᵀ + b in double; x rounded to bf16 first when round_x.
@@ -55,13 +73,13 @@ gattn::RowMatrix<double> reference(const gattn::RowMatrix<float>& x, const gattn
 double tolerance(Index in) { return 4e-7 * double(in) + 1e-6; }
 
 template <class S>
-void check_shapes(Bf16Kernel k) {
-    KernelLimit limit(k);
+void check_shapes(Choice c) {
+    KernelLimit limit(c.limit);
     for (Index rows : {1, 5, 6, 13})
         for (Index in : {1, 7, 64, 301})
             for (Index out : {1, 63, 64, 130})
                 for (bool with_bias : {false, true}) {
-                    const std::string label = std::string(gattn::kernel_name(k)) + " rows " + std::to_string(rows) +
+                    const std::string label = "rows " + std::to_string(rows) +
                                               " in " + std::to_string(in) + " out " + std::to_string(out) +
                                               (with_bias ? " bias" : "");
                     const std::uint64_t seed = std::uint64_t(rows * 1000 + in * 10 + out);
@@ -69,25 +87,24 @@ void check_shapes(Bf16Kernel k) {
                     const gattn::RowMatrix<float> x = random_matrix(rows, in, seed + 1).cast<float>();
                     const gattn::Vector<float> b =
                         with_bias ? gattn::Vector<float>(random_matrix(out, 1, seed + 2).cast<float>()) : gattn::Vector<float>();
-                    const gattn::PackedLinear<S> lin(w, b);
-                    const bool rounds_x = std::is_same_v<S, bfloat16> && lin.kernel() == Bf16Kernel::Avx512Bf16;
-                    const auto ref = reference(x, w.template cast<float>().template cast<double>(), b, rounds_x);
+                    const gattn::PackedLinear<S> lin(w, b, c.backend);
+                    const auto ref = reference(x, w.template cast<float>().template cast<double>(), b, rounds_x(lin));
                     gattn::RowMatrix<float> y(rows, out);
                     lin.template forward<float, float>(x, y);
-                    gattn_test::expect_close(y, ref, tolerance(in), 0.0, "PackedLinear/" + label);
+                    gattn_test::expect_close(y, ref, tolerance(in), 0.0, "PackedLinear/" + lin.describe() + " " + label);
                     gattn::RowMatrix<S> y16(rows, out);
                     lin.template forward<float, S>(x, y16);
                     const double rtol = std::is_same_v<S, bfloat16> ? 0x1p-8 : 0x1p-11;
                     gattn_test::expect_close(y16.template cast<float>(), ref, tolerance(in), rtol,
-                                             "PackedLinear16/" + label);
+                                             "PackedLinear16/" + lin.describe() + " " + label);
                 }
 }
 
 TEST(PackedLinear, Bf16MatchesReference) {
-    for (Bf16Kernel k : runnable_kernels()) check_shapes<bfloat16>(k);
+    for (Choice c : runnable()) check_shapes<bfloat16>(c);
 }
 
-TEST(PackedLinear, HalfMatchesReference) { check_shapes<half>(Bf16Kernel::Amx); }
+TEST(PackedLinear, HalfMatchesReference) { check_shapes<half>({gattn::LinearBackend::Default, Bf16Kernel::Amx}); }
 
 /// bf16 x gives the same result as the float x it was rounded from (the kernel rounds float x
 /// the same way), and a strided x (a column block) the same as a contiguous copy.
@@ -96,15 +113,15 @@ TEST(PackedLinear, Bf16InputAndStridedViews) {
     const gattn::RowMatrix<bfloat16> w = random_matrix(out, in, 3).cast<bfloat16>();
     const gattn::RowMatrix<float> wide = random_matrix(rows, in + 10, 4).cast<float>();
     const auto x = wide.middleCols(5, in);
-    for (Bf16Kernel k : runnable_kernels()) {
-        KernelLimit limit(k);
-        const gattn::PackedLinear<bfloat16> lin(w);
+    for (Choice c : runnable()) {
+        KernelLimit limit(c.limit);
+        const gattn::PackedLinear<bfloat16> lin(w, gattn::Vector<float>(), c.backend);
         gattn::RowMatrix<float> y_view(rows, out), y_copy(rows, out), y_16(rows, out);
         lin.forward<float, float>(x, y_view);
         const gattn::RowMatrix<float> x_copy = x;
         lin.forward<float, float>(x_copy, y_copy);
-        EXPECT_TRUE(y_view == y_copy) << gattn::kernel_name(k);
-        if (lin.kernel() == Bf16Kernel::Avx512Bf16) {
+        EXPECT_TRUE(y_view == y_copy) << lin.describe();
+        if (rounds_x(lin)) {
             const gattn::RowMatrix<bfloat16> x16 = x_copy.cast<bfloat16>();
             lin.forward<bfloat16, float>(x16, y_16);
             EXPECT_TRUE(y_16 == y_copy);
@@ -120,9 +137,9 @@ TEST(PackedLinear, ThreadCountDoesNotChangeResults) {
     const int saved = omp_get_max_threads();
     for (Index rows : {2, 300}) {
         const gattn::RowMatrix<float> x = random_matrix(rows, in, 6).cast<float>();
-        for (Bf16Kernel k : runnable_kernels()) {
-            KernelLimit limit(k);
-            const gattn::PackedLinear<bfloat16> lin(w);
+        for (Choice c : runnable()) {
+            KernelLimit limit(c.limit);
+            const gattn::PackedLinear<bfloat16> lin(w, gattn::Vector<float>(), c.backend);
             std::vector<gattn::RowMatrix<float>> ys;
             for (int threads : {1, 2, 3}) {
                 omp_set_num_threads(threads);
@@ -130,7 +147,7 @@ TEST(PackedLinear, ThreadCountDoesNotChangeResults) {
                 lin.forward<float, float>(x, y);
                 ys.push_back(y);
             }
-            EXPECT_TRUE(ys[0] == ys[1] && ys[0] == ys[2]) << gattn::kernel_name(k) << " rows " << rows;
+            EXPECT_TRUE(ys[0] == ys[1] && ys[0] == ys[2]) << lin.describe() << " rows " << rows;
         }
     }
     omp_set_num_threads(saved);
@@ -163,10 +180,37 @@ TEST(PackedLinear, BadArgumentsThrowAndLeaveOutputUntouched) {
 TEST(PackedLinear, HoldsSixteenBitBytes) {
     const Index in = 2048, out = 256;
     const gattn::RowMatrix<bfloat16> w = gattn::RowMatrix<bfloat16>::Zero(out, in);
-    for (Bf16Kernel k : runnable_kernels()) {
-        KernelLimit limit(k);
-        EXPECT_EQ(gattn::PackedLinear<bfloat16>(w).bytes(), std::size_t(in * out * 2)) << gattn::kernel_name(k);
+    for (Choice c : runnable()) {
+        KernelLimit limit(c.limit);
+        const gattn::PackedLinear<bfloat16> lin(w, gattn::Vector<float>(), c.backend);
+        EXPECT_EQ(lin.bytes(), std::size_t(in * out * 2)) << lin.describe();
     }
+}
+
+/// The backend is reported: describe() names oneDNN's implementation or says why oneDNN is not
+/// used; asking for oneDNN where it cannot run is an error that says why.
+TEST(PackedLinear, BackendIsReported) {
+    const gattn::RowMatrix<bfloat16> w = random_matrix(8, 6, 8).cast<bfloat16>();
+    const gattn::PackedLinear<bfloat16> lin(w);
+    const gattn::PackedLinear<half> lin16(w.cast<float>().cast<half>());
+    EXPECT_EQ(lin16.backend(), gattn::LinearBackend::HeaderOnly);
+    EXPECT_NE(lin16.describe().find("oneDNN: used for bf16 weights only"), std::string::npos) << lin16.describe();
+    EXPECT_THROW(gattn::PackedLinear<half>(w.cast<float>().cast<half>(), gattn::Vector<float>(), gattn::LinearBackend::OneDnn),
+                 std::invalid_argument);
+    if (!gattn::compiled_with_onednn()) {
+        EXPECT_EQ(lin.backend(), gattn::LinearBackend::HeaderOnly);
+        EXPECT_NE(lin.describe().find("oneDNN: not built in"), std::string::npos) << lin.describe();
+        try {
+            gattn::PackedLinear<bfloat16>(w, gattn::Vector<float>(), gattn::LinearBackend::OneDnn);
+            ADD_FAILURE() << "no exception";
+        } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("OneDnn cannot run: oneDNN: not built in"), std::string::npos) << e.what();
+        }
+    } else if (lin.backend() == gattn::LinearBackend::OneDnn) {
+        EXPECT_EQ(lin.describe().rfind("oneDNN ", 0), 0u) << lin.describe();
+    }
+    const gattn::PackedLinear<bfloat16> own(w, gattn::Vector<float>(), gattn::LinearBackend::HeaderOnly);
+    EXPECT_EQ(own.backend(), gattn::LinearBackend::HeaderOnly);
 }
 
 }  // namespace

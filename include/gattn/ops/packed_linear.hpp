@@ -17,6 +17,10 @@
 ///    by float x with Eigen's GEMM (one thread per panel).
 /// Either way each output is computed by one thread in a fixed order: the result does not
 /// depend on the thread count.
+///
+/// Optional backend: with GATTN_WITH_ONEDNN defined and libdnnl linked (CMake
+/// -DGATTN_WITH_ONEDNN=ON), bf16 weights go to oneDNN's matmul by default (AMX where oneDNN
+/// finds it; ops/onednn_linear.hpp), with x rounded to bf16 as above.
 
 #include <algorithm>
 #include <cstdint>
@@ -31,8 +35,39 @@
 #include "gattn/ops/sdpa.hpp"  // detail::overlaps_any, span_of
 #include "gattn/simd/cpu.hpp"
 #include "gattn/types.hpp"
+#if defined(GATTN_WITH_ONEDNN)
+#include "gattn/ops/onednn_linear.hpp"
+#endif
 
 GATTN_BEGIN_ISA_NAMESPACE
+
+/// Who multiplies a PackedLinear's weights.
+enum class LinearBackend {
+    Default,     ///< oneDNN for bf16 weights when built with it and it runs here; else HeaderOnly
+    HeaderOnly,  ///< gattn's own kernels (AVX512-BF16 tiles or widened float)
+    OneDnn,      ///< oneDNN's matmul (bf16 weights, GATTN_WITH_ONEDNN builds only)
+};
+
+namespace detail {
+inline LinearBackend& default_linear_backend() noexcept {
+    static LinearBackend backend = LinearBackend::Default;
+    return backend;
+}
+}  // namespace detail
+
+/// What LinearBackend::Default stands for in the PackedLinear objects (and so the layers)
+/// constructed from now on: Default (oneDNN where it runs), HeaderOnly or OneDnn. For
+/// comparisons and tests; set it before constructing, from one thread (it is not synchronised).
+inline void set_default_linear_backend(LinearBackend backend) noexcept { detail::default_linear_backend() = backend; }
+
+/// Whether this build contains the oneDNN backend (GATTN_WITH_ONEDNN).
+inline constexpr bool compiled_with_onednn() noexcept {
+#if defined(GATTN_WITH_ONEDNN)
+    return true;
+#else
+    return false;
+#endif
+}
 
 namespace detail {
 
@@ -89,12 +124,17 @@ class PackedLinear {
 public:
     PackedLinear() = default;
 
-    /// \param weight [out_features, in_features] (nn.Linear layout, any row stride; copied).
-    /// \param bias   [out_features] in float, or empty for none.
-    /// The kernel is chosen here (gattn::bf16_kernel(), limits included) and kept.
+    /// \param weight  [out_features, in_features] (nn.Linear layout, any row stride; copied).
+    /// \param bias    [out_features] in float, or empty for none.
+    /// \param backend Default (unless set_default_linear_backend says otherwise): oneDNN when
+    ///                this build has it, the weights are bf16 and oneDNN runs here, else the
+    ///                header-only kernels (describe() says why).
+    /// The backend and kernel are chosen here (gattn::bf16_kernel(), limits included) and kept.
     /// \throws shape_error when bias is neither empty nor out_features long;
-    ///         std::invalid_argument when a dimension is 0.
-    explicit PackedLinear(ConstMatrixRef<Storage> weight, const Vector<float>& bias = Vector<float>()) {
+    ///         std::invalid_argument when a dimension is 0, or when backend is OneDnn and oneDNN
+    ///         cannot run (not built in, fp16 weights, no bf16 matmul for this CPU).
+    explicit PackedLinear(ConstMatrixRef<Storage> weight, const Vector<float>& bias = Vector<float>(),
+                          LinearBackend backend = LinearBackend::Default) {
         constexpr const char* fn = "gattn::PackedLinear";
         if (weight.rows() == 0 || weight.cols() == 0)
             detail::throw_invalid(fn, "weight", "must have out_features, in_features >= 1, got " +
@@ -104,6 +144,8 @@ public:
                                 detail::shape_string({bias.size()}));
         m_in = weight.cols();
         m_out = weight.rows();
+        if (backend == LinearBackend::Default) backend = detail::default_linear_backend();
+        if (backend != LinearBackend::HeaderOnly && try_onednn(weight, bias, backend == LinearBackend::OneDnn)) return;
         m_bias = bias;
         m_kernel = std::is_same_v<Storage, bfloat16> ? detail::bf16_kernel_family() : Bf16Kernel::WidenedFloat;
         if (m_kernel == Bf16Kernel::WidenedFloat) {
@@ -125,11 +167,18 @@ public:
 
     Index in_features() const noexcept { return m_in; }
     Index out_features() const noexcept { return m_out; }
-    /// The kernel chosen at construction.
+    /// The backend chosen at construction: HeaderOnly or OneDnn.
+    LinearBackend backend() const noexcept { return m_backend; }
+    /// The header-only kernel chosen at construction (meaningful when backend() is HeaderOnly).
     Bf16Kernel kernel() const noexcept { return m_kernel; }
+    /// One line for logs: "oneDNN <implementation>" or "<kernel> (<why not oneDNN>)".
+    std::string describe() const {
+        if (m_backend == LinearBackend::OneDnn) return "oneDNN " + m_onednn_name;
+        return std::string(kernel_name(m_kernel)) + (m_why_not_onednn.empty() ? "" : " (" + m_why_not_onednn + ")");
+    }
     /// Bytes of weights and bias held.
     std::size_t bytes() const noexcept {
-        return sizeof(std::uint32_t) * static_cast<std::size_t>(m_packed.size()) +
+        return onednn_bytes() + sizeof(std::uint32_t) * static_cast<std::size_t>(m_packed.size()) +
                sizeof(Storage) * static_cast<std::size_t>(m_rows.size()) +
                sizeof(float) * static_cast<std::size_t>(m_bias.size());
     }
@@ -163,7 +212,9 @@ public:
             y = staged.data();
             ldy = m_out;
         }
-        if (m_kernel == Bf16Kernel::WidenedFloat)
+        if (m_backend == LinearBackend::OneDnn)
+            forward_onednn(x, y, ldy);
+        else if (m_kernel == Bf16Kernel::WidenedFloat)
             forward_widened(x, y, ldy);
         else
             forward_pairs(x, y, ldy);
@@ -172,6 +223,60 @@ public:
     }
 
 private:
+    /// Sets up the oneDNN backend; false (with the reason kept) when it cannot run and
+    /// `required` is false. Throws std::invalid_argument when it cannot run and is required.
+    bool try_onednn([[maybe_unused]] ConstMatrixRef<Storage> weight, [[maybe_unused]] const Vector<float>& bias,
+                    bool required) {
+        std::string why;
+        if constexpr (!std::is_same_v<Storage, bfloat16>) {
+            why = "oneDNN: used for bf16 weights only";
+        } else if constexpr (!compiled_with_onednn()) {
+            why = "oneDNN: not built in (define GATTN_WITH_ONEDNN and link libdnnl)";
+        } else {
+#if defined(GATTN_WITH_ONEDNN)
+            try {
+                m_onednn = detail::OneDnnLinear(weight, bias);
+                m_onednn_name = m_onednn.implementation();
+                m_backend = LinearBackend::OneDnn;
+                return true;
+            } catch (const dnnl::error& e) {
+                why = std::string("oneDNN: no bf16 matmul on this CPU (") + e.what() + ")";
+            }
+#endif
+        }
+        if (required) detail::throw_invalid("gattn::PackedLinear", "backend", "OneDnn cannot run: " + why);
+        m_why_not_onednn = why;
+        return false;
+    }
+
+    std::size_t onednn_bytes() const noexcept {
+#if defined(GATTN_WITH_ONEDNN)
+        return m_onednn.bytes();
+#else
+        return 0;
+#endif
+    }
+
+    template <class X>
+    void forward_onednn([[maybe_unused]] ConstMatrixRef<X> x, [[maybe_unused]] float* y,
+                        [[maybe_unused]] Index ldy) const {
+#if defined(GATTN_WITH_ONEDNN)
+        // oneDNN reads contiguous bf16 rows: float x is rounded once (nearest even), as for
+        // the header-only kernel.
+        thread_local std::vector<bfloat16> x16;
+        const Index rows = x.rows();
+        if (static_cast<Index>(x16.size()) < rows * m_in) x16.resize(static_cast<std::size_t>(rows * m_in));
+        for (Index r = 0; r < rows; ++r) {
+            const X* xr = x.data() + r * x.outerStride();
+            if constexpr (std::is_same_v<X, bfloat16>)
+                std::copy(xr, xr + m_in, x16.data() + r * m_in);
+            else
+                kernel::narrow_row(xr, x16.data() + r * m_in, m_in);
+        }
+        m_onednn.forward(x16.data(), rows, y, ldy);
+#endif
+    }
+
     template <class X>
     void forward_widened(ConstMatrixRef<X> x, float* y, Index ldy) const {
         const Index rows = x.rows(), panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
@@ -247,7 +352,12 @@ private:
     }
 
     Index m_in = 0, m_out = 0;
+    LinearBackend m_backend = LinearBackend::HeaderOnly;
     Bf16Kernel m_kernel = Bf16Kernel::WidenedFloat;
+    std::string m_why_not_onednn, m_onednn_name;
+#if defined(GATTN_WITH_ONEDNN)
+    detail::OneDnnLinear m_onednn;
+#endif
     Eigen::Matrix<std::uint32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_packed;  // AVX512-BF16 panels
     RowMatrix<Storage> m_rows;  // widened kernel: the weights as given
     Vector<float> m_bias;
