@@ -3,15 +3,21 @@
 // one token per step against KV caches of 1k–32k tokens, for one sequence and for a batch of 4
 // decoded together (one row each). Counters steps/s and tokens/s. BM_Qwen3NextDecodeStep/...
 // runs the float layer; BM_Qwen3NextDecodeStepBf16 the same layer with bf16 weights and cache
-// (float activations), and the label names the bf16 kernel.
+// (float activations), and the label names the bf16 kernel. BM_DecodeRoof/<storage>/... sets one
+// step's time against the time its bytes take to stream from memory (counter roof_fraction).
 //
 // Run: build/bench/bench/bench_qwen3_next --benchmark_counters_tabular=true
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
 #include <gattn/gattn.hpp>
 #include <gattn/simd/cpu.hpp>
 
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
 #include <random>
 #include <type_traits>
 #include <vector>
@@ -91,6 +97,61 @@ BENCHMARK_TEMPLATE(BM_Qwen3NextDecodeStep, gattn::bfloat16)
     ->ArgsProduct({{1024, 4096, 8192, 32768}, {1}, {1, 2}})
     ->ArgsProduct({{4096}, {4}, {1, 2}})
     ->ArgNames({"kv_len", "batch", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+/// One decoding step of the Qwen3-Next layer against the memory roof. Args: cached tokens,
+/// batch (sequences, one new token each), threads. Storage: the weights' and the cache's type.
+/// Counters: step_ms; MiB, the bytes the step must read (weights in their storage, and every
+/// sequence's cached keys and values); stream_GB/s, the read bandwidth of a buffer of that size
+/// measured just before in this process; roof_fraction = (bytes / bandwidth) / step time.
+template <class Storage>
+void BM_DecodeRoof(benchmark::State& state) {
+    const gattn::Index kv_len = state.range(0), batch = state.range(1);
+#ifdef _OPENMP
+    omp_set_num_threads(static_cast<int>(state.range(2)));
+#endif
+    const auto config = real_config();
+    const gattn::Qwen3NextAttention<Storage> layer(config, random_weights(config).template cast<Storage>());
+    auto cache = layer.make_cache(batch, kv_len + 1);
+    const gattn::Index width = config.num_key_value_heads * config.head_dim;
+    const std::vector<gattn::Index> lengths(static_cast<std::size_t>(batch), kv_len);
+    cache.append(Matrix::Random(batch * kv_len, width).cast<Storage>(),
+                 Matrix::Random(batch * kv_len, width).cast<Storage>(), lengths);
+    const Matrix x = Matrix::Random(batch, config.hidden_size);
+    Matrix out(batch, config.hidden_size);
+    const double bytes = double(layer.weight_bytes()) + double(batch * kv_len * 2 * width) * sizeof(Storage);
+    const double bandwidth = gattn_bench::stream_bandwidth(static_cast<std::size_t>(bytes));
+    double seconds = 0;
+    for (auto _ : state) {
+        const auto t0 = std::chrono::steady_clock::now();
+        layer.forward(x, lengths, cache, out);
+        benchmark::DoNotOptimize(out.data());
+        seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        cache.truncate(lengths);
+    }
+    const double step = seconds / double(state.iterations());
+    state.counters["step_ms"] = step * 1e3;
+    state.counters["MiB"] = bytes / double(1 << 20);
+    state.counters["stream_GB/s"] = bandwidth / 1e9;
+    state.counters["roof_fraction"] = bytes / bandwidth / step;
+    state.SetLabel(std::is_same_v<Storage, float> ? gattn::simd::arch_name()
+                                                   : gattn::kernel_name(gattn::bf16_kernel().kernel));
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+}
+
+BENCHMARK_TEMPLATE(BM_DecodeRoof, float)
+    ->Name("BM_DecodeRoof/float")
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}})
+    ->ArgNames({"cached", "batch", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16)
+    ->Name("BM_DecodeRoof/bf16")
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}})
+    ->ArgNames({"cached", "batch", "threads"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -13,8 +13,12 @@
 
 #include <benchmark/benchmark.h>
 
+#include "bench_support.hpp"
+
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -223,6 +227,50 @@ void BM_Bf16DecodeVsFloat(benchmark::State& state) {
     set_threads(1);
 }
 
+/// One decoding step (one query token, 8 query heads, d = 128, float cache) with gattn and with
+/// hand-written Eigen (per query head: logits = K_h·q, softmax, out = V_hᵀ·p, the heads split
+/// over the OpenMP threads), in turn within every iteration. Args: cached tokens, KV heads,
+/// threads. Counters: µs of each, gattn_vs_eigen = Eigen time / gattn time, and each one's
+/// roof fraction: (cache bytes / stream bandwidth measured just before) / time.
+void BM_DecodeVsEigen(benchmark::State& state) {
+    const gattn::Index nk = state.range(0), hkv = state.range(1), d = 128, group = kHeads / hkv;
+    set_threads(static_cast<int>(state.range(2)));
+    const Matrix q = Matrix::Random(1, kHeads * d), k = Matrix::Random(nk, hkv * d), v = Matrix::Random(nk, hkv * d);
+    Matrix out(1, kHeads * d), out_eigen(1, kHeads * d);
+    const float scale = 1.0f / std::sqrt(float(d));
+    const double bytes = double(2 * nk * hkv * d) * sizeof(float);
+    const double bandwidth = gattn_bench::stream_bandwidth(static_cast<std::size_t>(bytes));
+    using Strided = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>;
+    const auto [t_gattn, t_eigen] = time_in_turn(
+        state,
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
+            benchmark::DoNotOptimize(out.data());
+        },
+        [&] {
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+            for (gattn::Index h = 0; h < kHeads; ++h) {
+                const gattn::Index g = h / group;
+                const Strided kh(k.data() + g * d, nk, d, Eigen::OuterStride<>(hkv * d));
+                const Strided vh(v.data() + g * d, nk, d, Eigen::OuterStride<>(hkv * d));
+                Eigen::VectorXf logits = kh * (q.row(0).segment(h * d, d).transpose() * scale);
+                const float m = logits.maxCoeff();
+                logits = (logits.array() - m).exp();
+                out_eigen.row(0).segment(h * d, d) = (vh.transpose() * logits).transpose() / logits.sum();
+            }
+            benchmark::DoNotOptimize(out_eigen.data());
+        });
+    const double n = static_cast<double>(state.iterations());
+    state.counters["gattn_us"] = t_gattn / n * 1e6;
+    state.counters["eigen_us"] = t_eigen / n * 1e6;
+    state.counters["gattn_vs_eigen"] = t_eigen / t_gattn;
+    state.counters["gattn_roof"] = bytes / bandwidth / (t_gattn / n);
+    state.counters["eigen_roof"] = bytes / bandwidth / (t_eigen / n);
+    set_threads(1);
+}
+
 /// Accuracy of bf16 SDPA against float64 SDPA on the same bf16 inputs, N(0, 1) entries, one head
 /// of d = 128, non-causal (the float64 reference is a plain three-pass softmax per row). Args: N,
 /// output (0: bf16, 1: float). Counters: NMSE = Σ(out − ref)² / Σ ref², max |out − ref|, and the
@@ -375,6 +423,7 @@ BENCHMARK(BM_GattnLongContext)->Arg(2)->ArgNames({"threads"})->Iterations(1)->Un
 BENCHMARK(BM_GattnVsCareful)->Args({512, 128, 0})->Args({512, 128, 1})->Args({2048, 128, 0})->Args({2048, 128, 1})->ArgNames({"N", "d", "causal"})->MinTime(3.0)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Bf16VsFloat)->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}, {0}})->Args({2048, 0, 2, 0})->Args({2048, 1, 2, 0})->Args({2048, 0, 1, 1})->Args({2048, 1, 1, 1})->ArgNames({"N", "causal", "threads", "widened"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Bf16DecodeVsFloat)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_DecodeVsEigen)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_Bf16Accuracy)->ArgsProduct({{2048, 8192}, {0, 1}})->ArgNames({"N", "float_out"})->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_EigenCarefulSdpa)->Apply(baseline_args)->ArgNames({"N", "d", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenTypicalSdpa)->Args({512, 128})->Args({2048, 128})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();

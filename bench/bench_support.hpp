@@ -1,0 +1,36 @@
+// SPDX-License-Identifier: Apache-2.0
+// Helpers shared by gattn's benchmarks.
+#pragma once
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace gattn_bench {
+
+/// Streaming read bandwidth in bytes/s: the best of five sums over a buffer of `bytes` (at least
+/// 8 MiB), split over the OpenMP threads as the measured call is. Measure it just before the
+/// call it is the roof of, so that both see the same state of a shared machine.
+inline double stream_bandwidth(std::size_t bytes) {
+    const std::size_t n = std::max<std::size_t>(bytes / sizeof(std::uint64_t), 1 << 20);
+    std::vector<std::uint64_t> buffer(n, 1);
+    double best = 0;
+    for (int pass = 0; pass < 5; ++pass) {
+        std::uint64_t total = 0;
+        const auto t0 = std::chrono::steady_clock::now();
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) reduction(+ : total)
+#endif
+        for (std::ptrdiff_t i = 0; i < static_cast<std::ptrdiff_t>(n); ++i) total += buffer[std::size_t(i)];
+        const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        benchmark::DoNotOptimize(total);
+        best = std::max(best, double(n * sizeof(std::uint64_t)) / t);
+    }
+    return best;
+}
+
+}  // namespace gattn_bench
