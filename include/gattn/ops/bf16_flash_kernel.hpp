@@ -25,6 +25,9 @@
 /// Both write each output row in float to a staging row, run the caller's epilogue there, and
 /// round it once to the storage type (round to nearest even), or copy it to a float output.
 ///
+/// Decoding (few queries per KV head) has its own kernel, ops/decode_kernel.hpp, with a
+/// VDPBF16PS variant for bf16 caches (decode_bf16).
+///
 /// Masked keys: keys outside every lane's range are not read. Inside a partial block, VDPBF16PS
 /// cannot skip a key per lane, so a key hidden from a lane has P = −0 there; when a partial
 /// key block's V holds a non-finite value (±∞, NaN: garbage in an unused cache slot), that
@@ -101,6 +104,7 @@ struct NarrowScratch {
     PairMatrix pt;                             // AVX512-BF16: [Bc/2, Br] Pᵀ key pairs
     RowMatrix<float> st;                       // AVX512-BF16: [Bc, Br] Sᵀ (base-2 logits)
     RowMatrix<float> ot[G::kGroupBlocks];      // AVX512-BF16: [d_v, Br] Oᵀ (unnormalised)
+    std::vector<const S*> q_ptrs;              // AVX512-BF16 decoding: [H_kv·Br] query rows
 
     static NarrowScratch& for_this_thread() {
         thread_local NarrowScratch scratch;
@@ -113,6 +117,7 @@ struct NarrowScratch {
         if (wide.size() < n) wide.resize(n);
         if (q_rows.size() < num_kv_heads * W * dk) q_rows.resize(num_kv_heads * W, dk);
         if (stage.size() < W * dv) stage.resize(W, dv);
+        if (q_ptrs.size() < n * W) q_ptrs.resize(n * W);
     }
     void reserve(Index dk, Index dv, int group_blocks, bool tiles) {
         auto grow = [](auto& m, Index rows, Index cols) {

@@ -14,6 +14,10 @@
 /// A masked key is skipped in the value sum (never multiplied by 0).
 /// Chunks are cut at fixed key positions (multiples of kChunkKeys), never by thread count, and
 /// merged in order, so results do not depend on the number of threads.
+///
+/// A bf16 cache is read in place: either each register is widened exactly to float as it is
+/// loaded, or (AVX512-BF16, head sizes multiples of 32) both products run as VDPBF16PS on the
+/// bf16 rows, with P rounded to bf16 (decode_bf16): half the instructions, no widening.
 
 #include <algorithm>
 #include <cmath>
@@ -21,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gattn/ops/bf16_flash_kernel.hpp"
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"
@@ -158,19 +163,179 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
                     acc[r][j] = std::fma(p[r][kk], static_cast<T>(value[kk * value_stride + j]), acc[r][j]);
 }
 
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+/// Products on bf16 with VDPBF16PS (AVX512-BF16) for a bf16 cache: bf16 queries and keys as
+/// they are stored, and P rounded to bf16 (nearest even) for the value sum, as in the bf16
+/// prefill kernel; accumulation in float. Half the instructions of widening to float FMAs, and
+/// no widening. Needs d_k and d_v multiples of 32.
+namespace decode_bf16 {
+
+/// Whether the VDPBF16PS decoding kernel takes these head sizes.
+inline constexpr bool takes(Index dk, Index dv) noexcept { return dk % 32 == 0 && dv % 32 == 0; }
+
+/// As group_logits: dots[r][kk] holds 16 partial sums of q_r·K[kk] (pairs of features).
+template <int R>
+inline void logits(const bfloat16* const* q, const bfloat16* key, Index key_stride, Index nk, Index dk,
+                   simd::Batch<float> (*dots)[16]) noexcept {
+    using B = simd::Batch<float>;
+    Index kk = 0;
+    for (; kk < 16; kk += 4) {
+        __m512 a[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
+        if (kk < nk) {
+            const int keys = static_cast<int>(std::min<Index>(4, nk - kk));
+            const bfloat16* k = key + kk * key_stride;
+            for (Index d = 0; d < dk; d += 32) {
+                __m512i kv[4];
+                for (int i = 0; i < 4; ++i)
+                    kv[i] = i < keys ? _mm512_loadu_si512(k + i * key_stride + d) : _mm512_setzero_si512();
+                for (int r = 0; r < R; ++r) {
+                    const __m512i qd = _mm512_loadu_si512(q[r] + d);
+                    for (int i = 0; i < 4; ++i) a[r][i] = bf16::dp(a[r][i], qd, kv[i]);
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int i = 0; i < 4; ++i) dots[r][kk + i] = B(a[r][i]);
+    }
+}
+
+/// Position within a 32-wide block of d_v of feature d's sum: interleaving two keys' rows
+/// with unpacklo/unpackhi_epi16 pairs features (8L + w) of 128-bit lane L, w < 4 (low) and
+/// w ≥ 4 (high), so the float sums come out in that order; unpermute() restores it.
+inline constexpr Index permuted(Index d) noexcept {
+    const Index lane = (d % 32) / 8, w = d % 8;
+    return d / 32 * 32 + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
+}
+
+/// acc (permuted order) += Σ over key pairs of VDPBF16PS(P pair, V pair) for R rows. pw[r]:
+/// row r's P rounded to bf16, as 16 words (keys kk < nk; 0 past nk).
+template <int R>
+inline void values(const std::uint16_t (*pw)[16], Index nk, const bfloat16* value, Index value_stride,
+                   float* const* acc, Index dv) noexcept {
+    constexpr int C = 2;  // 64 features per pass: 4·R accumulators
+    const Index pairs = (nk + 1) / 2;
+    for (Index j = 0; j < dv; j += 32 * C) {
+        const int chunks = static_cast<int>(std::min<Index>(C, (dv - j) / 32));
+        __m512 a[R][2 * C];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 2 * chunks; ++c) a[r][c] = _mm512_loadu_ps(acc[r] + j + 16 * c);
+        for (Index pr = 0; pr < pairs; ++pr) {
+            const bfloat16* v0 = value + 2 * pr * value_stride + j;
+            const bool second = 2 * pr + 1 < nk;
+            __m512i lo[C], hi[C];
+            for (int c = 0; c < chunks; ++c) {
+                const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
+                const __m512i y = second ? _mm512_loadu_si512(v0 + value_stride + 32 * c) : _mm512_setzero_si512();
+                lo[c] = _mm512_unpacklo_epi16(x, y);
+                hi[c] = _mm512_unpackhi_epi16(x, y);
+            }
+            for (int r = 0; r < R; ++r) {
+                std::uint32_t word;
+                std::memcpy(&word, pw[r] + 2 * pr, sizeof word);
+                const __m512i pp = _mm512_set1_epi32(static_cast<int>(word));
+                for (int c = 0; c < chunks; ++c) {
+                    a[r][2 * c] = bf16::dp(a[r][2 * c], pp, lo[c]);
+                    a[r][2 * c + 1] = bf16::dp(a[r][2 * c + 1], pp, hi[c]);
+                }
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 2 * chunks; ++c) _mm512_storeu_ps(acc[r] + j + 16 * c, a[r][c]);
+    }
+}
+
+/// The value sum of a block where some row skips a key (score −∞) whose V row may hold
+/// anything: lane by lane, skipping those keys, into the permuted order.
+template <int R>
+inline void values_skipping(const float (*score)[16], const std::uint16_t (*pw)[16], Index nk,
+                            const bfloat16* value, Index value_stride, float* const* acc, Index dv) noexcept {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    for (int r = 0; r < R; ++r)
+        for (Index kk = 0; kk < nk; ++kk) {
+            if (score[r][kk] == kNegInf) continue;
+            const float p = float(Eigen::numext::bit_cast<bfloat16>(pw[r][kk]));
+            const bfloat16* v = value + kk * value_stride;
+            for (Index d = 0; d < dv; ++d) {
+                float& a = acc[r][permuted(d)];
+                a = std::fma(p, float(v[d]), a);
+            }
+        }
+}
+
+/// Whether the V rows of keys kk < nk that some of the R rows skip (score −∞) are all finite
+/// (exponent bits not all ones), so that a weight of 0 for them adds exactly 0.
+template <int R>
+inline bool skipped_values_finite(const float (*score)[16], Index nk, const bfloat16* value, Index value_stride,
+                                  Index dv) noexcept {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    const __m512i exponent = _mm512_set1_epi16(0x7F80);
+    for (Index kk = 0; kk < nk; ++kk) {
+        bool skipped = false;
+        for (int r = 0; r < R; ++r) skipped = skipped || score[r][kk] == kNegInf;
+        if (!skipped) continue;
+        const bfloat16* v = value + kk * value_stride;
+        for (Index d = 0; d < dv; d += 32) {
+            const __m512i e = _mm512_and_si512(_mm512_loadu_si512(v + d), exponent);
+            if (_mm512_cmpeq_epi16_mask(e, exponent)) return false;
+        }
+    }
+    return true;
+}
+
+/// Puts each row's sums back in feature order (after the last block of a chunk): feature d of a
+/// 32-wide block is at permuted(d), gathered from the block's two registers.
+inline void unpermute(float* acc, Index dv) noexcept {
+    alignas(64) std::int32_t lo[16], hi[16];
+    for (int i = 0; i < 16; ++i) {
+        lo[i] = static_cast<std::int32_t>(permuted(i));
+        hi[i] = static_cast<std::int32_t>(permuted(16 + i));
+    }
+    const __m512i lo_index = _mm512_load_si512(lo), hi_index = _mm512_load_si512(hi);
+    for (Index j = 0; j < dv; j += 32) {
+        const __m512 x = _mm512_loadu_ps(acc + j), y = _mm512_loadu_ps(acc + j + 16);
+        _mm512_storeu_ps(acc + j, _mm512_permutex2var_ps(x, lo_index, y));
+        _mm512_storeu_ps(acc + j + 16, _mm512_permutex2var_ps(x, hi_index, y));
+    }
+}
+
+/// Whether row r < R skips a key kk < nk of the block (score −∞).
+template <int R>
+inline bool any_skipped(const float (*score)[16], Index nk) noexcept {
+    const __mmask16 keys = nk >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nk) - 1u);
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    __mmask16 skipped = 0;
+    for (int r = 0; r < R; ++r) skipped |= _mm512_mask_cmp_ps_mask(keys, _mm512_load_ps(score[r]), neg_inf, _CMP_EQ_OQ);
+    return skipped != 0;
+}
+
+}  // namespace decode_bf16
+#endif  // GATTN_HAS_AVX512BF16_KERNEL
+
 /// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
 /// [k_begin, k_end), accumulating into states[g]. key/value point at key 0, head 0 of the
 /// sequence. The KV heads are walked inside each key block, so a [N, H_kv·d] cache is read
 /// row after row (rows of one head alone would each sit in another page). KV: the type K and V
 /// are stored in (T, or bf16/fp16 widened as they are loaded); the queries are T.
-template <class T, class KV = T>
+///
+/// kDot (bf16 cache, AVX512-BF16, decode_bf16::takes(dk, dv)): both products with VDPBF16PS on
+/// the bf16 query rows q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row
+/// sums l add the rounded weights. The states' sums are in feature order on return.
+template <class T, class KV = T, bool kDot = false>
 void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin,
                   Index k_end, const KV* key_base, Index key_stride, const KV* value_base, Index value_stride,
-                  Index dk, Index dv, T scale) {
+                  Index dk, Index dv, T scale, [[maybe_unused]] const KV* const* q16 = nullptr) {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-    const Index dk_vec = dk / L * L;
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+    static_assert(!kDot || (std::is_same_v<T, float> && std::is_same_v<KV, bfloat16>), "VDPBF16PS: float, bf16");
+    alignas(64) std::uint16_t pw[kDecodeRows][16];  // kDot: P rounded to bf16
+#else
+    static_assert(!kDot, "the VDPBF16PS decoding kernel needs AVX512-BF16");
+#endif
+    const Index dk_vec = kDot ? dk : dk / L * L;
     alignas(64) T s[kDecodeRows][L], p[kDecodeRows][L];  // logits (−∞: skipped) and weights
     B dots[kDecodeRows][L];
     // Only the key blocks some row can see (a sliding window or short lengths leave most of a
@@ -211,12 +376,21 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                 with_constant<kDecodeRows + 1>(rows, [&](auto rows_constant) {
                     constexpr int R = decltype(rows_constant)::value;
                     if constexpr (R > 0) {
-                        group_logits<T, R, KV>(blk.q + t0, key + j0 * key_stride, key_stride, nk, dk_vec, dots);
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+                        if constexpr (kDot)
+                            decode_bf16::logits<R>(q16 + g * FlashGeometry<T>::kQueries + t0, key + j0 * key_stride,
+                                                   key_stride, nk, dk, dots);
+                        else
+#endif
+                            group_logits<T, R, KV>(blk.q + t0, key + j0 * key_stride, key_stride, nk, dk_vec, dots);
                         for (int r = 0; r < R; ++r) {
                             // Logits of row t from its dot-product registers, masked (−∞: key
                             // skipped), then the online-softmax update of the row's m, l, acc.
                             const int t = t0 + r;
                             T* sr = s[r];
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+                            if constexpr (kDot) std::memset(pw[r], 0, sizeof pw[r]);
+#endif
                             const Index lo = std::max(j0, blk.begin[t]), hi = std::min(j0 + nk, blk.end[t]);
                             if (lo >= hi) {  // no visible key of this block for this row
                                 std::fill(sr, sr + L, kNegInf);
@@ -258,16 +432,39 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 simd::scale(alpha, acc[r], static_cast<std::size_t>(dv));
                             }
                             m = m_new;
-                            const B pv = simd::exp_nonpositive<T>(sv - B(m_new));
+                            B pv = simd::exp_nonpositive<T>(sv - B(m_new));
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+                            if constexpr (kDot) {
+                                // P rounded to bf16 once: the value sum and l use the same weights.
+                                const __m256i h = (__m256i)_mm512_cvtneps_pbh(pv);  // NOLINT: vector cast
+                                _mm256_store_si256(reinterpret_cast<__m256i*>(pw[r]), h);
+                                pv = B(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+                            }
+#endif
                             pv.store_aligned(p[r]);
                             st.l[t] += simd::reduce_sum(pv);
                         }
-                        group_values<T, R, KV>(s, p, nk, value + j0 * value_stride, value_stride, acc, dv);
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+                        if constexpr (kDot) {
+                            const bfloat16* vb = value + j0 * value_stride;
+                            if (!decode_bf16::any_skipped<R>(s, nk) ||
+                                decode_bf16::skipped_values_finite<R>(s, nk, vb, value_stride, dv))
+                                decode_bf16::values<R>(pw, nk, vb, value_stride, acc, dv);
+                            else
+                                decode_bf16::values_skipping<R>(s, pw, nk, vb, value_stride, acc, dv);
+                        } else
+#endif
+                            group_values<T, R, KV>(s, p, nk, value + j0 * value_stride, value_stride, acc, dv);
                     }
                 });
             }
         }
     }
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+    if constexpr (kDot)
+        for (Index g = 0; g < num_kv_heads; ++g)
+            for (int t = 0; t < blks[g].count; ++t) decode_bf16::unpermute(states[g].acc.data() + t * dv, dv);
+#endif
 }
 
 /// Merges the states chunks[c·chunk_stride], c < num_chunks, in chunk order and writes the rows' outputs, log-sum-exp and first-key

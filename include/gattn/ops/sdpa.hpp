@@ -387,6 +387,13 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
     const Bf16Kernel narrow_kernel =
         std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family() : Bf16Kernel::WidenedFloat;
+    // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32); else widened to float.
+    [[maybe_unused]] const bool decode_dot = narrow_kernel == Bf16Kernel::Avx512Bf16 &&
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+                                             kernel::decode_bf16::takes(dk, dv);
+#else
+                                             false;
+#endif
 #ifdef _OPENMP
 #pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
 #endif
@@ -442,10 +449,24 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                     states[g].reset(blk[g].count, dv);
                 }
                 const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
-                kernel::decode_chunk<T, Scalar>(decode_blk, states, Hkv, c0, c1,
-                                                key.data() + b * Nk * key.outerStride(), key.outerStride(),
-                                                value.data() + b * Nk * value.outerStride(), value.outerStride(),
-                                                dk, dv, scale);
+                const Scalar* key_seq = key.data() + b * Nk * key.outerStride();
+                const Scalar* value_seq = value.data() + b * Nk * value.outerStride();
+#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+                if constexpr (std::is_same_v<Scalar, bfloat16>) {
+                    if (decode_dot) {
+                        // The bf16 query rows as given: VDPBF16PS on them and the cache rows.
+                        const Scalar** q16 = scratch.q_ptrs.data();
+                        for (Index g = 0; g < Hkv; ++g)
+                            for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
+                        kernel::decode_chunk<T, Scalar, true>(decode_blk, states, Hkv, c0, c1, key_seq,
+                                                              key.outerStride(), value_seq, value.outerStride(), dk,
+                                                              dv, scale, q16);
+                        continue;
+                    }
+                }
+#endif
+                kernel::decode_chunk<T, Scalar>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(),
+                                                value_seq, value.outerStride(), dk, dv, scale);
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.

@@ -65,6 +65,26 @@ inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
     constexpr std::size_t L = kLanes<T>;
     using Packet = typename Eigen::internal::packet_traits<T>::type;
     using Register = typename Batch<T>::register_type;
+#if defined(__AVX512F__)
+    if constexpr (std::is_same_v<Register, __m512>) {
+        // Butterfly in registers (45 shuffles and adds, against a 16 × 16 transpose and 15
+        // adds): each stage adds two halves of pairs of registers, first within 128-bit lanes,
+        // then across them, halving the registers until lane i holds the sum of rows[i].
+        __m512 a[8], b[4], c[2];
+        for (int j = 0; j < 8; ++j) {
+            const __m512 x = rows[2 * j], y = rows[2 * j + 1];
+            a[j] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+        }
+        for (int k = 0; k < 4; ++k)
+            b[k] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm512_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+        for (int k = 0; k < 2; ++k)
+            c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+        return Batch<T>(_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                      _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1))));
+    }
+#endif
     if constexpr (std::is_same_v<Packet, Register> && Eigen::internal::unpacket_traits<Packet>::size == L) {
         Eigen::internal::PacketBlock<Packet, static_cast<int>(L)> tile;
         for (std::size_t i = 0; i < L; ++i) tile.packet[i] = static_cast<Register>(rows[i]);
