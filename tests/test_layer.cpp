@@ -762,6 +762,33 @@ TEST(LayerDecode, BatchedRaggedDecodingEqualsEachSequenceAlone) {
     check_ragged_decoding<gattn::bfloat16>();
 }
 
+/// A model's caches: one per layer from the layers' make_cache, each refused by the other
+/// layers, truncated all or none.
+TEST(LayerDecode, CacheSetHoldsEachLayersOwnCache) {
+    const auto c = small_config();  // D = 16, H = 4, H_kv = 2, d = 4
+    const gattn::GatedMultiHeadAttention<float> first(c, gattn::make_random_weights<float>(c, 1));
+    const gattn::GatedMultiHeadAttention<float> second(c, gattn::make_random_weights<float>(c, 2));
+    gattn::KVCacheSet<float> caches(std::vector<const gattn::GatedMultiHeadAttention<float>*>{&first, &second}, 2, 4);
+    ASSERT_EQ(caches.size(), 2u);
+    EXPECT_EQ(caches[0].owner(), first.layer_id());
+    EXPECT_EQ(caches[1].owner(), second.layer_id());
+    RowMatrix<float> out2(2, 16), out4(4, 16);
+    first.forward(RowMatrix<float>::Random(2, 16), caches[0], out2);   // 1 token each
+    second.forward(RowMatrix<float>::Random(4, 16), caches[1], out4);  // 2 tokens each
+    EXPECT_THROW(first.forward(RowMatrix<float>::Random(2, 16), caches[1], out2), std::invalid_argument);
+    // {2, 2} fits the second cache, not the first: nothing changes.
+    EXPECT_THROW(caches.truncate({2, 2}), std::invalid_argument);
+    EXPECT_EQ(caches[0].lengths(), std::vector<Index>({1, 1}));
+    EXPECT_EQ(caches[1].lengths(), std::vector<Index>({2, 2}));
+    caches.truncate({1, 0});
+    EXPECT_EQ(caches[0].lengths(), std::vector<Index>({1, 0}));
+    EXPECT_EQ(caches[1].lengths(), std::vector<Index>({1, 0}));
+    EXPECT_EQ(caches.lengths(), std::vector<Index>({1, 0}));
+    caches.clear();
+    EXPECT_EQ(caches[1].lengths(), std::vector<Index>({0, 0}));
+    EXPECT_THROW(caches[2], std::out_of_range);
+}
+
 TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     const auto c = small_config();  // D = 16, H = 4, H_kv = 2, d = 4
     const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 1));
@@ -782,7 +809,23 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(6, 15), cache, out); }, fn,
                                  {"x must have shape [B*N, d_model] = [multiple of 2, 16]", "got [6, 15]"}, out);
     expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(5, 16), cache, out); }, fn,
-                                 {"x must have shape", "got [5, 16]"}, out);
+                                 {"x must have shape", "(B = the cache's batch, 2)", "got [5, 16]"}, out);
+    // Another layer of the same config (same heads): its cache is refused, and this one's too.
+    const gattn::GatedMultiHeadAttention<float> twin(c, gattn::make_random_weights<float>(c, 2));
+    auto twin_cache = twin.make_cache(2, 4);
+    EXPECT_NE(twin.layer_id(), layer.layer_id());
+    EXPECT_EQ(twin_cache.owner(), twin.layer_id());
+    expect_rejected<invalid_argument>([&] { layer.forward(x, twin_cache, out); }, fn,
+                                      {"cache belongs to another layer (made by make_cache of layer " +
+                                           std::to_string(twin.layer_id()) + "; this is layer " +
+                                           std::to_string(layer.layer_id()) + ")"},
+                                      out);
+    EXPECT_TRUE(twin_cache.lengths() == std::vector<Index>({0, 0}));
+    RowMatrix<float> twin_out(2, 16);
+    EXPECT_THROW(twin.forward(x.topRows(2), cache, twin_out), invalid_argument);
+    // A copy of the layer holds the same weights: it takes the original's cache.
+    const gattn::GatedMultiHeadAttention<float> copy = layer;
+    EXPECT_EQ(copy.layer_id(), layer.layer_id());
     RowMatrix<float> narrow = RowMatrix<float>::Constant(6, 8, 7.0f);
     expect_rejected<shape_error>([&] { layer.forward(x, cache, narrow); }, fn, {"out must have shape [6, 16], got [6, 8]"},
                                  narrow);

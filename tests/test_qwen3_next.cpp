@@ -581,6 +581,11 @@ TEST(Qwen3NextValidation, BadArgumentsLeaveOutputAndCacheUntouched) {
     const auto& cfg = layer.config();
     gattn::KVCache<float> other(2, 8, cfg.num_key_value_heads * 2, cfg.head_dim / 2);
     expect_rejected<shape_error>([&] { layer.forward(x, pos, other, out); }, {"cache must hold this layer's heads"});
+    // The same checkpoint loaded twice: two layers, and each refuses the other's cache.
+    const auto again = gattn::load_qwen3_next_attention<float>(kDir, kLayer);
+    auto again_cache = again.make_cache(2, 8);
+    expect_rejected<invalid_argument>([&] { layer.forward(x, pos, again_cache, out); },
+                                      {"cache belongs to another layer", "every layer needs its own cache"});
     EXPECT_TRUE((narrow.array() == 7.0f).all());
     expect_rejected<shape_error>([&] { layer.forward(x, {2, 3, 4, 1, 2}, cache, out); },
                                  {"positions must have shape [6], got [5]"});

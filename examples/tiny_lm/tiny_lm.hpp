@@ -87,17 +87,17 @@ public:
     const gattn::Qwen3NextConfig& attention_config() const { return attention_; }
 
     /// One KV cache per layer for `batch` sequences of up to `capacity` tokens.
-    std::vector<gattn::KVCache<Attention>> make_caches(Index batch, Index capacity) const {
-        std::vector<gattn::KVCache<Attention>> caches;
-        for (const Block& b : blocks_) caches.push_back(b.attn.make_cache(batch, capacity));
-        return caches;
+    gattn::KVCacheSet<Attention> make_caches(Index batch, Index capacity) const {
+        std::vector<const gattn::Qwen3NextAttention<Attention>*> layers;
+        for (const Block& b : blocks_) layers.push_back(&b.attn);
+        return gattn::KVCacheSet<Attention>(layers, batch, capacity);
     }
 
     /// Runs N new tokens of each of B sequences (tokens [B·N], sequence-major) after what the
     /// caches hold, appends them to the caches and returns the logits [B·N, vocab].
     /// Throws std::invalid_argument for a wrong number of caches or tokens, a token outside the
     /// vocabulary, or a full cache.
-    Matrix<Scalar> forward(const std::vector<int>& tokens, std::vector<gattn::KVCache<Attention>>& caches,
+    Matrix<Scalar> forward(const std::vector<int>& tokens, gattn::KVCacheSet<Attention>& caches,
                            LayerStats<Scalar>* stats = nullptr) const {
         if (caches.size() != blocks_.size())
             throw std::invalid_argument("tiny_lm::forward: caches: expected one per layer (" +

@@ -10,6 +10,8 @@
 /// never read (masked keys are skipped), so they need no initialisation.
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <utility>
@@ -20,16 +22,31 @@
 
 GATTN_BEGIN_ISA_NAMESPACE
 
+/// Identity of a layer, for the caches it makes: unique within the process for every layer
+/// constructed (copies of a layer share it: they hold the same weights). 0 is no layer.
+using LayerId = std::uint64_t;
+
+namespace detail {
+inline LayerId next_layer_id() noexcept {
+    static std::atomic<LayerId> last{0};
+    return ++last;
+}
+}  // namespace detail
+
 template <class Scalar>
 class KVCache {
 public:
     /// Keys [batch·capacity, num_kv_heads·head_dim], values [batch·capacity,
     /// num_kv_heads·value_head_dim] (value_head_dim 0 = head_dim), all lengths 0.
+    /// \param owner the layer this cache belongs to (its layer_id(); a layer's make_cache sets
+    ///              it): any other layer refuses the cache. 0: any layer of these heads takes it.
     /// \throws std::invalid_argument for sizes < 1 (value_head_dim < 0) or whose products
     ///         overflow Index; std::bad_alloc or std::length_error when the storage cannot be
     ///         allocated.
-    KVCache(Index batch, Index capacity, Index num_kv_heads, Index head_dim, Index value_head_dim = 0)
-        : m_capacity(validated_capacity(batch, capacity, num_kv_heads, head_dim, value_head_dim)),
+    KVCache(Index batch, Index capacity, Index num_kv_heads, Index head_dim, Index value_head_dim = 0,
+            LayerId owner = 0)
+        : m_owner(owner),
+          m_capacity(validated_capacity(batch, capacity, num_kv_heads, head_dim, value_head_dim)),
           m_num_kv_heads(num_kv_heads),
           m_head_dim(head_dim),
           m_value_head_dim(value_head_dim > 0 ? value_head_dim : head_dim),
@@ -39,6 +56,8 @@ public:
     }
 
     Index batch() const noexcept { return static_cast<Index>(m_lengths.size()); }
+    /// The layer the cache belongs to (0: none recorded).
+    LayerId owner() const noexcept { return m_owner; }
     Index capacity() const noexcept { return m_capacity; }
     /// The heads the cache was made for (value_head_dim as resolved: head_dim when given as 0).
     Index num_kv_heads() const noexcept { return m_num_kv_heads; }
@@ -92,6 +111,12 @@ public:
     /// \throws shape_error when lengths has not batch() entries.
     /// \throws std::invalid_argument when a length is negative or longer than the current one.
     void truncate(const std::vector<Index>& lengths) {
+        check_truncate(lengths);
+        m_lengths = lengths;
+    }
+
+    /// Throws what truncate(lengths) would throw, and changes nothing.
+    void check_truncate(const std::vector<Index>& lengths) const {
         constexpr const char* fn = "gattn::KVCache::truncate";
         if (lengths.size() != m_lengths.size())
             detail::throw_shape(fn, "lengths", detail::shape_string({batch()}),
@@ -100,7 +125,6 @@ public:
             if (lengths[b] < 0 || lengths[b] > m_lengths[b])
                 detail::throw_invalid(fn, "lengths[" + std::to_string(b) + "]",
                                       "must be in [0, " + std::to_string(m_lengths[b]) + "], got " + std::to_string(lengths[b]));
-        m_lengths = lengths;
     }
 
     /// Forgets every token (lengths back to 0).
@@ -131,9 +155,49 @@ private:
         return capacity;
     }
 
+    LayerId m_owner;
     Index m_capacity, m_num_kv_heads, m_head_dim, m_value_head_dim;
     std::vector<Index> m_lengths;
     RowMatrix<Scalar> m_keys, m_values;
+};
+
+/// The caches of a model: one per layer, made by the layers' make_cache (so each layer takes
+/// only its own), for the same sequences, truncated and cleared together.
+template <class Scalar>
+class KVCacheSet {
+public:
+    KVCacheSet() = default;
+
+    /// One cache per layer, in the layers' order: layers[i]->make_cache(batch, capacity).
+    /// Layer: any layer with make_cache (GatedMultiHeadAttention, Qwen3NextAttention).
+    /// \throws as KVCache's constructor.
+    template <class Layer>
+    KVCacheSet(const std::vector<const Layer*>& layers, Index batch, Index capacity) {
+        m_caches.reserve(layers.size());
+        for (const Layer* layer : layers) m_caches.push_back(layer->make_cache(batch, capacity));
+    }
+
+    std::size_t size() const noexcept { return m_caches.size(); }
+    /// Layer i's cache. \throws std::out_of_range for i ≥ size().
+    KVCache<Scalar>& operator[](std::size_t i) { return m_caches.at(i); }
+    const KVCache<Scalar>& operator[](std::size_t i) const { return m_caches.at(i); }
+    /// Tokens per sequence (the first layer's; every layer's after a model step).
+    /// \throws std::out_of_range when the set is empty.
+    const std::vector<Index>& lengths() const { return m_caches.at(0).lengths(); }
+
+    /// Rolls every layer's sequences back to `lengths`, all or none.
+    /// \throws as KVCache::truncate (checked on every cache before any changes).
+    void truncate(const std::vector<Index>& lengths) {
+        for (const KVCache<Scalar>& c : m_caches) c.check_truncate(lengths);
+        for (KVCache<Scalar>& c : m_caches) c.truncate(lengths);
+    }
+    /// Forgets every token of every layer.
+    void clear() noexcept {
+        for (KVCache<Scalar>& c : m_caches) c.clear();
+    }
+
+private:
+    std::vector<KVCache<Scalar>> m_caches;
 };
 
 namespace detail {
@@ -144,20 +208,22 @@ namespace detail {
 /// sharing no element with x or with the cache's keys or values (the layers append to the cache
 /// before they are done reading x, and write out after reading the cache); the cache's heads:
 /// the layer's (num_kv_heads, head_dim, value_head_dim), which its widths alone would not tell
-/// apart; counts: B entries in [0, N] that fit the capacity (empty becomes N for every sequence).
+/// apart; the cache's owner: this layer or none; counts: B entries in [0, N] that fit the
+/// capacity (empty becomes N for every sequence).
 /// \throws shape_error for x, out, counts or the cache's heads; std::invalid_argument for a
-///         count outside [0, N], a sequence that would exceed the capacity, or out or x
-///         overlapping what they must not. Every message is named by fn and the argument.
+///         cache made by another layer, a count outside [0, N], a sequence that would exceed the
+///         capacity, or out or x overlapping what they must not. Every message is named by fn
+///         and the argument.
 template <class Scalar, class X, class Y>
-std::vector<Index> validate_cache_call(const char* fn, const KVCache<Scalar>& cache, const ConstMatrixRef<X>& x,
-                                       const MatrixRef<Y>& out, const char* width_name, Index width,
-                                       Index num_kv_heads, Index head_dim, Index value_head_dim,
+std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCache<Scalar>& cache,
+                                       const ConstMatrixRef<X>& x, const MatrixRef<Y>& out, const char* width_name,
+                                       Index width, Index num_kv_heads, Index head_dim, Index value_head_dim,
                                        std::vector<Index>& counts) {
     const Index B = cache.batch();
     if (x.cols() != width || x.rows() % B != 0)
         throw_shape(fn, "x",
                     "[B*N, " + std::string(width_name) + "] = [multiple of " + std::to_string(B) + ", " +
-                        std::to_string(width) + "]",
+                        std::to_string(width) + "] (B = the cache's batch, " + std::to_string(B) + ")",
                     shape_string({x.rows(), x.cols()}));
     const Index N = x.rows() / B;
     check_shape(fn, "out", out.rows(), out.cols(), x.rows(), width);
@@ -166,6 +232,10 @@ std::vector<Index> validate_cache_call(const char* fn, const KVCache<Scalar>& ca
         return "num_kv_heads " + std::to_string(h) + ", head_dim " + std::to_string(d) + ", value_head_dim " +
                std::to_string(dv);
     };
+    if (cache.owner() != 0 && cache.owner() != layer)
+        throw_invalid(fn, "cache", "belongs to another layer (made by make_cache of layer " + std::to_string(cache.owner()) +
+                                       "; this is layer " + std::to_string(layer) +
+                                       "): every layer needs its own cache, made by its make_cache");
     if (cache.num_kv_heads() != num_kv_heads || cache.head_dim() != head_dim || cache.value_head_dim() != value_head_dim)
         throw shape_error(std::string(fn) + ": cache must hold this layer's heads (" +
                           heads(num_kv_heads, head_dim, value_head_dim) + "), got " +

@@ -189,6 +189,8 @@ public:
     }
 
     const AttentionConfig& config() const noexcept { return m_config; }
+    /// This layer's identity: the caches of make_cache carry it and no other layer takes them.
+    LayerId layer_id() const noexcept { return m_id; }
 
     /// Bytes of the weights the layer holds (projections as packed or kept, biases, gate
     /// parameters): for 16-bit weights about their checkpoint's bytes, never a widened copy.
@@ -249,7 +251,7 @@ public:
     /// [batch·capacity, H_kv·d_k] and values [batch·capacity, H_kv·d_v].
     /// \throws as the KVCache constructor.
     KVCache<Scalar> make_cache(Index batch, Index capacity) const {
-        return KVCache<Scalar>(batch, capacity, m_config.num_kv_heads, m_config.d_k(), m_config.d_v());
+        return KVCache<Scalar>(batch, capacity, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id);
     }
 
     /// Incremental forward pass with a KV cache (prefill, then decoding a token or a few at a
@@ -263,16 +265,17 @@ public:
     /// forward (arXiv:2505.06708 §2) over the cached and the new tokens; caching K and V is the
     /// decoding scheme of HF transformers' Cache and llama.cpp's KV cache.
     /// \param x      [B·N, D]: N new token slots per sequence, row b·N + t, B = cache.batch().
-    /// \param cache  this layer's cache, made by make_cache (or a KVCache of its heads); grows by
-    ///               counts. One cache per layer: another layer's cache with the same heads
-    ///               cannot be told apart and gives wrong outputs.
+    /// \param cache  this layer's cache, made by its make_cache (or a KVCache of its heads made
+    ///               without an owner); grows by counts. A cache made by another layer's
+    ///               make_cache is refused, even with the same heads.
     /// \param out    [B·N, D], written; must share no element with x. A padding slot
     ///               (t ≥ counts[b]) gets what the layer makes of U = 0, as in forward.
     /// \param counts new tokens per sequence, each in [0, N]; empty = N for every sequence.
     /// \param trace  optional statistics of the new tokens (probabilities are over the cache's
     ///               capacity: [B·H·N, capacity]).
     /// \throws shape_error for x, out or counts of the wrong shape and a cache whose heads are
-    ///         not this layer's; std::invalid_argument for a count outside [0, N], a sequence
+    ///         not this layer's; std::invalid_argument for a cache made by another layer's
+    ///         make_cache, a count outside [0, N], a sequence
     ///         that would exceed the cache's capacity, out overlapping x, x or out sharing an
     ///         element with the cache's storage, or a trace matrix holding x or out. Nothing is
     ///         written (cache included) before validation passes.
@@ -283,7 +286,7 @@ public:
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
         const Index B = cache.batch(), rows = x.rows();
         std::vector<Index> lengths =
-            gattn::detail::validate_cache_call(fn, cache, x, out, "d_model", D, Hkv, dk, dv, counts);
+            gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "d_model", D, Hkv, dk, dv, counts);
         check_trace(fn, trace, x, out, nullptr);
         SdpaOptions<T> sdpa = sdpa_options();
         sdpa.mask.key_lengths = std::move(lengths);
@@ -605,6 +608,7 @@ private:
     }
 
     AttentionConfig m_config;
+    LayerId m_id = detail::next_layer_id();
     Projection<Scalar> m_in;    // [W_q; W_k; W_v]: [H·d_k + H_kv·d_k + H_kv·d_v, D], biases if any
     Projection<Scalar> m_gate;  // W_g: [gate_width, D] (input-sourced gate)
     Projection<Scalar> m_o;     // W_o: [D, H·d_v]

@@ -211,6 +211,8 @@ public:
     }
 
     const Qwen3NextConfig& config() const noexcept { return m_config; }
+    /// This layer's identity: the caches of make_cache carry it and no other layer takes them.
+    LayerId layer_id() const noexcept { return m_id; }
 
     /// Bytes of the weights the layer holds (projections as packed or kept, biases, norm
     /// weights): for bf16 weights about the checkpoint's bytes, never a widened copy.
@@ -226,13 +228,15 @@ public:
     /// A cache sized for this layer: `batch` sequences of up to `capacity` tokens.
     /// \throws std::invalid_argument as the KVCache constructor does (a size < 1, an overflow).
     KVCache<Scalar> make_cache(Index batch, Index capacity) const {
-        return KVCache<Scalar>(batch, capacity, m_config.num_key_value_heads, m_config.head_dim);
+        return KVCache<Scalar>(batch, capacity, m_config.num_key_value_heads, m_config.head_dim, 0, m_id);
     }
 
     /// Runs new tokens through the layer and appends their keys and values to the cache.
     /// \param x         [B·N, D]: N new token slots per sequence (B = cache.batch()).
     /// \param positions [B·N] position of each token (RoPE), e.g. cache.lengths()[b] + t.
-    /// \param cache     the sequences' cache; counts[b] tokens are appended to sequence b.
+    /// \param cache     the sequences' cache, made by this layer's make_cache (or a KVCache of
+    ///                  its heads made without an owner); counts[b] tokens are appended to
+    ///                  sequence b.
     /// \param out       [B·N, D], written; rows of padding slots (t ≥ counts[b]) are 0.
     /// \param counts    new tokens per sequence (≤ N; padding at the end); empty = N each.
     /// \param gate_scores optional [B·N, H·d] σ(gate) for statistics (paper §4.2 gate scores);
@@ -241,8 +245,8 @@ public:
     ///        sequence's first cached token (paper §4.3 first-token attention); 0 on padding rows.
     /// Prefill of N tokens equals N single-token steps: each token attends, causally, to its
     /// sequence's cached tokens and the new tokens before it (bottom-right alignment per sequence).
-    /// \throws shape_error / std::invalid_argument for bad shapes, counts, a cache of other heads
-    ///         or a full cache, for out overlapping x, x or out sharing an element with the
+    /// \throws shape_error / std::invalid_argument for bad shapes, counts, a cache of other heads,
+    ///         a cache made by another layer's make_cache or a full cache, for out overlapping x, x or out sharing an element with the
     ///         cache's storage, and for an optional output that holds x or out or is the other
     ///         optional output; nothing is written (cache included) when it throws.
     void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& positions, KVCache<Scalar>& cache,
@@ -251,7 +255,7 @@ public:
         constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
         const Qwen3NextConfig& c = m_config;
         const Index D = c.hidden_size, Hkv = c.num_key_value_heads, d = c.head_dim, rows = x.rows();
-        gattn::detail::validate_cache_call(fn, cache, x, out, "hidden_size", D, Hkv, d, d, counts);
+        gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "hidden_size", D, Hkv, d, d, counts);
         if (static_cast<Index>(positions.size()) != rows)
             gattn::detail::throw_shape(fn, "positions", gattn::detail::shape_string({rows}),
                                        gattn::detail::shape_string({static_cast<Index>(positions.size())}));
@@ -330,6 +334,7 @@ private:
     }
 
     Qwen3NextConfig m_config;
+    LayerId m_id = detail::next_layer_id();
     Projection<Scalar> m_in;  // [H·d query | H·d gate (if gated) | H_kv·d key | H_kv·d value] × D
     Projection<Scalar> m_o;   // [D, H·d]
     Vector<T> m_q_norm, m_k_norm;
