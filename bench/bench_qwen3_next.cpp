@@ -157,4 +157,11 @@ BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16)
 
 }  // namespace
 
-BENCHMARK_MAIN();
+int main(int argc, char** argv) {
+    gattn_bench::add_gattn_context();
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    return 0;
+}

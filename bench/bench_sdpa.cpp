@@ -432,8 +432,7 @@ BENCHMARK(BM_EigenGemmRoof)->Args({512, 128})->Args({2048, 128})->Args({2048, 64
 }  // namespace
 
 int main(int argc, char** argv) {
-    benchmark::AddCustomContext("gattn_isa", gattn::simd::arch_name());
-    benchmark::AddCustomContext("gattn_bf16_kernel", gattn::describe(gattn::bf16_kernel()));
+    gattn_bench::add_gattn_context();
     benchmark::Initialize(&argc, argv);
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
     benchmark::RunSpecifiedBenchmarks();

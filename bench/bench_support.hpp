@@ -8,9 +8,21 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include <gattn/gattn.hpp>
+
 namespace gattn_bench {
+
+/// Adds gattn's version, the instruction sets (compiled for, and the CPU's), the bf16 kernel
+/// and the thread count to the benchmark context that Google Benchmark prints first.
+inline void add_gattn_context() {
+    benchmark::AddCustomContext("gattn_version", gattn::version());
+    benchmark::AddCustomContext("gattn_isa", gattn::describe(gattn::instruction_sets()));
+    benchmark::AddCustomContext("gattn_bf16_kernel", gattn::describe(gattn::bf16_kernel()));
+    benchmark::AddCustomContext("gattn_threads", std::to_string(gattn::num_threads()));
+}
 
 /// Streaming read bandwidth in bytes/s: the best of five sums over a buffer of `bytes` (at least
 /// 8 MiB), split over the OpenMP threads as the measured call is. Measure it just before the

@@ -5,7 +5,7 @@
 //  - the gate statistics of the paper (mean gate score, first-token attention, largest output),
 //  - the time of the gated layer and of the same layer without its gate.
 //
-// Usage: layer_from_pytorch [file.safetensors]   (default: tests/data/demo_layer.safetensors)
+// Usage: layer_from_pytorch [file.safetensors]   (default: tests/data/demo_layer.safetensors; --help)
 
 #include <algorithm>
 #include <chrono>
@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <gattn/gattn.hpp>
 #include <gattn/io/safetensors.hpp>
 
@@ -53,7 +54,14 @@ double median_ms(F&& f, int reps) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    const std::string path = argc > 1 ? argv[1] : "tests/data/demo_layer.safetensors";
+    CLI::App app{"Runs a gated attention layer exported from PyTorch (weights, input and PyTorch's output in one\n"
+                 "safetensors file) with gattn, checks it against PyTorch and times it against the ungated layer."};
+    std::string path = "tests/data/demo_layer.safetensors";
+    app.add_option("file", path, "safetensors file written by scripts/make_fixtures.py")
+        ->check(CLI::ExistingFile)
+        ->capture_default_str();
+    CLI11_PARSE(app, argc, argv);
+    std::printf("gattn %s: %s\n", gattn::version(), gattn::describe(gattn::instruction_sets()).c_str());
     try {
         const gattn::SafetensorsFile file(path);
         const gattn::AttentionConfig config = config_from_metadata(file);
@@ -121,7 +129,7 @@ int main(int argc, char** argv) {
                     gated_ms / plain_ms);
         return agrees ? 0 : 1;
     } catch (const std::exception& e) {
-        std::fprintf(stderr, "error: %s\n", e.what());
+        std::fprintf(stderr, "layer_from_pytorch: %s\n", e.what());
         return 2;
     }
 }

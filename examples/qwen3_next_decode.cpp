@@ -2,7 +2,7 @@
 // Hugging Face checkpoint directory, prefills a prompt of hidden states, then decodes further
 // tokens one at a time, printing each step's time and the mean gate score σ(gate).
 //
-// Usage: qwen3_next_decode [checkpoint_dir [layer [prompt_tokens [new_tokens]]]]
+// Usage: qwen3_next_decode [checkpoint_dir [layer [prompt_tokens [new_tokens]]]]  (--help)
 //   default: tests/data/qwen3_next (a tiny checkpoint), its first full-attention layer,
 //   a 64-token prompt, 8 new tokens. A real Qwen3-Next or Qwen3.5 directory works as well
 //   (config.json plus model.safetensors or model.safetensors.index.json and its shards).
@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <gattn/gattn.hpp>
 #include <gattn/io/hf_checkpoint.hpp>
 #include <nlohmann/json.hpp>
@@ -22,8 +23,11 @@
 namespace {
 
 /// First layer index whose layer_types entry is "full_attention" (3 in Qwen3-Next).
+/// \throws gattn::io_error for a missing or malformed config.json (gattn's own checks first).
 gattn::Index first_full_attention_layer(const std::string& dir) {
-    std::ifstream in(dir + "/config.json");
+    const std::string path = dir + "/config.json";
+    (void)gattn::load_qwen3_next_config(path, -1);  // io_error naming the file or field
+    std::ifstream in(path);
     nlohmann::json j = nlohmann::json::parse(in);
     if (j.contains("text_config")) j = j["text_config"];
     if (j.contains("layer_types"))
@@ -39,11 +43,24 @@ double ms_since(std::chrono::steady_clock::time_point start) {
 }  // namespace
 
 int main(int argc, char** argv) {
-    const std::string dir = argc > 1 ? argv[1] : "tests/data/qwen3_next";
+    CLI::App app{"Loads one full-attention layer of a Qwen3-Next or Qwen3.5 checkpoint, prefills a prompt of\n"
+                 "random hidden states and decodes further tokens one at a time with a KV cache."};
+    std::string dir = "tests/data/qwen3_next";
+    long layer_arg = -1, prompt_arg = 64, steps_arg = 8;
+    app.add_option("checkpoint_dir", dir, "Hugging Face checkpoint directory (config.json, model.safetensors)")
+        ->check(CLI::ExistingDirectory)
+        ->capture_default_str();
+    app.add_option("layer", layer_arg, "full-attention layer index (default: the first one)")
+        ->check(CLI::Range(0L, 100000L));
+    app.add_option("prompt_tokens", prompt_arg, "tokens to prefill")->check(CLI::Range(1L, 1L << 24))->capture_default_str();
+    app.add_option("new_tokens", steps_arg, "tokens to decode after the prompt")
+        ->check(CLI::Range(0L, 1L << 24))
+        ->capture_default_str();
+    CLI11_PARSE(app, argc, argv);
+    std::printf("gattn %s: %s\n", gattn::version(), gattn::describe(gattn::instruction_sets()).c_str());
     try {
-        const gattn::Index layer_index = argc > 2 ? std::stol(argv[2]) : first_full_attention_layer(dir);
-        const gattn::Index prompt = argc > 3 ? std::stol(argv[3]) : 64;
-        const gattn::Index steps = argc > 4 ? std::stol(argv[4]) : 8;
+        const gattn::Index layer_index = layer_arg >= 0 ? layer_arg : first_full_attention_layer(dir);
+        const gattn::Index prompt = prompt_arg, steps = steps_arg;
         const auto layer = gattn::load_qwen3_next_attention<float>(dir, layer_index);
         const gattn::Qwen3NextConfig& c = layer.config();
         std::printf("layer %ld of %s: hidden %ld, %ld query heads, %ld KV heads, head_dim %ld, rotary_dim %ld\n",
@@ -78,7 +95,7 @@ int main(int argc, char** argv) {
         }
         return 0;
     } catch (const std::exception& e) {
-        std::fprintf(stderr, "error: %s\n", e.what());
-        return 2;
+        std::fprintf(stderr, "qwen3_next_decode: %s\n", e.what());
+        return 1;
     }
 }

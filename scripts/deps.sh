@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian packages gattn's build needs, when they are missing.
 # Usage: scripts/deps.sh [library|test|clang] [extra-package ...]
-#   library: compiler, CMake, Eigen, xsimd, nlohmann_json (enough for the examples)
+#   library: compiler, CMake, Eigen, xsimd, nlohmann_json, CLI11 (enough for the examples)
 #   test:    the above plus GoogleTest and Google Benchmark (the default)
 #   clang:   test plus clang, its sanitizer and libFuzzer runtimes, LLVM's OpenMP runtime
 #            (libomp, with the archer tool for ThreadSanitizer) and llvm-symbolizer
@@ -10,7 +10,7 @@ set -euo pipefail
 
 mode="${1:-test}"
 [ $# -gt 0 ] && shift
-packages=(g++ cmake make libeigen3-dev libxsimd-dev nlohmann-json3-dev)
+packages=(g++ cmake make libeigen3-dev libxsimd-dev nlohmann-json3-dev libcli11-dev)
 case "$mode" in
   test) packages+=(libgtest-dev libbenchmark-dev) ;;
   clang) packages+=(libgtest-dev libbenchmark-dev clang libclang-rt-dev libomp-dev llvm) ;;

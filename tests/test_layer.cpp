@@ -923,4 +923,44 @@ TEST(LayerConstruction, RejectsUnusedOrMisshapenWeights) {
     EXPECT_THROW((gattn::GatedMultiHeadAttention<float>(c, w)), std::invalid_argument);
 }
 
+/// The version string is the three version macros.
+TEST(Library, VersionStringIsTheVersionMacros) {
+    const std::string want = std::to_string(GATTN_VERSION_MAJOR) + "." + std::to_string(GATTN_VERSION_MINOR) + "." +
+                             std::to_string(GATTN_VERSION_PATCH);
+    EXPECT_EQ(std::string(gattn::version()), want);
+    EXPECT_EQ(std::string(GATTN_VERSION_STRING), want);
+}
+
+/// The instruction-set report names what this unit was compiled for (from the compiler's own
+/// macros) and calls a build slow exactly when the CPU's vectors are twice as wide or more.
+TEST(Library, InstructionSetReport) {
+    const gattn::InstructionSets s = gattn::instruction_sets();
+#if defined(__AVX512F__)
+    EXPECT_STREQ(s.compiled, "AVX-512");
+    const int compiled = 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    EXPECT_STREQ(s.compiled, "AVX2+FMA");
+    const int compiled = 256;
+#else
+    EXPECT_STREQ(s.compiled, "SSE2");
+    const int compiled = 128;
+#endif
+    const gattn::CpuFeatures& f = gattn::cpu_features();
+    const int cpu = f.avx512f ? 512 : f.avx2_fma ? 256 : 128;
+    EXPECT_EQ(s.slow_build, cpu >= 2 * compiled);
+    const std::string line = gattn::describe(s);
+    EXPECT_NE(line.find(std::string("compiled for ") + s.compiled + ", CPU has " + s.cpu), std::string::npos) << line;
+    EXPECT_EQ(line.find("-march=native") != std::string::npos, s.slow_build) << line;
+}
+
+/// set_num_threads sets what num_threads reports (with OpenMP) and refuses counts below 1.
+TEST(Library, ThreadCount) {
+    const int saved = gattn::num_threads();
+    EXPECT_THROW(gattn::set_num_threads(0), std::invalid_argument);
+    gattn::set_num_threads(3);
+    EXPECT_EQ(gattn::num_threads(), gattn::compiled_with_openmp() ? 3 : 1);
+    gattn::set_num_threads(saved);
+    EXPECT_EQ(gattn::num_threads(), saved);
+}
+
 }  // namespace

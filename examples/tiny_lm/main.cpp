@@ -6,7 +6,7 @@
 // mean gate score, largest hidden activation M-Act). Writes F-Attn per layer and head as CSV
 // for scripts/plot_sink.py.
 //
-// Usage: tiny_lm [assets_dir] [csv_out] [prompt]
+// Usage: tiny_lm [assets_dir] [csv_out] [prompt]   (--help)
 //   defaults: assets/tiny_lm, tiny_lm_sink.csv, a fixed prompt.
 
 #include <chrono>
@@ -16,6 +16,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "tiny_lm.hpp"
 
@@ -111,9 +113,17 @@ Report run(const std::string& dir, const std::string& name, const std::string& h
 }  // namespace
 
 int main(int argc, char** argv) {
-    const std::string dir = argc > 1 ? argv[1] : "assets/tiny_lm";
-    const std::string csv = argc > 2 ? argv[2] : "tiny_lm_sink.csv";
-    const std::string prompt = argc > 3 ? argv[3] : "Q: How many programmers does it take to change a light bulb?\nA: ";
+    CLI::App app{"Runs the two tiny byte-level language models of assets/tiny_lm (a baseline and its G1-gated\n"
+                 "twin) through gattn: greedy samples, held-out perplexity, speed, attention-sink statistics."};
+    std::string dir = "assets/tiny_lm", csv = "tiny_lm_sink.csv";
+    std::string prompt = "Q: How many programmers does it take to change a light bulb?\nA: ";
+    app.add_option("assets_dir", dir, "directory with baseline/, gated/ and heldout.txt")
+        ->check(CLI::ExistingDirectory)
+        ->capture_default_str();
+    app.add_option("csv_out", csv, "where to write first-token attention per layer and head")->capture_default_str();
+    app.add_option("prompt", prompt, "prompt of the greedy samples");
+    CLI11_PARSE(app, argc, argv);
+    std::printf("gattn %s: %s\n", gattn::version(), gattn::describe(gattn::instruction_sets()).c_str());
     try {
         std::ifstream in(dir + "/heldout.txt", std::ios::binary);
         if (!in) throw gattn::io_error("cannot open " + dir + "/heldout.txt");

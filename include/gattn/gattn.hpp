@@ -21,5 +21,6 @@
 #include "gattn/ops/sdpa.hpp"
 #include "gattn/simd/cpu.hpp"
 #include "gattn/simd/math.hpp"
+#include "gattn/threads.hpp"
 #include "gattn/types.hpp"
 #include "gattn/version.hpp"

@@ -179,6 +179,7 @@ public:
     GatedMultiHeadAttention(const AttentionConfig& config, const AttentionWeights<Scalar>& weights)
         : m_config(config) {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention";
+        gattn::detail::warn_once_if_slow_build();
         validate_config(config, fn);
         const auto shapes = expected_weight_shapes(config);
         const std::string unused = "this config (gate " + describe(config.gate) + ") does not use it";

@@ -173,6 +173,7 @@ public:
     Qwen3NextAttention(const Qwen3NextConfig& config, const Qwen3NextAttentionWeights<Scalar>& w)
         : m_config(config) {
         constexpr const char* fn = "gattn::Qwen3NextAttention";
+        gattn::detail::warn_once_if_slow_build();
         validate_qwen3_next_config(config, fn);
         const auto shapes = qwen3_next_weight_shapes(config);
         w.for_each([&](const char* name, const auto& t) {

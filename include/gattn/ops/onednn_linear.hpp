@@ -11,9 +11,9 @@
 /// primitive is created per distinct row count (and output stride) and cached; every call gets
 /// its own stream and scratchpad, so concurrent calls are safe.
 
-#if !defined(GATTN_WITH_ONEDNN)
-#error "gattn/ops/onednn_linear.hpp needs GATTN_WITH_ONEDNN and oneDNN (libdnnl)"
-#endif
+// Without GATTN_WITH_ONEDNN this header declares nothing (PackedLinear then has no oneDNN
+// backend and says so).
+#if defined(GATTN_WITH_ONEDNN)
 
 #include <dnnl.hpp>
 
@@ -134,3 +134,5 @@ private:
 
 }  // namespace detail
 GATTN_END_ISA_NAMESPACE
+
+#endif  // GATTN_WITH_ONEDNN

@@ -15,6 +15,8 @@
 ///  - WidenedFloat: inputs widened to float block by block inside the float kernel.
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -49,6 +51,7 @@ GATTN_BEGIN_ISA_NAMESPACE
 
 /// CPU features that gattn's kernels dispatch on, read once with CPUID and XGETBV.
 struct CpuFeatures {
+    bool avx2_fma = false;    ///< AVX2 and FMA, and the OS saves the ymm state
     bool avx512f = false;     ///< AVX-512 Foundation, and the OS saves the zmm state
     bool avx512bf16 = false;  ///< AVX512-BF16 (VDPBF16PS), with the zmm state saved
     bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID; Linux grants the tile state separately)
@@ -69,8 +72,11 @@ inline CpuFeatures read_cpu_features() noexcept {
         __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
         xcr0 = (static_cast<unsigned long long>(hi) << 32) | lo;
     }
+    const bool os_ymm = (xcr0 & 0x6) == 0x6;    // SSE, AVX
     const bool os_zmm = (xcr0 & 0xE6) == 0xE6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
+    const bool fma = (c >> 12) & 1u;
     __cpuid_count(7, 0, a, b, c, d);
+    f.avx2_fma = os_ymm && fma && ((b >> 5) & 1u);
     f.avx512f = os_zmm && ((b >> 16) & 1u);
     const bool amx_tile = (d >> 24) & 1u, amx_bf16 = (d >> 22) & 1u;
     f.amx_bf16 = amx_tile && amx_bf16;
@@ -164,5 +170,67 @@ inline const char* kernel_name(Bf16Kernel k) noexcept {
 inline std::string describe(const KernelChoice& c) {
     return std::string(kernel_name(c.kernel)) + (c.reason.empty() ? "" : " (" + c.reason + ")");
 }
+
+/// The vector instruction set gattn's kernels were compiled for in this translation unit and
+/// the widest one the CPU offers, as the kernel families see them ("SSE2", "AVX2+FMA",
+/// "AVX-512"). A build without -march runs the SSE2 kernels everywhere: on an AVX-512 machine
+/// (AMD Zen 4) the G1-gated layer (D = 2048, N = 1024, one thread) took 2.4–2.6× as long as
+/// with -march=native.
+struct InstructionSets {
+    const char* compiled = "SSE2";
+    const char* cpu = "SSE2";
+    /// The CPU's vectors are at least twice as wide as the build's: expect 2× or more from a
+    /// build with -march=native.
+    bool slow_build = false;
+};
+
+inline InstructionSets instruction_sets() noexcept {
+    InstructionSets s;
+#if defined(__AVX512F__)
+    constexpr int compiled_bits = 512;
+    s.compiled = "AVX-512";
+#elif defined(__AVX2__) && defined(__FMA__)
+    constexpr int compiled_bits = 256;
+    s.compiled = "AVX2+FMA";
+#else
+    constexpr int compiled_bits = 128;
+#endif
+    const CpuFeatures& f = cpu_features();
+    const int cpu_bits = f.avx512f ? 512 : f.avx2_fma ? 256 : 128;
+    s.cpu = f.avx512f ? "AVX-512" : f.avx2_fma ? "AVX2+FMA" : "SSE2";
+    s.slow_build = cpu_bits >= 2 * compiled_bits;
+    return s;
+}
+
+/// One line for logs: "compiled for AVX2+FMA, CPU has AVX-512", plus advice when slow_build.
+inline std::string describe(const InstructionSets& s) {
+    std::string line = std::string("compiled for ") + s.compiled + ", CPU has " + s.cpu;
+    if (s.slow_build) line += " (build with -march=native for 2x or more)";
+    return line;
+}
+
+namespace detail {
+inline bool& instruction_set_warning_enabled() noexcept {
+    static bool enabled = true;
+    return enabled;
+}
+
+/// Prints describe(instruction_sets()) to stderr once per process (per instruction set gattn
+/// was compiled for) when the build is slow for this CPU, unless turned off by
+/// set_instruction_set_warning(false) or the environment variable GATTN_NO_ISA_WARNING.
+inline void warn_once_if_slow_build() noexcept {
+    static const bool done = [] {
+        const InstructionSets s = instruction_sets();
+        if (s.slow_build && instruction_set_warning_enabled() && !std::getenv("GATTN_NO_ISA_WARNING"))
+            std::fprintf(stderr, "gattn: %s; set GATTN_NO_ISA_WARNING=1 to silence\n", describe(s).c_str());
+        return true;
+    }();
+    (void)done;
+}
+}  // namespace detail
+
+/// Turns the one-time warning about a slow build off (false) or on; call it before the first
+/// layer is constructed. The environment variable GATTN_NO_ISA_WARNING also turns it off.
+inline void set_instruction_set_warning(bool enabled) noexcept { detail::instruction_set_warning_enabled() = enabled; }
 
 GATTN_END_ISA_NAMESPACE
