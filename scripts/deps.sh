@@ -2,7 +2,8 @@
 # Installs the Debian packages gattn's build needs, when they are missing.
 # Usage: scripts/deps.sh [library|test|clang] [extra-package ...]
 #   library: compiler, CMake, Eigen, xsimd, nlohmann_json, CLI11 (enough for the examples)
-#   test:    the above plus GoogleTest and Google Benchmark (the default)
+#   test:    the above plus GoogleTest, Google Benchmark, pkg-config and git (the package
+#            consumer tests; the default)
 #   clang:   test plus clang, its sanitizer and libFuzzer runtimes, LLVM's OpenMP runtime
 #            (libomp, with the archer tool for ThreadSanitizer) and llvm-symbolizer
 # Runs apt-get only as root; otherwise prints what to install and fails.
@@ -12,8 +13,8 @@ mode="${1:-test}"
 [ $# -gt 0 ] && shift
 packages=(g++ cmake make libeigen3-dev libxsimd-dev nlohmann-json3-dev libcli11-dev)
 case "$mode" in
-  test) packages+=(libgtest-dev libbenchmark-dev) ;;
-  clang) packages+=(libgtest-dev libbenchmark-dev clang libclang-rt-dev libomp-dev llvm) ;;
+  test) packages+=(libgtest-dev libbenchmark-dev pkg-config git) ;;
+  clang) packages+=(libgtest-dev libbenchmark-dev pkg-config git clang libclang-rt-dev libomp-dev llvm) ;;
 esac
 packages+=("$@")
 missing=()

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs gattn into a temporary prefix and builds the consumer project against it with
-# find_package (once as is: no Eigen definition, once with GATTN_EIGEN_MAX_ALIGN_BYTES=64),
-# then builds the consumer again with gattn vendored through add_subdirectory.
+# find_package (once as is: no Eigen definition, once with GATTN_EIGEN_MAX_ALIGN_BYTES=64) and
+# with pkg-config (gattn.pc), then builds the consumer again with gattn vendored through
+# add_subdirectory and, when the source is a git checkout, fetched with FetchContent (its HEAD
+# commit: what is committed, not the working tree).
 # Usage: check_package.sh <gattn source dir> <scratch dir>
 set -euo pipefail
 src="$1"
@@ -22,3 +24,15 @@ cmake -S "$src/tests/cmake/consumer" -B "$work/subdirectory" -DGATTN_CONSUME=sub
       -DGATTN_SOURCE_DIR="$src" >/dev/null
 cmake --build "$work/subdirectory" >/dev/null
 "$work/subdirectory/consumer"
+pc_dir="$work/prefix/share/pkgconfig"
+test -f "$pc_dir/gattn.pc"
+# shellcheck disable=SC2046  # pkg-config prints several flags
+"${CXX:-c++}" -std=c++17 -O1 $(PKG_CONFIG_PATH="$pc_dir" pkg-config --cflags gattn) \
+    "$src/tests/cmake/consumer/main.cpp" -DGATTN_CONSUMER_EIGEN_ALIGN=0 -o "$work/pkg-config-consumer"
+"$work/pkg-config-consumer"
+if git -C "$src" rev-parse --verify -q HEAD >/dev/null; then
+  cmake -S "$src/tests/cmake/consumer" -B "$work/fetchcontent" -DGATTN_CONSUME=fetchcontent \
+        -DGATTN_SOURCE_DIR="$src" -DGATTN_GIT_TAG="$(git -C "$src" rev-parse HEAD)" >/dev/null
+  cmake --build "$work/fetchcontent" >/dev/null
+  "$work/fetchcontent/consumer"
+fi
