@@ -33,11 +33,19 @@ inline LayerId next_layer_id() noexcept {
 }
 }  // namespace detail
 
+/// The keys and values of up to `capacity` tokens of each of `batch` sequences, stored as
+/// Scalar (float, double, gattn::bfloat16, gattn::half), as in HF transformers' Cache: the
+/// decoding state of one attention layer.
 template <class Scalar>
 class KVCache {
 public:
     /// Keys [batch·capacity, num_kv_heads·head_dim], values [batch·capacity,
     /// num_kv_heads·value_head_dim] (value_head_dim 0 = head_dim), all lengths 0.
+    /// \param batch          sequences.
+    /// \param capacity       tokens each sequence can hold.
+    /// \param num_kv_heads   key/value heads (H_kv).
+    /// \param head_dim       features per key head (d_k).
+    /// \param value_head_dim features per value head (d_v); 0 = head_dim.
     /// \param owner the layer this cache belongs to (its layer_id(); a layer's make_cache sets
     ///              it): any other layer refuses the cache. 0: any layer of these heads takes it.
     /// \throws std::invalid_argument for sizes < 1 (value_head_dim < 0) or whose products
@@ -55,13 +63,17 @@ public:
         m_values.resize(batch * capacity, num_kv_heads * m_value_head_dim);
     }
 
+    /// Sequences (B).
     Index batch() const noexcept { return static_cast<Index>(m_lengths.size()); }
     /// The layer the cache belongs to (0: none recorded).
     LayerId owner() const noexcept { return m_owner; }
+    /// Tokens each sequence can hold.
     Index capacity() const noexcept { return m_capacity; }
     /// The heads the cache was made for (value_head_dim as resolved: head_dim when given as 0).
     Index num_kv_heads() const noexcept { return m_num_kv_heads; }
+    /// Features per key head (d_k).
     Index head_dim() const noexcept { return m_head_dim; }
+    /// Features per value head (d_v).
     Index value_head_dim() const noexcept { return m_value_head_dim; }
     /// Tokens stored per sequence.
     const std::vector<Index>& lengths() const noexcept { return m_lengths; }
@@ -177,9 +189,11 @@ public:
         for (const Layer* layer : layers) m_caches.push_back(layer->make_cache(batch, capacity));
     }
 
+    /// Caches (layers).
     std::size_t size() const noexcept { return m_caches.size(); }
     /// Layer i's cache. \throws std::out_of_range for i ≥ size().
     KVCache<Scalar>& operator[](std::size_t i) { return m_caches.at(i); }
+    /// Layer i's cache. \throws std::out_of_range for i ≥ size().
     const KVCache<Scalar>& operator[](std::size_t i) const { return m_caches.at(i); }
     /// Tokens per sequence (the first layer's; every layer's after a model step).
     /// \throws std::out_of_range when the set is empty.

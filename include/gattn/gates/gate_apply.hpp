@@ -88,10 +88,13 @@ inline void fused_gate_combine(GateCombine combine, T* y, const T* z, const T* x
 }  // namespace kernel
 
 /// Fused elementwise gate over n elements: y[e] ← combine(y[e], act(z[e])).
+/// \param activation act: the gate's non-linearity (sigmoid: arXiv:2505.06708 eq. (5)).
+/// \param combine  multiplicative y·g, additive y + g, or residual mix g·y + (1 − g)·x.
 /// \param y        target, updated in place.
 /// \param z        gate logits (or, with `activated`, gate values).
 /// \param x        residual input for GateCombine::ResidualMix (else unused, may be null).
 /// \param gate_out optional, receives act(z) (for gate statistics).
+/// \param n        elements of y, z (and x, gate_out).
 /// \param activated z already holds activated gate values.
 template <class T>
 inline void apply_gate(GateActivation activation, GateCombine combine, T* y, const T* z,

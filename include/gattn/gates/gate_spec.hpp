@@ -86,15 +86,16 @@ enum class GateLayout {
 
 /// A gate configuration. The default is "no gate".
 struct GateSpec {
-    GatePosition position = GatePosition::None;
-    GateGranularity granularity = GateGranularity::Elementwise;
-    GateSharing sharing = GateSharing::HeadSpecific;
-    GateCombine combine = GateCombine::Multiplicative;
-    GateActivation activation = GateActivation::Sigmoid;
-    GateSource source = GateSource::Input;
-    GateLayout layout = GateLayout::Separate;
+    GatePosition position = GatePosition::None;                  ///< where the gate acts (G1–G5), or none
+    GateGranularity granularity = GateGranularity::Elementwise;  ///< a gate per feature or per head
+    GateSharing sharing = GateSharing::HeadSpecific;             ///< per head, or shared by all heads
+    GateCombine combine = GateCombine::Multiplicative;           ///< how the gate meets its target
+    GateActivation activation = GateActivation::Sigmoid;         ///< the gate's non-linearity
+    GateSource source = GateSource::Input;                       ///< what the gate is computed from
+    GateLayout layout = GateLayout::Separate;                    ///< where its weight rows live
     bool bias = false;  ///< gate_proj has a bias b_g (separate layouts only)
 
+    /// Whether there is a gate at all.
     bool enabled() const noexcept { return position != GatePosition::None; }
 
     /// The paper's recommended gate: G1, elementwise, head-specific, multiplicative sigmoid,
@@ -111,11 +112,13 @@ struct GateSpec {
         s.granularity = GateGranularity::Headwise;
         return s;
     }
+    /// Every field equal.
     bool operator==(const GateSpec& o) const noexcept {
         return position == o.position && granularity == o.granularity && sharing == o.sharing &&
                combine == o.combine && activation == o.activation && source == o.source &&
                layout == o.layout && bias == o.bias;
     }
+    /// Some field differs.
     bool operator!=(const GateSpec& o) const noexcept { return !(*this == o); }
 };
 
@@ -123,6 +126,8 @@ struct GateSpec {
 
 GATTN_BEGIN_ISA_NAMESPACE
 
+/// Names of the gate spec's values as the docs and messages write them ("G1", "elementwise",
+/// "head-specific", "multiplicative", "sigmoid", "input", "separate", …).
 inline const char* to_string(GatePosition p) {
     switch (p) {
         case GatePosition::None: return "none";
@@ -134,12 +139,15 @@ inline const char* to_string(GatePosition p) {
     }
     return "?";
 }
+/// The granularity's name, as in messages and docs.
 inline const char* to_string(GateGranularity g) {
     return g == GateGranularity::Elementwise ? "elementwise" : "headwise";
 }
+/// The sharing's name, as in messages and docs.
 inline const char* to_string(GateSharing s) {
     return s == GateSharing::HeadSpecific ? "head-specific" : "head-shared";
 }
+/// The combine's name, as in messages and docs.
 inline const char* to_string(GateCombine c) {
     switch (c) {
         case GateCombine::Multiplicative: return "multiplicative";
@@ -148,6 +156,7 @@ inline const char* to_string(GateCombine c) {
     }
     return "?";
 }
+/// The activation's name, as in messages and docs.
 inline const char* to_string(GateActivation a) {
     switch (a) {
         case GateActivation::Sigmoid: return "sigmoid";
@@ -156,6 +165,7 @@ inline const char* to_string(GateActivation a) {
     }
     return "?";
 }
+/// The source's name, as in messages and docs.
 inline const char* to_string(GateSource s) {
     switch (s) {
         case GateSource::Input: return "input";
@@ -164,6 +174,7 @@ inline const char* to_string(GateSource s) {
     }
     return "?";
 }
+/// The layout's name, as in messages and docs.
 inline const char* to_string(GateLayout l) {
     switch (l) {
         case GateLayout::Separate: return "separate";

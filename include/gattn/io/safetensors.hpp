@@ -34,8 +34,9 @@ struct TensorInfo {
     std::string dtype;          ///< "F32", "F16", "BF16", "F64", ... as stored
     std::vector<Index> shape;   ///< row-major dims; empty for a scalar
     std::uint64_t begin = 0;    ///< byte offset in the data section
-    std::uint64_t end = 0;
+    std::uint64_t end = 0;      ///< byte offset one past the tensor's last byte
 
+    /// Elements: the product of shape (1 for a scalar).
     Index numel() const noexcept {
         Index n = 1;
         for (Index d : shape) n *= d;
@@ -191,7 +192,9 @@ public:
                  std::to_string(expected) + " of a " + std::to_string(data_size) + "-byte data section)");
     }
 
+    /// The file's path as given.
     const std::string& path() const noexcept { return m_path; }
+    /// Whether the header names tensor `name`.
     bool contains(const std::string& name) const { return m_tensors.count(name) != 0; }
     /// Header entry; \throws io_error when the tensor is missing.
     const TensorInfo& info(const std::string& name) const {
@@ -296,6 +299,7 @@ public:
         return Eigen::Map<const Vector<Scalar>>(v.data(), static_cast<Index>(v.size()));
     }
 
+    /// "[d0, d1, …]" for messages.
     static std::string shape_text(const std::vector<Index>& s) {
         std::string r = "[";
         for (std::size_t i = 0; i < s.size(); ++i) r += (i ? ", " : "") + std::to_string(s[i]);

@@ -18,10 +18,10 @@ namespace gattn {
 /// Layer configuration. Shapes: D = d_model, H = num_heads, H_kv = num_kv_heads,
 /// d_k = head_dim, d_v = value_head_dim (0 means d_k).
 struct AttentionConfig {
-    Index d_model = 0;
-    Index num_heads = 0;
-    Index num_kv_heads = 0;
-    Index head_dim = 0;
+    Index d_model = 0;       ///< D: width of the layer's input and output rows (HF hidden_size)
+    Index num_heads = 0;     ///< H: query heads (HF num_attention_heads)
+    Index num_kv_heads = 0;  ///< H_kv: key/value heads, dividing H (H_kv = H: MHA, 1: MQA, else GQA)
+    Index head_dim = 0;      ///< d_k: features per query/key head
     Index value_head_dim = 0;  ///< 0 = head_dim
     bool qkv_bias = false;     ///< q_proj, k_proj, v_proj have biases (HF attention_bias)
     bool o_bias = false;       ///< o_proj has a bias
@@ -30,7 +30,9 @@ struct AttentionConfig {
     std::optional<Index> sliding_window;  ///< window in keys, counting the diagonal
     std::optional<double> scale;          ///< logit scale; empty = 1/√head_dim
 
+    /// Features per query and key head.
     Index d_k() const noexcept { return head_dim; }
+    /// Features per value head (value_head_dim, or head_dim when that is 0).
     Index d_v() const noexcept { return value_head_dim > 0 ? value_head_dim : head_dim; }
 };
 
@@ -41,8 +43,8 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// Shape of one named parameter; `shape` has one entry for a bias, two for a weight.
 /// (In the instruction-set namespace: std::vector<TensorShape>'s code differs by instruction set.)
 struct TensorShape {
-    std::string name;
-    std::vector<Index> shape;
+    std::string name;          ///< HF parameter name relative to the layer, e.g. "q_proj.weight"
+    std::vector<Index> shape;  ///< [out_features, in_features] or [features]
 };
 
 /// Throws std::invalid_argument (naming `function` and the field) when the config is invalid:

@@ -54,10 +54,16 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// q_proj_weight in their checkpoint order.
 template <class Scalar>
 struct AttentionWeights {
-    RowMatrix<Scalar> q_proj_weight, k_proj_weight, v_proj_weight, o_proj_weight;
-    Vector<Scalar> q_proj_bias, k_proj_bias, v_proj_bias, o_proj_bias;
+    RowMatrix<Scalar> q_proj_weight;  ///< [H·d_k, D] (with a fused gate: [H·d_k + gate rows, D])
+    RowMatrix<Scalar> k_proj_weight;  ///< [H_kv·d_k, D] (G3 key gate: its rows follow as with q)
+    RowMatrix<Scalar> v_proj_weight;  ///< [H_kv·d_v, D]
+    RowMatrix<Scalar> o_proj_weight;  ///< [D, H·d_v]
+    Vector<Scalar> q_proj_bias;       ///< [rows of q_proj_weight] when qkv_bias, else empty
+    Vector<Scalar> k_proj_bias;       ///< [H_kv·d_k] when qkv_bias, else empty
+    Vector<Scalar> v_proj_bias;       ///< [H_kv·d_v] when qkv_bias, else empty
+    Vector<Scalar> o_proj_bias;       ///< [D] when o_bias, else empty
     RowMatrix<Scalar> gate_proj_weight;  ///< separate gate: [gate_width, D], query gate: [H, d_k]
-    Vector<Scalar> gate_proj_bias;
+    Vector<Scalar> gate_proj_bias;       ///< [gate_width] when the gate spec has a bias, else empty
     RowMatrix<Scalar> gate_theta;        ///< input-independent gate: [H, d_v]
 
     /// Visits (HF name, pointer to matrix or vector) for every member.
@@ -75,6 +81,7 @@ struct AttentionWeights {
         f("gate_proj.bias", &gate_proj_bias);
         f("gate_theta", &gate_theta);
     }
+    /// Visits (HF name, const reference to matrix or vector) for every member.
     template <class F>
     void for_each(F&& f) const {
         const_cast<AttentionWeights*>(this)->for_each(
@@ -189,6 +196,7 @@ public:
         pack(weights);
     }
 
+    /// The configuration the layer was built with.
     const AttentionConfig& config() const noexcept { return m_config; }
     /// This layer's identity: the caches of make_cache carry it and no other layer takes them.
     LayerId layer_id() const noexcept { return m_id; }

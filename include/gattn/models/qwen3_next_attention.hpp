@@ -40,12 +40,13 @@ struct Qwen3NextConfig {
     Index num_attention_heads = 0;   ///< H
     Index num_key_value_heads = 0;   ///< H_kv
     Index head_dim = 0;              ///< d
-    double rms_norm_eps = 1e-6;
-    double rope_theta = 10000.0;
-    double partial_rotary_factor = 0.25;
-    bool attention_bias = false;
+    double rms_norm_eps = 1e-6;           ///< ε of q_norm and k_norm
+    double rope_theta = 10000.0;          ///< RoPE base (θ_i = rope_theta^(−2i/rotary_dim))
+    double partial_rotary_factor = 0.25;  ///< fraction of head_dim that RoPE rotates
+    bool attention_bias = false;          ///< q/k/v/o projections have biases
     bool attn_output_gate = true;    ///< false: no gate rows in q_proj, Y = o_proj(U)
 
+    /// Features per head that RoPE rotates: head_dim · partial_rotary_factor.
     Index rotary_dim() const noexcept { return static_cast<Index>(double(head_dim) * partial_rotary_factor); }
 };
 
@@ -80,7 +81,10 @@ struct Qwen3NextAttentionWeights {
     RowMatrix<Scalar> o_proj_weight;  ///< [D, H·d]
     Vector<Scalar> q_norm_weight;     ///< [d]
     Vector<Scalar> k_norm_weight;     ///< [d]
-    Vector<Scalar> q_proj_bias, k_proj_bias, v_proj_bias, o_proj_bias;  ///< when attention_bias
+    Vector<Scalar> q_proj_bias;  ///< [rows of q_proj_weight] when attention_bias, else empty
+    Vector<Scalar> k_proj_bias;  ///< [H_kv·d] when attention_bias, else empty
+    Vector<Scalar> v_proj_bias;  ///< [H_kv·d] when attention_bias, else empty
+    Vector<Scalar> o_proj_bias;  ///< [D] when attention_bias, else empty
 
     /// Visits (HF name, pointer) for every member.
     template <class F>
@@ -211,6 +215,7 @@ public:
         m_k_norm = w.k_norm_weight.template cast<T>();
     }
 
+    /// The configuration the layer was built with.
     const Qwen3NextConfig& config() const noexcept { return m_config; }
     /// This layer's identity: the caches of make_cache carry it and no other layer takes them.
     LayerId layer_id() const noexcept { return m_id; }

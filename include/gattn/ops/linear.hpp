@@ -64,7 +64,9 @@ public:
     DenseLinear() = default;
     /// weight [out_features, in_features], bias [out_features] or empty.
     DenseLinear(RowMatrix<Scalar> weight, Vector<Scalar> bias) : m_w(std::move(weight)), m_b(std::move(bias)) {}
+    /// Inputs per row of x (the weight's columns).
     Index in_features() const noexcept { return m_w.cols(); }
+    /// Outputs per row (the weight's rows).
     Index out_features() const noexcept { return m_w.rows(); }
     /// Bytes of weights and bias held.
     std::size_t bytes() const noexcept {

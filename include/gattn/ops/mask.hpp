@@ -34,6 +34,7 @@ struct MaskView {
     Index query_len = 1;      ///< 1 or N_q
     Index key_len = 0;        ///< must equal N_k
 
+    /// No mask given (data is null).
     bool empty() const noexcept { return data == nullptr; }
 
     /// Pointer to the key row for (b, h, i), broadcasting the dimensions of size 1.

@@ -165,7 +165,9 @@ public:
         }
     }
 
+    /// Inputs per row of x (the weight's columns).
     Index in_features() const noexcept { return m_in; }
+    /// Outputs per row (the weight's rows).
     Index out_features() const noexcept { return m_out; }
     /// The backend chosen at construction: HeaderOnly or OneDnn.
     LinearBackend backend() const noexcept { return m_backend; }

@@ -15,6 +15,10 @@ GATTN_BEGIN_ISA_NAMESPACE
 
 /// Normalises every head of every row in place.
 /// \param x      [rows, heads·d] row-major, any row stride; each head's d values are normalised.
+/// \param rows   rows of x.
+/// \param stride elements between the starts of consecutive rows of x.
+/// \param heads  heads per row.
+/// \param d      features per head.
 /// \param weight [d] the norm weight w (used as 1 + w).
 /// \param eps    ε added to the mean square.
 /// Inner function: shapes are the caller's responsibility (no validation).

@@ -19,8 +19,14 @@
 GATTN_BEGIN_ISA_NAMESPACE
 
 /// Rotates the first rotary_dim dims of every head of every row in place.
-/// \param x         [rows, heads·d] row-major with row stride `stride`.
-/// \param positions [rows] position of each row's token.
+/// \param x          [rows, heads·d] row-major with row stride `stride`.
+/// \param rows       rows of x.
+/// \param stride     elements between the starts of consecutive rows of x.
+/// \param heads      heads per row.
+/// \param d          features per head.
+/// \param rotary_dim r: features rotated per head (even, ≤ d); the rest pass through.
+/// \param positions  [rows] position of each row's token.
+/// \param base       the RoPE base of θ_i = base^(−2i/r) (HF rope_theta).
 /// Inner function: shapes are the caller's responsibility (rotary_dim even, ≤ d).
 template <class Scalar>
 void apply_rope(Scalar* x, Index rows, Index stride, Index heads, Index d, Index rotary_dim, const Index* positions,

@@ -177,13 +177,14 @@ inline std::string describe(const KernelChoice& c) {
 /// (AMD Zen 4) the G1-gated layer (D = 2048, N = 1024, one thread) took 2.4–2.6× as long as
 /// with -march=native.
 struct InstructionSets {
-    const char* compiled = "SSE2";
-    const char* cpu = "SSE2";
+    const char* compiled = "SSE2";  ///< what this translation unit's kernels use
+    const char* cpu = "SSE2";       ///< the widest family the CPU and OS offer
     /// The CPU's vectors are at least twice as wide as the build's: expect 2× or more from a
     /// build with -march=native.
     bool slow_build = false;
 };
 
+/// What this unit was compiled for and what the CPU offers (CPUID, read once).
 inline InstructionSets instruction_sets() noexcept {
     InstructionSets s;
 #if defined(__AVX512F__)
