@@ -629,6 +629,50 @@ TEST(SdpaValidation, QueryLengthOutOfRange) {
         "mask.query_lengths[0] must be in [0, N_q = 3], got -2", f.out, true);
 }
 
+TEST(SdpaValidation, QueryOffsetsCountAndRange) {
+    ValidationFixture f;
+    f.opt.mask.query_offsets = {0};
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "mask.query_offsets must have shape [2], got [1]", f.out);
+    f.opt.mask.query_offsets = {0, f.Nk + 1};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "mask.query_offsets[1] must be in [-N_q, N_k] = [-3, " + std::to_string(f.Nk) + "], got " +
+            std::to_string(f.Nk + 1),
+        f.out, true);
+    f.opt.mask.query_offsets = {-f.Nq - 1, 0};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "mask.query_offsets[0] must be in [-N_q, N_k]", f.out, true);
+}
+
+/// Hand-worked alignment: 2 queries, 3 keys, causal. Bottom-right: query 0 sees keys 0..1,
+/// query 1 sees 0..2. Top-left: query 0 sees key 0 only (its output is V row 0), query 1 sees
+/// keys 0..1. Offset −1: query 0 sees nothing (output 0), query 1 sees key 0.
+TEST(SdpaAlignment, TopLeftAndOffsetsByHand) {
+    gattn::RowMatrix<double> q(2, 1), k(3, 1), v(3, 1);
+    q << 0, 0;  // equal logits: outputs are plain means of the visible V rows
+    k << 1, 2, 3;
+    v << 10, 20, 60;
+    auto run = [&](gattn::CausalAlignment a, std::vector<Index> offsets) {
+        gattn::SdpaOptions<double> o;
+        o.mask.causal = true;
+        o.mask.alignment = a;
+        o.mask.query_offsets = std::move(offsets);
+        return gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, o);
+    };
+    const auto bottom_right = run(gattn::CausalAlignment::BottomRight, {});
+    EXPECT_DOUBLE_EQ(bottom_right(0, 0), 15.0);
+    EXPECT_DOUBLE_EQ(bottom_right(1, 0), 30.0);
+    const auto top_left = run(gattn::CausalAlignment::TopLeft, {});
+    EXPECT_DOUBLE_EQ(top_left(0, 0), 10.0);
+    EXPECT_DOUBLE_EQ(top_left(1, 0), 15.0);
+    const auto offset = run(gattn::CausalAlignment::BottomRight, {-1});  // offsets override alignment
+    EXPECT_DOUBLE_EQ(offset(0, 0), 0.0);
+    EXPECT_DOUBLE_EQ(offset(1, 0), 10.0);
+}
+
 TEST(SdpaValidation, WindowMustBePositive) {
     ValidationFixture f;
     f.opt.mask.sliding_window = 0;

@@ -34,7 +34,9 @@ inline constexpr double kInf = std::numeric_limits<double>::infinity();
 /// Masks of one reference attention call. The boolean mask and the bias are dense
 /// [B, H, N_q, N_k] (row-major); broadcasting is done by the caller. Empty = not given.
 struct RefMasks {
-    bool causal = false;                  ///< bottom-right aligned: i' = i + L_b − Q_b
+    bool causal = false;                  ///< j ≤ i', the aligned query position:
+    bool top_left = false;                ///< i' = i (else i + L_b − Q_b, bottom-right)
+    std::vector<Index> query_offsets;     ///< B entries: i' = query_offsets[b] + i (over the above)
     std::optional<Index> sliding_window;  ///< w ≥ 1, counting the diagonal
     std::vector<Index> key_lengths;       ///< B entries; empty = N_k for every sequence
     std::vector<Index> query_lengths;     ///< B entries; rows past Q_b see nothing; empty = N_q
@@ -57,7 +59,9 @@ inline bool key_visible(const RefMasks& m, Index H, Index b, Index h, Index i, I
     const Index L = m.key_lengths.empty() ? Nk : m.key_lengths[static_cast<std::size_t>(b)];
     const Index Q = m.query_lengths.empty() ? Nq : m.query_lengths[static_cast<std::size_t>(b)];
     if (j >= L || i >= Q) return false;
-    const Index ip = i + L - Q;  // aligned query position
+    const Index ip = !m.query_offsets.empty() ? m.query_offsets[static_cast<std::size_t>(b)] + i
+                     : m.top_left             ? i
+                                              : i + L - Q;  // aligned query position
     if (m.causal && j > ip) return false;
     if (m.sliding_window) {
         const Index w = *m.sliding_window;

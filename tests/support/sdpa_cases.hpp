@@ -73,6 +73,9 @@ enum class MaskKind {
     Combined,
     CausalQueryLengths,
     WindowQueryLengths,
+    CausalTopLeft,
+    WindowTopLeftKeyLengths,
+    CausalWindowOffsets,
 };
 
 inline const MaskKind kMaskKinds[] = {
@@ -82,7 +85,8 @@ inline const MaskKind kMaskKinds[] = {
     MaskKind::WindowKeyLengths, MaskKind::BoolFull,      MaskKind::BoolKeyRow,
     MaskKind::BoolHeadQuery, MaskKind::BiasFull,         MaskKind::BiasBroadcast,
     MaskKind::CausalBoolBias, MaskKind::Combined,      MaskKind::CausalQueryLengths,
-    MaskKind::WindowQueryLengths,
+    MaskKind::WindowQueryLengths, MaskKind::CausalTopLeft, MaskKind::WindowTopLeftKeyLengths,
+    MaskKind::CausalWindowOffsets,
 };
 
 inline const char* mask_name(MaskKind k) {
@@ -106,6 +110,9 @@ inline const char* mask_name(MaskKind k) {
         case MaskKind::Combined: return "Combined";
         case MaskKind::CausalQueryLengths: return "CausalQueryLengths";
         case MaskKind::WindowQueryLengths: return "WindowQueryLengths";
+        case MaskKind::CausalTopLeft: return "CausalTopLeft";
+        case MaskKind::WindowTopLeftKeyLengths: return "WindowTopLeftKeyLengths";
+        case MaskKind::CausalWindowOffsets: return "CausalWindowOffsets";
     }
     return "Unknown";
 }
@@ -120,6 +127,8 @@ struct MaskBuild {
     std::optional<Index> window;
     std::vector<Index> key_lengths;
     std::vector<Index> query_lengths;
+    bool top_left = false;
+    std::vector<Index> query_offsets;
     std::unique_ptr<bool[]> bool_data;
     Index bool_dims[3] = {0, 0, 0};
     std::vector<double> bias_src;
@@ -235,6 +244,22 @@ inline MaskBuild make_masks(MaskKind kind, const Shape& s, std::uint64_t seed) {
             m.key_lengths = partial_lengths(s.B, s.Nk);
             m.query_lengths = partial_query_lengths(s.B, s.Nq);
             break;
+        case MaskKind::CausalTopLeft:
+            m.causal = true;
+            m.top_left = true;
+            break;
+        case MaskKind::WindowTopLeftKeyLengths:
+            m.window = 3;
+            m.top_left = true;
+            m.key_lengths = partial_lengths(s.B, s.Nk);
+            break;
+        case MaskKind::CausalWindowOffsets:
+            // Offsets from before the first key (early queries see nothing) to past the last.
+            m.causal = true;
+            m.window = 6;
+            for (Index b = 0; b < s.B; ++b)
+                m.query_offsets.push_back(b % 3 == 0 ? -std::min<Index>(2, s.Nq) : b % 3 == 1 ? s.Nk / 2 : s.Nk);
+            break;
     }
     return m;
 }
@@ -248,6 +273,8 @@ gattn::SdpaOptions<S> library_options(const MaskBuild& m, std::vector<S>& bias_s
     o.mask.sliding_window = m.window;
     o.mask.key_lengths = m.key_lengths;
     o.mask.query_lengths = m.query_lengths;
+    o.mask.alignment = m.top_left ? gattn::CausalAlignment::TopLeft : gattn::CausalAlignment::BottomRight;
+    o.mask.query_offsets = m.query_offsets;
     if (m.bool_data) o.mask.bool_mask = {m.bool_data.get(), m.bool_dims[0], m.bool_dims[1], m.bool_dims[2], m.Nk};
     if (!m.bias_src.empty() || m.bias_dims[0] > 0) {
         bias_store.assign(m.bias_src.begin(), m.bias_src.end());
@@ -265,6 +292,8 @@ RefMasks reference_masks(const MaskBuild& m, Index B, Index H, Index Nq, Index N
     r.sliding_window = m.window;
     r.key_lengths = m.key_lengths;
     r.query_lengths = m.query_lengths;
+    r.top_left = m.top_left;
+    r.query_offsets = m.query_offsets;
     if (m.bool_data) expand(m.bool_data.get(), m.bool_dims, B, H, Nq, Nk, r.bool_mask);
     if (m.bias_dims[0] > 0) {
         std::vector<double> rounded(m.bias_src.size());

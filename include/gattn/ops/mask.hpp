@@ -7,7 +7,10 @@
 /// Key j is visible to query i of sequence b and head h iff all given masks allow it:
 ///  - key lengths: j < L_b (padding at the end; L_b = N_k when no lengths are given);
 ///  - query lengths: i < Q_b (Q_b = N_q when no lengths are given);
-///  - causal, bottom-right aligned: j ≤ i' where i' = i + (L_b − Q_b) (FlashAttention ≥ 2.1);
+///  - causal: j ≤ i', where the query's position i' among the keys is, by the mask's alignment,
+///    i + (L_b − Q_b) (bottom-right, the default: FlashAttention ≥ 2.1, KV-cache decoding), i
+///    (top-left: PyTorch's is_causal, ONNX's Attention without past keys), or
+///    query_offsets[b] + i (an explicit offset per sequence);
 ///  - sliding window w (counting the diagonal): i' − w < j, and j < i' + w when not causal;
 ///  - boolean mask: mask[b, h, i, j] is true (true = attend);
 ///  - additive bias: bias[b, h, i, j] is not −∞ (it is added to the scaled logit).
@@ -46,11 +49,24 @@ struct MaskView {
     }
 };
 
+/// Where the causal diagonal and the sliding window sit: the position i' of query i of sequence
+/// b among its keys (L_b keys, Q_b queries; see AttentionMask::query_offsets for explicit ones).
+enum class CausalAlignment {
+    BottomRight,  ///< i' = i + (L_b − Q_b): the last query sees the last key (FlashAttention ≥ 2.1)
+    TopLeft,      ///< i' = i: query i sees keys 0..i (PyTorch's is_causal, ONNX Attention without past)
+};
+
 /// Masks for one attention call; all given masks apply together.
 template <class Scalar>
 struct AttentionMask {
-    /// Causal, bottom-right aligned (query i sees key j iff j ≤ i + L_b − N_q).
+    /// Causal: query i sees key j iff j ≤ i', its aligned position (alignment, query_offsets).
     bool causal = false;
+    /// Where the causal diagonal and the window sit; bottom-right by default. Ignored when
+    /// query_offsets is given.
+    CausalAlignment alignment = CausalAlignment::BottomRight;
+    /// Explicit positions: query i of sequence b sits at i' = query_offsets[b] + i among the
+    /// keys (B entries, each in [−N_q, N_k]). Empty = the alignment decides.
+    std::vector<Index> query_offsets;
     /// Sliding window w ≥ 1 in keys, counting the diagonal; empty = no window.
     std::optional<Index> sliding_window;
     /// Valid key count per sequence (B entries, each in [0, N_k]); empty = all N_k keys.
@@ -83,7 +99,10 @@ inline KeyRange visible_key_range(const AttentionMask<Scalar>& mask, Index b, In
     const Index len = mask.key_lengths.empty() ? key_len : mask.key_lengths[b];
     const Index queries = mask.query_lengths.empty() ? query_len : mask.query_lengths[b];
     if (i >= queries) return {0, 0};           // a padding query row sees nothing
-    const Index pos = i + (len - queries);     // aligned position i' of the query
+    // Aligned position i' of the query.
+    const Index pos = !mask.query_offsets.empty()                  ? mask.query_offsets[b] + i
+                      : mask.alignment == CausalAlignment::TopLeft ? i
+                                                                   : i + (len - queries);
     Index begin = 0;
     Index end = len;
     if (mask.causal) end = std::min(end, pos + 1);

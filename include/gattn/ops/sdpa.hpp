@@ -122,6 +122,16 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                               "must be in [0, N_k = " + std::to_string(Nk) + "], got " +
                                   std::to_string(m.key_lengths[b]));
     }
+    if (!m.query_offsets.empty()) {
+        if (static_cast<Index>(m.query_offsets.size()) != B)
+            throw_shape(fn, mask_prefix + "query_offsets", shape_string({B}),
+                        shape_string({static_cast<Index>(m.query_offsets.size())}));
+        for (std::size_t b = 0; b < m.query_offsets.size(); ++b)
+            if (m.query_offsets[b] < -Nq || m.query_offsets[b] > Nk)
+                throw_invalid(fn, mask_prefix + "query_offsets[" + std::to_string(b) + "]",
+                              "must be in [-N_q, N_k] = [" + std::to_string(-Nq) + ", " + std::to_string(Nk) +
+                                  "], got " + std::to_string(m.query_offsets[b]));
+    }
     if (!m.query_lengths.empty()) {
         if (static_cast<Index>(m.query_lengths.size()) != B)
             throw_shape(fn, mask_prefix + "query_lengths", shape_string({B}),
