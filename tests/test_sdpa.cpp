@@ -673,6 +673,76 @@ TEST(SdpaAlignment, TopLeftAndOffsetsByHand) {
     EXPECT_DOUBLE_EQ(offset(1, 0), 10.0);
 }
 
+TEST(SdpaValidation, SinksCountAndValues) {
+    ValidationFixture f;
+    f.opt.sinks = {0.0f, 1.0f};
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "sinks must have shape [4], got [2]", f.out);
+    f.opt.sinks = {0.0f, 1.0f, std::numeric_limits<float>::quiet_NaN(), 0.0f};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "sinks[2] must be finite or -inf (no sink), got nan", f.out, true);
+    f.opt.sinks = {0.0f, std::numeric_limits<float>::infinity(), 0.0f, 0.0f};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "sinks[1] must be finite or -inf", f.out, true);
+}
+
+/// Hand-worked sink: one query, two keys with equal logits, V = 1 and 3, sink log 2: the
+/// denominator is 1 + 1 + 2 = 4, so out = (1 + 3) / 4 = 1 and log-sum-exp = log 4. With no
+/// visible key the row gives 0 and log-sum-exp log 2.
+TEST(SdpaSinks, HandWorked) {
+    gattn::RowMatrix<double> q(1, 1), k(2, 1), v(2, 1), lse;
+    q << 0;
+    k << 1, -1;
+    v << 1, 3;
+    gattn::SdpaOptions<double> o;
+    o.sinks = {std::log(2.0)};
+    gattn::SdpaOutputs<double> extra;
+    extra.log_sum_exp = &lse;
+    gattn::RowMatrix<double> out(1, 1);
+    gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, out, o, extra);
+    EXPECT_NEAR(out(0, 0), 1.0, 1e-15);
+    EXPECT_NEAR(lse(0, 0), std::log(4.0), 1e-15);
+    o.mask.key_lengths = {0};
+    gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, out, o, extra);
+    EXPECT_EQ(out(0, 0), 0.0);
+    EXPECT_NEAR(lse(0, 0), std::log(2.0), 1e-15);
+}
+
+/// Keys split in two calls, the sinks given to one of them: merge_attention gives the
+/// one-call result (causal GQA, the float64 reference's tolerance).
+TEST(SdpaSinks, MergeStaysExactWithSinksOnOneSide) {
+    const Index B = 2, Nq = 3, Nk = 40, H = 4, Hkv = 2, d = 16, cut = 25;
+    const Mat q = random_matrix(B * Nq, H * d, 71), k = random_matrix(B * Nk, Hkv * d, 72),
+              v = random_matrix(B * Nk, Hkv * d, 73);
+    gattn::SdpaOptions<double> whole;
+    whole.sinks = {0.5, -std::numeric_limits<double>::infinity(), 1.5, -0.5};
+    gattn::RowMatrix<double> lse_all, lse_a, lse_b;
+    gattn::SdpaOutputs<double> e_all, e_a, e_b;
+    e_all.log_sum_exp = &lse_all;
+    e_a.log_sum_exp = &lse_a;
+    e_b.log_sum_exp = &lse_b;
+    gattn::RowMatrix<double> out_all(B * Nq, H * d), out_a(B * Nq, H * d), out_b(B * Nq, H * d);
+    gattn::scaled_dot_product_attention<double>(q, k, v, {B, H, Hkv}, out_all, whole, e_all);
+    // Keys [0, cut) of each sequence with the sinks, keys [cut, Nk) without.
+    Mat ka(B * cut, Hkv * d), va(B * cut, Hkv * d), kb(B * (Nk - cut), Hkv * d), vb(B * (Nk - cut), Hkv * d);
+    for (Index b = 0; b < B; ++b) {
+        ka.middleRows(b * cut, cut) = k.middleRows(b * Nk, cut);
+        va.middleRows(b * cut, cut) = v.middleRows(b * Nk, cut);
+        kb.middleRows(b * (Nk - cut), Nk - cut) = k.middleRows(b * Nk + cut, Nk - cut);
+        vb.middleRows(b * (Nk - cut), Nk - cut) = v.middleRows(b * Nk + cut, Nk - cut);
+    }
+    gattn::SdpaOptions<double> without;
+    gattn::scaled_dot_product_attention<double>(q, ka, va, {B, H, Hkv}, out_a, whole, e_a);
+    gattn::scaled_dot_product_attention<double>(q, kb, vb, {B, H, Hkv}, out_b, without, e_b);
+    gattn::RowMatrix<double> merged(B * Nq, H * d), lse_merged(B * Nq, H);
+    gattn::merge_attention<double>(out_a, lse_a, out_b, lse_b, merged, lse_merged);
+    gattn_test::expect_close(merged, out_all, 1e-13, 1e-13, "SinkMerge/out");
+    gattn_test::expect_close(lse_merged, lse_all, 1e-13, 1e-13, "SinkMerge/lse");
+}
+
 TEST(SdpaValidation, WindowMustBePositive) {
     ValidationFixture f;
     f.opt.mask.sliding_window = 0;

@@ -42,6 +42,7 @@ struct RefMasks {
     std::vector<Index> query_lengths;     ///< B entries; rows past Q_b see nothing; empty = N_q
     std::vector<bool> bool_mask;          ///< true = attend
     std::vector<double> bias;             ///< added to the scaled logit; −∞ masks the key
+    std::vector<double> sinks;            ///< H learned sink logits (gpt-oss); empty = none
 };
 
 /// Results of sdpa_reference.
@@ -122,13 +123,18 @@ inline SdpaRefResult sdpa_reference(const Mat& query, const Mat& key, const Mat&
                         z += masks.bias[static_cast<std::size_t>(((b * H + h) * Nq + i) * Nk + j)];
                     logit[j] = z;
                 }
-                if (!any) continue;  // all-zero output, lse −∞
+                // A sink joins the softmax's denominator with no value: e^(s_h − m) more in the sum.
+                const double sink = masks.sinks.empty() ? -kInf : masks.sinks[static_cast<std::size_t>(h)];
+                if (!any) {  // all-zero output; lse −∞, or the sink's logit alone
+                    r.log_sum_exp(qrow, h) = sink;
+                    continue;
+                }
                 // Pass 1: max.
-                double mx = -kInf;
+                double mx = sink;
                 for (Index j = 0; j < Nk; ++j)
                     if (visible[j] && logit[j] > mx) mx = logit[j];
                 // Pass 2: sum of exponentials.
-                double sum = 0.0;
+                double sum = sink == -kInf ? 0.0 : std::exp(sink - mx);
                 for (Index j = 0; j < Nk; ++j)
                     if (visible[j]) sum += std::exp(logit[j] - mx);
                 // Pass 3: normalise and accumulate V.

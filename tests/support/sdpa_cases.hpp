@@ -76,6 +76,8 @@ enum class MaskKind {
     CausalTopLeft,
     WindowTopLeftKeyLengths,
     CausalWindowOffsets,
+    SinksCausal,
+    SinksKeyLengthsWithEmpty,
 };
 
 inline const MaskKind kMaskKinds[] = {
@@ -86,7 +88,7 @@ inline const MaskKind kMaskKinds[] = {
     MaskKind::BoolHeadQuery, MaskKind::BiasFull,         MaskKind::BiasBroadcast,
     MaskKind::CausalBoolBias, MaskKind::Combined,      MaskKind::CausalQueryLengths,
     MaskKind::WindowQueryLengths, MaskKind::CausalTopLeft, MaskKind::WindowTopLeftKeyLengths,
-    MaskKind::CausalWindowOffsets,
+    MaskKind::CausalWindowOffsets, MaskKind::SinksCausal, MaskKind::SinksKeyLengthsWithEmpty,
 };
 
 inline const char* mask_name(MaskKind k) {
@@ -113,6 +115,8 @@ inline const char* mask_name(MaskKind k) {
         case MaskKind::CausalTopLeft: return "CausalTopLeft";
         case MaskKind::WindowTopLeftKeyLengths: return "WindowTopLeftKeyLengths";
         case MaskKind::CausalWindowOffsets: return "CausalWindowOffsets";
+        case MaskKind::SinksCausal: return "SinksCausal";
+        case MaskKind::SinksKeyLengthsWithEmpty: return "SinksKeyLengthsWithEmpty";
     }
     return "Unknown";
 }
@@ -129,6 +133,7 @@ struct MaskBuild {
     std::vector<Index> query_lengths;
     bool top_left = false;
     std::vector<Index> query_offsets;
+    std::vector<double> sinks;  ///< [H] learned sink logits, −∞ for a head without; empty = none
     std::unique_ptr<bool[]> bool_data;
     Index bool_dims[3] = {0, 0, 0};
     std::vector<double> bias_src;
@@ -253,6 +258,19 @@ inline MaskBuild make_masks(MaskKind kind, const Shape& s, std::uint64_t seed) {
             m.top_left = true;
             m.key_lengths = partial_lengths(s.B, s.Nk);
             break;
+        case MaskKind::SinksCausal:
+        case MaskKind::SinksKeyLengthsWithEmpty: {
+            // Sinks in (−1.5, 2.5) (logits here are about ±1), every fourth head without one.
+            gattn_test::UniformSource src(seed);
+            for (Index h = 0; h < s.H; ++h) m.sinks.push_back(h % 4 == 3 ? -kInf : 0.5 + src.next(2.0));
+            if (kind == MaskKind::SinksCausal) {
+                m.causal = true;
+            } else {  // a sequence with no key: its rows give 0 and log-sum-exp s_h
+                m.key_lengths.assign(static_cast<std::size_t>(s.B), s.Nk);
+                m.key_lengths[0] = 0;
+            }
+            break;
+        }
         case MaskKind::CausalWindowOffsets:
             // Offsets from before the first key (early queries see nothing) to past the last.
             m.causal = true;
@@ -275,6 +293,7 @@ gattn::SdpaOptions<S> library_options(const MaskBuild& m, std::vector<S>& bias_s
     o.mask.query_lengths = m.query_lengths;
     o.mask.alignment = m.top_left ? gattn::CausalAlignment::TopLeft : gattn::CausalAlignment::BottomRight;
     o.mask.query_offsets = m.query_offsets;
+    for (double x : m.sinks) o.sinks.push_back(static_cast<S>(x));
     if (m.bool_data) o.mask.bool_mask = {m.bool_data.get(), m.bool_dims[0], m.bool_dims[1], m.bool_dims[2], m.Nk};
     if (!m.bias_src.empty() || m.bias_dims[0] > 0) {
         bias_store.assign(m.bias_src.begin(), m.bias_src.end());
@@ -294,6 +313,7 @@ RefMasks reference_masks(const MaskBuild& m, Index B, Index H, Index Nq, Index N
     r.query_lengths = m.query_lengths;
     r.top_left = m.top_left;
     r.query_offsets = m.query_offsets;
+    for (double x : m.sinks) r.sinks.push_back(static_cast<double>(static_cast<S>(x)));  // as the library sees it
     if (m.bool_data) expand(m.bool_data.get(), m.bool_dims, B, H, Nq, Nk, r.bool_mask);
     if (m.bias_dims[0] > 0) {
         std::vector<double> rounded(m.bias_src.size());

@@ -167,6 +167,7 @@ inline void widen_block(const FlashBlock<float, S, O>& b, FlashBlock<float>& w, 
         w.bias_row[t] = b.bias_row[t];
         w.lse[t] = b.lse[t];
         w.first_key[t] = b.first_key[t];
+        w.sink[t] = b.sink[t];
     }
 }
 

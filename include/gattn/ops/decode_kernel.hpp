@@ -487,14 +487,23 @@ void decode_finish(const FlashBlock<T>& blk, const PartialState<T>* chunks, Inde
             l += w * s.l[t];
             simd::axpy(w, s.acc.data() + t * dv, o, static_cast<std::size_t>(dv));
         }
+        T w = 1;  // weight of the merged sums
+        if (blk.sink[t] != kNegInf && !std::isnan(l)) {
+            // The sink joins the denominator: m' = max(m, s), l' = l·e^(m − m') + e^(s − m').
+            const T mt = std::max(m, blk.sink[t]);
+            w = m == kNegInf ? T(0) : simd::exp_scalar<T>(m - mt);
+            l = l * w + simd::exp_scalar<T>(blk.sink[t] - mt);
+            m = mt;
+        }
         const bool empty = !(l > 0) && !std::isnan(l);
         if (empty) {
             for (Index j = 0; j < dv; ++j) o[j] = 0;
         } else {
-            simd::scale(T(1) / l, o, static_cast<std::size_t>(dv));
+            simd::scale(w / l, o, static_cast<std::size_t>(dv));
         }
         if (blk.lse[t]) *blk.lse[t] = empty ? kNegInf : m + std::log(l);
-        if (blk.first_key[t]) *blk.first_key[t] = empty ? T(0) : simd::exp_scalar<T>(first - m) / l;
+        if (blk.first_key[t])
+            *blk.first_key[t] = empty || first == kNegInf ? T(0) : simd::exp_scalar<T>(first - m) / l;
     }
 }
 

@@ -118,6 +118,7 @@ struct FlashBlock {
     const T* bias_row[G::kQueries];     // null when no bias
     T* lse[G::kQueries];                // null when not requested
     T* first_key[G::kQueries];          // null when not requested
+    T sink[G::kQueries];                // the head's sink logit (SdpaOptions::sinks), −∞ for none
 };
 
 /// Per-thread scratch of the kernel (64-byte aligned through Eigen's allocator): one Qᵀ and
@@ -584,9 +585,18 @@ void flash_finish(const FlashBlock<T, S, O>& blk, const FlashState<T>& state, co
     }
     alignas(64) T inv[W];
     for (int t = 0; t < W; ++t) {
-        const T lt = l_lane[t];
+        T lt = l_lane[t], w = 1;
+        const T sink = t < blk.count ? blk.sink[t] : kNegInf;
+        if (sink != kNegInf && !std::isnan(lt)) {
+            // The sink joins the denominator: rescale to m' = max(m, s), l' = l·e^(m − m') + e^(s − m').
+            const T mt = std::max(m_lane[t], sink);
+            w = m_lane[t] == kNegInf ? T(0) : simd::exp_scalar<T>(m_lane[t] - mt);
+            lt = lt * w + simd::exp_scalar<T>(sink - mt);
+            m_lane[t] = mt;
+            l_lane[t] = lt;
+        }
         // 0 for a lane that sees no key (its Oᵀ column is exactly 0), NaN stays NaN.
-        inv[t] = !(lt > 0) && !std::isnan(lt) ? T(0) : T(1) / lt;
+        inv[t] = !(lt > 0) && !std::isnan(lt) ? T(0) : w / lt;
     }
     unpack_outputs(blk.count, rows, ot, dv, inv, stream);
     for (int t = 0; t < blk.count; ++t) {
@@ -594,7 +604,9 @@ void flash_finish(const FlashBlock<T, S, O>& blk, const FlashState<T>& state, co
         const bool empty = !(lt > 0) && !std::isnan(lt);
         if (blk.lse[t]) *blk.lse[t] = empty ? kNegInf : m_lane[t] + std::log(lt);
         if (blk.first_key[t])
-            *blk.first_key[t] = empty ? T(0) : simd::exp_scalar<T>(state.first_score[t] - m_lane[t]) * inv[t];
+            *blk.first_key[t] = empty || state.first_score[t] == kNegInf
+                                    ? T(0)
+                                    : simd::exp_scalar<T>(state.first_score[t] - m_lane[t]) * (T(1) / lt);
     }
 }
 

@@ -49,6 +49,14 @@ struct SdpaOptions {
     std::optional<double> scale;
     /// Masks; all apply together.
     AttentionMask<Scalar> mask;
+    /// Learned attention sinks (gpt-oss): [H] logits s_h, one per query head, or empty for none.
+    /// A sink joins each row's softmax denominator and has no value:
+    ///     out = Σ_j e^(ℓ_j − m)·v_j / (e^(s_h − m) + Σ_j e^(ℓ_j − m)),
+    /// so a row puts weight on "nothing" instead of on a key; −∞ is no sink for that head.
+    /// The log-sum-exp output includes the sink; a row with no visible key gives 0 and
+    /// log-sum-exp s_h. Partial results over disjoint key ranges still merge exactly with
+    /// merge_attention when exactly one of the calls gets the sinks.
+    std::vector<Scalar> sinks;
 };
 
 /// Optional outputs of scaled_dot_product_attention. Each non-null matrix is resized and filled.
@@ -121,6 +129,14 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                 throw_invalid(fn, mask_prefix + "key_lengths[" + std::to_string(b) + "]",
                               "must be in [0, N_k = " + std::to_string(Nk) + "], got " +
                                   std::to_string(m.key_lengths[b]));
+    }
+    if (!options.sinks.empty()) {
+        if (static_cast<Index>(options.sinks.size()) != H)
+            throw_shape(fn, "sinks", shape_string({H}), shape_string({static_cast<Index>(options.sinks.size())}));
+        for (std::size_t h = 0; h < options.sinks.size(); ++h)
+            if (std::isnan(options.sinks[h]) || options.sinks[h] == std::numeric_limits<Scalar>::infinity())
+                throw_invalid(fn, "sinks[" + std::to_string(h) + "]",
+                              "must be finite or -inf (no sink), got " + std::to_string(options.sinks[h]));
     }
     if (!m.query_offsets.empty()) {
         if (static_cast<Index>(m.query_offsets.size()) != B)
@@ -306,7 +322,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     if (B * Nq == 0) return;
     if (Nk == 0) {  // no keys: every row is fully masked
         for (Index r = 0; r < out.rows(); ++r) out.row(r).setZero();
-        if (extra.log_sum_exp) extra.log_sum_exp->setConstant(kNegInf);
+        if (extra.log_sum_exp)
+            for (Index h = 0; h < H; ++h) extra.log_sum_exp->col(h).setConstant(options.sinks.empty() ? kNegInf : options.sinks[h]);
         std::vector<T> zeros(kNarrow ? static_cast<std::size_t>(dv) : 0);
         for (Index r = 0; r < out.rows(); ++r)
             for (Index h = 0; h < H; ++h) {
@@ -385,6 +402,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
             blk.bool_row[t] = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
             blk.bias_row[t] = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
             blk.lse[t] = lse ? &(*lse)(row, h) : nullptr;
+            blk.sink[t] = options.sinks.empty() ? kNegInf : options.sinks[h];
             blk.first_key[t] = extra.first_key_probability ? &(*extra.first_key_probability)(row, h) : nullptr;
         }
     };
@@ -543,7 +561,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                 const T* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
                 T* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
                 const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
-                T m = kNegInf;
+                const T sink = options.sinks.empty() ? kNegInf : options.sinks[h];  // in the sum, no value
+                T m = sink;
                 for (Index j = range.begin; j < range.end; ++j) {
                     logits[j] = kNegInf;
                     if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == kNegInf)) continue;
@@ -552,7 +571,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                     logits[j] = sc;
                     m = std::max(m, sc);
                 }
-                T l = 0;
+                T l = sink == kNegInf ? T(0) : simd::exp_scalar<T>(sink - m);
                 for (Index j = range.begin; j < range.end; ++j)
                     if (logits[j] != kNegInf) l += (p[j] = simd::exp_scalar<T>(logits[j] - m));
                 for (Index j = range.begin; j < range.end; ++j)
