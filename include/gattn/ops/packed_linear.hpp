@@ -14,9 +14,11 @@
 ///    × 64 outputs (24 accumulators); the panels are split over the OpenMP threads.
 ///  - Widened float (fp16 weights; bf16 without AVX512-BF16): the weights stay as given; each
 ///    panel of 64 output rows is widened exactly to float in a per-thread scratch and multiplied
-///    by float x with Eigen's GEMM (one thread per panel).
+///    by float x with Eigen (one thread per panel): a matrix-vector product per row up to
+///    kLinearGemvRows rows, a GEMM above.
 /// Either way each output is computed by one thread in a fixed order: the result does not
-/// depend on the thread count.
+/// depend on the thread count, and, up to kLinearGemvRows rows (decoding a batch), a row's
+/// result does not depend on the other rows.
 ///
 /// Optional backend: with GATTN_WITH_ONEDNN defined and libdnnl linked (CMake
 /// -DGATTN_WITH_ONEDNN=ON), bf16 weights go to oneDNN's matmul by default (AMX where oneDNN
@@ -309,7 +311,12 @@ private:
             for (Index j = 0; j < n; ++j) kernel::widen_row(m_rows.data() + (o + j) * m_in, s.panel.data() + j * m_in, m_in);
             const ConstMap wk(s.panel.data(), n, m_in, Eigen::OuterStride<>(m_in));
             Map yk(y + o, rows, n, Eigen::OuterStride<>(ldy));
-            yk.noalias() = xm * wk.transpose();
+            // A few rows (decoding): one matrix-vector product per row, so that a row's result
+            // does not depend on how many rows come with it (Eigen's GEMM blocks by row count).
+            if (rows <= detail::kLinearGemvRows)
+                for (Index r = 0; r < rows; ++r) yk.row(r).noalias() = xm.row(r) * wk.transpose();
+            else
+                yk.noalias() = xm * wk.transpose();
             if (m_bias.size()) yk.rowwise() += m_bias.segment(o, n).transpose();
         }
     }
