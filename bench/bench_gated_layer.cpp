@@ -1,6 +1,8 @@
 // What a gate costs: the same GatedMultiHeadAttention layer with and without each gate variant,
 // side by side in one run, at realistic sizes (D = 2048, 16 query heads, 2 KV heads,
 // head_dim 128, causal). Counters: tokens/s, and the gate's share of the layer's parameters.
+// Variants "Sinks" and "G1ElementwiseSinks": learned attention sinks (gpt-oss) instead of and
+// beside the gate, measured like for like.
 // The gate's two parts alone: its projection GEMM and the fused activation-and-multiply pass;
 // BM_GateCostPaired runs the ungated layer, the gated layer and the projection in turn.
 // BM_DecodeStep: one decoding step of each variant against a KV cache of 1k or 4k tokens.
@@ -36,6 +38,7 @@ using gattn::GateSpec;
 struct Variant {
     const char* name;
     GateSpec gate;
+    bool sinks = false;  ///< learned attention sinks (gpt-oss), the other answer to the sink
 };
 
 std::vector<Variant> variants() {
@@ -57,11 +60,14 @@ std::vector<Variant> variants() {
             {"G2Elementwise", at(P::G2)},
             {"G3Elementwise", at(P::G3)},
             {"G4Elementwise", at(P::G4)},
-            {"G5Elementwise", at(P::G5)}};
+            {"G5Elementwise", at(P::G5)},
+            {"Sinks", GateSpec{}, true},
+            {"G1ElementwiseSinks", GateSpec::g1_elementwise(), true}};
 }
 
-gattn::AttentionConfig realistic_config(const GateSpec& gate) {
+gattn::AttentionConfig realistic_config(const GateSpec& gate, bool sinks = false) {
     gattn::AttentionConfig c;
+    c.sinks = sinks;
     c.d_model = 2048;
     c.num_heads = 16;
     c.num_kv_heads = 2;
@@ -71,9 +77,9 @@ gattn::AttentionConfig realistic_config(const GateSpec& gate) {
     return c;
 }
 
-void BM_Layer(benchmark::State& state, GateSpec gate) {
+void BM_Layer(benchmark::State& state, Variant v) {
     const gattn::Index seq_len = state.range(0);
-    const auto config = realistic_config(gate);
+    const auto config = realistic_config(v.gate, v.sinks);
     const gattn::GatedMultiHeadAttention<float> layer(config, gattn::make_random_weights<float>(config, 1));
     const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, config.d_model);
     gattn::RowMatrix<float> out(seq_len, config.d_model);
@@ -308,9 +314,9 @@ void BM_GateCostPaired(benchmark::State& state) {
 /// One decoding step (one new token per sequence) of the layer with a KV cache already holding
 /// `cached` tokens per sequence (random keys and values), rolled back after each step.
 /// Args: cached tokens, sequences.
-void BM_DecodeStep(benchmark::State& state, GateSpec gate) {
+void BM_DecodeStep(benchmark::State& state, Variant v) {
     const gattn::Index cached = state.range(0), batch = state.range(1);
-    const auto config = realistic_config(gate);
+    const auto config = realistic_config(v.gate, v.sinks);
     const gattn::GatedMultiHeadAttention<float> layer(config, gattn::make_random_weights<float>(config, 1));
     auto cache = layer.make_cache(batch, cached + 1);
     const gattn::Index kv = config.num_kv_heads * config.head_dim;
@@ -331,7 +337,7 @@ void BM_DecodeStep(benchmark::State& state, GateSpec gate) {
 
 const bool registered = [] {
     for (const auto& v : variants())
-        benchmark::RegisterBenchmark((std::string("BM_DecodeStep/") + v.name).c_str(), BM_DecodeStep, v.gate)
+        benchmark::RegisterBenchmark((std::string("BM_DecodeStep/") + v.name).c_str(), BM_DecodeStep, v)
             ->Args({1024, 1})
             ->Args({4096, 1})
             ->Args({4096, 4})
@@ -339,7 +345,7 @@ const bool registered = [] {
             ->Unit(benchmark::kMicrosecond)
             ->UseRealTime();
     for (const auto& v : variants())
-        benchmark::RegisterBenchmark((std::string("BM_Layer/") + v.name).c_str(), BM_Layer, v.gate)
+        benchmark::RegisterBenchmark((std::string("BM_Layer/") + v.name).c_str(), BM_Layer, v)
             ->Arg(512)
             ->Arg(1024)
             ->Arg(2048)

@@ -168,10 +168,14 @@ struct LayerShape {
     std::optional<double> scale;
     std::vector<Index> key_lengths;
     bool record_probabilities;
+    bool sinks = false;  ///< learned attention sinks beside the gate
 };
 
 const LayerShape kGqaCausal{"GqaCausal", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {}, false};
 const LayerShape kMhaKeyLengths{"MhaKeyLengths", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5}, true};
+const LayerShape kGqaCausalSinks{"GqaCausalSinks", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {}, false, true};
+const LayerShape kMhaKeyLengthsSinks{"MhaKeyLengthsSinks", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5},
+                                     true, true};
 
 /// The config for a spec and shape; d_v differs from d_k unless the spec fuses an elementwise
 /// gate into q_proj (which requires d_v = d_k).
@@ -190,6 +194,7 @@ gattn::AttentionConfig make_config(const GateSpec& spec, const LayerShape& sh) {
     c.causal = sh.causal;
     c.sliding_window = sh.window;
     c.scale = sh.scale;
+    c.sinks = sh.sinks;
     return c;
 }
 
@@ -237,11 +242,13 @@ void run_layer_case(const GateSpec& spec, const LayerShape& sh) {
 /// against the float64 layer_reference on the whole padded batch (causal, key lengths {7, 5}).
 /// Padding slots of a call, where the gate does not act on the output, give o_proj's bias.
 template <class S>
-void run_decode_case(const GateSpec& spec, std::optional<Index> window) {
-    const std::string label = std::string("Decode") + type_label<S>() + (window ? "/Window" : "") + "/" + spec_name(spec);
+void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sinks = false) {
+    const std::string label = std::string("Decode") + type_label<S>() + (window ? "/Window" : "") +
+                              (sinks ? "/Sinks" : "") + "/" + spec_name(spec);
     SCOPED_TRACE(label + " (" + gattn::describe(spec) + ")");
     LayerShape sh = kGqaCausal;
     sh.window = window;
+    sh.sinks = sinks;
     const Index B = 2, N = 7;
     const std::vector<Index> lengths = {7, 5};
     const gattn::AttentionConfig c = make_config(spec, sh);
@@ -299,6 +306,11 @@ TEST_P(GateSpecs, DoubleDecodeWithCache) { run_decode_case<double>(GetParam(), s
 TEST_P(GateSpecs, FloatDecodeWithCacheWindow) { run_decode_case<float>(GetParam(), 3); }
 
 TEST_P(GateSpecs, Bf16DecodeWithCache) { run_decode_case<gattn::bfloat16>(GetParam(), std::nullopt); }
+// Every gate beside learned attention sinks: prefill, decoding, probabilities, bf16.
+TEST_P(GateSpecs, FloatGqaCausalSinks) { run_layer_case<float>(GetParam(), kGqaCausalSinks); }
+TEST_P(GateSpecs, FloatMhaKeyLengthsSinks) { run_layer_case<float>(GetParam(), kMhaKeyLengthsSinks); }
+TEST_P(GateSpecs, Bf16GqaCausalSinks) { run_layer_case<gattn::bfloat16>(GetParam(), kGqaCausalSinks); }
+TEST_P(GateSpecs, FloatDecodeWithCacheSinks) { run_decode_case<float>(GetParam(), std::nullopt, true); }
 
 TEST_P(GateSpecs, FloatGqaCausal) { run_layer_case<float>(GetParam(), kGqaCausal); }
 TEST_P(GateSpecs, Bf16GqaCausal) { run_layer_case<gattn::bfloat16>(GetParam(), kGqaCausal); }

@@ -325,6 +325,7 @@ inline LayerRefResult layer_reference(const gattn::AttentionConfig& c,
     masks.query_lengths = key_lengths;
     masks.bool_mask = bool_mask;
     masks.bias = bias;
+    if (c.sinks) masks.sinks.assign(w.sinks.data(), w.sinks.data() + w.sinks.size());
     const SdpaRefResult att = sdpa_reference(Q, K, V, batch, H, Hkv, c.scale, masks);
     Mat U = att.out;
     res.first_key_attention = att.first_key;

@@ -29,6 +29,10 @@ struct AttentionConfig {
     bool causal = false;       ///< bottom-right aligned causal mask
     std::optional<Index> sliding_window;  ///< window in keys, counting the diagonal
     std::optional<double> scale;          ///< logit scale; empty = 1/√head_dim
+    /// Learned attention sinks (gpt-oss): one logit per query head, HF name "sinks" [H], that
+    /// joins each row's softmax denominator without a value (SdpaOptions::sinks). Composes
+    /// with any gate, so gated, sink and gated-plus-sink layers compare like for like.
+    bool sinks = false;
 
     /// Features per query and key head.
     Index d_k() const noexcept { return head_dim; }
@@ -130,6 +134,7 @@ inline std::vector<TensorShape> expected_weight_shapes(const AttentionConfig& c)
         s.push_back({"v_proj.bias", {Hkv * dv}});
     }
     if (c.o_bias) s.push_back({"o_proj.bias", {D}});
+    if (c.sinks) s.push_back({"sinks", {H}});
     if (g.enabled() && !fused) {
         if (g.source == GateSource::Input) {
             s.push_back({"gate_proj.weight", {gate_width(c), D}});

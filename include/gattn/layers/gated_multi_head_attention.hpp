@@ -65,6 +65,7 @@ struct AttentionWeights {
     RowMatrix<Scalar> gate_proj_weight;  ///< separate gate: [gate_width, D], query gate: [H, d_k]
     Vector<Scalar> gate_proj_bias;       ///< [gate_width] when the gate spec has a bias, else empty
     RowMatrix<Scalar> gate_theta;        ///< input-independent gate: [H, d_v]
+    Vector<Scalar> sinks;                ///< [H] sink logits when config.sinks, else empty
 
     /// Visits (HF name, pointer to matrix or vector) for every member.
     template <class F>
@@ -80,6 +81,7 @@ struct AttentionWeights {
         f("gate_proj.weight", &gate_proj_weight);
         f("gate_proj.bias", &gate_proj_bias);
         f("gate_theta", &gate_theta);
+        f("sinks", &sinks);
     }
     /// Visits (HF name, const reference to matrix or vector) for every member.
     template <class F>
@@ -103,6 +105,7 @@ struct AttentionWeights {
         out.gate_proj_weight = gate_proj_weight.template cast<To>();
         out.gate_proj_bias = gate_proj_bias.template cast<To>();
         out.gate_theta = gate_theta.template cast<To>();
+        out.sinks = sinks.template cast<To>();
         return out;
     }
 };
@@ -205,7 +208,8 @@ public:
     /// parameters): for 16-bit weights about their checkpoint's bytes, never a widened copy.
     std::size_t weight_bytes() const noexcept {
         return m_in.bytes() + m_gate.bytes() + m_o.bytes() +
-               sizeof(T) * static_cast<std::size_t>(m_gate_query.size() + m_gate_query_bias.size() + m_gate_theta.size());
+               sizeof(T) * static_cast<std::size_t>(m_gate_query.size() + m_gate_query_bias.size() + m_gate_theta.size() +
+                                                    m_sinks.size());
     }
 
     /// Forward pass, core form.
@@ -325,6 +329,7 @@ private:
         sdpa.scale = m_config.scale;
         sdpa.mask.causal = m_config.causal;
         sdpa.mask.sliding_window = m_config.sliding_window;
+        sdpa.sinks = m_sinks;
         return sdpa;
     }
 
@@ -530,6 +535,7 @@ private:
             if (g.bias) m_gate_query_bias = w.gate_proj_bias.template cast<T>();
         }
         if (g.enabled() && g.source == GateSource::InputIndependent) m_gate_theta = w.gate_theta.template cast<T>();
+        if (c.sinks) m_sinks.assign(w.sinks.data(), w.sinks.data() + w.sinks.size());
     }
 
     /// Applies the gate to `rows` rows of a target holding `heads` heads of `width` each.
@@ -624,6 +630,7 @@ private:
     RowMatrix<T> m_gate_query;  // [H, d_k] (query-sourced gate)
     Vector<T> m_gate_query_bias;
     RowMatrix<T> m_gate_theta;  // [H, d_v] (input-independent gate)
+    std::vector<T> m_sinks;     // [H] sink logits (config.sinks), as SdpaOptions takes them
 };
 
 GATTN_END_ISA_NAMESPACE
