@@ -390,11 +390,4 @@ const bool registered = [] {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-    gattn_bench::add_gattn_context();
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    return 0;
-}
+int main(int argc, char** argv) { return gattn_bench::main(argc, argv); }

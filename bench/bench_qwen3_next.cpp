@@ -19,6 +19,7 @@
 #include <chrono>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -53,36 +54,61 @@ gattn::Qwen3NextAttentionWeights<float> random_weights(const gattn::Qwen3NextCon
     return w;
 }
 
+/// One decoding step's inputs: the layer (random weights) and a cache of `batch` sequences
+/// filled with `kv_len` random keys and values each (prefilling 32k tokens would dominate the
+/// run), one new token per sequence. Sets the OpenMP threads; restores 1 when destroyed.
+template <class Storage>
+struct DecodeStep {
+    gattn::Qwen3NextConfig config = real_config();
+    gattn::Qwen3NextAttention<Storage> layer{config, random_weights(config).template cast<Storage>()};
+    gattn::Index kv_len, batch, width = config.num_key_value_heads * config.head_dim;
+    std::vector<gattn::Index> lengths;
+    gattn::KVCache<Storage> cache;
+    Matrix x, out;
+
+    DecodeStep(gattn::Index cached, gattn::Index sequences, int threads)
+        : kv_len(cached), batch(sequences), lengths(static_cast<std::size_t>(sequences), cached),
+          cache(layer.make_cache(sequences, cached + 1)), x(Matrix::Random(sequences, config.hidden_size)),
+          out(sequences, config.hidden_size) {
+#ifdef _OPENMP
+        omp_set_num_threads(threads);
+#else
+        (void)threads;
+#endif
+        cache.append(Matrix::Random(batch * kv_len, width).cast<Storage>(),
+                     Matrix::Random(batch * kv_len, width).cast<Storage>(), lengths);
+    }
+    ~DecodeStep() {
+#ifdef _OPENMP
+        omp_set_num_threads(1);
+#endif
+    }
+    /// One step, then the cache rolled back to its lengths.
+    void run() {
+        layer.forward(x, lengths, cache, out);
+        benchmark::DoNotOptimize(out.data());
+        cache.truncate(lengths);
+    }
+    /// Bytes a step must read: the weights in their storage and every cached key and value.
+    double bytes() const {
+        return double(layer.weight_bytes()) + double(batch * kv_len * 2 * width) * sizeof(Storage);
+    }
+    static std::string label() {
+        return std::is_same_v<Storage, float> ? gattn::simd::arch_name()
+                                              : gattn::kernel_name(gattn::bf16_kernel().kernel);
+    }
+};
+
 /// Args: KV length, batch (sequences decoded together, one token each), threads. Storage: the
 /// weights' and the cache's type (float or gattn::bfloat16).
 template <class Storage>
 void BM_Qwen3NextDecodeStep(benchmark::State& state) {
-    const gattn::Index kv_len = state.range(0), batch = state.range(1);
-#ifdef _OPENMP
-    omp_set_num_threads(static_cast<int>(state.range(2)));
-#endif
-    const auto config = real_config();
-    const gattn::Qwen3NextAttention<Storage> layer(config, random_weights(config).template cast<Storage>());
-    auto cache = layer.make_cache(batch, kv_len + 1);
-    // Fill the cache with random keys and values (prefilling 32k tokens would dominate the run).
-    const gattn::Index width = config.num_key_value_heads * config.head_dim;
-    const std::vector<gattn::Index> lengths(static_cast<std::size_t>(batch), kv_len);
-    cache.append(Matrix::Random(batch * kv_len, width).cast<Storage>(),
-                 Matrix::Random(batch * kv_len, width).cast<Storage>(), lengths);
-    const Matrix x = Matrix::Random(batch, config.hidden_size);
-    Matrix out(batch, config.hidden_size);
-    for (auto _ : state) {
-        layer.forward(x, lengths, cache, out);
-        cache.truncate(lengths);
-        benchmark::DoNotOptimize(out.data());
-    }
+    DecodeStep<Storage> step(state.range(0), state.range(1), static_cast<int>(state.range(2)));
+    for (auto _ : state) step.run();
     state.counters["steps/s"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["tokens/s"] = benchmark::Counter(double(batch), benchmark::Counter::kIsIterationInvariantRate);
-    state.SetLabel(std::is_same_v<Storage, float> ? gattn::simd::arch_name()
-                                                   : gattn::kernel_name(gattn::bf16_kernel().kernel));
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
+    state.counters["tokens/s"] =
+        benchmark::Counter(double(step.batch), benchmark::Counter::kIsIterationInvariantRate);
+    state.SetLabel(DecodeStep<Storage>::label());
 }
 
 BENCHMARK_TEMPLATE(BM_Qwen3NextDecodeStep, float)
@@ -107,39 +133,21 @@ BENCHMARK_TEMPLATE(BM_Qwen3NextDecodeStep, gattn::bfloat16)
 /// measured just before in this process; roof_fraction = (bytes / bandwidth) / step time.
 template <class Storage>
 void BM_DecodeRoof(benchmark::State& state) {
-    const gattn::Index kv_len = state.range(0), batch = state.range(1);
-#ifdef _OPENMP
-    omp_set_num_threads(static_cast<int>(state.range(2)));
-#endif
-    const auto config = real_config();
-    const gattn::Qwen3NextAttention<Storage> layer(config, random_weights(config).template cast<Storage>());
-    auto cache = layer.make_cache(batch, kv_len + 1);
-    const gattn::Index width = config.num_key_value_heads * config.head_dim;
-    const std::vector<gattn::Index> lengths(static_cast<std::size_t>(batch), kv_len);
-    cache.append(Matrix::Random(batch * kv_len, width).cast<Storage>(),
-                 Matrix::Random(batch * kv_len, width).cast<Storage>(), lengths);
-    const Matrix x = Matrix::Random(batch, config.hidden_size);
-    Matrix out(batch, config.hidden_size);
-    const double bytes = double(layer.weight_bytes()) + double(batch * kv_len * 2 * width) * sizeof(Storage);
+    DecodeStep<Storage> step(state.range(0), state.range(1), static_cast<int>(state.range(2)));
+    const double bytes = step.bytes();
     const double bandwidth = gattn_bench::stream_bandwidth(static_cast<std::size_t>(bytes));
     double seconds = 0;
     for (auto _ : state) {
         const auto t0 = std::chrono::steady_clock::now();
-        layer.forward(x, lengths, cache, out);
-        benchmark::DoNotOptimize(out.data());
+        step.run();
         seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        cache.truncate(lengths);
     }
-    const double step = seconds / double(state.iterations());
-    state.counters["step_ms"] = step * 1e3;
+    const double step_seconds = seconds / double(state.iterations());
+    state.counters["step_ms"] = step_seconds * 1e3;
     state.counters["MiB"] = bytes / double(1 << 20);
     state.counters["stream_GB/s"] = bandwidth / 1e9;
-    state.counters["roof_fraction"] = bytes / bandwidth / step;
-    state.SetLabel(std::is_same_v<Storage, float> ? gattn::simd::arch_name()
-                                                   : gattn::kernel_name(gattn::bf16_kernel().kernel));
-#ifdef _OPENMP
-    omp_set_num_threads(1);
-#endif
+    state.counters["roof_fraction"] = bytes / bandwidth / step_seconds;
+    state.SetLabel(DecodeStep<Storage>::label());
 }
 
 BENCHMARK_TEMPLATE(BM_DecodeRoof, float)
@@ -157,11 +165,4 @@ BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16)
 
 }  // namespace
 
-int main(int argc, char** argv) {
-    gattn_bench::add_gattn_context();
-    benchmark::Initialize(&argc, argv);
-    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-    benchmark::RunSpecifiedBenchmarks();
-    benchmark::Shutdown();
-    return 0;
-}
+int main(int argc, char** argv) { return gattn_bench::main(argc, argv); }

@@ -45,4 +45,14 @@ inline double stream_bandwidth(std::size_t bytes) {
     return best;
 }
 
+/// The benchmarks' main: gattn's context, then Google Benchmark as BENCHMARK_MAIN runs it.
+inline int main(int argc, char** argv) {
+    add_gattn_context();
+    benchmark::Initialize(&argc, argv);
+    if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    return 0;
+}
+
 }  // namespace gattn_bench
