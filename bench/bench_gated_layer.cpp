@@ -390,4 +390,4 @@ const bool registered = [] {
 
 }  // namespace
 
-int main(int argc, char** argv) { return gattn_bench::main(argc, argv); }
+int main(int argc, char** argv) { return gattn_bench::run(argc, argv); }

@@ -165,4 +165,4 @@ BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16)
 
 }  // namespace
 
-int main(int argc, char** argv) { return gattn_bench::main(argc, argv); }
+int main(int argc, char** argv) { return gattn_bench::run(argc, argv); }

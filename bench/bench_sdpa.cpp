@@ -431,4 +431,4 @@ BENCHMARK(BM_EigenGemmRoof)->Args({512, 128})->Args({2048, 128})->Args({2048, 64
 
 }  // namespace
 
-int main(int argc, char** argv) { return gattn_bench::main(argc, argv); }
+int main(int argc, char** argv) { return gattn_bench::run(argc, argv); }

@@ -46,7 +46,7 @@ inline double stream_bandwidth(std::size_t bytes) {
 }
 
 /// The benchmarks' main: gattn's context, then Google Benchmark as BENCHMARK_MAIN runs it.
-inline int main(int argc, char** argv) {
+inline int run(int argc, char** argv) {
     add_gattn_context();
     benchmark::Initialize(&argc, argv);
     if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
