@@ -265,10 +265,12 @@ private:
     void forward_onednn([[maybe_unused]] ConstMatrixRef<X> x, [[maybe_unused]] float* y,
                         [[maybe_unused]] Index ldy) const {
 #if defined(GATTN_WITH_ONEDNN)
-        // oneDNN reads contiguous bf16 rows: float x is rounded once (nearest even), as for
-        // the header-only kernel.
-        thread_local std::vector<bfloat16> x16;
+        // oneDNN reads contiguous bf16 rows: contiguous bf16 x as it is; otherwise a copy, float
+        // x rounded once (nearest even), as for the header-only kernel.
         const Index rows = x.rows();
+        if constexpr (std::is_same_v<X, bfloat16>)
+            if (x.outerStride() == m_in || rows == 1) return m_onednn.forward(x.data(), rows, y, ldy);
+        thread_local std::vector<bfloat16> x16;
         if (static_cast<Index>(x16.size()) < rows * m_in) x16.resize(static_cast<std::size_t>(rows * m_in));
         for (Index r = 0; r < rows; ++r) {
             const X* xr = x.data() + r * x.outerStride();
