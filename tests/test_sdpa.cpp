@@ -743,6 +743,133 @@ TEST(SdpaSinks, MergeStaysExactWithSinksOnOneSide) {
     gattn_test::expect_close(lse_merged, lse_all, 1e-13, 1e-13, "SinkMerge/lse");
 }
 
+TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
+    ValidationFixture f;
+    for (double cap : {0.0, -1.0, std::numeric_limits<double>::infinity(), 1e300}) {
+        f.opt.logit_softcap = cap;
+        expect_rejected<std::invalid_argument>(
+            [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+            "logit_softcap must be finite and > 0", f.out, true);
+    }
+    f.opt.logit_softcap.reset();
+    f.opt.alibi_slopes = {0.5f, 0.25f};
+    expect_rejected<gattn::shape_error>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "alibi_slopes must have shape [4], got [2]", f.out);
+    f.opt.alibi_slopes = {0.5f, 0.25f, std::numeric_limits<float>::infinity(), 0.0f};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "alibi_slopes[2] must be finite, got inf", f.out, true);
+}
+
+/// The standard slopes, worked by hand from Press et al. §3: 8 heads 2^−1 … 2^−8; 12 heads the
+/// 8-head slopes, then 2^−0.5, 2^−1.5, 2^−2.5, 2^−3.5 (odd powers of the 16-head base 2^−0.5).
+TEST(SdpaAlibi, StandardSlopesByHand) {
+    const std::vector<double> eight = gattn::alibi_slopes(8);
+    ASSERT_EQ(eight.size(), 8u);
+    for (int h = 0; h < 8; ++h) EXPECT_DOUBLE_EQ(eight[h], std::ldexp(1.0, -(h + 1)));
+    const std::vector<double> twelve = gattn::alibi_slopes(12);
+    ASSERT_EQ(twelve.size(), 12u);
+    for (int h = 0; h < 8; ++h) EXPECT_DOUBLE_EQ(twelve[h], std::ldexp(1.0, -(h + 1)));
+    for (int k = 0; k < 4; ++k) EXPECT_DOUBLE_EQ(twelve[8 + k], std::pow(2.0, -0.5 - k));
+    const std::vector<double> one = gattn::alibi_slopes(1);
+    ASSERT_EQ(one.size(), 1u);
+    EXPECT_DOUBLE_EQ(one[0], 1.0 / 256);
+    EXPECT_THROW(gattn::alibi_slopes(0), std::invalid_argument);
+}
+
+/// Hand-worked ALiBi: two keys with equal logits, causal bottom-right, so the query sits at
+/// key 1: key 0 gets −m, key 1 gets 0. With m = ln 3 the weights are 1/4 and 3/4: V = 4 and 8
+/// give 7, and log-sum-exp = log(1/3 + 1) = log(4/3). Top-left puts the query at key 0:
+/// causal, it sees key 0 alone (4); without the causal mask key 1 gets −m (weights 3/4, 1/4: 5).
+TEST(SdpaAlibi, HandWorked) {
+    gattn::RowMatrix<double> q(1, 1), k(2, 1), v(2, 1), lse, out(1, 1);
+    q << 0;
+    k << 1, -1;
+    v << 4, 8;
+    gattn::SdpaOptions<double> o;
+    o.alibi_slopes = {std::log(3.0)};
+    o.mask.causal = true;
+    gattn::SdpaOutputs<double> extra;
+    extra.log_sum_exp = &lse;
+    gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, out, o, extra);
+    EXPECT_NEAR(out(0, 0), 7.0, 1e-14);
+    EXPECT_NEAR(lse(0, 0), std::log(4.0 / 3.0), 1e-15);
+    o.mask.alignment = gattn::CausalAlignment::TopLeft;
+    gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, out, o, extra);
+    EXPECT_NEAR(out(0, 0), 4.0, 1e-15);
+    o.mask.causal = false;
+    gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, out, o, extra);
+    EXPECT_NEAR(out(0, 0), 5.0, 1e-14);
+}
+
+/// Hand-worked softcap: logits 3 and −3 (q = 3, k = ±1, scale 1) capped at c = 3 become
+/// ±3·tanh(1); the weights are σ(±6·tanh(1)), so with V = 0 and 1 the output is σ(−6·tanh 1).
+/// An infinite logit is capped to c (a finite weight), not passed through.
+TEST(SdpaSoftcap, HandWorked) {
+    gattn::RowMatrix<double> q(1, 1), k(2, 1), v(2, 1), out(1, 1);
+    q << 3;
+    k << 1, -1;
+    v << 0, 1;
+    gattn::SdpaOptions<double> o;
+    o.scale = 1.0;
+    o.logit_softcap = 3.0;
+    gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, out, o);
+    EXPECT_NEAR(out(0, 0), 1.0 / (1.0 + std::exp(6.0 * std::tanh(1.0))), 1e-15);
+    k << std::numeric_limits<double>::infinity(), -1;  // logits +∞ and −3: capped 3 and −3·tanh 1
+    gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, out, o);
+    EXPECT_NEAR(out(0, 0), 1.0 / (1.0 + std::exp(3.0 + 3.0 * std::tanh(1.0))), 1e-15);
+}
+
+/// The logits output at each stage against logits computed here in double: scaled, then
+/// c·tanh(x/c), then −m_h·|i' − j| and the bias, −∞ where the causal mask or the bias hides a
+/// key. GQA, two sequences, bottom-right causal with N_q < N_k.
+TYPED_TEST(SdpaTyped, LogitsOutputAtEachStage) {
+    using S = TypeParam;
+    const Index B = 2, Nq = 3, Nk = 7, H = 4, Hkv = 2, d = 8;
+    const Mat q = rounded<S>(random_matrix(B * Nq, H * d, 81)), k = rounded<S>(random_matrix(B * Nk, Hkv * d, 82)),
+              v = rounded<S>(random_matrix(B * Nk, Hkv * d, 83));
+    std::vector<S> bias(static_cast<std::size_t>(Nq * Nk));
+    for (std::size_t e = 0; e < bias.size(); ++e)
+        bias[e] = e % 5 == 1 ? -std::numeric_limits<S>::infinity() : static_cast<S>(0.1 * double(e % 4));
+    gattn::SdpaOptions<S> o;
+    o.scale = 0.5;
+    o.logit_softcap = 0.8;
+    o.alibi_slopes = {S(0.5), S(0.25), S(0), S(-0.125)};
+    o.mask.causal = true;
+    o.mask.bias = {bias.data(), 1, 1, Nq, Nk};
+    const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+    gattn::RowMatrix<S> out(B * Nq, H * d);
+    const double cap = static_cast<double>(static_cast<S>(0.8));
+    for (auto stage : {gattn::LogitStage::Scaled, gattn::LogitStage::Softcapped, gattn::LogitStage::Final}) {
+        gattn::RowMatrix<S> logits;
+        gattn::SdpaOutputs<S> extra;
+        extra.logits = &logits;
+        extra.logits_stage = stage;
+        gattn::scaled_dot_product_attention<S>(qs, ks, vs, {B, H, Hkv}, out, o, extra);
+        ASSERT_EQ(logits.rows(), B * H * Nq);
+        ASSERT_EQ(logits.cols(), Nk);
+        Mat expected(B * H * Nq, Nk);
+        for (Index b = 0; b < B; ++b)
+            for (Index h = 0; h < H; ++h)
+                for (Index i = 0; i < Nq; ++i)
+                    for (Index j = 0; j < Nk; ++j) {
+                        double x = 0.5 * q.row(b * Nq + i).segment(h * d, d).dot(k.row(b * Nk + j).segment(h / 2 * d, d));
+                        if (stage != gattn::LogitStage::Scaled) x = cap * std::tanh(x / cap);
+                        if (stage == gattn::LogitStage::Final) {
+                            const Index pos = i + Nk - Nq;
+                            const double b_ij = static_cast<double>(bias[static_cast<std::size_t>(i * Nk + j)]);
+                            if (j > pos || b_ij == -gattn_test::kInf)
+                                x = -gattn_test::kInf;
+                            else
+                                x += -static_cast<double>(o.alibi_slopes[h]) * double(pos - j) + b_ij;
+                        }
+                        expected((b * H + h) * Nq + i, j) = x;
+                    }
+        expect_close(logits, expected, Tol<S>::atol, Tol<S>::rtol, "Logits");
+    }
+}
+
 TEST(SdpaValidation, WindowMustBePositive) {
     ValidationFixture f;
     f.opt.mask.sliding_window = 0;

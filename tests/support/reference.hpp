@@ -43,6 +43,8 @@ struct RefMasks {
     std::vector<bool> bool_mask;          ///< true = attend
     std::vector<double> bias;             ///< added to the scaled logit; −∞ masks the key
     std::vector<double> sinks;            ///< H learned sink logits (gpt-oss); empty = none
+    std::optional<double> softcap;        ///< c: logit ← c·tanh(logit / c) before ALiBi and bias
+    std::vector<double> alibi_slopes;     ///< H slopes m_h: logit −= m_h·|i' − j|; empty = none
 };
 
 /// Results of sdpa_reference.
@@ -53,6 +55,13 @@ struct SdpaRefResult {
     Mat first_key;      ///< [B·N_q, H], probability on key 0
 };
 
+/// The aligned position i' of query i of sequence b (where the causal diagonal sits).
+inline Index aligned_position(const RefMasks& m, Index b, Index i, Index Nq, Index Nk) {
+    const Index L = m.key_lengths.empty() ? Nk : m.key_lengths[static_cast<std::size_t>(b)];
+    const Index Q = m.query_lengths.empty() ? Nq : m.query_lengths[static_cast<std::size_t>(b)];
+    return !m.query_offsets.empty() ? m.query_offsets[static_cast<std::size_t>(b)] + i : m.top_left ? i : i + L - Q;
+}
+
 /// Whether key j is visible to query i of head h in sequence b. With include_bias = false an
 /// −∞ bias entry does not count as masking (used to find keys that structural masks hide).
 inline bool key_visible(const RefMasks& m, Index H, Index b, Index h, Index i, Index j, Index Nq,
@@ -60,9 +69,7 @@ inline bool key_visible(const RefMasks& m, Index H, Index b, Index h, Index i, I
     const Index L = m.key_lengths.empty() ? Nk : m.key_lengths[static_cast<std::size_t>(b)];
     const Index Q = m.query_lengths.empty() ? Nq : m.query_lengths[static_cast<std::size_t>(b)];
     if (j >= L || i >= Q) return false;
-    const Index ip = !m.query_offsets.empty() ? m.query_offsets[static_cast<std::size_t>(b)] + i
-                     : m.top_left             ? i
-                                              : i + L - Q;  // aligned query position
+    const Index ip = aligned_position(m, b, i, Nq, Nk);
     if (m.causal && j > ip) return false;
     if (m.sliding_window) {
         const Index w = *m.sliding_window;
@@ -75,7 +82,7 @@ inline bool key_visible(const RefMasks& m, Index H, Index b, Index h, Index i, I
     return true;
 }
 
-/// softmax(scale · Q Kᵀ + bias) V per head, query head h reading KV head h / (H / H_kv).
+/// softmax(ALiBi(softcap(scale · Q Kᵀ)) + bias) V per head, query head h reading KV head h / (H / H_kv).
 /// query [B·N_q, H·d_k], key [B·N_k, H_kv·d_k], value [B·N_k, H_kv·d_v]. Masked keys are
 /// skipped (their K and V are never read); a row with no visible key gives 0 and lse −∞.
 inline SdpaRefResult sdpa_reference(const Mat& query, const Mat& key, const Mat& value, Index B,
@@ -119,6 +126,10 @@ inline SdpaRefResult sdpa_reference(const Mat& query, const Mat& key, const Mat&
                     for (Index d = 0; d < dk; ++d)
                         dot += query(qrow, h * dk + d) * key(b * Nk + j, g * dk + d);
                     double z = dot * s;
+                    if (masks.softcap) z = *masks.softcap * std::tanh(z / *masks.softcap);
+                    if (!masks.alibi_slopes.empty())
+                        z -= masks.alibi_slopes[static_cast<std::size_t>(h)] *
+                             std::abs(static_cast<double>(aligned_position(masks, b, i, Nq, Nk) - j));
                     if (!masks.bias.empty())
                         z += masks.bias[static_cast<std::size_t>(((b * H + h) * Nq + i) * Nk + j)];
                     logit[j] = z;

@@ -78,6 +78,12 @@ enum class MaskKind {
     CausalWindowOffsets,
     SinksCausal,
     SinksKeyLengthsWithEmpty,
+    Softcap,
+    SoftcapCausalBias,
+    Alibi,
+    AlibiCausalWindowKeyLengths,
+    AlibiTopLeftBool,
+    AlibiSoftcapSinksOffsets,
 };
 
 inline const MaskKind kMaskKinds[] = {
@@ -89,6 +95,8 @@ inline const MaskKind kMaskKinds[] = {
     MaskKind::CausalBoolBias, MaskKind::Combined,      MaskKind::CausalQueryLengths,
     MaskKind::WindowQueryLengths, MaskKind::CausalTopLeft, MaskKind::WindowTopLeftKeyLengths,
     MaskKind::CausalWindowOffsets, MaskKind::SinksCausal, MaskKind::SinksKeyLengthsWithEmpty,
+    MaskKind::Softcap, MaskKind::SoftcapCausalBias, MaskKind::Alibi, MaskKind::AlibiCausalWindowKeyLengths,
+    MaskKind::AlibiTopLeftBool, MaskKind::AlibiSoftcapSinksOffsets,
 };
 
 inline const char* mask_name(MaskKind k) {
@@ -117,6 +125,12 @@ inline const char* mask_name(MaskKind k) {
         case MaskKind::CausalWindowOffsets: return "CausalWindowOffsets";
         case MaskKind::SinksCausal: return "SinksCausal";
         case MaskKind::SinksKeyLengthsWithEmpty: return "SinksKeyLengthsWithEmpty";
+        case MaskKind::Softcap: return "Softcap";
+        case MaskKind::SoftcapCausalBias: return "SoftcapCausalBias";
+        case MaskKind::Alibi: return "Alibi";
+        case MaskKind::AlibiCausalWindowKeyLengths: return "AlibiCausalWindowKeyLengths";
+        case MaskKind::AlibiTopLeftBool: return "AlibiTopLeftBool";
+        case MaskKind::AlibiSoftcapSinksOffsets: return "AlibiSoftcapSinksOffsets";
     }
     return "Unknown";
 }
@@ -134,6 +148,8 @@ struct MaskBuild {
     bool top_left = false;
     std::vector<Index> query_offsets;
     std::vector<double> sinks;  ///< [H] learned sink logits, −∞ for a head without; empty = none
+    std::optional<double> softcap;
+    std::vector<double> alibi_slopes;  ///< [H]; empty = none
     std::unique_ptr<bool[]> bool_data;
     Index bool_dims[3] = {0, 0, 0};
     std::vector<double> bias_src;
@@ -271,6 +287,43 @@ inline MaskBuild make_masks(MaskKind kind, const Shape& s, std::uint64_t seed) {
             }
             break;
         }
+        case MaskKind::Softcap:
+            // Logits here are about ±1–3: a cap of 0.75 bends all of them.
+            m.softcap = 0.75;
+            break;
+        case MaskKind::SoftcapCausalBias:
+            m.softcap = 1.25;
+            m.causal = true;
+            set_bias(m, s.B, 1, s.Nq, s.Nk, seed);
+            break;
+        case MaskKind::Alibi:
+            m.alibi_slopes = gattn::alibi_slopes<double>(s.H);
+            break;
+        case MaskKind::AlibiCausalWindowKeyLengths:
+            // Slopes of either sign and 0, large enough that the distances dominate.
+            for (Index h = 0; h < s.H; ++h) m.alibi_slopes.push_back(h % 3 == 2 ? 0.0 : (h % 2 ? -0.2 : 0.45) * (h + 1));
+            m.causal = true;
+            m.window = 9;
+            m.key_lengths = partial_lengths(s.B, s.Nk);
+            break;
+        case MaskKind::AlibiTopLeftBool:
+            m.alibi_slopes = gattn::alibi_slopes<double>(s.H);
+            for (double& x : m.alibi_slopes) x *= 4;
+            m.causal = true;
+            m.top_left = true;
+            set_bool(m, s.B, s.H, s.Nq, s.Nk, seed);
+            break;
+        case MaskKind::AlibiSoftcapSinksOffsets: {
+            gattn_test::UniformSource src(seed);
+            for (Index h = 0; h < s.H; ++h) {
+                m.sinks.push_back(0.5 + src.next(1.0));
+                m.alibi_slopes.push_back(0.1 + 0.25 * static_cast<double>(h % 4));
+            }
+            m.softcap = 2.0;
+            m.causal = true;
+            for (Index b = 0; b < s.B; ++b) m.query_offsets.push_back(b % 2 == 0 ? -std::min<Index>(1, s.Nq) : s.Nk / 3);
+            break;
+        }
         case MaskKind::CausalWindowOffsets:
             // Offsets from before the first key (early queries see nothing) to past the last.
             m.causal = true;
@@ -294,6 +347,8 @@ gattn::SdpaOptions<S> library_options(const MaskBuild& m, std::vector<S>& bias_s
     o.mask.alignment = m.top_left ? gattn::CausalAlignment::TopLeft : gattn::CausalAlignment::BottomRight;
     o.mask.query_offsets = m.query_offsets;
     for (double x : m.sinks) o.sinks.push_back(static_cast<S>(x));
+    o.logit_softcap = m.softcap;
+    for (double x : m.alibi_slopes) o.alibi_slopes.push_back(static_cast<S>(x));
     if (m.bool_data) o.mask.bool_mask = {m.bool_data.get(), m.bool_dims[0], m.bool_dims[1], m.bool_dims[2], m.Nk};
     if (!m.bias_src.empty() || m.bias_dims[0] > 0) {
         bias_store.assign(m.bias_src.begin(), m.bias_src.end());
@@ -314,6 +369,8 @@ RefMasks reference_masks(const MaskBuild& m, Index B, Index H, Index Nq, Index N
     r.top_left = m.top_left;
     r.query_offsets = m.query_offsets;
     for (double x : m.sinks) r.sinks.push_back(static_cast<double>(static_cast<S>(x)));  // as the library sees it
+    if (m.softcap) r.softcap = static_cast<double>(static_cast<S>(*m.softcap));
+    for (double x : m.alibi_slopes) r.alibi_slopes.push_back(static_cast<double>(static_cast<S>(x)));
     if (m.bool_data) expand(m.bool_data.get(), m.bool_dims, B, H, Nq, Nk, r.bool_mask);
     if (m.bias_dims[0] > 0) {
         std::vector<double> rounded(m.bias_src.size());

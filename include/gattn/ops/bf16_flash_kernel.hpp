@@ -168,7 +168,10 @@ inline void widen_block(const FlashBlock<float, S, O>& b, FlashBlock<float>& w, 
         w.lse[t] = b.lse[t];
         w.first_key[t] = b.first_key[t];
         w.sink[t] = b.sink[t];
+        w.position[t] = b.position[t];
+        w.alibi_slope[t] = b.alibi_slope[t];
     }
+    w.softcap = b.softcap;
 }
 
 /// The widened-float kernel: runs the float kernel's steps on Q, K and V widened block by block.
@@ -273,7 +276,7 @@ inline bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk
 template <int R, bool Masked>
 inline void scores_tile(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, float* st,
                         Index j0, const float* lane_begin, const float* lane_end, B* bmax, float c,
-                        const bfloat16* next_key) noexcept {
+                        const bfloat16* next_key, const LogitTransform<float>* tf) noexcept {
     __m512 acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int q = 0; q < C; ++q) acc[r][q] = _mm512_setzero_ps();
@@ -304,6 +307,7 @@ inline void scores_tile(const bfloat16* key, Index key_stride, const std::uint32
         const B j(static_cast<float>(j0 + r));
         for (int q = 0; q < C; ++q) {
             B v = B(acc[r][q]) * scale;
+            if (tf) v = tf->apply(v, q, j);
             if constexpr (Masked) {
                 const auto visible = (B::load_aligned(lane_begin + q * L) <= j) & (j < B::load_aligned(lane_end + q * L));
                 v = xsimd::select(visible, v, B(kNegInf));
@@ -316,17 +320,18 @@ inline void scores_tile(const bfloat16* key, Index key_stride, const std::uint32
 
 template <int R, bool Masked>
 inline void scores_rows(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, float* st, Index j0,
-                        Index nk, const float* lane_begin, const float* lane_end, B* bmax, float c) noexcept {
+                        Index nk, const float* lane_begin, const float* lane_end, B* bmax, float c,
+                        const LogitTransform<float>* tf) noexcept {
     Index kk = 0;
     for (; kk + R <= nk; kk += R) {
         const bfloat16* next = kk + 2 * R <= nk ? key + (kk + R) * key_stride : key;
         scores_tile<R, Masked>(key + kk * key_stride, key_stride, qp, dk, st + kk * W, j0 + kk, lane_begin, lane_end,
-                               bmax, c, next);
+                               bmax, c, next, tf);
     }
     if constexpr (R > 1) {
         if (kk < nk)
             scores_rows<R - 1, Masked>(key + kk * key_stride, key_stride, qp, dk, st + kk * W, j0 + kk, nk - kk,
-                                       lane_begin, lane_end, bmax, c);
+                                       lane_begin, lane_end, bmax, c, tf);
     }
 }
 
@@ -404,8 +409,10 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
                       !(nk % 2 == 1 && nk < packed_keys);
     B bmax[C];
     for (int q = 0; q < C; ++q) bmax[q] = B(kNegInf);
+    const LogitTransform<float>* tf = state.transform.active() ? &state.transform : nullptr;
+    if (tf) state.transform.at_keys(k0);
     if (full) {
-        scores_rows<6, false>(key_block, key_stride, qp, dk, st, 0, nk, nullptr, nullptr, bmax, c);
+        scores_rows<6, false>(key_block, key_stride, qp, dk, st, 0, nk, nullptr, nullptr, bmax, c, tf);
     } else {
         alignas(64) float lane_begin[W], lane_end[W];
         for (int t = 0; t < W; ++t) {
@@ -413,7 +420,7 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
             lane_begin[t] = static_cast<float>(std::clamp<Index>(b, -1, Bc + 1));
             lane_end[t] = static_cast<float>(std::clamp<Index>(e, -1, Bc + 1));
         }
-        scores_rows<6, true>(key_block, key_stride, qp, dk, st, 0, nk, lane_begin, lane_end, bmax, c);
+        scores_rows<6, true>(key_block, key_stride, qp, dk, st, 0, nk, lane_begin, lane_end, bmax, c, tf);
     }
     if (state.elementwise && !full) {
         // Boolean mask and bias per lane (the bias in base 2), then the block max again.
@@ -490,7 +497,7 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
     Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
     for (int i = 0; i < count; ++i) {
         FlashState<float>& s = state[i];
-        s.reset(blocks[i]);
+        s.reset(blocks[i], simd::detail::kLog2eF);  // softcap and ALiBi in base 2
         bf16::pack_query_pairs(blocks[i], dk, ns.qp[i].data());
         std::fill(ns.ot[i].data(), ns.ot[i].data() + dv * W, 0.0f);
         if (!s.any_key()) continue;

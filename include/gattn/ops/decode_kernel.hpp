@@ -338,6 +338,11 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     const Index dk_vec = kDot ? dk : dk / L * L;
     alignas(64) T s[kDecodeRows][L], p[kDecodeRows][L];  // logits (−∞: skipped) and weights
     B dots[kDecodeRows][L];
+    const bool capped = blks[0].softcap > T(0);  // one softcap per call
+    const T inv_cap = capped ? T(1) / blks[0].softcap : T(0);
+    alignas(64) T lane_index[L];
+    for (Index i = 0; i < L; ++i) lane_index[i] = static_cast<T>(i);
+    const B lane = B::load_aligned(lane_index);
     // Only the key blocks some row can see (a sliding window or short lengths leave most of a
     // long cache unread); blocks stay at k_begin + multiples of L, so nothing else changes.
     Index visible_begin = k_end, visible_end = k_begin;
@@ -404,6 +409,15 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                     for (Index d = dk_vec; d < dk; ++d) tail += blk.q[t][d] * static_cast<T>(k[d]);
                                     sr[kk] += tail * scale;
                                 }
+                            // Softcap, then ALiBi's −m·|i' − j| (keys j0 + lane), before the masks.
+                            if (capped || blk.alibi_slope[t] != T(0)) {
+                                B v = B::load_aligned(sr);
+                                if (capped) v = simd::softcap<T>(v, blk.softcap, inv_cap);
+                                if (blk.alibi_slope[t] != T(0))
+                                    v = simd::fnma(B(blk.alibi_slope[t]),
+                                                   xsimd::abs(B(static_cast<T>(blk.position[t] - j0)) - lane), v);
+                                v.store_aligned(sr);
+                            }
                             if (lo == j0 && hi == j0 + nk && !blk.bool_row[t] && !blk.bias_row[t]) {
                                 for (Index kk = nk; kk < L; ++kk) sr[kk] = kNegInf;  // every key visible
                             } else {

@@ -119,6 +119,9 @@ struct FlashBlock {
     T* lse[G::kQueries];                // null when not requested
     T* first_key[G::kQueries];          // null when not requested
     T sink[G::kQueries];                // the head's sink logit (SdpaOptions::sinks), −∞ for none
+    Index position[G::kQueries];        // aligned query position i' (ALiBi's distances)
+    T alibi_slope[G::kQueries];         // the head's ALiBi slope, 0 for none
+    T softcap = 0;                      // logit softcap c (SdpaOptions::logit_softcap), 0 for none
 };
 
 /// Per-thread scratch of the kernel (64-byte aligned through Eigen's allocator): one Qᵀ and
@@ -165,6 +168,49 @@ struct FlashScratch {
     }
 };
 
+/// Softcap and ALiBi of a query block (FlashBlock::softcap, alibi_slope, position), applied to
+/// each register of scaled logits as it leaves the product, before the masks: s ← c·tanh(s/c),
+/// then s ← s − m_t·|i'_t − j| (SdpaOptions::logit_softcap, alibi_slopes). `unit` takes them to
+/// the kernel's logit units (log₂e for a base-2 softmax). Queries are in the lanes.
+template <class T>
+struct LogitTransform {
+    using B = simd::Batch<T>;
+    using G = FlashGeometry<T>;
+    bool capped = false, alibi = false;
+    T cap = 0, inv_cap = 0;
+    alignas(64) T slope[G::kQueries];     // per lane; 0 in padding lanes
+    alignas(64) T distance[G::kQueries];  // i'_t − k0 for the current key block k0
+    Index position[G::kQueries];
+    /// Whether any transform applies.
+    bool active() const noexcept { return capped || alibi; }
+    /// Takes a query block's transform (any storage of its rows).
+    template <class Block>
+    void reset(const Block& blk, T unit) noexcept {
+        capped = blk.softcap > 0;
+        cap = blk.softcap * unit;
+        inv_cap = capped ? T(1) / cap : T(0);
+        alibi = false;
+        for (int t = 0; t < G::kQueries; ++t) {
+            slope[t] = t < blk.count ? static_cast<T>(blk.alibi_slope[t]) * unit : T(0);
+            position[t] = t < blk.count ? blk.position[t] : 0;
+            alibi = alibi || slope[t] != T(0);
+        }
+    }
+    /// Distances of the key block starting at k0 (small integers, exact in T).
+    void at_keys(Index k0) noexcept {
+        if (alibi)
+            for (int t = 0; t < G::kQueries; ++t) distance[t] = static_cast<T>(position[t] - k0);
+    }
+    /// Register c (lanes c·L …) of the logits of key k0 + j.
+    B apply(B v, int c, const B& j) const noexcept {
+        constexpr int L = G::kLanes;
+        if (capped) v = simd::softcap<T>(v, cap, inv_cap);
+        if (alibi)
+            v = simd::fnma(B::load_aligned(slope + c * L), xsimd::abs(B::load_aligned(distance + c * L) - j), v);
+        return v;
+    }
+};
+
 /// Sᵀ[kk][·] = Σ_c K[k0 + kk][c] · Qᵀ[c][·] for kk in [0, R): R keys × kCols registers.
 /// The epilogue masks keys outside each lane's range [lane_begin, lane_end) (relative to the
 /// key block, like j0) to −∞ (Masked) and folds the tile into the block max, so Sᵀ is not
@@ -174,7 +220,8 @@ struct FlashScratch {
 /// attention).
 template <class T, int R, bool Masked, int C0 = 0>
 inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0,
-                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* next_key) noexcept {
+                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* next_key,
+                        const LogitTransform<T>* tf) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
@@ -200,6 +247,7 @@ inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T
         const B j(static_cast<T>(j0 + r));
         for (int c = C0; c < C; ++c) {
             B v = acc[r][c];
+            if (tf) v = tf->apply(v, c, j);
             if constexpr (Masked) {
                 const auto visible = (B::load_aligned(lane_begin + c * L) <= j) & (j < B::load_aligned(lane_end + c * L));
                 v = xsimd::select(visible, v, B(-std::numeric_limits<T>::infinity()));
@@ -274,10 +322,11 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
 /// Sᵀ rows for keys [j0, j0 + nk): tiles of R keys, then the rest with R − 1. A tile prefetches
 /// the next whole tile's key rows, the last ones the R rows at `after` (within the keys).
 /// Masked: dead[kk] is the number of leading query registers that see no key j0 + kk.
+/// tf: the block's softcap and ALiBi, or null for none.
 template <class T, int R, bool Masked>
 inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0, Index nk,
                         const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* after,
-                        const int* dead) noexcept {
+                        const int* dead, const LogitTransform<T>* tf) noexcept {
     using G = FlashGeometry<T>;
     Index kk = 0;
     for (; kk + R <= nk; kk += R) {
@@ -289,18 +338,18 @@ inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T
             with_constant<G::kCols>(c0, [&](auto first_live) {
                 scores_tile<T, R, true, decltype(first_live)::value>(key + kk * key_stride, key_stride, qt, dk,
                                                                     st + kk * G::kQueries, j0 + kk, lane_begin,
-                                                                    lane_end, bmax, next);
+                                                                    lane_end, bmax, next, tf);
             });
         } else {
             scores_tile<T, R, false>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
-                                     lane_begin, lane_end, bmax, next);
+                                     lane_begin, lane_end, bmax, next, tf);
         }
     }
     if constexpr (R > 1) {
         if (kk < nk)
             scores_rows<T, R - 1, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries,
                                           j0 + kk, nk - kk, lane_begin, lane_end, bmax, after,
-                                          Masked ? dead + kk : nullptr);
+                                          Masked ? dead + kk : nullptr, tf);
     }
 }
 
@@ -328,12 +377,15 @@ struct FlashState {
     alignas(64) T first_score[G::kQueries];
     Index union_begin, union_end, common_begin, common_end;
     bool elementwise;
+    LogitTransform<T> transform;  // softcap and ALiBi
     /// First key block this query block visits (key blocks start at multiples of Bc, so a
     /// lane's blocking and rounding do not depend on which other lanes share its block).
     Index first_block() const { return union_begin / G::kKeys * G::kKeys; }
     /// Starts a query block (any storage of its rows): its lanes' key ranges, m = −∞, l = 0.
+    /// unit: the kernel's logit units per natural unit (LogitTransform).
     template <class Block>
-    void reset(const Block& blk) noexcept {
+    void reset(const Block& blk, T unit = T(1)) noexcept {
+        transform.reset(blk, unit);
         union_begin = std::numeric_limits<Index>::max();
         union_end = 0;
         common_begin = 0;
@@ -457,9 +509,11 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     int run_count = 0;
     // The last tile prefetches the block's first rows again: the group's next query block
     // starts there.
+    const LogitTransform<T>* tf = state.transform.active() ? &state.transform : nullptr;
+    if (tf) state.transform.at_keys(k0);
     if (full) {
         scores_rows<T, G::kRows, false>(key_block, key_stride, qt, dk, st, 0, nk, nullptr, nullptr, bmax, key_block,
-                                        nullptr);
+                                        nullptr, tf);
     } else {
         // Each lane's visible range relative to k0, clamped to [−1, Bc + 1]: small integers, exact
         // in T however large N_k is, so one vector compare per register masks a key. Padding
@@ -499,7 +553,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
                 runs[run_count++] = KeyRun{static_cast<int>(kk), static_cast<int>(kk) + 1, c, plain};
         }
         scores_rows<T, G::kRows, true>(key_block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, key_block,
-                                       dead);
+                                       dead, tf);
     }
     if (state.elementwise && !full) {
         // Boolean mask and additive bias, per lane; then the block max again. A key the range

@@ -13,7 +13,8 @@
 ///    query_offsets[b] + i (an explicit offset per sequence);
 ///  - sliding window w (counting the diagonal): i' − w < j, and j < i' + w when not causal;
 ///  - boolean mask: mask[b, h, i, j] is true (true = attend);
-///  - additive bias: bias[b, h, i, j] is not −∞ (it is added to the scaled logit).
+///  - additive bias: bias[b, h, i, j] is not −∞ (it is added to the scaled logit, after the
+///    softcap and ALiBi of SdpaOptions).
 /// Masked keys are skipped, never multiplied by zero, so their K and V cannot reach the output
 /// (keys outside every query's key range are not read at all; keys that only the boolean mask
 /// or the bias hides are read with their block), and a key another mask hides ignores its bias
@@ -93,16 +94,25 @@ struct KeyRange {
     Index end = 0;
 };
 
+/// The aligned position i' of query i of sequence b among its keys (the causal diagonal, the
+/// window's centre and ALiBi's distances are measured from it).
+template <class Scalar>
+inline Index aligned_position(const AttentionMask<Scalar>& mask, Index b, Index i, Index query_len,
+                              Index key_len) noexcept {
+    if (!mask.query_offsets.empty()) return mask.query_offsets[b] + i;
+    if (mask.alignment == CausalAlignment::TopLeft) return i;
+    const Index len = mask.key_lengths.empty() ? key_len : mask.key_lengths[b];
+    const Index queries = mask.query_lengths.empty() ? query_len : mask.query_lengths[b];
+    return i + (len - queries);
+}
+
 template <class Scalar>
 inline KeyRange visible_key_range(const AttentionMask<Scalar>& mask, Index b, Index i,
                                   Index query_len, Index key_len) noexcept {
     const Index len = mask.key_lengths.empty() ? key_len : mask.key_lengths[b];
     const Index queries = mask.query_lengths.empty() ? query_len : mask.query_lengths[b];
     if (i >= queries) return {0, 0};           // a padding query row sees nothing
-    // Aligned position i' of the query.
-    const Index pos = !mask.query_offsets.empty()                  ? mask.query_offsets[b] + i
-                      : mask.alignment == CausalAlignment::TopLeft ? i
-                                                                   : i + (len - queries);
+    const Index pos = aligned_position(mask, b, i, query_len, key_len);
     Index begin = 0;
     Index end = len;
     if (mask.causal) end = std::min(end, pos + 1);

@@ -57,6 +57,44 @@ struct SdpaOptions {
     /// log-sum-exp s_h. Partial results over disjoint key ranges still merge exactly with
     /// merge_attention when exactly one of the calls gets the sinks.
     std::vector<Scalar> sinks;
+    /// Logit soft-capping (Gemma 2's attn_logit_softcapping, ONNX Attention's softcap): each
+    /// scaled logit ℓ becomes c·tanh(ℓ/c) before ALiBi, the masks and the bias apply. Empty =
+    /// none; c must be finite and > 0 in Scalar. Computed in the kernels by simd::softcap
+    /// (absolute error about one rounding of c; see there).
+    std::optional<double> logit_softcap;
+    /// ALiBi (Press et al., "Train Short, Test Long", ICLR 2022): [H] slopes m_h, one per
+    /// query head, or empty for none. Query i, at aligned position i' (AttentionMask: where the
+    /// causal diagonal sits), and key j get −m_h·|i' − j| added to their logit after the
+    /// softcap and before the bias; computed in the kernels, no [N_q, N_k] tensor. Composes
+    /// with every mask. alibi_slopes(H) gives the standard geometric slopes. Under a causal
+    /// mask, BLOOM's form m_h·j gives the same probabilities and outputs (it differs by the
+    /// per-row constant m_h·i', which the log-sum-exp keeps). Slopes must be finite.
+    std::vector<Scalar> alibi_slopes;
+};
+
+/// The standard ALiBi slopes for num_heads heads (Press et al. 2022, §3; BLOOM's
+/// build_alibi_tensor): for n = num_heads a power of two, m_h = 2^(−8(h+1)/n); otherwise the
+/// n' = 2^⌊log₂ num_heads⌋ slopes of n' heads, then every other slope of 2n' heads
+/// (2^(−4(2k+1)/n'), k = 0, 1, …) for the rest. E.g. 8 heads: 1/2, 1/4, …, 1/256.
+/// \throws std::invalid_argument for num_heads < 1.
+template <class Scalar = double>
+std::vector<Scalar> alibi_slopes(Index num_heads) {
+    if (num_heads < 1)
+        throw std::invalid_argument("gattn::alibi_slopes: num_heads must be >= 1, got " + std::to_string(num_heads));
+    Index n = 1;
+    while (n * 2 <= num_heads) n *= 2;
+    std::vector<Scalar> slopes;
+    for (Index h = 1; h <= n; ++h) slopes.push_back(static_cast<Scalar>(std::exp2(-8.0 * double(h) / double(n))));
+    for (Index k = 0; n + k < num_heads; ++k)
+        slopes.push_back(static_cast<Scalar>(std::exp2(-4.0 * double(2 * k + 1) / double(n))));
+    return slopes;
+}
+
+/// Which logits SdpaOutputs::logits holds.
+enum class LogitStage {
+    Scaled,      ///< scale·q·k for every key j < N_k, masked or not (a hidden key may hold anything)
+    Softcapped,  ///< Scaled after the logit softcap (the same as Scaled without one)
+    Final,       ///< what enters the softmax: softcap, ALiBi and bias applied, −∞ for masked keys
 };
 
 /// Optional outputs of scaled_dot_product_attention. Each non-null matrix is resized and filled.
@@ -72,6 +110,11 @@ struct SdpaOutputs {
     /// [B·N_q, H]: probability each query puts on key 0 (paper §4.3 "first-token attention";
     /// 0 when key 0 is masked).
     RowMatrix<Scalar>* first_key_probability = nullptr;
+    /// [B·H·N_q, N_k], row ((b·H + h)·N_q + i): the logits at logits_stage, recomputed with the
+    /// kernels' arithmetic (softcap by simd::softcap). O(N_q·N_k) memory: for analysis only.
+    RowMatrix<Scalar>* logits = nullptr;
+    /// The stage logits holds; Final by default.
+    LogitStage logits_stage = LogitStage::Final;
 };
 
 }  // namespace gattn
@@ -137,6 +180,19 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
             if (std::isnan(options.sinks[h]) || options.sinks[h] == std::numeric_limits<Scalar>::infinity())
                 throw_invalid(fn, "sinks[" + std::to_string(h) + "]",
                               "must be finite or -inf (no sink), got " + std::to_string(options.sinks[h]));
+    }
+    if (options.logit_softcap &&
+        !(std::isfinite(static_cast<Scalar>(*options.logit_softcap)) && static_cast<Scalar>(*options.logit_softcap) > 0))
+        throw_invalid(fn, "logit_softcap",
+                      "must be finite and > 0 in the scalar type, got " + std::to_string(*options.logit_softcap));
+    if (!options.alibi_slopes.empty()) {
+        if (static_cast<Index>(options.alibi_slopes.size()) != H)
+            throw_shape(fn, "alibi_slopes", shape_string({H}),
+                        shape_string({static_cast<Index>(options.alibi_slopes.size())}));
+        for (std::size_t h = 0; h < options.alibi_slopes.size(); ++h)
+            if (!std::isfinite(options.alibi_slopes[h]))
+                throw_invalid(fn, "alibi_slopes[" + std::to_string(h) + "]",
+                              "must be finite, got " + std::to_string(options.alibi_slopes[h]));
     }
     if (!m.query_offsets.empty()) {
         if (static_cast<Index>(m.query_offsets.size()) != B)
@@ -299,12 +355,14 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
         gattn::detail::overlaps_any(out.data(), out_span, mask.bias.data, gattn::detail::numel(mask.bias)))
         gattn::detail::throw_invalid(fn, "out", "must not overlap mask.bias");
     // Optional outputs are resized, which frees their storage: they must not be, or hold, an input.
-    const RowMatrix<T>* extras[] = {extra.log_sum_exp, extra.probabilities, extra.first_key_probability};
-    const char* extra_names[] = {"extra.log_sum_exp", "extra.probabilities", "extra.first_key_probability"};
-    for (int a = 0; a < 3; ++a) {
+    const RowMatrix<T>* extras[] = {extra.log_sum_exp, extra.probabilities, extra.first_key_probability,
+                                    extra.logits};
+    const char* extra_names[] = {"extra.log_sum_exp", "extra.probabilities", "extra.first_key_probability",
+                                 "extra.logits"};
+    for (int a = 0; a < 4; ++a) {
         const RowMatrix<T>* e = extras[a];
         if (!e) continue;
-        for (int b2 = a + 1; b2 < 3; ++b2)
+        for (int b2 = a + 1; b2 < 4; ++b2)
             if (extras[b2] == e)
                 gattn::detail::throw_invalid(fn, extra_names[a], std::string("must not be ") + extra_names[b2]);
         using gattn::detail::resized_output_holds;
@@ -314,9 +372,11 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     }
 
     const T scale = static_cast<T>(options.scale ? *options.scale : 1.0 / std::sqrt(double(dk)));
+    const T softcap = options.logit_softcap ? static_cast<T>(*options.logit_softcap) : T(0);
     if (extra.log_sum_exp) extra.log_sum_exp->resize(B * Nq, H);
     if (extra.probabilities) extra.probabilities->setZero(B * H * Nq, Nk);
     if (extra.first_key_probability) extra.first_key_probability->setZero(B * Nq, H);
+    if (extra.logits) extra.logits->resize(B * H * Nq, Nk);
 
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     if (B * Nq == 0) return;
@@ -391,6 +451,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     auto pair_row = [&](Index b, Index pair) { return b * Nq + pair % Nq; };
     auto describe_block = [&](kernel::FlashBlock<T, Scalar, Out>& blk, Index b, Index g, Index t0) {
         blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
+        blk.softcap = softcap;
         for (int t = 0; t < blk.count; ++t) {
             const Index pair = t0 + t, h = pair_head(g, pair), i = pair % Nq;
             const Index row = pair_row(b, pair);
@@ -403,6 +464,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
             blk.bias_row[t] = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
             blk.lse[t] = lse ? &(*lse)(row, h) : nullptr;
             blk.sink[t] = options.sinks.empty() ? kNegInf : options.sinks[h];
+            blk.position[t] = gattn::detail::aligned_position(mask, b, i, Nq, Nk);
+            blk.alibi_slope[t] = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
             blk.first_key[t] = extra.first_key_probability ? &(*extra.first_key_probability)(row, h) : nullptr;
         }
     };
@@ -537,9 +600,10 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
         }
     }
 
-    if (!extra.probabilities) return;
-    // Analysis output, recomputed row by row in three passes (max, sum, normalise) so that it is
-    // exact even when every visible logit is huge (the log-sum-exp alone would lose log n).
+    if (!extra.probabilities && !extra.logits) return;
+    // Analysis outputs, recomputed row by row; probabilities in three passes (max, sum,
+    // normalise) so that they are exact even when every visible logit is huge (the log-sum-exp
+    // alone would lose log n).
     std::vector<T> logits(static_cast<std::size_t>(Nk));
     std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(q_wide.size());
     auto dot = [&](const Scalar* a, const Scalar* b2) -> T {
@@ -551,26 +615,43 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
             return simd::dot(a, b2, static_cast<std::size_t>(dk));
         }
     };
+    const T inv_cap = softcap > 0 ? T(1) / softcap : T(0);
+    auto capped = [&](T x) { return softcap > 0 ? simd::softcap_scalar<T>(x, softcap, inv_cap) : x; };
+    const LogitStage stage = extra.logits_stage;
     for (Index b = 0; b < B; ++b)
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
-                if ((*lse)(b * Nq + i, h) == kNegInf) continue;
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
                 const Scalar* k = key.data() + b * Nk * key.outerStride() + (h / group) * dk;
+                const Index prow = (b * H + h) * Nq + i;
+                T* lg = extra.logits ? extra.logits->data() + prow * Nk : nullptr;
+                if (lg && stage != LogitStage::Final)
+                    for (Index j = 0; j < Nk; ++j) {
+                        const T x = dot(q, k + j * key.outerStride()) * scale;
+                        lg[j] = stage == LogitStage::Softcapped ? capped(x) : x;
+                    }
+                if (lg && stage == LogitStage::Final) std::fill(lg, lg + Nk, kNegInf);
+                const bool probabilities = extra.probabilities && (*lse)(b * Nq + i, h) != kNegInf;
+                if (!probabilities && !(lg && stage == LogitStage::Final)) continue;
                 const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
                 const T* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
-                T* p = extra.probabilities->data() + ((b * H + h) * Nq + i) * Nk;
+                const T slope = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
+                const Index position = gattn::detail::aligned_position(mask, b, i, Nq, Nk);
                 const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
                 const T sink = options.sinks.empty() ? kNegInf : options.sinks[h];  // in the sum, no value
                 T m = sink;
                 for (Index j = range.begin; j < range.end; ++j) {
                     logits[j] = kNegInf;
                     if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == kNegInf)) continue;
-                    T sc = dot(q, k + j * key.outerStride()) * scale;
+                    T sc = capped(dot(q, k + j * key.outerStride()) * scale);
+                    if (slope != T(0)) sc = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), sc);
                     if (bias_row) sc += bias_row[j];
                     logits[j] = sc;
                     m = std::max(m, sc);
                 }
+                if (lg && stage == LogitStage::Final) std::copy(logits.begin() + range.begin, logits.begin() + range.end, lg + range.begin);
+                if (!probabilities) continue;
+                T* p = extra.probabilities->data() + prow * Nk;
                 T l = sink == kNegInf ? T(0) : simd::exp_scalar<T>(sink - m);
                 for (Index j = range.begin; j < range.end; ++j)
                     if (logits[j] != kNegInf) l += (p[j] = simd::exp_scalar<T>(logits[j] - m));
