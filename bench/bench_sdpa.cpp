@@ -8,6 +8,11 @@
 // (the same inputs rounded to bf16; bf16 output) and reports speedup = float time / bf16 time;
 // the bf16 kernel that ran (and why no faster one) is printed in the context.
 //
+// BM_VariantCost runs plain SDPA and one attention variant of current models (learned sinks,
+// logit softcap, ALiBi, top-left causal alignment) in turn in every iteration and reports
+// cost = variant time / plain time − 1, for prefill (N_q = N_k) and decoding (N_q = 1); bf16
+// variants run the bf16 kernels on the same inputs rounded.
+//
 // Run: build/bench/bench/bench_sdpa --benchmark_counters_tabular=true
 // Threads: the benchmarks with /threads:2 set omp_set_num_threads(2) (needs an OpenMP build).
 
@@ -417,6 +422,67 @@ void baseline_args(benchmark::internal::Benchmark* b) {
     b->Args({8192, 128, 0})->Args({8192, 128, 1});  // 256 MiB of scores per head
 }
 
+/// The variants BM_VariantCost compares with plain SDPA.
+enum class Variant { Sinks, Softcap, Alibi, TopLeft, SoftcapAlibiSinks };
+const char* variant_name(Variant v) {
+    switch (v) {
+        case Variant::Sinks: return "sinks";
+        case Variant::Softcap: return "softcap";
+        case Variant::Alibi: return "alibi";
+        case Variant::TopLeft: return "top_left";
+        case Variant::SoftcapAlibiSinks: return "softcap+alibi+sinks";
+    }
+    return "?";
+}
+
+/// Plain SDPA and one variant in turn, one thread. Args: variant, N_q, N_k, d, causal, bf16.
+/// Counter cost = variant / plain − 1 (0.05: the variant takes 5 % longer).
+void BM_VariantCost(benchmark::State& state) {
+    const auto variant = static_cast<Variant>(state.range(0));
+    const gattn::Index nq = state.range(1), nk = state.range(2), d = state.range(3);
+    const bool causal = state.range(4) != 0, narrow = state.range(5) != 0;
+    set_threads(1);
+    Inputs in(nq, nk, d);
+    gattn::SdpaOptions<float> plain, with;
+    plain.mask.causal = with.mask.causal = causal;
+    switch (variant) {
+        case Variant::Sinks: with.sinks.assign(kHeads, 0.5f); break;
+        case Variant::Softcap: with.logit_softcap = 50.0; break;  // Gemma 2's cap
+        case Variant::Alibi: with.alibi_slopes = gattn::alibi_slopes<float>(kHeads); break;
+        case Variant::TopLeft: with.mask.alignment = gattn::CausalAlignment::TopLeft; break;
+        case Variant::SoftcapAlibiSinks:
+            with.sinks.assign(kHeads, 0.5f);
+            with.logit_softcap = 50.0;
+            with.alibi_slopes = gattn::alibi_slopes<float>(kHeads);
+            break;
+    }
+    const gattn::HeadLayout heads{1, kHeads, kHeads};
+    using Bf = gattn::RowMatrix<gattn::bfloat16>;
+    const Bf q16 = in.q.cast<gattn::bfloat16>(), k16 = in.k.cast<gattn::bfloat16>(), v16 = in.v.cast<gattn::bfloat16>();
+    Bf out16(in.out.rows(), in.out.cols());
+    auto run = [&](const gattn::SdpaOptions<float>& o) {
+        return [&, o] {
+            if (narrow)
+                gattn::scaled_dot_product_attention<gattn::bfloat16>(q16, k16, v16, heads, out16, o);
+            else
+                gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, heads, in.out, o);
+        };
+    };
+    const auto [t_plain, t_variant] = time_in_turn(state, run(plain), run(with));
+    state.counters["cost"] = t_variant / t_plain - 1.0;
+    state.counters["plain_ms"] = 1e3 * t_plain / double(state.iterations());
+    state.counters["variant_ms"] = 1e3 * t_variant / double(state.iterations());
+    state.SetLabel(variant_name(variant));
+}
+
+void variant_args(benchmark::internal::Benchmark* b) {
+    for (int v = 0; v <= static_cast<int>(Variant::SoftcapAlibiSinks); ++v)
+        for (int narrow : {0, 1}) {
+            b->Args({v, 2048, 2048, 128, 1, narrow});  // prefill, causal
+            b->Args({v, 1, 16384, 128, 0, narrow});    // decoding against 16k keys
+        }
+}
+
 BENCHMARK(BM_GattnSdpa)->Apply(prefill_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_GattnSdpa)->Name("BM_GattnDecode")->Apply(decode_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_GattnLongContext)->Arg(2)->ArgNames({"threads"})->Iterations(1)->Unit(benchmark::kSecond)->UseRealTime();
@@ -425,6 +491,7 @@ BENCHMARK(BM_Bf16VsFloat)->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}, {0}})->A
 BENCHMARK(BM_Bf16DecodeVsFloat)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_DecodeVsEigen)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_Bf16Accuracy)->ArgsProduct({{2048, 8192}, {0, 1}})->ArgNames({"N", "float_out"})->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_VariantCost)->Apply(variant_args)->ArgNames({"variant", "Nq", "Nk", "d", "causal", "bf16"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenCarefulSdpa)->Apply(baseline_args)->ArgNames({"N", "d", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenTypicalSdpa)->Args({512, 128})->Args({2048, 128})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenGemmRoof)->Args({512, 128})->Args({2048, 128})->Args({2048, 64})->Args({2048, 256})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
