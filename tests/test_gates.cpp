@@ -169,11 +169,17 @@ struct LayerShape {
     std::vector<Index> key_lengths;
     bool record_probabilities;
     bool sinks = false;  ///< learned attention sinks beside the gate
+    double softcap = 0;  ///< logit softcap (0: none)
+    bool alibi = false;  ///< ALiBi with the standard slopes
 };
 
 const LayerShape kGqaCausal{"GqaCausal", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {}, false};
 const LayerShape kMhaKeyLengths{"MhaKeyLengths", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5}, true};
 const LayerShape kGqaCausalSinks{"GqaCausalSinks", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {}, false, true};
+// Softcap 0.25 bends the logits of these random weights (mostly within ±1); ALiBi's slopes for 4 heads
+// (1/4 … 1/256) are exact in every storage type.
+const LayerShape kGqaCausalSoftcapAlibi{"GqaCausalSoftcapAlibi", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {},
+                                        true, false, 0.25, true};
 const LayerShape kMhaKeyLengthsSinks{"MhaKeyLengthsSinks", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5},
                                      true, true};
 
@@ -195,6 +201,8 @@ gattn::AttentionConfig make_config(const GateSpec& spec, const LayerShape& sh) {
     c.sliding_window = sh.window;
     c.scale = sh.scale;
     c.sinks = sh.sinks;
+    c.logit_softcap = sh.softcap;
+    c.alibi = sh.alibi;
     return c;
 }
 
@@ -242,13 +250,18 @@ void run_layer_case(const GateSpec& spec, const LayerShape& sh) {
 /// against the float64 layer_reference on the whole padded batch (causal, key lengths {7, 5}).
 /// Padding slots of a call, where the gate does not act on the output, give o_proj's bias.
 template <class S>
-void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sinks = false) {
+void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sinks = false,
+                     bool softcap_alibi = false) {
     const std::string label = std::string("Decode") + type_label<S>() + (window ? "/Window" : "") +
-                              (sinks ? "/Sinks" : "") + "/" + spec_name(spec);
+                              (sinks ? "/Sinks" : "") + (softcap_alibi ? "/SoftcapAlibi" : "") + "/" + spec_name(spec);
     SCOPED_TRACE(label + " (" + gattn::describe(spec) + ")");
     LayerShape sh = kGqaCausal;
     sh.window = window;
     sh.sinks = sinks;
+    if (softcap_alibi) {
+        sh.softcap = kGqaCausalSoftcapAlibi.softcap;
+        sh.alibi = true;
+    }
     const Index B = 2, N = 7;
     const std::vector<Index> lengths = {7, 5};
     const gattn::AttentionConfig c = make_config(spec, sh);
@@ -311,6 +324,11 @@ TEST_P(GateSpecs, FloatGqaCausalSinks) { run_layer_case<float>(GetParam(), kGqaC
 TEST_P(GateSpecs, FloatMhaKeyLengthsSinks) { run_layer_case<float>(GetParam(), kMhaKeyLengthsSinks); }
 TEST_P(GateSpecs, Bf16GqaCausalSinks) { run_layer_case<gattn::bfloat16>(GetParam(), kGqaCausalSinks); }
 TEST_P(GateSpecs, FloatDecodeWithCacheSinks) { run_decode_case<float>(GetParam(), std::nullopt, true); }
+// Every gate beside softcap and ALiBi (Gemma 2, BLOOM): prefill with probabilities, decoding
+// with a window, bf16.
+TEST_P(GateSpecs, FloatGqaCausalSoftcapAlibi) { run_layer_case<float>(GetParam(), kGqaCausalSoftcapAlibi); }
+TEST_P(GateSpecs, Bf16GqaCausalSoftcapAlibi) { run_layer_case<gattn::bfloat16>(GetParam(), kGqaCausalSoftcapAlibi); }
+TEST_P(GateSpecs, FloatDecodeWithCacheWindowSoftcapAlibi) { run_decode_case<float>(GetParam(), 3, false, true); }
 
 TEST_P(GateSpecs, FloatGqaCausal) { run_layer_case<float>(GetParam(), kGqaCausal); }
 TEST_P(GateSpecs, Bf16GqaCausal) { run_layer_case<gattn::bfloat16>(GetParam(), kGqaCausal); }

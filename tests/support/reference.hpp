@@ -337,6 +337,8 @@ inline LayerRefResult layer_reference(const gattn::AttentionConfig& c,
     masks.bool_mask = bool_mask;
     masks.bias = bias;
     if (c.sinks) masks.sinks.assign(w.sinks.data(), w.sinks.data() + w.sinks.size());
+    if (c.logit_softcap > 0) masks.softcap = c.logit_softcap;
+    if (c.alibi) masks.alibi_slopes = gattn::alibi_slopes<double>(H);  // powers of 2 for H = 2^k: exact in float
     const SdpaRefResult att = sdpa_reference(Q, K, V, batch, H, Hkv, c.scale, masks);
     Mat U = att.out;
     res.first_key_attention = att.first_key;

@@ -33,6 +33,12 @@ struct AttentionConfig {
     /// joins each row's softmax denominator without a value (SdpaOptions::sinks). Composes
     /// with any gate, so gated, sink and gated-plus-sink layers compare like for like.
     bool sinks = false;
+    /// Logit soft-capping c > 0 (Gemma 2's attn_logit_softcapping, 50 there): each scaled
+    /// logit ℓ becomes c·tanh(ℓ/c) (SdpaOptions::logit_softcap); 0 = none.
+    double logit_softcap = 0;
+    /// ALiBi with the standard slopes alibi_slopes(H) (BLOOM, MPT; SdpaOptions::alibi_slopes):
+    /// a position signal for this layer, which has no rotary embedding.
+    bool alibi = false;
 
     /// Features per query and key head.
     Index d_k() const noexcept { return head_dim; }
@@ -52,7 +58,8 @@ struct TensorShape {
 };
 
 /// Throws std::invalid_argument (naming `function` and the field) when the config is invalid:
-/// sizes < 1, H not divisible by H_kv, window < 1, non-finite scale, invalid gate spec, or a
+/// sizes < 1, H not divisible by H_kv, window < 1, non-finite scale, negative or non-finite
+/// logit_softcap, invalid gate spec, or a
 /// fused gate layout with d_v ≠ d_k for an elementwise gate.
 inline void validate_config(const AttentionConfig& c, const char* function) {
     auto positive = [&](Index v, const char* name) {
@@ -89,6 +96,9 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
                                   std::to_string(*c.sliding_window));
     if (c.scale && !std::isfinite(*c.scale))
         detail::throw_invalid(function, "config.scale", "must be finite");
+    if (!(std::isfinite(c.logit_softcap) && c.logit_softcap >= 0) || (c.logit_softcap > 0 && !std::isfinite(float(c.logit_softcap))))
+        detail::throw_invalid(function, "config.logit_softcap",
+                              "must be finite (in float too) and >= 0 (0 = none), got " + std::to_string(c.logit_softcap));
     validate_gate_spec(c.gate, function);
     if (c.gate.enabled() && c.gate.layout != GateLayout::Separate &&
         c.gate.granularity == GateGranularity::Elementwise && c.d_v() != c.d_k())

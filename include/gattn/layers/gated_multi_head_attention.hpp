@@ -323,13 +323,15 @@ private:
                 gattn::detail::throw_invalid(fn, name, bias ? "must not hold x, out or options.bias" : "must not hold x or out");
     }
 
-    /// SDPA options of the config: scale, causal and window masks.
+    /// SDPA options of the config: scale, causal and window masks, sinks, softcap, ALiBi.
     SdpaOptions<T> sdpa_options() const {
         SdpaOptions<T> sdpa;
         sdpa.scale = m_config.scale;
         sdpa.mask.causal = m_config.causal;
         sdpa.mask.sliding_window = m_config.sliding_window;
         sdpa.sinks = m_sinks;
+        if (m_config.logit_softcap > 0) sdpa.logit_softcap = m_config.logit_softcap;
+        if (m_config.alibi) sdpa.alibi_slopes = alibi_slopes<T>(m_config.num_heads);
         return sdpa;
     }
 

@@ -72,23 +72,6 @@ struct SdpaOptions {
     std::vector<Scalar> alibi_slopes;
 };
 
-/// The standard ALiBi slopes for num_heads heads (Press et al. 2022, §3; BLOOM's
-/// build_alibi_tensor): for n = num_heads a power of two, m_h = 2^(−8(h+1)/n); otherwise the
-/// n' = 2^⌊log₂ num_heads⌋ slopes of n' heads, then every other slope of 2n' heads
-/// (2^(−4(2k+1)/n'), k = 0, 1, …) for the rest. E.g. 8 heads: 1/2, 1/4, …, 1/256.
-/// \throws std::invalid_argument for num_heads < 1.
-template <class Scalar = double>
-std::vector<Scalar> alibi_slopes(Index num_heads) {
-    if (num_heads < 1)
-        throw std::invalid_argument("gattn::alibi_slopes: num_heads must be >= 1, got " + std::to_string(num_heads));
-    Index n = 1;
-    while (n * 2 <= num_heads) n *= 2;
-    std::vector<Scalar> slopes;
-    for (Index h = 1; h <= n; ++h) slopes.push_back(static_cast<Scalar>(std::exp2(-8.0 * double(h) / double(n))));
-    for (Index k = 0; n + k < num_heads; ++k)
-        slopes.push_back(static_cast<Scalar>(std::exp2(-4.0 * double(2 * k + 1) / double(n))));
-    return slopes;
-}
 
 /// Which logits SdpaOutputs::logits holds.
 enum class LogitStage {
@@ -120,6 +103,25 @@ struct SdpaOutputs {
 }  // namespace gattn
 
 GATTN_BEGIN_ISA_NAMESPACE
+
+/// The standard ALiBi slopes for num_heads heads (Press et al. 2022, §3; BLOOM's
+/// build_alibi_tensor): for n = num_heads a power of two, m_h = 2^(−8(h+1)/n); otherwise the
+/// n' = 2^⌊log₂ num_heads⌋ slopes of n' heads, then every other slope of 2n' heads
+/// (2^(−4(2k+1)/n'), k = 0, 1, …) for the rest. E.g. 8 heads: 1/2, 1/4, …, 1/256.
+/// \throws std::invalid_argument for num_heads < 1.
+template <class Scalar = double>
+std::vector<Scalar> alibi_slopes(Index num_heads) {
+    if (num_heads < 1)
+        throw std::invalid_argument("gattn::alibi_slopes: num_heads must be >= 1, got " + std::to_string(num_heads));
+    Index n = 1;
+    while (n * 2 <= num_heads) n *= 2;
+    std::vector<Scalar> slopes;
+    for (Index h = 1; h <= n; ++h) slopes.push_back(static_cast<Scalar>(std::exp2(-8.0 * double(h) / double(n))));
+    for (Index k = 0; n + k < num_heads; ++k)
+        slopes.push_back(static_cast<Scalar>(std::exp2(-4.0 * double(2 * k + 1) / double(n))));
+    return slopes;
+}
+
 namespace detail {
 
 /// Validates an SDPA call; throws shape_error / std::invalid_argument. Returns {d_k, d_v}.
