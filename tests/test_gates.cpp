@@ -283,15 +283,15 @@ void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sin
         gattn::RowMatrix<A> xs(B * n, sh.D);
         for (Index b = 0; b < B; ++b)
             for (Index t = 0; t < n; ++t) {
-                const Index pos = std::min(cache.lengths()[b] + t, lengths[b] - 1);
+                const Index pos = std::min(cache.tokens_seen()[b] + t, lengths[b] - 1);
                 xs.row(b * n + t) = x.row(b * N + pos).cast<A>();
             }
-        const std::vector<Index> before = cache.lengths();
+        const std::vector<Index> before = cache.tokens_seen();
         gattn::RowMatrix<A> out(B * n, sh.D);
         gattn::ForwardTrace<A> trace;
         layer.forward(xs, cache, out, counts, &trace);
         for (Index b = 0; b < B; ++b) {
-            EXPECT_EQ(cache.lengths()[b], before[b] + counts[b]);
+            EXPECT_EQ(cache.tokens_seen()[b], before[b] + counts[b]);
             for (Index t = 0; t < n; ++t) {
                 const std::string where = label + " sequence " + std::to_string(b) + " slot " + std::to_string(t) +
                                           " after " + std::to_string(before[b]) + " tokens";
@@ -309,7 +309,13 @@ void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sin
             }
         }
     }
-    EXPECT_EQ(cache.lengths(), lengths);
+    EXPECT_EQ(cache.tokens_seen(), lengths);
+    // A windowed layer's cache keeps 2·window rows, not the 8 asked for.
+    if (window) {
+        EXPECT_EQ(cache.window(), *window);
+        EXPECT_EQ(cache.capacity(), 2 * *window);
+        EXPECT_GT(cache.first_positions()[0], 0);
+    }
 }
 
 class GateSpecs : public ::testing::TestWithParam<GateSpec> {};

@@ -789,6 +789,125 @@ TEST(LayerDecode, CacheSetHoldsEachLayersOwnCache) {
     EXPECT_THROW(caches[2], std::out_of_range);
 }
 
+/// A window cache by hand: window 3, 4 rows per sequence. Token t's key row is (t, b) so that
+/// every stored row names its token. Appends that do not fit keep the last w − 1 = 2 tokens at
+/// the front; a call bringing more than fits beside them grows the rows to w − 1 + count.
+TEST(WindowCache, KeepsTheWindowsTokensInOrder) {
+    gattn::KVCache<float> cache(2, 4, 1, 2, 0, 0, 3);
+    EXPECT_EQ(cache.window(), 3);
+    Index next[2] = {0, 0};
+    auto append = [&](std::vector<Index> counts) {
+        const Index n = *std::max_element(counts.begin(), counts.end());
+        RowMatrix<float> k = RowMatrix<float>::Constant(2 * n, 2, -1.0f);
+        for (Index b = 0; b < 2; ++b)
+            for (Index t = 0; t < counts[static_cast<std::size_t>(b)]; ++t) {
+                k(b * n + t, 0) = static_cast<float>(next[b]++);
+                k(b * n + t, 1) = static_cast<float>(b);
+            }
+        cache.append(k, k, counts);
+    };
+    // The stored tokens of sequence b, by the position their rows name.
+    auto stored = [&](Index b) {
+        std::vector<Index> tokens;
+        for (Index t = 0; t < cache.lengths()[static_cast<std::size_t>(b)]; ++t) {
+            EXPECT_EQ(cache.keys()(b * cache.capacity() + t, 1), float(b));
+            EXPECT_EQ(cache.values()(b * cache.capacity() + t, 0), cache.keys()(b * cache.capacity() + t, 0));
+            tokens.push_back(static_cast<Index>(cache.keys()(b * cache.capacity() + t, 0)));
+        }
+        return tokens;
+    };
+    append({3, 1});
+    EXPECT_EQ(stored(0), std::vector<Index>({0, 1, 2}));
+    EXPECT_EQ(cache.lengths_after({2, 0}), std::vector<Index>({4, 1}));  // tokens 1, 2 kept, 3 and 4 added
+    append({2, 0});  // 3 + 2 > 4: tokens 1, 2 move to the front
+    EXPECT_EQ(stored(0), std::vector<Index>({1, 2, 3, 4}));
+    EXPECT_EQ(stored(1), std::vector<Index>({0}));
+    EXPECT_EQ(cache.first_positions(), std::vector<Index>({1, 0}));
+    EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({5, 1}));
+    EXPECT_EQ(cache.capacity(), 4);
+    EXPECT_EQ(cache.capacity_after({5, 1}), 7);  // 2 kept + 5 new: the rows grow
+    append({5, 1});
+    EXPECT_EQ(cache.capacity(), 7);
+    EXPECT_EQ(cache.keys().rows(), 14);
+    EXPECT_EQ(stored(0), std::vector<Index>({3, 4, 5, 6, 7, 8, 9}));
+    EXPECT_EQ(stored(1), std::vector<Index>({0, 1}));  // kept in place
+    EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({10, 2}));
+    cache.truncate({6, 2});  // reject the last token of sequence 0
+    EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({9, 2}));
+    EXPECT_THROW(gattn::KVCache<float>(1, 4, 1, 2, 0, 0, -1), std::invalid_argument);
+    cache.clear();
+    EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({0, 0}));
+    EXPECT_EQ(cache.first_positions(), std::vector<Index>({0, 0}));
+}
+
+/// A sliding-window layer (window 4, ALiBi and sinks beside the gate) decoding two ragged
+/// sequences for 108 and 87 tokens, in calls of 1 to 11 tokens: its window cache (make_cache, 8 rows per
+/// sequence, more only for the 11-token call) gives what a full cache of every token gives, and
+/// its memory stays O(window).
+TEST(WindowCache, DecodingEqualsTheFullCache) {
+    gattn::AttentionConfig c = small_config();
+    c.sliding_window = 4;
+    c.alibi = true;
+    c.sinks = true;
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 5));
+    auto window_cache = layer.make_cache(2, 1000);
+    ASSERT_EQ(window_cache.window(), 4);
+    ASSERT_EQ(window_cache.capacity(), 8);
+    gattn::KVCache<float> full(2, 128, c.num_kv_heads, c.head_dim);
+    const std::vector<std::vector<Index>> schedule = {{11, 3}, {1, 1}, {1, 0}, {3, 5}, {1, 1}, {7, 2}, {1, 1},
+                                                      {2, 9}, {1, 1}, {1, 1}, {6, 4}, {1, 1}};
+    for (int round = 0; round < 3; ++round)
+        for (const auto& counts : schedule) {
+            const Index n = *std::max_element(counts.begin(), counts.end());
+            const RowMatrix<float> x = RowMatrix<float>::Random(2 * n, c.d_model);
+            RowMatrix<float> y_window(2 * n, c.d_model), y_full(2 * n, c.d_model);
+            gattn::ForwardTrace<float> trace_window, trace_full;
+            layer.forward(x, window_cache, y_window, counts, &trace_window);
+            layer.forward(x, full, y_full, counts, &trace_full);
+            for (Index b = 0; b < 2; ++b)
+                for (Index t = 0; t < counts[static_cast<std::size_t>(b)]; ++t) {
+                    const std::string where = "sequence " + std::to_string(b) + " token " +
+                                              std::to_string(full.lengths()[static_cast<std::size_t>(b)] -
+                                                             counts[static_cast<std::size_t>(b)] + t);
+                    const RowMatrix<double> want = y_full.row(b * n + t).cast<double>();
+                    expect_close<float>(RowMatrix<float>(y_window.row(b * n + t)), want, where);
+                    EXPECT_NEAR(trace_window.first_key_attention(b * n + t, 0),
+                                trace_full.first_key_attention(b * n + t, 0), 1e-6) << where;
+                }
+            EXPECT_EQ(window_cache.tokens_seen(), full.lengths());
+            EXPECT_LE(window_cache.capacity(), 3 + 11) << "w − 1 kept + the longest call";
+        }
+    EXPECT_EQ(full.lengths()[0], 108);
+}
+
+/// A window cache is refused by a layer with another window or none, and by Qwen3-Next (whose
+/// attention sees every token); nothing is written.
+TEST(WindowCache, LayersRefuseAnotherWindow) {
+    gattn::AttentionConfig c = small_config();
+    const gattn::GatedMultiHeadAttention<float> full_layer(c, gattn::make_random_weights<float>(c, 1));
+    c.sliding_window = 5;
+    const gattn::GatedMultiHeadAttention<float> window5(c, gattn::make_random_weights<float>(c, 1));
+    gattn::KVCache<float> cache(1, 8, c.num_kv_heads, c.head_dim, 0, 0, 3);
+    RowMatrix<float> out = RowMatrix<float>::Constant(1, 16, 7.0f);
+    const RowMatrix<float> x = RowMatrix<float>::Random(1, 16);
+    for (const auto* layer : {&full_layer, &window5}) {
+        try {
+            layer->forward(x, cache, out);
+            ADD_FAILURE() << "a window-3 cache was accepted";
+        } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("cache keeps only a window of 3 tokens; this layer's window is "),
+                      std::string::npos)
+                << e.what();
+        }
+    }
+    EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({0}));
+    EXPECT_TRUE((out.array() == 7.0f).all());
+    // A full cache serves a windowed layer (it keeps more than needed).
+    gattn::KVCache<float> full(1, 8, c.num_kv_heads, c.head_dim);
+    window5.forward(x, full, out);
+    EXPECT_EQ(full.lengths(), std::vector<Index>({1}));
+}
+
 TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     const auto c = small_config();  // D = 16, H = 4, H_kv = 2, d = 4
     const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 1));

@@ -111,7 +111,7 @@ public:
                 throw std::invalid_argument("tiny_lm::forward: token " + std::to_string(t) + " outside [0, " +
                                             std::to_string(vocab_size_) + ")");
         std::vector<Index> positions(static_cast<std::size_t>(rows));
-        for (Index r = 0; r < rows; ++r) positions[r] = caches[0].lengths()[r / N] + r % N;
+        for (Index r = 0; r < rows; ++r) positions[r] = caches[0].tokens_seen()[r / N] + r % N;
 
         Matrix<Scalar> h(rows, hidden_size_), z(rows, hidden_size_), a(rows, hidden_size_);
         for (Index r = 0; r < rows; ++r) h.row(r) = embed_.row(tokens[r]);

@@ -4,14 +4,22 @@
 /// \file
 /// A key/value cache for decoding: per sequence, the keys and values of every token seen so far.
 ///
-/// Storage is one [B·capacity, H_kv·d] matrix for keys and one for values: sequence b's token t
-/// sits in row b·capacity + t, so the cache is directly the key/value input of
+/// Storage is one [B·capacity, H_kv·d] matrix for keys and one for values: sequence b's stored
+/// token t sits in row b·capacity + t, so the cache is directly the key/value input of
 /// scaled_dot_product_attention with key_lengths = lengths(). Slots past a sequence's length are
 /// never read (masked keys are skipped), so they need no initialisation.
+///
+/// A cache with a window w (a sliding-window layer's: Mistral, Gemma 2, gpt-oss) keeps only what
+/// the next tokens can see: when an append does not fit, each sequence's last w − 1 tokens move
+/// to the front of its rows (the older ones are dropped; first_positions() counts them), and the
+/// rows grow only when one call brings more tokens than fit beside them. Tokens stay in position
+/// order, so causal and window masks, ALiBi and sinks apply unchanged; decoding runs
+/// indefinitely in O(w) memory (capacity 2w: one row moved per token appended, amortised).
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <utility>
@@ -51,14 +59,20 @@ public:
     /// \throws std::invalid_argument for sizes < 1 (value_head_dim < 0) or whose products
     ///         overflow Index; std::bad_alloc or std::length_error when the storage cannot be
     ///         allocated.
+    /// \param window  w ≥ 1: keep only the tokens a sliding window of w keys (counting the
+    ///                diagonal) still needs, and grow past `capacity` when a call needs it;
+    ///                0: keep every token, up to `capacity`.
+    /// \throws std::invalid_argument also for window < 0.
     KVCache(Index batch, Index capacity, Index num_kv_heads, Index head_dim, Index value_head_dim = 0,
-            LayerId owner = 0)
+            LayerId owner = 0, Index window = 0)
         : m_owner(owner),
+          m_window(validated_window(window)),
           m_capacity(validated_capacity(batch, capacity, num_kv_heads, head_dim, value_head_dim)),
           m_num_kv_heads(num_kv_heads),
           m_head_dim(head_dim),
           m_value_head_dim(value_head_dim > 0 ? value_head_dim : head_dim),
-          m_lengths(static_cast<std::size_t>(batch), 0) {
+          m_lengths(static_cast<std::size_t>(batch), 0),
+          m_first(static_cast<std::size_t>(batch), 0) {
         m_keys.resize(batch * capacity, num_kv_heads * head_dim);
         m_values.resize(batch * capacity, num_kv_heads * m_value_head_dim);
     }
@@ -67,15 +81,43 @@ public:
     Index batch() const noexcept { return static_cast<Index>(m_lengths.size()); }
     /// The layer the cache belongs to (0: none recorded).
     LayerId owner() const noexcept { return m_owner; }
-    /// Tokens each sequence can hold.
+    /// Rows each sequence has (tokens it can hold; a window cache grows it when a call needs more).
     Index capacity() const noexcept { return m_capacity; }
+    /// The sliding window the cache keeps tokens for (0: it keeps every token).
+    Index window() const noexcept { return m_window; }
+    /// Per sequence, the position of its first stored token (tokens dropped; always 0 without a
+    /// window). Stored token t is token first_positions()[b] + t of the sequence.
+    const std::vector<Index>& first_positions() const noexcept { return m_first; }
+    /// Per sequence, tokens appended so far: the position of its next token (lengths() without
+    /// a window).
+    std::vector<Index> tokens_seen() const {
+        std::vector<Index> t = m_lengths;
+        for (std::size_t b = 0; b < t.size(); ++b) t[b] += m_first[b];
+        return t;
+    }
+    /// Per sequence, the tokens stored after appending counts[b] more (dropping those a window
+    /// no longer needs); counts must be valid for append.
+    std::vector<Index> lengths_after(const std::vector<Index>& counts) const {
+        std::vector<Index> l = m_lengths;
+        for (std::size_t b = 0; b < l.size(); ++b)
+            l[b] = (m_window > 0 && l[b] + counts[b] > m_capacity ? kept(l[b]) : l[b]) + counts[b];
+        return l;
+    }
+    /// The capacity after appending counts (as append grows a window cache).
+    Index capacity_after(const std::vector<Index>& counts) const {
+        Index needed = m_capacity;
+        if (m_window > 0)
+            for (std::size_t b = 0; b < m_lengths.size(); ++b)
+                if (m_lengths[b] + counts[b] > m_capacity) needed = std::max(needed, kept(m_lengths[b]) + counts[b]);
+        return needed == m_capacity ? m_capacity : std::max(needed, 2 * m_window);
+    }
     /// The heads the cache was made for (value_head_dim as resolved: head_dim when given as 0).
     Index num_kv_heads() const noexcept { return m_num_kv_heads; }
     /// Features per key head (d_k).
     Index head_dim() const noexcept { return m_head_dim; }
     /// Features per value head (d_v).
     Index value_head_dim() const noexcept { return m_value_head_dim; }
-    /// Tokens stored per sequence.
+    /// Tokens stored per sequence (tokens seen, without a window).
     const std::vector<Index>& lengths() const noexcept { return m_lengths; }
     /// [B·capacity, H_kv·d_k]; rows b·capacity + t for t < lengths()[b] are valid.
     const RowMatrix<Scalar>& keys() const noexcept { return m_keys; }
@@ -83,8 +125,10 @@ public:
     const RowMatrix<Scalar>& values() const noexcept { return m_values; }
 
     /// Appends counts[b] tokens to sequence b: rows b·n + t (t < counts[b]) of k and v, where
-    /// n = k.rows() / batch(). \throws std::invalid_argument when a count is outside [0, n], a
-    /// sequence would exceed the capacity, or k or v shares an element with the cache's storage;
+    /// n = k.rows() / batch(). A window cache first drops the tokens the window no longer needs
+    /// when they do not fit (see the class), and grows when they still do not.
+    /// \throws std::invalid_argument when a count is outside [0, n], a sequence would exceed the
+    /// capacity (without a window), or k or v shares an element with the cache's storage;
     /// shape_error for k/v of the wrong shape or counts without batch() entries. Nothing is
     /// written on error.
     void append(ConstMatrixRef<Scalar> k, ConstMatrixRef<Scalar> v, const std::vector<Index>& counts) {
@@ -102,7 +146,7 @@ public:
             if (counts[b] < 0 || counts[b] > n)
                 detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
                                       "must be in [0, " + std::to_string(n) + "], got " + std::to_string(counts[b]));
-            if (m_lengths[b] + counts[b] > m_capacity)
+            if (m_window == 0 && m_lengths[b] + counts[b] > m_capacity)
                 detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
                                       "would exceed the capacity " + std::to_string(m_capacity) + " (sequence holds " +
                                           std::to_string(m_lengths[b]) + ")");
@@ -112,6 +156,7 @@ public:
         for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Scalar>*, const char*>{&k, "k"}, {&v, "v"}})
             if (gattn::detail::views_overlap(*view, m_keys) || gattn::detail::views_overlap(*view, m_values))
                 detail::throw_invalid(fn, name, "must not share an element with the cache's keys or values");
+        if (m_window > 0) make_room(counts);
         for (Index b = 0; b < B; ++b) {
             m_keys.middleRows(b * m_capacity + m_lengths[b], counts[b]) = k.middleRows(b * n, counts[b]);
             m_values.middleRows(b * m_capacity + m_lengths[b], counts[b]) = v.middleRows(b * n, counts[b]);
@@ -119,7 +164,8 @@ public:
         }
     }
 
-    /// Rolls sequences back to shorter lengths (e.g. rejected speculative tokens).
+    /// Rolls sequences back to fewer stored tokens (e.g. rejected speculative tokens); a window
+    /// cache can roll back only tokens it still stores.
     /// \throws shape_error when lengths has not batch() entries.
     /// \throws std::invalid_argument when a length is negative or longer than the current one.
     void truncate(const std::vector<Index>& lengths) {
@@ -139,12 +185,57 @@ public:
                                       "must be in [0, " + std::to_string(m_lengths[b]) + "], got " + std::to_string(lengths[b]));
     }
 
-    /// Forgets every token (lengths back to 0).
+    /// Forgets every token (lengths and first positions back to 0).
     void clear() noexcept {
         for (auto& l : m_lengths) l = 0;
+        for (auto& f : m_first) f = 0;
     }
 
 private:
+    static Index validated_window(Index window) {
+        if (window < 0)
+            detail::throw_invalid("gattn::KVCache", "window", "must be >= 0 (0 = keep every token), got " + std::to_string(window));
+        return window;
+    }
+
+    // Tokens of `length` stored that the next token's window still sees: the last w − 1.
+    Index kept(Index length) const noexcept { return std::min(length, m_window - 1); }
+
+    // Window cache: drops, in each sequence whose counts do not fit, the tokens the window no
+    // longer needs (moving the kept ones to the front), and grows the rows when they still do
+    // not fit (capacity_after).
+    void make_room(const std::vector<Index>& counts) {
+        const Index B = batch(), capacity = capacity_after(counts);
+        std::vector<Index> keep(static_cast<std::size_t>(B));
+        for (Index b = 0; b < B; ++b)
+            keep[b] = m_lengths[b] + counts[b] > m_capacity ? kept(m_lengths[b]) : m_lengths[b];
+        if (capacity != m_capacity) {
+            RowMatrix<Scalar> keys(B * capacity, m_keys.cols()), values(B * capacity, m_values.cols());
+            for (Index b = 0; b < B; ++b) {
+                keys.middleRows(b * capacity, keep[b]) = m_keys.middleRows(b * m_capacity + m_lengths[b] - keep[b], keep[b]);
+                values.middleRows(b * capacity, keep[b]) =
+                    m_values.middleRows(b * m_capacity + m_lengths[b] - keep[b], keep[b]);
+            }
+            m_keys.swap(keys);
+            m_values.swap(values);
+        } else {
+            // Rows are contiguous: memmove handles the overlap of the kept rows and the front.
+            for (Index b = 0; b < B; ++b) {
+                if (keep[b] == m_lengths[b] || keep[b] == 0) continue;
+                const Index from = b * m_capacity + m_lengths[b] - keep[b], to = b * m_capacity;
+                std::memmove(m_keys.row(to).data(), m_keys.row(from).data(),
+                             sizeof(Scalar) * static_cast<std::size_t>(keep[b] * m_keys.cols()));
+                std::memmove(m_values.row(to).data(), m_values.row(from).data(),
+                             sizeof(Scalar) * static_cast<std::size_t>(keep[b] * m_values.cols()));
+            }
+        }
+        for (Index b = 0; b < B; ++b) {
+            m_first[b] += m_lengths[b] - keep[b];
+            m_lengths[b] = keep[b];
+        }
+        m_capacity = capacity;
+    }
+
     // Checks the constructor's sizes before anything is allocated; returns capacity.
     static Index validated_capacity(Index batch, Index capacity, Index num_kv_heads, Index head_dim,
                                     Index value_head_dim) {
@@ -168,8 +259,9 @@ private:
     }
 
     LayerId m_owner;
+    Index m_window;
     Index m_capacity, m_num_kv_heads, m_head_dim, m_value_head_dim;
-    std::vector<Index> m_lengths;
+    std::vector<Index> m_lengths, m_first;
     RowMatrix<Scalar> m_keys, m_values;
 };
 
@@ -195,15 +287,17 @@ public:
     KVCache<Scalar>& operator[](std::size_t i) { return m_caches.at(i); }
     /// Layer i's cache. \throws std::out_of_range for i ≥ size().
     const KVCache<Scalar>& operator[](std::size_t i) const { return m_caches.at(i); }
-    /// Tokens per sequence (the first layer's; every layer's after a model step).
+    /// Tokens seen per sequence (KVCache::tokens_seen of the first layer; every layer's after a
+    /// model step), whether or not a layer keeps only a window of them.
     /// \throws std::out_of_range when the set is empty.
-    const std::vector<Index>& lengths() const { return m_caches.at(0).lengths(); }
+    std::vector<Index> lengths() const { return m_caches.at(0).tokens_seen(); }
 
-    /// Rolls every layer's sequences back to `lengths`, all or none.
+    /// Rolls every layer's sequences back to `lengths` tokens seen, all or none (a window
+    /// layer's cache only to tokens it still stores).
     /// \throws as KVCache::truncate (checked on every cache before any changes).
     void truncate(const std::vector<Index>& lengths) {
-        for (const KVCache<Scalar>& c : m_caches) c.check_truncate(lengths);
-        for (KVCache<Scalar>& c : m_caches) c.truncate(lengths);
+        for (const KVCache<Scalar>& c : m_caches) c.check_truncate(stored(c, lengths));
+        for (KVCache<Scalar>& c : m_caches) c.truncate(stored(c, lengths));
     }
     /// Forgets every token of every layer.
     void clear() noexcept {
@@ -211,6 +305,12 @@ public:
     }
 
 private:
+    // Tokens seen → tokens stored in cache c (before its first position: negative, refused).
+    static std::vector<Index> stored(const KVCache<Scalar>& c, std::vector<Index> tokens) {
+        for (std::size_t b = 0; b < tokens.size() && b < c.first_positions().size(); ++b) tokens[b] -= c.first_positions()[b];
+        return tokens;
+    }
+
     std::vector<KVCache<Scalar>> m_caches;
 };
 
@@ -222,8 +322,9 @@ namespace detail {
 /// sharing no element with x or with the cache's keys or values (the layers append to the cache
 /// before they are done reading x, and write out after reading the cache); the cache's heads:
 /// the layer's (num_kv_heads, head_dim, value_head_dim), which its widths alone would not tell
-/// apart; the cache's owner: this layer or none; counts: B entries in [0, N] that fit the
-/// capacity (empty becomes N for every sequence).
+/// apart; the cache's owner: this layer or none; the cache's window: none, or the layer's
+/// sliding window (window, 0 = none: a cache that drops tokens would hide keys the layer sees);
+/// counts: B entries in [0, N] that fit the capacity (empty becomes N for every sequence).
 /// \throws shape_error for x, out, counts or the cache's heads; std::invalid_argument for a
 ///         cache made by another layer, a count outside [0, N], a sequence that would exceed the
 ///         capacity, or out or x overlapping what they must not. Every message is named by fn
@@ -232,7 +333,7 @@ template <class Scalar, class X, class Y>
 std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCache<Scalar>& cache,
                                        const ConstMatrixRef<X>& x, const MatrixRef<Y>& out, const char* width_name,
                                        Index width, Index num_kv_heads, Index head_dim, Index value_head_dim,
-                                       std::vector<Index>& counts) {
+                                       Index window, std::vector<Index>& counts) {
     const Index B = cache.batch();
     if (x.cols() != width || x.rows() % B != 0)
         throw_shape(fn, "x",
@@ -254,6 +355,10 @@ std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCa
         throw shape_error(std::string(fn) + ": cache must hold this layer's heads (" +
                           heads(num_kv_heads, head_dim, value_head_dim) + "), got " +
                           heads(cache.num_kv_heads(), cache.head_dim(), cache.value_head_dim()));
+    if (cache.window() != 0 && cache.window() != window)
+        throw_invalid(fn, "cache", "keeps only a window of " + std::to_string(cache.window()) +
+                                       " tokens; this layer's window is " +
+                                       (window ? std::to_string(window) : std::string("none (it sees every token)")));
     for (const auto& [overlaps, name] :
          {std::pair<bool, const char*>{views_overlap(x, cache.keys()) || views_overlap(x, cache.values()), "x"},
           {views_overlap(out, cache.keys()) || views_overlap(out, cache.values()), "out"}})
@@ -261,11 +366,14 @@ std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCa
     if (counts.empty()) counts.assign(static_cast<std::size_t>(B), N);
     if (static_cast<Index>(counts.size()) != B)
         throw_shape(fn, "counts", shape_string({B}), shape_string({static_cast<Index>(counts.size())}));
-    std::vector<Index> lengths = cache.lengths();
     for (Index b = 0; b < B; ++b) {
         if (counts[b] < 0 || counts[b] > N)
             throw_invalid(fn, "counts[" + std::to_string(b) + "]",
                           "must be in [0, " + std::to_string(N) + "], got " + std::to_string(counts[b]));
+    }
+    if (cache.window() > 0) return cache.lengths_after(counts);  // it makes room
+    std::vector<Index> lengths = cache.lengths();
+    for (Index b = 0; b < B; ++b) {
         if (lengths[b] + counts[b] > cache.capacity())
             throw_invalid(fn, "cache", "sequence " + std::to_string(b) + " would exceed the capacity " +
                                            std::to_string(cache.capacity()) + " (holds " + std::to_string(lengths[b]) +

@@ -261,9 +261,14 @@ public:
     }
 
     /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens, keys
-    /// [batch·capacity, H_kv·d_k] and values [batch·capacity, H_kv·d_v].
+    /// [batch·capacity, H_kv·d_k] and values [batch·capacity, H_kv·d_v]. A causal layer with a
+    /// sliding window w where 2w < capacity gets a window cache instead (KVCache, window w):
+    /// 2w rows per sequence that keep the tokens the window still sees, for any number of tokens.
     /// \throws as the KVCache constructor.
     KVCache<Scalar> make_cache(Index batch, Index capacity) const {
+        const Index w = m_config.causal && m_config.sliding_window ? *m_config.sliding_window : 0;
+        if (w > 0 && w < capacity / 2)
+            return KVCache<Scalar>(batch, 2 * w, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id, w);
         return KVCache<Scalar>(batch, capacity, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id);
     }
 
@@ -273,22 +278,25 @@ public:
     /// gate belongs to the key token, so the cache holds the gated values or keys; G1, G4 and G5
     /// gates act on the new tokens. The config's causal and window masks align the new tokens
     /// with the end of their sequence (query t of sequence b sits at position
-    /// cache.lengths()[b] + t), so with a causal config, feeding a sequence in pieces gives what
+    /// cache.tokens_seen()[b] + t), so with a causal config, feeding a sequence in pieces gives what
     /// forward(x, batch) gives on the whole sequence (up to rounding). The math is that of
     /// forward (arXiv:2505.06708 §2) over the cached and the new tokens; caching K and V is the
     /// decoding scheme of HF transformers' Cache and llama.cpp's KV cache.
     /// \param x      [B·N, D]: N new token slots per sequence, row b·N + t, B = cache.batch().
     /// \param cache  this layer's cache, made by its make_cache (or a KVCache of its heads made
     ///               without an owner); grows by counts. A cache made by another layer's
-    ///               make_cache is refused, even with the same heads.
+    ///               make_cache is refused, even with the same heads, and so is a window cache
+    ///               whose window is not this layer's sliding window.
     /// \param out    [B·N, D], written; must share no element with x. A padding slot
     ///               (t ≥ counts[b]) gets what the layer makes of U = 0, as in forward.
     /// \param counts new tokens per sequence, each in [0, N]; empty = N for every sequence.
     /// \param trace  optional statistics of the new tokens (probabilities are over the cache's
-    ///               capacity: [B·H·N, capacity]).
+    ///               rows: [B·H·N, capacity after the call], column j the stored token j, at
+    ///               position first_positions()[b] + j; first_key_attention is on token 0,
+    ///               0 once a window cache has dropped it).
     /// \throws shape_error for x, out or counts of the wrong shape and a cache whose heads are
     ///         not this layer's; std::invalid_argument for a cache made by another layer's
-    ///         make_cache, a count outside [0, N], a sequence
+    ///         make_cache or keeping another window, a count outside [0, N], a sequence
     ///         that would exceed the cache's capacity, out overlapping x, x or out sharing an
     ///         element with the cache's storage, or a trace matrix holding x or out. Nothing is
     ///         written (cache included) before validation passes.
@@ -299,13 +307,15 @@ public:
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
         const Index B = cache.batch(), rows = x.rows();
         std::vector<Index> lengths =
-            gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "d_model", D, Hkv, dk, dv, counts);
+            gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "d_model", D, Hkv, dk, dv,
+                                               c.sliding_window ? *c.sliding_window : 0, counts);
         check_trace(fn, trace, x, out, nullptr);
         SdpaOptions<T> sdpa = sdpa_options();
         sdpa.mask.key_lengths = std::move(lengths);
         sdpa.mask.query_lengths = counts;
-        gattn::detail::validate_sdpa<T>(fn, rows, H * dk, cache.keys().rows(), Hkv * dk, cache.values().rows(),
-                                        Hkv * dv, HeadLayout{B, H, Hkv}, sdpa, "");
+        const Index cache_rows = B * cache.capacity_after(counts);  // a window cache may grow
+        gattn::detail::validate_sdpa<T>(fn, rows, H * dk, cache_rows, Hkv * dk, cache_rows, Hkv * dv,
+                                        HeadLayout{B, H, Hkv}, sdpa, "");
         run_activations(x, HeadLayout{B, H, Hkv}, out, sdpa, trace, &cache, counts);
     }
 
@@ -442,6 +452,13 @@ private:
             gattn::detail::sdpa_with_epilogue_to<Scalar, T>(q_s, keys, values, layout, u, sdpa, extra,
                                                             gattn::detail::NoEpilogue{});
         }
+
+        // A window cache that dropped a sequence's first token: no new token sees token 0 (row 0
+        // holds a later one).
+        if (cache && trace)
+            for (Index b = 0; b < layout.batch; ++b)
+                if (cache->first_positions()[b] > 0)
+                    trace->first_key_attention.middleRows(b * (rows / layout.batch), rows / layout.batch).setZero();
 
         if (g.position == GatePosition::G1) {
             if (g.source == GateSource::Input) {

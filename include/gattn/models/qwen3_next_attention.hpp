@@ -261,7 +261,7 @@ public:
         constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
         const Qwen3NextConfig& c = m_config;
         const Index D = c.hidden_size, Hkv = c.num_key_value_heads, d = c.head_dim, rows = x.rows();
-        gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "hidden_size", D, Hkv, d, d, counts);
+        gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "hidden_size", D, Hkv, d, d, 0, counts);
         if (static_cast<Index>(positions.size()) != rows)
             gattn::detail::throw_shape(fn, "positions", gattn::detail::shape_string({rows}),
                                        gattn::detail::shape_string({static_cast<Index>(positions.size())}));
