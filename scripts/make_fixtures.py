@@ -69,6 +69,11 @@ class FixtureConfig:
     gate_layout: str  # "separate" | "per_head_interleaved"
     bias: bool  # q/k/v/o biases
     gate_bias: bool
+    # Attention variants of current models (absent from the metadata when off):
+    sinks: bool = False         # gpt-oss learned sinks, tensor "sinks" [H]
+    sliding_window: int = 0     # gpt-oss / Mistral window in keys, counting the diagonal; 0 = none
+    logit_softcap: float = 0.0  # Gemma 2 attn_logit_softcapping; 0 = none
+    alibi: bool = False         # BLOOM ALiBi with its standard slopes
 
     @property
     def gate_width(self):
@@ -100,6 +105,20 @@ FIXTURES = [
     FixtureConfig("demo_layer", seed=1005, d_model=256, num_heads=8,
                   num_kv_heads=2, head_dim=32, batch=1, seq_len=128, causal=True,
                   gate="g1_elementwise", gate_layout="separate", bias=False, gate_bias=False),
+    # gpt-oss-style: learned sinks, a sliding window, biases, GQA.
+    FixtureConfig("gpt_oss_sinks_window", seed=1006, d_model=64, num_heads=4,
+                  num_kv_heads=2, head_dim=16, batch=2, seq_len=11, causal=True,
+                  gate="none", gate_layout="separate", bias=True, gate_bias=False,
+                  sinks=True, sliding_window=4),
+    # Gemma-2-style logit softcap (a cap that bends these logits), beside a G1 gate.
+    FixtureConfig("gemma2_softcap_gated", seed=1007, d_model=48, num_heads=4,
+                  num_kv_heads=2, head_dim=12, batch=2, seq_len=9, causal=True,
+                  gate="g1_elementwise", gate_layout="separate", bias=False, gate_bias=False,
+                  logit_softcap=0.75),
+    # BLOOM-style ALiBi, 6 heads (the slopes' non-power-of-two rule), MHA.
+    FixtureConfig("bloom_alibi", seed=1008, d_model=48, num_heads=6,
+                  num_kv_heads=6, head_dim=8, batch=1, seq_len=10, causal=True,
+                  gate="none", gate_layout="separate", bias=True, gate_bias=False, alibi=True),
 ]
 
 
@@ -140,6 +159,8 @@ def make_tensors(cfg):
         weights["gate_proj.bias"] = uniform(generator, (cfg.gate_width,), in_bound)
     weights["input"] = torch.randn((cfg.batch, cfg.seq_len, D), generator=generator,
                                    dtype=torch.float32)
+    if cfg.sinks:
+        weights["sinks"] = uniform(generator, (H,), 1.0) + 1.0  # in [0, 2)
     return weights
 
 
@@ -156,6 +177,10 @@ def metadata_for(cfg):
         "gate_layout": cfg.gate_layout,
         "bias": "true" if cfg.bias else "false",
         "gate_bias": "true" if cfg.gate_bias else "false",
+        **({"sinks": "true"} if cfg.sinks else {}),
+        **({"sliding_window": str(cfg.sliding_window)} if cfg.sliding_window else {}),
+        **({"logit_softcap": repr(cfg.logit_softcap)} if cfg.logit_softcap else {}),
+        **({"alibi": "true"} if cfg.alibi else {}),
         "generator": f"scripts/make_fixtures.py, torch {torch.__version__}",
     }
 
@@ -168,7 +193,9 @@ def config_from_metadata(name, meta):
         batch=int(meta["batch"]), seq_len=int(meta["seq_len"]),
         causal=meta["causal"] == "true", gate=meta["gate"],
         gate_layout=meta["gate_layout"], bias=meta["bias"] == "true",
-        gate_bias=meta["gate_bias"] == "true")
+        gate_bias=meta["gate_bias"] == "true", sinks=meta.get("sinks") == "true",
+        sliding_window=int(meta.get("sliding_window", "0")),
+        logit_softcap=float(meta.get("logit_softcap", "0")), alibi=meta.get("alibi") == "true")
 
 
 # ---------------------------------------------------------------------------
@@ -179,6 +206,18 @@ def linear(x, tensors, prefix):
     y = torch.matmul(x, tensors[prefix + ".weight"].t())
     bias = tensors.get(prefix + ".bias")
     return y if bias is None else y + bias
+
+
+def bloom_alibi_slopes(n):
+    """BLOOM's build_alibi_tensor slopes: geometric for the closest power of two, then every
+    other slope of twice as many heads."""
+    closest = 2 ** math.floor(math.log2(n))
+    base = 2 ** (-(2 ** -(math.log2(closest) - 3)))
+    slopes = [base ** p for p in range(1, closest + 1)]
+    if closest != n:
+        extra_base = 2 ** (-(2 ** -(math.log2(2 * closest) - 3)))
+        slopes += [extra_base ** p for p in range(1, 2 * min(closest, n - closest), 2)]
+    return slopes
 
 
 def causal_mask(n_q, n_k):
@@ -212,9 +251,23 @@ def torch_forward(cfg, tensors32):
 
     q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # [B, H, N, d]
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(d))
+    if cfg.logit_softcap:  # Gemma 2: before the mask
+        scores = torch.tanh(scores / cfg.logit_softcap) * cfg.logit_softcap
+    if cfg.alibi:  # BLOOM: + slope_h * key position (with the causal mask, as -slope_h * |i - j|)
+        slopes = torch.tensor(bloom_alibi_slopes(H), dtype=torch.float64).view(1, H, 1, 1)
+        scores = scores + slopes * torch.arange(N, dtype=torch.float64).view(1, 1, 1, N)
     if cfg.causal:
-        scores = scores.masked_fill(~causal_mask(N, N), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [B, H, N, N]
+        allowed = causal_mask(N, N)
+        if cfg.sliding_window:  # gpt-oss: key j hidden from query i when i - j >= window
+            allowed = allowed & (torch.arange(N).unsqueeze(1) - torch.arange(N).unsqueeze(0) < cfg.sliding_window)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    if cfg.sinks:  # gpt-oss: a sink column joins the softmax, then is dropped
+        sink = t["sinks"].view(1, H, 1, 1).expand(B, H, N, 1)
+        combined = torch.cat([scores, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)  # [B, H, N, N]
     attended = torch.matmul(probs, v).transpose(1, 2).reshape(B, N, H * d)
 
     gate_scores = None
@@ -267,12 +320,28 @@ def numpy_forward(cfg, arrays32):
     k = k.reshape(B, N, Hkv, d)
     v = v.reshape(B, N, Hkv, d)
     scores = np.einsum("bikgd,bjkd->bkgij", q, k) / np.sqrt(d)
+    if cfg.logit_softcap:
+        c = cfg.logit_softcap
+        scores = c * np.tanh(scores / c)
+    if cfg.alibi:  # the distance form: -m_h |i - j|, head h = kv * group + g
+        # Press et al. §3 for n' = 2^floor(log2 H) heads, then odd powers of 2n' heads' base.
+        n2 = 1 << (H.bit_length() - 1)
+        slopes = np.array([2.0 ** (-8.0 * (h + 1) / n2) if h < n2 else 2.0 ** (-4.0 * (2 * (h - n2) + 1) / n2)
+                           for h in range(H)])
+        distance = np.abs(np.arange(N)[:, None] - np.arange(N)[None, :])
+        scores = scores - slopes.reshape(1, Hkv, group, 1, 1) * distance
     if cfg.causal:
-        allowed = np.array([[j <= i for j in range(N)] for i in range(N)])
+        w = cfg.sliding_window or N + 1
+        allowed = np.array([[j <= i and i - w < j for j in range(N)] for i in range(N)])
         scores = np.where(allowed, scores, -np.inf)
-    scores = scores - scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)
-    probs = weights / weights.sum(axis=-1, keepdims=True)  # [B, Hkv, group, Nq, Nk]
+    m = scores.max(axis=-1, keepdims=True)
+    sink_term = 0.0
+    if cfg.sinks:  # e^(s_h - m) in the denominator, no value
+        sinks = a["sinks"].reshape(1, Hkv, group, 1, 1)
+        m = np.maximum(m, sinks)
+        sink_term = np.exp(sinks - m)
+    weights = np.exp(scores - m)
+    probs = weights / (weights.sum(axis=-1, keepdims=True) + sink_term)  # [B, Hkv, group, Nq, Nk]
     attended = np.einsum("bkgij,bjkd->bikgd", probs, v).reshape(B, N, H, d)
 
     gate_scores = None

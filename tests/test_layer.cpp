@@ -59,7 +59,9 @@ void expect_close(const RowMatrix<Scalar>& got, const RowMatrix<double>& want, c
 }
 
 const char* kFixtures[] = {"g1_elementwise_gqa_causal", "g1_headwise", "g1_fused_interleaved_mqa_causal",
-                           "ungated_gqa_causal", "demo_layer"};
+                           "ungated_gqa_causal", "demo_layer",
+                           // gpt-oss (sinks, window), Gemma 2 (softcap) and BLOOM (ALiBi) layers
+                           "gpt_oss_sinks_window", "gemma2_softcap_gated", "bloom_alibi"};
 
 template <class Scalar>
 class PyTorchFixture : public ::testing::Test {};

@@ -26,6 +26,12 @@ inline gattn::AttentionConfig fixture_config(const gattn::SafetensorsFile& f) {
     if (gate == "g1_elementwise") c.gate = gattn::GateSpec::g1_elementwise(layout);
     if (gate == "g1_headwise") c.gate = gattn::GateSpec::g1_headwise(layout);
     c.gate.bias = m.at("gate_bias") == "true";
+    // Attention variants, present only when on.
+    auto text = [&](const char* k) { return m.count(k) ? m.at(k) : std::string(); };
+    c.sinks = text("sinks") == "true";
+    if (!text("sliding_window").empty()) c.sliding_window = num("sliding_window");
+    if (!text("logit_softcap").empty()) c.logit_softcap = std::stod(text("logit_softcap"));
+    c.alibi = text("alibi") == "true";
     return c;
 }
 
