@@ -228,14 +228,17 @@ TEST(NarrowSdpa, KeyPastAnOddLengthDoesNotLeak) {
 /// sizes that are multiples of 32 run the VDPBF16PS decoding kernel (AVX512-BF16: P rounded
 /// to bf16, the tiles' tolerance); others widen to float (float math on exact inputs).
 TEST(NarrowSdpa, DecodingOverLongCacheMatchesReference) {
-    const Index B = 2, Nq = 1, Nk = 1500, H = 8, Hkv = 2;
+    const Index B = 2, Nq = 1, H = 8, Hkv = 2;
+    // 26000 keys: more K and V than kDecodeFromMemoryBytes, read ahead with loads.
+    for (Index Nk : {Index(1500), Index(26000)})
     for (Index d : {72, 128})
     for (bool window : {false, true}) {
-        SCOPED_TRACE((window ? "window 700, d " : "no window, d ") + std::to_string(d));
+        SCOPED_TRACE((window ? "window 700, d " : "no window, d ") + std::to_string(d) + ", " + std::to_string(Nk) +
+                     " keys");
         Mat q = rounded<bfloat16>(random_matrix(B * Nq, H * d, 31)),
             key = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 32)),
             v = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 33));
-        const std::vector<Index> lengths = {1101, 1500};
+        const std::vector<Index> lengths = {Nk - 399, Nk};
         for (Index j = lengths[0]; j < Nk; ++j) {
             key.row(j).setConstant(kNaN);
             v.row(j).setConstant(kInf);

@@ -743,6 +743,32 @@ TEST(SdpaSinks, MergeStaysExactWithSinksOnOneSide) {
     gattn_test::expect_close(lse_merged, lse_all, 1e-13, 1e-13, "SinkMerge/lse");
 }
 
+/// Decoding a cache too large for the CPU caches (30000 keys, 15 MB of float K and V: past
+/// kDecodeFromMemoryBytes, where the kernel reads ahead with loads) against the float64
+/// reference, with ALiBi and a key length that leaves NaN keys unread.
+TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
+    using S = TypeParam;
+    const Index Nk = 30000, H = 4, Hkv = 1, d = 64;
+    static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(30000) * 2 * 64 * 4, "the test must read from memory");
+    const Mat q = rounded<S>(random_matrix(2, H * d, 91));
+    Mat k = rounded<S>(random_matrix(2 * Nk, Hkv * d, 92)), v = rounded<S>(random_matrix(2 * Nk, Hkv * d, 93));
+    k.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());  // sequence 0 past its length
+    v.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());
+    RefMasks masks;
+    masks.key_lengths = {Nk - 5, Nk};
+    for (double m : {0.0, 1e-3, 1e-2, 0.5}) masks.alibi_slopes.push_back(static_cast<double>(static_cast<S>(m)));
+    const auto ref = gattn_test::sdpa_reference(q, k, v, 2, H, Hkv, {}, masks);
+    gattn::SdpaOptions<S> o;
+    o.mask.key_lengths = masks.key_lengths;
+    for (double m : masks.alibi_slopes) o.alibi_slopes.push_back(static_cast<S>(m));
+    gattn::RowMatrix<S> out(2, H * d), lse;
+    gattn::SdpaOutputs<S> extra;
+    extra.log_sum_exp = &lse;
+    gattn::scaled_dot_product_attention<S>(q.cast<S>(), k.cast<S>(), v.cast<S>(), {2, H, Hkv}, out, o, extra);
+    expect_close(out, ref.out, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemory/out", Tol<S>::nmse);
+    expect_close(lse, ref.log_sum_exp, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemory/lse");
+}
+
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
     ValidationFixture f;
     for (double cap : {0.0, -1.0, std::numeric_limits<double>::infinity(), 1e300}) {

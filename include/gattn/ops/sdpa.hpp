@@ -475,6 +475,9 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     auto finish_block = [&](int count, auto* const* rows, Index b, Index g, Index t0) {
         for (int t = 0; t < count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
     };
+    // Decoding a cache that does not fit in cache reads ahead with loads (decode_chunk).
+    const bool decode_from_memory =
+        decode && B * Nk * Hkv * (dk + dv) * Index(sizeof(Scalar)) > kernel::kDecodeFromMemoryBytes;
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
@@ -553,13 +556,13 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                             for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
                         kernel::decode_chunk<T, Scalar, true>(decode_blk, states, Hkv, c0, c1, key_seq,
                                                               key.outerStride(), value_seq, value.outerStride(), dk,
-                                                              dv, scale, q16);
+                                                              dv, scale, decode_from_memory, q16);
                         continue;
                     }
                 }
 #endif
                 kernel::decode_chunk<T, Scalar>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(),
-                                                value_seq, value.outerStride(), dk, dv, scale);
+                                                value_seq, value.outerStride(), dk, dv, scale, decode_from_memory);
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.
