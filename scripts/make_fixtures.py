@@ -52,6 +52,7 @@ from safetensors_io import DTYPES, encode_safetensors, read_safetensors
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "tests" / "data"
 TOLERANCE = 1e-12
+RMS_NORM_EPS = 1e-6
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,10 @@ class FixtureConfig:
     sliding_window: int = 0     # gpt-oss / Mistral window in keys, counting the diagonal; 0 = none
     logit_softcap: float = 0.0  # Gemma 2 attn_logit_softcapping; 0 = none
     alibi: bool = False         # BLOOM ALiBi with its standard slopes
+    qk_norm: str = ""           # "" | "rms" (Qwen3: y * w) | "zero_centred_rms" (Qwen3-Next: y * (1 + w))
+    rotary_dim: int = 0         # RoPE on the first rotary_dim features of each head; 0 = none
+    rope_style: str = "neox"    # "neox" (rotate_half, HF Llama) | "gptj" (interleaved pairs)
+    rope_theta: float = 10000.0
 
     @property
     def gate_width(self):
@@ -115,6 +120,16 @@ FIXTURES = [
                   num_kv_heads=2, head_dim=12, batch=2, seq_len=9, causal=True,
                   gate="g1_elementwise", gate_layout="separate", bias=False, gate_bias=False,
                   logit_softcap=0.75),
+    # Qwen3-style: q/k RMSNorm, full NeoX RoPE, beside a G1 gate (a Llama-style gated layer).
+    FixtureConfig("qwen3_rope_qk_norm_gated", seed=1009, d_model=64, num_heads=4,
+                  num_kv_heads=2, head_dim=16, batch=2, seq_len=9, causal=True,
+                  gate="g1_elementwise", gate_layout="separate", bias=False, gate_bias=False,
+                  qk_norm="rms", rotary_dim=16),
+    # GPT-J-style interleaved partial RoPE (8 of 16 features), zero-centred q/k norm, base 100.
+    FixtureConfig("gptj_partial_rope_headwise", seed=1010, d_model=48, num_heads=4,
+                  num_kv_heads=1, head_dim=16, batch=1, seq_len=12, causal=True,
+                  gate="g1_headwise", gate_layout="separate", bias=True, gate_bias=True,
+                  qk_norm="zero_centred_rms", rotary_dim=8, rope_style="gptj", rope_theta=100.0),
     # BLOOM-style ALiBi, 6 heads (the slopes' non-power-of-two rule), MHA.
     FixtureConfig("bloom_alibi", seed=1008, d_model=48, num_heads=6,
                   num_kv_heads=6, head_dim=8, batch=1, seq_len=10, causal=True,
@@ -161,6 +176,10 @@ def make_tensors(cfg):
                                    dtype=torch.float32)
     if cfg.sinks:
         weights["sinks"] = uniform(generator, (H,), 1.0) + 1.0  # in [0, 2)
+    if cfg.qk_norm:  # around the identity scale: w near 1 (plain) or near 0 (zero-centred)
+        offset = 1.0 if cfg.qk_norm == "rms" else 0.0
+        weights["q_norm.weight"] = uniform(generator, (d,), 0.5) + offset
+        weights["k_norm.weight"] = uniform(generator, (d,), 0.5) + offset
     return weights
 
 
@@ -181,6 +200,9 @@ def metadata_for(cfg):
         **({"sliding_window": str(cfg.sliding_window)} if cfg.sliding_window else {}),
         **({"logit_softcap": repr(cfg.logit_softcap)} if cfg.logit_softcap else {}),
         **({"alibi": "true"} if cfg.alibi else {}),
+        **({"qk_norm": cfg.qk_norm, "rms_norm_eps": "1e-06"} if cfg.qk_norm else {}),
+        **({"rotary_dim": str(cfg.rotary_dim), "rope_style": cfg.rope_style,
+            "rope_theta": repr(cfg.rope_theta)} if cfg.rotary_dim else {}),
         "generator": f"scripts/make_fixtures.py, torch {torch.__version__}",
     }
 
@@ -195,7 +217,9 @@ def config_from_metadata(name, meta):
         gate_layout=meta["gate_layout"], bias=meta["bias"] == "true",
         gate_bias=meta["gate_bias"] == "true", sinks=meta.get("sinks") == "true",
         sliding_window=int(meta.get("sliding_window", "0")),
-        logit_softcap=float(meta.get("logit_softcap", "0")), alibi=meta.get("alibi") == "true")
+        logit_softcap=float(meta.get("logit_softcap", "0")), alibi=meta.get("alibi") == "true",
+        qk_norm=meta.get("qk_norm", ""), rotary_dim=int(meta.get("rotary_dim", "0")),
+        rope_style=meta.get("rope_style", "neox"), rope_theta=float(meta.get("rope_theta", "10000.0")))
 
 
 # ---------------------------------------------------------------------------
@@ -244,6 +268,33 @@ def torch_forward(cfg, tensors32):
         gate_logits = linear(x, t, "gate_proj") if cfg.gate != "none" else None
     k = linear(x, t, "k_proj").view(B, N, Hkv, d)
     v = linear(x, t, "v_proj").view(B, N, Hkv, d)
+
+    if cfg.qk_norm:  # HF Qwen3RMSNorm / Qwen3NextRMSNorm over head_dim
+        def rms_norm(z, weight):
+            z = z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + RMS_NORM_EPS)
+            return z * (weight if cfg.qk_norm == "rms" else 1.0 + weight)
+        q = rms_norm(q, t["q_norm.weight"])
+        k = rms_norm(k, t["k_norm.weight"])
+    if cfg.rotary_dim:  # HF rotary embedding, positions 0..N-1
+        r = cfg.rotary_dim
+        inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, r, 2, dtype=torch.float64) / r))
+        freqs = torch.outer(torch.arange(N, dtype=torch.float64), inv_freq)  # [N, r/2]
+        if cfg.rope_style == "neox":
+            emb = torch.cat((freqs, freqs), dim=-1)
+
+            def rotate(z):
+                return torch.cat((-z[..., r // 2:], z[..., :r // 2]), dim=-1)
+        else:  # GPT-J rotate_every_two
+            emb = freqs.repeat_interleave(2, dim=-1)
+
+            def rotate(z):
+                return torch.stack((-z[..., 1::2], z[..., ::2]), dim=-1).flatten(-2)
+        cos, sin = emb.cos().view(1, N, 1, r), emb.sin().view(1, N, 1, r)
+
+        def rope(z):
+            rot, rest = z[..., :r], z[..., r:]
+            return torch.cat((rot * cos + rotate(rot) * sin, rest), dim=-1)
+        q, k = rope(q), rope(k)
 
     group = H // Hkv
     k = k.repeat_interleave(group, dim=2)
@@ -314,6 +365,32 @@ def numpy_forward(cfg, arrays32):
         gate_logits = project("gate_proj") if cfg.gate != "none" else None
     k = project("k_proj")
     v = project("v_proj")
+
+    def heads(m, n_heads):
+        return m.reshape(B, N, n_heads, d)
+
+    if cfg.qk_norm:
+        offset = 0.0 if cfg.qk_norm == "rms" else 1.0
+        def norm(m, n_heads, weight):
+            z = heads(m, n_heads)
+            return (z / np.sqrt((z ** 2).mean(axis=-1, keepdims=True) + RMS_NORM_EPS) * (offset + weight)).reshape(m.shape)
+        q = norm(q, H, a["q_norm.weight"])
+        k = norm(k, Hkv, a["k_norm.weight"])
+    if cfg.rotary_dim:  # each feature pair as a complex number times e^(i p theta_j)
+        r = cfg.rotary_dim
+        angle = np.arange(N)[:, None] * cfg.rope_theta ** (-2.0 * np.arange(r // 2) / r)  # [N, r/2]
+        turn = np.exp(1j * angle)[None, :, None, :]
+        if cfg.rope_style == "neox":
+            first, second = np.arange(r // 2), np.arange(r // 2) + r // 2
+        else:
+            first, second = 2 * np.arange(r // 2), 2 * np.arange(r // 2) + 1
+        def rope(m, n_heads):
+            z = heads(m, n_heads).copy()
+            c = (z[..., first] + 1j * z[..., second]) * turn
+            z[..., first], z[..., second] = c.real, c.imag
+            return z.reshape(m.shape)
+        q = rope(q, H)
+        k = rope(k, Hkv)
 
     # Split the KV head index of each query head explicitly: h = kv * group + g.
     q = q.reshape(B, N, Hkv, group, d)

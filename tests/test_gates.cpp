@@ -171,6 +171,9 @@ struct LayerShape {
     bool sinks = false;  ///< learned attention sinks beside the gate
     double softcap = 0;  ///< logit softcap (0: none)
     bool alibi = false;  ///< ALiBi with the standard slopes
+    Index rotary_dim = 0;  ///< RoPE (0: none)
+    gattn::RopeStyle rope_style = gattn::RopeStyle::NeoX;
+    gattn::QkNorm qk_norm = gattn::QkNorm::None;
 };
 
 const LayerShape kGqaCausal{"GqaCausal", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {}, false};
@@ -180,6 +183,13 @@ const LayerShape kGqaCausalSinks{"GqaCausalSinks", 24, 4, 2, 6, 5, 2, 5, true, t
 // (1/4 … 1/256) are exact in every storage type.
 const LayerShape kGqaCausalSoftcapAlibi{"GqaCausalSoftcapAlibi", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {},
                                         true, false, 0.25, true};
+// Llama/Qwen3-style (full NeoX RoPE, plain q/k RMSNorm) and GPT-J-style (partial interleaved
+// RoPE, Qwen3-Next's zero-centred norm) queries and keys.
+const LayerShape kGqaCausalRopeNorm{"GqaCausalRopeNorm", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {},
+                                    true, false, 0, false, 6, gattn::RopeStyle::NeoX, gattn::QkNorm::RmsNorm};
+const LayerShape kMhaKeyLengthsGptJ{"MhaKeyLengthsGptJ", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5},
+                                    true, false, 0, false, 4, gattn::RopeStyle::GptJ,
+                                    gattn::QkNorm::ZeroCentredRmsNorm};
 const LayerShape kMhaKeyLengthsSinks{"MhaKeyLengthsSinks", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5},
                                      true, true};
 
@@ -203,6 +213,10 @@ gattn::AttentionConfig make_config(const GateSpec& spec, const LayerShape& sh) {
     c.sinks = sh.sinks;
     c.logit_softcap = sh.softcap;
     c.alibi = sh.alibi;
+    c.rotary_dim = sh.rotary_dim;
+    c.rope_theta = 100;  // short sequences: a small base turns every pair noticeably
+    c.rope_style = sh.rope_style;
+    c.qk_norm = sh.qk_norm;
     return c;
 }
 
@@ -251,9 +265,10 @@ void run_layer_case(const GateSpec& spec, const LayerShape& sh) {
 /// Padding slots of a call, where the gate does not act on the output, give o_proj's bias.
 template <class S>
 void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sinks = false,
-                     bool softcap_alibi = false) {
+                     bool softcap_alibi = false, bool rope = false) {
     const std::string label = std::string("Decode") + type_label<S>() + (window ? "/Window" : "") +
-                              (sinks ? "/Sinks" : "") + (softcap_alibi ? "/SoftcapAlibi" : "") + "/" + spec_name(spec);
+                              (sinks ? "/Sinks" : "") + (softcap_alibi ? "/SoftcapAlibi" : "") +
+                              (rope ? "/RopeNorm" : "") + "/" + spec_name(spec);
     SCOPED_TRACE(label + " (" + gattn::describe(spec) + ")");
     LayerShape sh = kGqaCausal;
     sh.window = window;
@@ -261,6 +276,10 @@ void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sin
     if (softcap_alibi) {
         sh.softcap = kGqaCausalSoftcapAlibi.softcap;
         sh.alibi = true;
+    }
+    if (rope) {
+        sh.rotary_dim = kGqaCausalRopeNorm.rotary_dim;
+        sh.qk_norm = kGqaCausalRopeNorm.qk_norm;
     }
     const Index B = 2, N = 7;
     const std::vector<Index> lengths = {7, 5};
@@ -335,6 +354,11 @@ TEST_P(GateSpecs, FloatDecodeWithCacheSinks) { run_decode_case<float>(GetParam()
 TEST_P(GateSpecs, FloatGqaCausalSoftcapAlibi) { run_layer_case<float>(GetParam(), kGqaCausalSoftcapAlibi); }
 TEST_P(GateSpecs, Bf16GqaCausalSoftcapAlibi) { run_layer_case<gattn::bfloat16>(GetParam(), kGqaCausalSoftcapAlibi); }
 TEST_P(GateSpecs, FloatDecodeWithCacheWindowSoftcapAlibi) { run_decode_case<float>(GetParam(), 3, false, true); }
+// Every gate with RoPE and q/k norm (Llama, Qwen3, GPT-J styles): prefill, decoding, bf16.
+TEST_P(GateSpecs, FloatGqaCausalRopeNorm) { run_layer_case<float>(GetParam(), kGqaCausalRopeNorm); }
+TEST_P(GateSpecs, DoubleMhaKeyLengthsGptJ) { run_layer_case<double>(GetParam(), kMhaKeyLengthsGptJ); }
+TEST_P(GateSpecs, Bf16GqaCausalRopeNorm) { run_layer_case<gattn::bfloat16>(GetParam(), kGqaCausalRopeNorm); }
+TEST_P(GateSpecs, FloatDecodeWithCacheWindowRopeNorm) { run_decode_case<float>(GetParam(), 3, false, false, true); }
 
 TEST_P(GateSpecs, FloatGqaCausal) { run_layer_case<float>(GetParam(), kGqaCausal); }
 TEST_P(GateSpecs, Bf16GqaCausal) { run_layer_case<gattn::bfloat16>(GetParam(), kGqaCausal); }

@@ -9,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -61,7 +62,9 @@ void expect_close(const RowMatrix<Scalar>& got, const RowMatrix<double>& want, c
 const char* kFixtures[] = {"g1_elementwise_gqa_causal", "g1_headwise", "g1_fused_interleaved_mqa_causal",
                            "ungated_gqa_causal", "demo_layer",
                            // gpt-oss (sinks, window), Gemma 2 (softcap) and BLOOM (ALiBi) layers
-                           "gpt_oss_sinks_window", "gemma2_softcap_gated", "bloom_alibi"};
+                           "gpt_oss_sinks_window", "gemma2_softcap_gated", "bloom_alibi",
+                           // Qwen3-style (q/k norm, RoPE) and GPT-J-style (partial interleaved RoPE)
+                           "qwen3_rope_qk_norm_gated", "gptj_partial_rope_headwise"};
 
 template <class Scalar>
 class PyTorchFixture : public ::testing::Test {};
@@ -994,6 +997,44 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     // A valid call after the rejected ones continues the sequences.
     layer.forward(x, cache, out, {3, 2});
     EXPECT_EQ(cache.lengths(), (std::vector<Index>{4, 3}));
+}
+
+/// RoPE and q/k norm settings out of range are refused with the field named; so are positions
+/// that are not one per token, and a config with q/k norm needs its norm weights.
+TEST(LayerConstruction, RopeAndQkNormSettingsAreChecked) {
+    const auto w_ok = gattn::make_random_weights<float>(small_config(), 1);  // head_dim 4
+    RowMatrix<float> unused;
+    for (const auto& [rotary_dim, theta, message] :
+         {std::tuple<Index, double, std::string>{3, 1e4, "config.rotary_dim must be even and in [0, head_dim = 4], got 3"},
+          {6, 1e4, "config.rotary_dim must be even and in [0, head_dim = 4], got 6"},
+          {-2, 1e4, "config.rotary_dim must be even"},
+          {4, 0.0, "config.rope_theta must be finite and > 0, got 0"}}) {
+        auto c = small_config();
+        c.rotary_dim = rotary_dim;
+        c.rope_theta = theta;
+        expect_rejected<std::invalid_argument>([&] { gattn::GatedMultiHeadAttention<float> l(c, w_ok); },
+                                               "gattn::GatedMultiHeadAttention", {message}, unused);
+    }
+    auto c = small_config();
+    c.qk_norm = gattn::QkNorm::RmsNorm;
+    EXPECT_THROW(gattn::GatedMultiHeadAttention<float>(c, w_ok), gattn::shape_error);  // no q_norm.weight
+    c.rotary_dim = 4;
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 1));
+    const RowMatrix<float> x = RowMatrix<float>::Random(6, 16);
+    RowMatrix<float> out = RowMatrix<float>::Constant(6, 16, 7.0f);
+    gattn::ForwardOptions<float> o;
+    o.positions = {0, 1, 2};
+    expect_rejected<gattn::shape_error>([&] { layer.forward(x, 2, out, o); }, "gattn::GatedMultiHeadAttention::forward",
+                                        {"options.positions must have shape [6], got [3]"}, out);
+    // Explicit positions 0..2 per sequence are the default ones; RoPE sees only distances, so
+    // shifted ones give the same output to rounding, spread ones another.
+    o.positions = {0, 1, 2, 0, 1, 2};
+    layer.forward(x, 2, out, o);
+    EXPECT_TRUE(out == layer.forward(x, 2));
+    o.positions = {5, 6, 7, 0, 3, 7};
+    layer.forward(x, 2, out, o);
+    EXPECT_TRUE(out.topRows(3).isApprox(layer.forward(x, 2).topRows(3), 1e-5f));
+    EXPECT_FALSE(out.bottomRows(2).isApprox(layer.forward(x, 2).bottomRows(2), 1e-3f)) << "RoPE ignored the positions";
 }
 
 TEST(LayerConstruction, WindowBelowOneIsRejected) {

@@ -32,6 +32,14 @@ inline gattn::AttentionConfig fixture_config(const gattn::SafetensorsFile& f) {
     if (!text("sliding_window").empty()) c.sliding_window = num("sliding_window");
     if (!text("logit_softcap").empty()) c.logit_softcap = std::stod(text("logit_softcap"));
     c.alibi = text("alibi") == "true";
+    if (text("qk_norm") == "rms") c.qk_norm = gattn::QkNorm::RmsNorm;
+    if (text("qk_norm") == "zero_centred_rms") c.qk_norm = gattn::QkNorm::ZeroCentredRmsNorm;
+    if (!text("rms_norm_eps").empty()) c.rms_norm_eps = std::stod(text("rms_norm_eps"));
+    if (!text("rotary_dim").empty()) {
+        c.rotary_dim = num("rotary_dim");
+        c.rope_theta = std::stod(text("rope_theta"));
+        c.rope_style = text("rope_style") == "gptj" ? gattn::RopeStyle::GptJ : gattn::RopeStyle::NeoX;
+    }
     return c;
 }
 

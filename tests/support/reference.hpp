@@ -208,6 +208,7 @@ struct LayerRefResult {
 
 /// The whole gated attention layer in float64 for any valid gate spec:
 ///   Q = X W_qᵀ + b_q, K = X W_kᵀ + b_k, V = X W_vᵀ + b_v (fused gate rows split out of q_proj),
+///   q/k RMSNorm and RoPE of Q and K when configured (positions: given, or t within the sequence),
 ///   G2/G3/G4 gate V/K/Q, U = SDPA(Q, K, V) with the config's causal flag, window and scale plus
 ///   the given token lengths (padding tokens are neither keys nor queries: their U is 0) and
 ///   dense [B, H, N, N] masks, G1 gates U, A = U W_oᵀ + b_o, G5 gates A.
@@ -215,7 +216,8 @@ inline LayerRefResult layer_reference(const gattn::AttentionConfig& c,
                                       const gattn::AttentionWeights<double>& w, const Mat& x,
                                       Index batch, const std::vector<Index>& key_lengths = {},
                                       const std::vector<bool>& bool_mask = {},
-                                      const std::vector<double>& bias = {}) {
+                                      const std::vector<double>& bias = {},
+                                      const std::vector<Index>& positions = {}) {
     using namespace gattn;
     const GateSpec& gs = c.gate;
     const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads;
@@ -267,12 +269,49 @@ inline LayerRefResult layer_reference(const gattn::AttentionConfig& c,
         }
     }
 
+    // q/k RMSNorm per head, then RoPE (NeoX pairs (i, i + r/2), GPT-J pairs (2i, 2i + 1)),
+    // θ_i = θ^(−2i/r), at each token's position (given, or t within its sequence).
+    if (c.qk_norm != QkNorm::None) {
+        const double offset = c.qk_norm == QkNorm::ZeroCentredRmsNorm ? 1.0 : 0.0;
+        auto norm = [&](Mat& m, Index heads, const Vec& weight) {
+            for (Index t = 0; t < T; ++t)
+                for (Index h = 0; h < heads; ++h) {
+                    double ms = 0.0;
+                    for (Index d = 0; d < dk; ++d) ms += m(t, h * dk + d) * m(t, h * dk + d);
+                    const double inv = 1.0 / std::sqrt(ms / static_cast<double>(dk) + c.rms_norm_eps);
+                    for (Index d = 0; d < dk; ++d) m(t, h * dk + d) *= inv * (offset + weight(d));
+                }
+        };
+        norm(Q, H, w.q_norm_weight);
+        norm(K, Hkv, w.k_norm_weight);
+    }
+    if (c.rotary_dim > 0) {
+        const Index r = c.rotary_dim, N = T / batch;
+        auto rotate = [&](Mat& m, Index heads) {
+            for (Index t = 0; t < T; ++t) {
+                const double p = positions.empty() ? static_cast<double>(t % N) : static_cast<double>(positions[t]);
+                for (Index h = 0; h < heads; ++h)
+                    for (Index i = 0; i < r / 2; ++i) {
+                        const double angle = p * std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(r));
+                        const Index a = h * dk + (c.rope_style == RopeStyle::GptJ ? 2 * i : i);
+                        const Index b = a + (c.rope_style == RopeStyle::GptJ ? 1 : r / 2);
+                        const double xa = m(t, a), xb = m(t, b);
+                        m(t, a) = xa * std::cos(angle) - xb * std::sin(angle);
+                        m(t, b) = xb * std::cos(angle) + xa * std::sin(angle);
+                    }
+            }
+        };
+        rotate(Q, H);
+        rotate(K, Hkv);
+    }
+
     // Separate gate logits.
     if (gated && !fused) {
         switch (gs.source) {
             case GateSource::Input: z = ref_linear(x, w.gate_proj_weight, w.gate_proj_bias); break;
             case GateSource::Query:
-                // z[t, h] = w_h · q_h(t) + b_h from the raw query (q_proj output incl. its bias).
+                // z[t, h] = w_h · q_h(t) + b_h from the query (q_proj output incl. its bias,
+                // after qk_norm and RoPE when configured).
                 z.resize(T, H);
                 for (Index t = 0; t < T; ++t)
                     for (Index h = 0; h < H; ++h) {

@@ -15,6 +15,19 @@
 
 namespace gattn {
 
+/// How rotary position embedding pairs a head's features (AttentionConfig::rope_style).
+enum class RopeStyle {
+    NeoX,  ///< feature i with i + r/2, "rotate_half" (HF Llama, Qwen2/3, Qwen3-Next)
+    GptJ,  ///< feature 2i with 2i + 1, interleaved (GPT-J, Meta's original Llama)
+};
+
+/// RMSNorm of each query and key head before RoPE (AttentionConfig::qk_norm; HF q_norm, k_norm).
+enum class QkNorm {
+    None,
+    RmsNorm,             ///< y = x / √(mean(x²) + ε) · w (Qwen3, OLMo 2)
+    ZeroCentredRmsNorm,  ///< y = x / √(mean(x²) + ε) · (1 + w) (Qwen3-Next)
+};
+
 /// Layer configuration. Shapes: D = d_model, H = num_heads, H_kv = num_kv_heads,
 /// d_k = head_dim, d_v = value_head_dim (0 means d_k).
 struct AttentionConfig {
@@ -36,9 +49,18 @@ struct AttentionConfig {
     /// Logit soft-capping c > 0 (Gemma 2's attn_logit_softcapping, 50 there): each scaled
     /// logit ℓ becomes c·tanh(ℓ/c) (SdpaOptions::logit_softcap); 0 = none.
     double logit_softcap = 0;
-    /// ALiBi with the standard slopes alibi_slopes(H) (BLOOM, MPT; SdpaOptions::alibi_slopes):
-    /// a position signal for this layer, which has no rotary embedding.
+    /// ALiBi with the standard slopes alibi_slopes(H) (BLOOM, MPT; SdpaOptions::alibi_slopes).
     bool alibi = false;
+    /// RMSNorm of every query and key head (weights q_norm.weight, k_norm.weight [d_k]), before
+    /// RoPE, as Qwen3 and Qwen3-Next.
+    QkNorm qk_norm = QkNorm::None;
+    double rms_norm_eps = 1e-6;  ///< ε of qk_norm (HF rms_norm_eps)
+    /// Rotary position embedding (Su et al. 2021) of the first rotary_dim features of every
+    /// query and key head (even, ≤ head_dim; HF head_dim · partial_rotary_factor), after
+    /// qk_norm; 0 = none. Positions come from ForwardOptions::positions or the cache.
+    Index rotary_dim = 0;
+    double rope_theta = 10000;            ///< RoPE base θ: pair i turns by position · θ^(−2i/r)
+    RopeStyle rope_style = RopeStyle::NeoX;  ///< which features RoPE pairs
 
     /// Features per query and key head.
     Index d_k() const noexcept { return head_dim; }
@@ -59,7 +81,8 @@ struct TensorShape {
 
 /// Throws std::invalid_argument (naming `function` and the field) when the config is invalid:
 /// sizes < 1, H not divisible by H_kv, window < 1, non-finite scale, negative or non-finite
-/// logit_softcap, invalid gate spec, or a
+/// logit_softcap, rotary_dim odd or outside [0, head_dim], rope_theta ≤ 0, rms_norm_eps < 0,
+/// invalid gate spec, or a
 /// fused gate layout with d_v ≠ d_k for an elementwise gate.
 inline void validate_config(const AttentionConfig& c, const char* function) {
     auto positive = [&](Index v, const char* name) {
@@ -99,6 +122,15 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
     if (!(std::isfinite(c.logit_softcap) && c.logit_softcap >= 0) || (c.logit_softcap > 0 && !std::isfinite(float(c.logit_softcap))))
         detail::throw_invalid(function, "config.logit_softcap",
                               "must be finite (in float too) and >= 0 (0 = none), got " + std::to_string(c.logit_softcap));
+    if (c.rotary_dim < 0 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim)
+        detail::throw_invalid(function, "config.rotary_dim",
+                              "must be even and in [0, head_dim = " + std::to_string(c.head_dim) + "], got " +
+                                  std::to_string(c.rotary_dim));
+    if (c.rotary_dim > 0 && !(std::isfinite(c.rope_theta) && c.rope_theta > 0))
+        detail::throw_invalid(function, "config.rope_theta", "must be finite and > 0, got " + std::to_string(c.rope_theta));
+    if (c.qk_norm != QkNorm::None && !(std::isfinite(c.rms_norm_eps) && c.rms_norm_eps >= 0))
+        detail::throw_invalid(function, "config.rms_norm_eps",
+                              "must be finite and >= 0, got " + std::to_string(c.rms_norm_eps));
     validate_gate_spec(c.gate, function);
     if (c.gate.enabled() && c.gate.layout != GateLayout::Separate &&
         c.gate.granularity == GateGranularity::Elementwise && c.d_v() != c.d_k())
@@ -128,7 +160,8 @@ inline Index gate_width(const AttentionConfig& c) {
 /// q_proj.weight [H·d_k (+ gate rows when fused), D], k_proj.weight [H_kv·d_k, D],
 /// v_proj.weight [H_kv·d_v, D], o_proj.weight [D, H·d_v], biases when configured,
 /// gate_proj.weight [gate_width, D] (input gates) or [H, d_k] (query-sourced gates),
-/// gate_proj.bias, gate_theta [H, d_v] (input-independent gates).
+/// gate_proj.bias, gate_theta [H, d_v] (input-independent gates), sinks [H],
+/// q_norm.weight and k_norm.weight [d_k] (qk_norm).
 inline std::vector<TensorShape> expected_weight_shapes(const AttentionConfig& c) {
     const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
     const GateSpec& g = c.gate;
@@ -145,6 +178,10 @@ inline std::vector<TensorShape> expected_weight_shapes(const AttentionConfig& c)
     }
     if (c.o_bias) s.push_back({"o_proj.bias", {D}});
     if (c.sinks) s.push_back({"sinks", {H}});
+    if (c.qk_norm != QkNorm::None) {
+        s.push_back({"q_norm.weight", {dk}});
+        s.push_back({"k_norm.weight", {dk}});
+    }
     if (g.enabled() && !fused) {
         if (g.source == GateSource::Input) {
             s.push_back({"gate_proj.weight", {gate_width(c), D}});

@@ -28,6 +28,8 @@
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/packed_linear.hpp"
+#include "gattn/ops/rms_norm.hpp"
+#include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
 
 namespace gattn {
@@ -43,6 +45,9 @@ struct ForwardOptions {
     std::vector<Index> key_lengths;
     MaskView<bool> bool_mask;        ///< [B|1, H|1, N|1, N], true = attend
     MaskView<Scalar> bias;           ///< [B|1, H|1, N|1, N] additive
+    /// RoPE position of each token ([B·N], row order), e.g. for a left-padded batch; empty =
+    /// its index t within its sequence. Used only with config.rotary_dim > 0.
+    std::vector<Index> positions;
 };
 
 }  // namespace gattn
@@ -66,6 +71,8 @@ struct AttentionWeights {
     Vector<Scalar> gate_proj_bias;       ///< [gate_width] when the gate spec has a bias, else empty
     RowMatrix<Scalar> gate_theta;        ///< input-independent gate: [H, d_v]
     Vector<Scalar> sinks;                ///< [H] sink logits when config.sinks, else empty
+    Vector<Scalar> q_norm_weight;        ///< [d_k] when config.qk_norm, else empty
+    Vector<Scalar> k_norm_weight;        ///< [d_k] when config.qk_norm, else empty
 
     /// Visits (HF name, pointer to matrix or vector) for every member.
     template <class F>
@@ -82,6 +89,8 @@ struct AttentionWeights {
         f("gate_proj.bias", &gate_proj_bias);
         f("gate_theta", &gate_theta);
         f("sinks", &sinks);
+        f("q_norm.weight", &q_norm_weight);
+        f("k_norm.weight", &k_norm_weight);
     }
     /// Visits (HF name, const reference to matrix or vector) for every member.
     template <class F>
@@ -106,6 +115,8 @@ struct AttentionWeights {
         out.gate_proj_bias = gate_proj_bias.template cast<To>();
         out.gate_theta = gate_theta.template cast<To>();
         out.sinks = sinks.template cast<To>();
+        out.q_norm_weight = q_norm_weight.template cast<To>();
+        out.k_norm_weight = k_norm_weight.template cast<To>();
         return out;
     }
 };
@@ -209,7 +220,7 @@ public:
     std::size_t weight_bytes() const noexcept {
         return m_in.bytes() + m_gate.bytes() + m_o.bytes() +
                sizeof(T) * static_cast<std::size_t>(m_gate_query.size() + m_gate_query_bias.size() + m_gate_theta.size() +
-                                                    m_sinks.size());
+                                                    m_sinks.size() + m_q_norm.size() + m_k_norm.size());
     }
 
     /// Forward pass, core form.
@@ -249,7 +260,16 @@ public:
         // Validate the attention call before anything is written.
         gattn::detail::validate_sdpa<T>(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv,
                                         HeadLayout{batch, H, Hkv}, sdpa, "options.");
-        run_activations(x, HeadLayout{batch, H, Hkv}, out, sdpa, trace, nullptr, {});
+        if (!options.positions.empty() && static_cast<Index>(options.positions.size()) != rows)
+            gattn::detail::throw_shape(fn, "options.positions", gattn::detail::shape_string({rows}),
+                                       gattn::detail::shape_string({static_cast<Index>(options.positions.size())}));
+        std::vector<Index> positions;  // RoPE: given, or each token's index in its sequence
+        if (c.rotary_dim > 0) {
+            positions = options.positions;
+            if (positions.empty())
+                for (Index r = 0; r < rows; ++r) positions.push_back(r % (rows / batch));
+        }
+        run_activations(x, HeadLayout{batch, H, Hkv}, out, sdpa, trace, nullptr, {}, positions);
     }
 
     /// Forward pass, convenience form: returns Y [B·N, D]. Same contract as the core form.
@@ -316,7 +336,12 @@ public:
         const Index cache_rows = B * cache.capacity_after(counts);  // a window cache may grow
         gattn::detail::validate_sdpa<T>(fn, rows, H * dk, cache_rows, Hkv * dk, cache_rows, Hkv * dv,
                                         HeadLayout{B, H, Hkv}, sdpa, "");
-        run_activations(x, HeadLayout{B, H, Hkv}, out, sdpa, trace, &cache, counts);
+        std::vector<Index> positions;  // RoPE: after the sequence's tokens so far
+        if (c.rotary_dim > 0) {
+            const std::vector<Index> seen = cache.tokens_seen();
+            for (Index r = 0; r < rows; ++r) positions.push_back(seen[r / (rows / B)] + r % (rows / B));
+        }
+        run_activations(x, HeadLayout{B, H, Hkv}, out, sdpa, trace, &cache, counts, positions);
     }
 
 private:
@@ -349,22 +374,23 @@ private:
     /// once from the float result.
     void run_activations(ConstMatrixRef<Activation> x, const HeadLayout& layout, MatrixRef<Activation> out,
                          const SdpaOptions<T>& sdpa, ForwardTrace<T>* trace, KVCache<Scalar>* cache,
-                         const std::vector<Index>& counts) const {
+                         const std::vector<Index>& counts, const std::vector<Index>& positions) const {
         if constexpr (std::is_same_v<Activation, T>) {
-            run(x, layout, out, sdpa, trace, cache, counts);
+            run(x, layout, out, sdpa, trace, cache, counts, positions);
         } else {
             const RowMatrix<T> x_wide = x.template cast<T>();
             RowMatrix<T> y(x.rows(), out.cols());
-            run(x_wide, layout, y, sdpa, trace, cache, counts);
+            run(x_wide, layout, y, sdpa, trace, cache, counts, positions);
             out = y.template cast<Activation>();
         }
     }
 
     /// The layer's arithmetic on validated arguments. Without a cache, SDPA reads this call's
     /// keys and values; with one, they are appended to it (counts per sequence) and SDPA reads
-    /// the cache.
+    /// the cache. positions: each row's RoPE position (with config.rotary_dim > 0).
     void run(ConstMatrixRef<T> x, const HeadLayout& layout, MatrixRef<T> out, const SdpaOptions<T>& sdpa,
-             ForwardTrace<T>* trace, KVCache<Scalar>* cache, const std::vector<Index>& counts) const {
+             ForwardTrace<T>* trace, KVCache<Scalar>* cache, const std::vector<Index>& counts,
+             const std::vector<Index>& positions) const {
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
         const Index rows = x.rows();
@@ -402,7 +428,20 @@ private:
             trace->probabilities.resize(0, 0);
         }
 
-        // Gates on the projections (G2 value, G3 key, G4 query) gate the raw projection output.
+        // q/k RMSNorm, then RoPE, as Llama, Qwen3 and Qwen3-Next compute the query and key; the
+        // gates below see them so.
+        if (c.qk_norm != QkNorm::None) {
+            const bool zero_centred = c.qk_norm == QkNorm::ZeroCentredRmsNorm;
+            rms_norm_heads(q.data(), rows, q.outerStride(), H, dk, m_q_norm.data(), c.rms_norm_eps, zero_centred);
+            rms_norm_heads(k.data(), rows, k.outerStride(), Hkv, dk, m_k_norm.data(), c.rms_norm_eps, zero_centred);
+        }
+        if (c.rotary_dim > 0) {
+            const bool gptj = c.rope_style == RopeStyle::GptJ;
+            apply_rope(q.data(), rows, q.outerStride(), H, dk, c.rotary_dim, positions.data(), c.rope_theta, gptj);
+            apply_rope(k.data(), rows, k.outerStride(), Hkv, dk, c.rotary_dim, positions.data(), c.rope_theta, gptj);
+        }
+
+        // Gates on the projections (G2 value, G3 key, G4 query) gate the projection output.
         if (input_gate && g.position != GatePosition::G1 && g.position != GatePosition::G5) {
             if (g.position == GatePosition::G2) gate_heads(v.data(), v.outerStride(), Hkv, dv, z, nullptr, scores, rows);
             if (g.position == GatePosition::G3) gate_heads(k.data(), k.outerStride(), Hkv, dk, z, nullptr, scores, rows);
@@ -464,7 +503,7 @@ private:
             if (g.source == GateSource::Input) {
                 if (!fused_g1) gate_heads(u.data(), u.outerStride(), H, dv, z, nullptr, scores, rows);
             } else if (g.source == GateSource::Query) {
-                // z[r, h] = w_h · q_h + b_h from the raw query (q is not modified at G1).
+                // z[r, h] = w_h · q_h + b_h from the query as SDPA reads it (after qk_norm and RoPE).
                 z.resize(rows, H);
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (rows * H * dk >= (Index(1) << 16))
@@ -555,6 +594,10 @@ private:
         }
         if (g.enabled() && g.source == GateSource::InputIndependent) m_gate_theta = w.gate_theta.template cast<T>();
         if (c.sinks) m_sinks.assign(w.sinks.data(), w.sinks.data() + w.sinks.size());
+        if (c.qk_norm != QkNorm::None) {
+            m_q_norm = w.q_norm_weight.template cast<T>();
+            m_k_norm = w.k_norm_weight.template cast<T>();
+        }
     }
 
     /// Applies the gate to `rows` rows of a target holding `heads` heads of `width` each.
@@ -650,6 +693,7 @@ private:
     Vector<T> m_gate_query_bias;
     RowMatrix<T> m_gate_theta;  // [H, d_v] (input-independent gate)
     std::vector<T> m_sinks;     // [H] sink logits (config.sinks), as SdpaOptions takes them
+    Vector<T> m_q_norm, m_k_norm;  // [d_k] qk_norm weights
 };
 
 GATTN_END_ISA_NAMESPACE

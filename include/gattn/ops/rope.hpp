@@ -9,6 +9,7 @@
 ///     y_i       = x_i · cos(p θ_i) − x_{i+r/2} · sin(p θ_i)
 ///     y_{i+r/2} = x_{i+r/2} · cos(p θ_i) + x_i · sin(p θ_i)
 /// (Hugging Face transformers, apply_rotary_pos_emb with rotate_half); dims ≥ r pass through.
+/// Interleaved (GPT-J, Meta's Llama reference): pair i is features (2i, 2i + 1) instead.
 /// Angles are computed in double, so long positions keep their accuracy.
 
 #include <cmath>
@@ -27,10 +28,11 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// \param rotary_dim r: features rotated per head (even, ≤ d); the rest pass through.
 /// \param positions  [rows] position of each row's token.
 /// \param base       the RoPE base of θ_i = base^(−2i/r) (HF rope_theta).
+/// \param interleaved pairs (2i, 2i + 1) (GPT-J) instead of (i, i + r/2) (NeoX).
 /// Inner function: shapes are the caller's responsibility (rotary_dim even, ≤ d).
 template <class Scalar>
 void apply_rope(Scalar* x, Index rows, Index stride, Index heads, Index d, Index rotary_dim, const Index* positions,
-                double base) {
+                double base, bool interleaved = false) {
     const Index half = rotary_dim / 2;
     std::vector<double> inv_freq(static_cast<std::size_t>(half));
     for (Index i = 0; i < half; ++i) inv_freq[i] = std::pow(base, -2.0 * double(i) / double(rotary_dim));
@@ -43,10 +45,13 @@ void apply_rope(Scalar* x, Index rows, Index stride, Index heads, Index d, Index
         }
         for (Index h = 0; h < heads; ++h) {
             Scalar* v = x + r * stride + h * d;
+            const Index first = interleaved ? 2 : 1, second = interleaved ? 1 : half;  // pair i: (first·i, first·i + second)
             for (Index i = 0; i < half; ++i) {
-                const Scalar a = v[i], b = v[i + half];
-                v[i] = a * cos_v[i] - b * sin_v[i];
-                v[i + half] = b * cos_v[i] + a * sin_v[i];
+                Scalar& x0 = v[first * i];
+                Scalar& x1 = v[first * i + second];
+                const Scalar a = x0, b = x1;
+                x0 = a * cos_v[i] - b * sin_v[i];
+                x1 = b * cos_v[i] + a * sin_v[i];
             }
         }
     }
