@@ -7,6 +7,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -839,6 +840,19 @@ TEST(WindowCache, KeepsTheWindowsTokensInOrder) {
     EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({10, 2}));
     cache.truncate({6, 2});  // reject the last token of sequence 0
     EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({9, 2}));
+    // Sequence 0 has dropped tokens: it keeps at least w − 1 = 2 (token 3 is gone, which a
+    // length of 1 would need); sequence 1 has dropped none and may go back to 0.
+    try {
+        cache.truncate({1, 0});
+        ADD_FAILURE() << "truncating below the window was accepted";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("lengths[0] must be in [2, 6], got 1"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({9, 2}));
+    cache.truncate({2, 0});
+    EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({5, 0}));
+    EXPECT_THROW(cache.lengths_after({1}), gattn::shape_error);
+    EXPECT_THROW(gattn::KVCache<float>(1, 4, 1, 2, 0, 0, Index(1) << 41), std::invalid_argument);
     EXPECT_THROW(gattn::KVCache<float>(1, 4, 1, 2, 0, 0, -1), std::invalid_argument);
     cache.clear();
     EXPECT_EQ(cache.tokens_seen(), std::vector<Index>({0, 0}));
@@ -883,6 +897,45 @@ TEST(WindowCache, DecodingEqualsTheFullCache) {
             EXPECT_LE(window_cache.capacity(), 3 + 11) << "w − 1 kept + the longest call";
         }
     EXPECT_EQ(full.lengths()[0], 108);
+}
+
+/// Rolling a model's caches back after a window cache dropped tokens: to where the window's
+/// tokens are still stored, it gives what a full cache gives; further back it is refused, in
+/// tokens seen, and nothing changes. make_cache gives a window cache from a capacity of 2w + 1.
+TEST(WindowCache, RollbackStaysWithinTheWindow) {
+    gattn::AttentionConfig c = small_config();
+    c.sliding_window = 4;
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 3));
+    EXPECT_EQ(layer.make_cache(1, 8).window(), 0);
+    EXPECT_EQ(layer.make_cache(1, 9).window(), 4);
+    gattn::KVCacheSet<float> caches(std::vector<const gattn::GatedMultiHeadAttention<float>*>{&layer}, 1, 100);
+    gattn::KVCache<float> full(1, 100, c.num_kv_heads, c.head_dim);
+    const RowMatrix<float> x = RowMatrix<float>::Random(11, 16);
+    RowMatrix<float> a(1, 16), b(1, 16);
+    for (Index t = 0; t < 10; ++t) {
+        layer.forward(x.row(t), caches[0], a);
+        layer.forward(x.row(t), full, b);
+    }
+    ASSERT_EQ(caches.lengths(), std::vector<Index>({10}));
+    const Index first = caches[0].first_positions()[0];  // tokens [first, 10) stored
+    ASSERT_GT(first, 0);
+    try {
+        caches.truncate({first + 2});
+        ADD_FAILURE() << "a rollback past the window's tokens was accepted";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("gattn::KVCacheSet::truncate: lengths[0] must be in [" +
+                                             std::to_string(first + 3) + ", 10] tokens seen, got " +
+                                             std::to_string(first + 2)),
+                  std::string::npos)
+            << e.what();
+    }
+    EXPECT_EQ(caches.lengths(), std::vector<Index>({10}));
+    EXPECT_THROW(caches.truncate({11}), std::invalid_argument);
+    caches.truncate({first + 3});
+    full.truncate({first + 3});
+    layer.forward(x.row(10), caches[0], a);
+    layer.forward(x.row(10), full, b);
+    expect_close<float>(a, b.cast<double>(), "after the rollback");
 }
 
 /// A window cache is refused by a layer with another window or none, and by Qwen3-Next (whose
@@ -999,7 +1052,7 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     EXPECT_EQ(cache.lengths(), (std::vector<Index>{4, 3}));
 }
 
-/// RoPE and q/k norm settings out of range are refused with the field named; so are positions
+/// RoPE, q/k norm and softcap settings out of range are refused with the field named; so are positions
 /// that are not one per token, and a config with q/k norm needs its norm weights.
 TEST(LayerConstruction, RopeAndQkNormSettingsAreChecked) {
     const auto w_ok = gattn::make_random_weights<float>(small_config(), 1);  // head_dim 4
@@ -1014,6 +1067,16 @@ TEST(LayerConstruction, RopeAndQkNormSettingsAreChecked) {
         c.rope_theta = theta;
         expect_rejected<std::invalid_argument>([&] { gattn::GatedMultiHeadAttention<float> l(c, w_ok); },
                                                "gattn::GatedMultiHeadAttention", {message}, unused);
+    }
+    for (double cap : {-1.0, 1e-50, 3e38}) {  // 1e-50 is 0 in float; 3e38·log₂e overflows it
+        auto c = small_config();
+        c.logit_softcap = cap;
+        std::ostringstream shown;
+        shown << cap;
+        expect_rejected<std::invalid_argument>(
+            [&] { gattn::GatedMultiHeadAttention<float> l(c, w_ok); }, "gattn::GatedMultiHeadAttention",
+            {"config.logit_softcap must be 0 (none) or > 0 and, times log2(e), finite in float, got " + shown.str()},
+            unused);
     }
     auto c = small_config();
     c.qk_norm = gattn::QkNorm::RmsNorm;

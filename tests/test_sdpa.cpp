@@ -771,11 +771,15 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
 
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
     ValidationFixture f;
-    for (double cap : {0.0, -1.0, std::numeric_limits<double>::infinity(), 1e300}) {
+    // 3e38 is a finite float, but not times log₂e (the bf16 kernels' base 2); 1e-50 is 0 in float.
+    for (const auto& [cap, shown] : {std::pair<double, const char*>{0.0, "0"}, {-1.0, "-1"},
+                                     {std::numeric_limits<double>::infinity(), "inf"}, {1e300, "1e+300"},
+                                     {3e38, "3e+38"}, {1e-50, "1e-50"}}) {
         f.opt.logit_softcap = cap;
         expect_rejected<std::invalid_argument>(
             [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-            "logit_softcap must be finite and > 0", f.out, true);
+            std::string("logit_softcap must be > 0 and, times log2(e), finite in the scalar type, got ") + shown,
+            f.out, true);
     }
     f.opt.logit_softcap.reset();
     f.opt.alibi_slopes = {0.5f, 0.25f};
@@ -785,7 +789,19 @@ TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
     f.opt.alibi_slopes = {0.5f, 0.25f, std::numeric_limits<float>::infinity(), 0.0f};
     expect_rejected<std::invalid_argument>(
         [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-        "alibi_slopes[2] must be finite, got inf", f.out, true);
+        "alibi_slopes[2] must be finite, also times log2(e), got inf", f.out, true);
+    f.opt.alibi_slopes = {0.5f, -3e38f, 0.0f, 0.0f};
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+        "alibi_slopes[1] must be finite, also times log2(e), got -3e+38", f.out, true);
+    f.opt.alibi_slopes.clear();
+    gattn::RowMatrix<float> logits;
+    gattn::SdpaOutputs<float> extra;
+    extra.logits = &logits;
+    extra.logits_stage = static_cast<gattn::LogitStage>(7);
+    expect_rejected<std::invalid_argument>(
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt, extra); },
+        "extra.logits_stage must be Scaled, Softcapped or Final", f.out, true);
 }
 
 /// The standard slopes, worked by hand from Press et al. §3: 8 heads 2^−1 … 2^−8; 12 heads the

@@ -57,6 +57,15 @@ inline std::string shape_string(std::initializer_list<Index> dims) {
     return s.str();
 }
 
+/// Formats a number for a message: shortest general form ("1e-50", "0.75", "nan"), where
+/// std::to_string would print "0.000000" or 300 digits.
+inline std::string number_string(double x) {
+    std::ostringstream s;
+    s.precision(7);
+    s << x;
+    return s.str();
+}
+
 /// Throws shape_error "<function>: <argument> must have shape <expected>, got <actual>".
 [[noreturn]] inline void throw_shape(const char* function, const std::string& argument,
                                      const std::string& expected, const std::string& actual) {

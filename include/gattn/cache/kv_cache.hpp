@@ -96,15 +96,19 @@ public:
         return t;
     }
     /// Per sequence, the tokens stored after appending counts[b] more (dropping those a window
-    /// no longer needs); counts must be valid for append.
+    /// no longer needs); counts must be valid for append. \throws shape_error when counts has
+    /// not batch() entries.
     std::vector<Index> lengths_after(const std::vector<Index>& counts) const {
+        check_counts("gattn::KVCache::lengths_after", counts);
         std::vector<Index> l = m_lengths;
         for (std::size_t b = 0; b < l.size(); ++b)
             l[b] = (m_window > 0 && l[b] + counts[b] > m_capacity ? kept(l[b]) : l[b]) + counts[b];
         return l;
     }
-    /// The capacity after appending counts (as append grows a window cache).
+    /// The capacity after appending counts (as append grows a window cache). \throws
+    /// shape_error when counts has not batch() entries.
     Index capacity_after(const std::vector<Index>& counts) const {
+        check_counts("gattn::KVCache::capacity_after", counts);
         Index needed = m_capacity;
         if (m_window > 0)
             for (std::size_t b = 0; b < m_lengths.size(); ++b)
@@ -164,10 +168,12 @@ public:
         }
     }
 
-    /// Rolls sequences back to fewer stored tokens (e.g. rejected speculative tokens); a window
-    /// cache can roll back only tokens it still stores.
+    /// Rolls sequences back to fewer stored tokens (e.g. rejected speculative tokens). A window
+    /// cache that has dropped tokens of a sequence keeps at least its last w − 1 (the next
+    /// token's window would reach tokens no longer stored).
     /// \throws shape_error when lengths has not batch() entries.
-    /// \throws std::invalid_argument when a length is negative or longer than the current one.
+    /// \throws std::invalid_argument when a length is negative, longer than the current one, or
+    ///         below w − 1 in a window cache's sequence that has dropped tokens.
     void truncate(const std::vector<Index>& lengths) {
         check_truncate(lengths);
         m_lengths = lengths;
@@ -180,9 +186,13 @@ public:
             detail::throw_shape(fn, "lengths", detail::shape_string({batch()}),
                                 detail::shape_string({static_cast<Index>(lengths.size())}));
         for (std::size_t b = 0; b < lengths.size(); ++b)
-            if (lengths[b] < 0 || lengths[b] > m_lengths[b])
+            if (lengths[b] < min_length(b) || lengths[b] > m_lengths[b])
                 detail::throw_invalid(fn, "lengths[" + std::to_string(b) + "]",
-                                      "must be in [0, " + std::to_string(m_lengths[b]) + "], got " + std::to_string(lengths[b]));
+                                      "must be in [" + std::to_string(min_length(b)) + ", " + std::to_string(m_lengths[b]) +
+                                          "], got " + std::to_string(lengths[b]) +
+                                          (min_length(b) > 0 ? " (a window cache keeps the last window − 1 tokens it "
+                                                               "has not dropped)"
+                                                             : ""));
     }
 
     /// Forgets every token (lengths and first positions back to 0).
@@ -191,11 +201,22 @@ public:
         for (auto& f : m_first) f = 0;
     }
 
+    /// The fewest tokens sequence b can be truncated to: w − 1 once a window cache has dropped
+    /// some of its tokens, else 0.
+    Index min_length(std::size_t b) const noexcept { return m_window > 0 && m_first[b] > 0 ? m_window - 1 : 0; }
+
 private:
     static Index validated_window(Index window) {
-        if (window < 0)
-            detail::throw_invalid("gattn::KVCache", "window", "must be >= 0 (0 = keep every token), got " + std::to_string(window));
+        if (window < 0 || window > (Index(1) << 40))
+            detail::throw_invalid("gattn::KVCache", "window",
+                                  "must be in [0, 2^40] (0 = keep every token), got " + std::to_string(window));
         return window;
+    }
+
+    void check_counts(const char* fn, const std::vector<Index>& counts) const {
+        if (counts.size() != m_lengths.size())
+            detail::throw_shape(fn, "counts", detail::shape_string({batch()}),
+                                detail::shape_string({static_cast<Index>(counts.size())}));
     }
 
     // Tokens of `length` stored that the next token's window still sees: the last w − 1.
@@ -293,10 +314,25 @@ public:
     std::vector<Index> lengths() const { return m_caches.at(0).tokens_seen(); }
 
     /// Rolls every layer's sequences back to `lengths` tokens seen, all or none (a window
-    /// layer's cache only to tokens it still stores).
-    /// \throws as KVCache::truncate (checked on every cache before any changes).
+    /// layer's cache only as far as KVCache::truncate allows).
+    /// \throws shape_error when lengths has not batch entries; std::invalid_argument when a
+    ///         length is outside what some layer's cache can roll back to (the message gives
+    ///         the range in tokens seen). Checked on every cache before any changes.
     void truncate(const std::vector<Index>& lengths) {
-        for (const KVCache<Scalar>& c : m_caches) c.check_truncate(stored(c, lengths));
+        constexpr const char* fn = "gattn::KVCacheSet::truncate";
+        for (const KVCache<Scalar>& c : m_caches) {
+            if (lengths.size() != c.lengths().size())
+                detail::throw_shape(fn, "lengths", detail::shape_string({c.batch()}),
+                                    detail::shape_string({static_cast<Index>(lengths.size())}));
+            const std::vector<Index> seen = c.tokens_seen();
+            for (std::size_t b = 0; b < lengths.size(); ++b) {
+                const Index lo = c.first_positions()[b] + c.min_length(b), hi = seen[b];
+                if (lengths[b] < lo || lengths[b] > hi)
+                    detail::throw_invalid(fn, "lengths[" + std::to_string(b) + "]",
+                                          "must be in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                              "] tokens seen, got " + std::to_string(lengths[b]));
+            }
+        }
         for (KVCache<Scalar>& c : m_caches) c.truncate(stored(c, lengths));
     }
     /// Forgets every token of every layer.
@@ -305,7 +341,7 @@ public:
     }
 
 private:
-    // Tokens seen → tokens stored in cache c (before its first position: negative, refused).
+    // Tokens seen → tokens stored in cache c.
     static std::vector<Index> stored(const KVCache<Scalar>& c, std::vector<Index> tokens) {
         for (std::size_t b = 0; b < tokens.size() && b < c.first_positions().size(); ++b) tokens[b] -= c.first_positions()[b];
         return tokens;

@@ -80,8 +80,8 @@ struct TensorShape {
 };
 
 /// Throws std::invalid_argument (naming `function` and the field) when the config is invalid:
-/// sizes < 1, H not divisible by H_kv, window < 1, non-finite scale, negative or non-finite
-/// logit_softcap, rotary_dim odd or outside [0, head_dim], rope_theta ≤ 0, rms_norm_eps < 0,
+/// sizes < 1, H not divisible by H_kv, window < 1, non-finite scale, a logit_softcap that is
+/// negative, NaN, or not a positive finite float (times log₂e), rotary_dim odd or outside [0, head_dim], rope_theta ≤ 0, rms_norm_eps < 0,
 /// invalid gate spec, or a
 /// fused gate layout with d_v ≠ d_k for an elementwise gate.
 inline void validate_config(const AttentionConfig& c, const char* function) {
@@ -119,9 +119,12 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
                                   std::to_string(*c.sliding_window));
     if (c.scale && !std::isfinite(*c.scale))
         detail::throw_invalid(function, "config.scale", "must be finite");
-    if (!(std::isfinite(c.logit_softcap) && c.logit_softcap >= 0) || (c.logit_softcap > 0 && !std::isfinite(float(c.logit_softcap))))
+    // As SDPA will check it in float (the narrowest compute type): > 0 and finite times log₂e.
+    if (!(c.logit_softcap == 0 ||
+          (float(c.logit_softcap) > 0 && std::isfinite(float(c.logit_softcap) * 1.44269504f))))
         detail::throw_invalid(function, "config.logit_softcap",
-                              "must be finite (in float too) and >= 0 (0 = none), got " + std::to_string(c.logit_softcap));
+                              "must be 0 (none) or > 0 and, times log2(e), finite in float, got " +
+                                  detail::number_string(c.logit_softcap));
     if (c.rotary_dim < 0 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim)
         detail::throw_invalid(function, "config.rotary_dim",
                               "must be even and in [0, head_dim = " + std::to_string(c.head_dim) + "], got " +

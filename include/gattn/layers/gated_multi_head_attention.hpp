@@ -287,7 +287,7 @@ public:
     /// \throws as the KVCache constructor.
     KVCache<Scalar> make_cache(Index batch, Index capacity) const {
         const Index w = m_config.causal && m_config.sliding_window ? *m_config.sliding_window : 0;
-        if (w > 0 && w < capacity / 2)
+        if (w > 0 && w < capacity - w)  // 2w < capacity
             return KVCache<Scalar>(batch, 2 * w, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id, w);
         return KVCache<Scalar>(batch, capacity, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id);
     }

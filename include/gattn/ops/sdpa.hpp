@@ -183,18 +183,23 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                 throw_invalid(fn, "sinks[" + std::to_string(h) + "]",
                               "must be finite or -inf (no sink), got " + std::to_string(options.sinks[h]));
     }
-    if (options.logit_softcap &&
-        !(std::isfinite(static_cast<Scalar>(*options.logit_softcap)) && static_cast<Scalar>(*options.logit_softcap) > 0))
-        throw_invalid(fn, "logit_softcap",
-                      "must be finite and > 0 in the scalar type, got " + std::to_string(*options.logit_softcap));
+    // Softcap and slopes must stay finite in base 2 (times log₂e), where the bf16 kernels use them.
+    constexpr double kLog2e = 1.4426950408889634;
+    if (options.logit_softcap) {
+        const Scalar c = static_cast<Scalar>(*options.logit_softcap);
+        if (!(c > 0 && std::isfinite(static_cast<Scalar>(c * Scalar(kLog2e)))))
+            throw_invalid(fn, "logit_softcap",
+                          "must be > 0 and, times log2(e), finite in the scalar type, got " +
+                              number_string(*options.logit_softcap));
+    }
     if (!options.alibi_slopes.empty()) {
         if (static_cast<Index>(options.alibi_slopes.size()) != H)
             throw_shape(fn, "alibi_slopes", shape_string({H}),
                         shape_string({static_cast<Index>(options.alibi_slopes.size())}));
         for (std::size_t h = 0; h < options.alibi_slopes.size(); ++h)
-            if (!std::isfinite(options.alibi_slopes[h]))
+            if (!std::isfinite(static_cast<Scalar>(options.alibi_slopes[h] * Scalar(kLog2e))))
                 throw_invalid(fn, "alibi_slopes[" + std::to_string(h) + "]",
-                              "must be finite, got " + std::to_string(options.alibi_slopes[h]));
+                              "must be finite, also times log2(e), got " + number_string(options.alibi_slopes[h]));
     }
     if (!m.query_offsets.empty()) {
         if (static_cast<Index>(m.query_offsets.size()) != B)
@@ -372,6 +377,10 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
             resized_output_holds(e, out) || resized_output_holds(e, mask.bias))
             gattn::detail::throw_invalid(fn, extra_names[a], "must not hold query, key, value, out or mask.bias");
     }
+
+    if (extra.logits && extra.logits_stage != LogitStage::Scaled && extra.logits_stage != LogitStage::Softcapped &&
+        extra.logits_stage != LogitStage::Final)
+        gattn::detail::throw_invalid(fn, "extra.logits_stage", "must be Scaled, Softcapped or Final");
 
     const T scale = static_cast<T>(options.scale ? *options.scale : 1.0 / std::sqrt(double(dk)));
     const T softcap = options.logit_softcap ? static_cast<T>(*options.logit_softcap) : T(0);
