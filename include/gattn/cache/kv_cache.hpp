@@ -2,7 +2,8 @@
 #pragma once
 
 /// \file
-/// A key/value cache for decoding: per sequence, the keys and values of every token seen so far.
+/// A key/value cache for decoding: per sequence, the keys and values of every token seen so far
+/// (or, with a window, of those the next tokens can still see).
 ///
 /// Storage is one [B·capacity, H_kv·d] matrix for keys and one for values: sequence b's stored
 /// token t sits in row b·capacity + t, so the cache is directly the key/value input of
@@ -190,8 +191,8 @@ public:
                 detail::throw_invalid(fn, "lengths[" + std::to_string(b) + "]",
                                       "must be in [" + std::to_string(min_length(b)) + ", " + std::to_string(m_lengths[b]) +
                                           "], got " + std::to_string(lengths[b]) +
-                                          (min_length(b) > 0 ? " (a window cache keeps the last window − 1 tokens it "
-                                                               "has not dropped)"
+                                          (min_length(b) > 0 ? " (after dropping tokens a window cache keeps "
+                                                               "at least window − 1)"
                                                              : ""));
     }
 
