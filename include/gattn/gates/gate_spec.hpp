@@ -16,7 +16,9 @@
 /// | G4       | query projection, per query head    | H·d_k             | H              |
 /// | G5       | o_proj output incl. its bias        | D                 | —              |
 ///
-/// G2–G4 gate the raw projection output (before any q/k norm or RoPE). The width above is the
+/// G2–G4 gate the projection output; with the layer's q/k norm and RoPE (AttentionConfig), G3 and
+/// G4 act after them, on the key and query SDPA reads (before an RMSNorm, a headwise gate would
+/// be divided out again). The width above is the
 /// number of gate logits (rows of gate_proj.weight). Valid combinations (anything else throws
 /// std::invalid_argument from validate_gate_spec):
 ///
@@ -74,7 +76,7 @@ enum class GateActivation {
 enum class GateSource {
     Input,             ///< z = X W_gᵀ + b_g (token-local, from the layer input)
     InputIndependent,  ///< z = θ, a learned [H, d_v] tensor `gate_theta` (G1 only)
-    Query,             ///< z_h = w_h · q_h + b_h from head h's raw query (G1 headwise only)
+    Query,             ///< z_h = w_h · q_h + b_h from head h's query as SDPA reads it (G1 headwise only)
 };
 
 /// Where the gate's weight rows live.

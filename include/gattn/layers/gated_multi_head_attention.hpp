@@ -229,11 +229,11 @@ public:
     /// \param out   [B·N, D], written; must share no element with x (column blocks of one
     ///              matrix are fine).
     /// \param options per-call token counts of a right-padded batch (key_lengths), boolean mask,
-    ///        additive bias ([B|1, H|1, N|1, N]).
+    ///        additive bias ([B|1, H|1, N|1, N]), RoPE positions ([B·N]).
     /// \param trace optional statistics (gate scores, first-key attention, probabilities).
-    /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, for x
-    ///         or out of the wrong shape, out overlapping x, and a trace matrix that holds x, out
-    ///         or options.bias; nothing is written before validation passes.
+    /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, for x,
+    ///         out or options.positions of the wrong shape, out overlapping x, and a trace matrix
+    ///         that holds x, out or options.bias; nothing is written before validation passes.
     void forward(ConstMatrixRef<Activation> x, Index batch, MatrixRef<Activation> out,
                  const ForwardOptions<T>& options = {}, ForwardTrace<T>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
