@@ -7,7 +7,7 @@
 #  2. scan: scripts/check_inline.pl over every header in include/, listing each offender;
 #  3. link: two translation units that both include every header are compiled and linked into
 #     one program, so any non-inline definition (function or variable) fails with "multiple
-#     definition". Needs nlohmann_json for gattn/io/*.
+#     definition". Needs nlohmann_json for gattn/io/* and MPI (Open MPI) for gattn/dist/*.
 # Environment: CXX (default g++), CXXFLAGS (extra flags for step 3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -67,9 +67,12 @@ mapfile -t headers < <(find include -name '*.hpp' -o -name '*.h' | sort)
 perl scripts/check_inline.pl "${headers[@]}"
 
 echo "== inline check 3/3: two translation units including every header, linked together"
-scripts/deps.sh library >/dev/null
+# gattn/dist includes <mpi.h>: Open MPI's headers and library come in for it.
+scripts/deps.sh library openmpi-bin libopenmpi-dev >/dev/null
 cxx="${CXX:-g++}"
 eigen=$(pkg-config --cflags eigen3 2>/dev/null || echo "-I/usr/include/eigen3")
+mpi_compile=$(mpicxx --showme:compile | sed 's/-I/-isystem /g')  # MPI's own warnings are not gattn's
+mpi_link=$(mpicxx --showme:link)
 {
   for h in "${headers[@]}"; do echo "#include \"${h#include/}\""; done
   echo 'int unit_a() { return 1; }'
@@ -79,11 +82,11 @@ eigen=$(pkg-config --cflags eigen3 2>/dev/null || echo "-I/usr/include/eigen3")
   echo 'int unit_a();'
   echo 'int main() { return unit_a() == 1 ? 0 : 1; }'
 } >"$work/b.cpp"
-flags=(-std=c++17 -O0 -Wall -Wextra -Werror -Iinclude $eigen ${CXXFLAGS:-})
+flags=(-std=c++17 -O0 -Wall -Wextra -Werror -Iinclude $eigen $mpi_compile ${CXXFLAGS:-})
 "$cxx" "${flags[@]}" -c "$work/a.cpp" -o "$work/a.o" &
 "$cxx" "${flags[@]}" -c "$work/b.cpp" -o "$work/b.o" &
 wait -n && wait -n
-if ! "$cxx" "$work/a.o" "$work/b.o" -o "$work/all_headers" 2>"$work/link.log"; then
+if ! "$cxx" "$work/a.o" "$work/b.o" -o "$work/all_headers" $mpi_link 2>"$work/link.log"; then
   grep -E "multiple definition|error" "$work/link.log" | c++filt | head -20 >&2
   echo "FAIL: a header defines something that is not inline (see the multiple definitions above)" >&2
   exit 1

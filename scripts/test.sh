@@ -11,9 +11,11 @@
 # Backend flavour (g++, -march=native, Debian's libdnnl-dev):
 #   onednn -DGATTN_WITH_ONEDNN=ON: the tests of bf16 projections, layers and models, with the
 #          bf16 projections on oneDNN's matmul.
+# MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):
+#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention under mpiexec on 2 and 3 ranks.
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline avx2 native" on x86-64, else
-# "baseline native"; any of those and "clang asan tsan"), CMAKE_ARGS (extra CMake args).
+# "baseline native"; any of those and "clang asan tsan onednn mpi"), CMAKE_ARGS (extra CMake args).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -27,6 +29,7 @@ default_flavours="baseline native"
 flavours="${FLAVOURS:-$default_flavours}"
 extra_packages=()
 case " $flavours " in *" onednn "*) extra_packages+=(libdnnl-dev) ;; esac
+case " $flavours " in *" mpi "*) extra_packages+=(openmpi-bin libopenmpi-dev) ;; esac
 case " $flavours " in
   *" clang "* | *" asan "* | *" tsan "*) scripts/deps.sh clang "${extra_packages[@]}" ;;
   *) scripts/deps.sh test "${extra_packages[@]}" ;;
@@ -47,6 +50,12 @@ for flavour in $flavours; do
       onednn_tests=(test_packed_linear test_gates test_qwen3_next test_tiny_lm)
       build_args=(--target "${onednn_tests[@]}")
       ctest_args=(-R "PackedLinear|Bf16")  # Bf16Layer, GateSpecs.Bf16*, Qwen3NextBf16, TinyLMBf16
+      ;;
+    mpi)
+      arch="-march=native"
+      cmake_args+=(-DGATTN_WITH_MPI=ON -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_BENCHMARKS=OFF)
+      build_args=(--target test_ring_attention)
+      ctest_args=(-R "RingAttention")
       ;;
     clang)
       arch=""

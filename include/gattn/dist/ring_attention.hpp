@@ -1,0 +1,180 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Ring attention (context parallelism) over MPI: a batch of long sequences split by position
+/// across the P ranks of a communicator, each rank holding the same number of query, key and
+/// value tokens of every sequence (rank r: tokens [r·n, (r + 1)·n)). The key/value blocks travel
+/// around the ring (rank r sends to r + 1 and receives from r − 1), each rank attends its queries
+/// to every block it receives, and the partial results merge exactly through the log-sum-exp
+/// (merge_attention), as in Liu et al., "Ring Attention with Blockwise Transformers" (2023) and
+/// PyTorch's context-parallel SDPA. Each transfer overlaps the attention over the block received
+/// before it.
+///
+/// Only for programs that link MPI (this header includes <mpi.h>; the rest of gattn never does).
+
+#include <mpi.h>
+
+#include <climits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "gattn/ops/sdpa.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace detail {
+
+template <class T>
+inline MPI_Datatype mpi_type() noexcept {
+    return std::is_same_v<T, float> ? MPI_FLOAT : MPI_DOUBLE;
+}
+
+/// Makes every rank throw when any rank's arguments are invalid (instead of leaving the others
+/// waiting in a transfer): the lowest failing rank's message goes to all, as
+/// std::invalid_argument "<fn>: rank <k> of <P>: <message>".
+inline void agree_or_throw(const char* fn, const std::string& error, MPI_Comm comm) {
+    int rank = 0, size = 1;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+    int failing = error.empty() ? size : rank;
+    MPI_Allreduce(MPI_IN_PLACE, &failing, 1, MPI_INT, MPI_MIN, comm);
+    if (failing == size) return;
+    std::string message = rank == failing ? error : std::string();
+    int length = static_cast<int>(message.size());
+    MPI_Bcast(&length, 1, MPI_INT, failing, comm);
+    message.resize(static_cast<std::size_t>(length));
+    MPI_Bcast(message.data(), length, MPI_CHAR, failing, comm);
+    throw std::invalid_argument(std::string(fn) + ": rank " + std::to_string(failing) + " of " +
+                                std::to_string(size) + ": " + message);
+}
+
+}  // namespace detail
+
+/// Scaled dot-product attention over sequences split by position across the ranks of `comm`
+/// (see the file comment): the output and log-sum-exp of this rank's queries against the keys
+/// and values of every rank, equal to scaled_dot_product_attention over the whole sequences up
+/// to rounding (the partial results of the P blocks are merged in the order r, r − 1, …).
+///
+/// \param query [B·n_q, H·d_k]: this rank's n_q query tokens of each of the B sequences, at
+///              positions r·n_q + i.
+/// \param key   [B·n, H_kv·d_k] and \param value [B·n, H_kv·d_v]: this rank's n key/value
+///              tokens of each sequence, at positions r·n + j. Every rank passes the same B, n,
+///              heads and options.
+/// \param heads the head layout (batch = B).
+/// \param out   [B·n_q, H·d_v], written.
+/// \param options scale; causal (positions as above, which needs n_q = n: a query sees the keys
+///              at or before its position, so blocks from later ranks are passed on, not read);
+///              sinks (joined once, to this rank's own block); logit_softcap. Masks that need
+///              per-key positions beyond these (sliding window, key or query lengths, query
+///              offsets, boolean mask, bias) and ALiBi are refused.
+/// \param comm  the ranks holding the sequence's parts, in position order.
+/// \param log_sum_exp optional [B·n_q, H] output, resized (as SdpaOutputs::log_sum_exp).
+/// \throws std::invalid_argument on every rank, naming the rank, when any rank's arguments are
+///         invalid (as scaled_dot_product_attention would reject them, the options above, or
+///         shapes or options that differ between ranks); nothing is written then.
+/// Scalar: float or double.
+template <class Scalar>
+void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
+                    const HeadLayout& heads, MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options, MPI_Comm comm,
+                    RowMatrix<Scalar>* log_sum_exp = nullptr) {
+    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>, "ring_attention: float or double");
+    constexpr const char* fn = "gattn::ring_attention";
+    int rank = 0, size = 1;
+    MPI_Comm_rank(comm, &rank);
+    MPI_Comm_size(comm, &size);
+
+    // Validation: this rank's arguments, then that every rank agrees on the shapes and options.
+    std::string error;
+    try {
+        gattn::detail::validate_sdpa<Scalar>(fn, query.rows(), query.cols(), key.rows(), key.cols(), value.rows(),
+                                             value.cols(), heads, options);
+        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), query.rows(),
+                                   heads.num_heads * (heads.num_kv_heads ? value.cols() / heads.num_kv_heads : 0));
+        const auto& m = options.mask;
+        const char* unsupported = m.sliding_window          ? "mask.sliding_window"
+                                  : !m.key_lengths.empty()   ? "mask.key_lengths"
+                                  : !m.query_lengths.empty() ? "mask.query_lengths"
+                                  : !m.query_offsets.empty() ? "mask.query_offsets"
+                                  : !m.bool_mask.empty()     ? "mask.bool_mask"
+                                  : !m.bias.empty()          ? "mask.bias"
+                                  : !options.alibi_slopes.empty() ? "alibi_slopes"
+                                                                  : nullptr;
+        if (unsupported)
+            gattn::detail::throw_invalid(fn, unsupported, "is not supported across ranks (positions are r·n + j)");
+        if (m.causal && heads.batch > 0 && query.rows() != key.rows())
+            gattn::detail::throw_invalid(fn, "query", "must hold as many tokens as key per rank for a causal mask, got " +
+                                                          std::to_string(query.rows() / heads.batch) + " and " +
+                                                          std::to_string(key.rows() / heads.batch));
+        if (key.size() > INT_MAX || value.size() > INT_MAX)
+            gattn::detail::throw_invalid(fn, "key", "block of more than INT_MAX values cannot be sent in one message");
+        if (gattn::detail::views_overlap(out, query) || gattn::detail::views_overlap(out, key) ||
+            gattn::detail::views_overlap(out, value))
+            gattn::detail::throw_invalid(fn, "out", "must not share an element with query, key or value");
+    } catch (const std::exception& e) {
+        error = e.what();
+    }
+    detail::agree_or_throw(fn, error, comm);
+    // Every rank's shapes and options, as the lowest and highest value over the ranks.
+    double mine[] = {double(query.rows()), double(query.cols()), double(key.rows()), double(key.cols()),
+                     double(value.cols()), double(heads.batch), double(heads.num_heads), double(heads.num_kv_heads),
+                     double(options.mask.causal), options.scale ? *options.scale : -1.0,
+                     options.logit_softcap ? *options.logit_softcap : -1.0, double(options.sinks.size())};
+    constexpr int kFields = int(sizeof(mine) / sizeof(mine[0]));
+    double lo[kFields], hi[kFields];
+    MPI_Allreduce(mine, lo, kFields, MPI_DOUBLE, MPI_MIN, comm);
+    MPI_Allreduce(mine, hi, kFields, MPI_DOUBLE, MPI_MAX, comm);
+    const char* names[] = {"query rows", "query columns", "key rows", "key columns", "value columns", "batch",
+                           "num_heads", "num_kv_heads", "causal", "scale", "logit_softcap", "sinks"};
+    for (int f = 0; f < kFields; ++f)
+        if (lo[f] != hi[f]) {
+            error = std::string(fn) + ": the ranks disagree on " + names[f] + " (" + gattn::detail::number_string(lo[f]) +
+                    " to " + gattn::detail::number_string(hi[f]) + ")";
+            break;
+        }
+    if (!error.empty()) throw std::invalid_argument(error);  // the same on every rank
+
+    using T = Scalar;
+    const Index rows = query.rows();
+    // This rank's own block: causal on the diagonal, with the sinks (joined once).
+    RowMatrix<T> lse, part_lse;
+    SdpaOutputs<T> extra;
+    extra.log_sum_exp = &lse;
+    RowMatrix<T> acc(rows, out.cols());
+    scaled_dot_product_attention<T>(query, key, value, heads, acc, options, extra);
+    if (size > 1) {
+        SdpaOptions<T> other = options;  // earlier ranks' blocks: every key visible, no sinks
+        other.mask.causal = false;
+        other.sinks.clear();
+        RowMatrix<T> cur_k = key, cur_v = value, next_k(key.rows(), key.cols()), next_v(value.rows(), value.cols());
+        RowMatrix<T> part(rows, out.cols());
+        SdpaOutputs<T> part_extra;
+        part_extra.log_sum_exp = &part_lse;
+        const int to = (rank + 1) % size, from = (rank + size - 1) % size;
+        const int nk = static_cast<int>(cur_k.size()), nv = static_cast<int>(cur_v.size());
+        MPI_Request requests[4];
+        auto start = [&] {
+            MPI_Isend(cur_k.data(), nk, detail::mpi_type<T>(), to, 0, comm, &requests[0]);
+            MPI_Isend(cur_v.data(), nv, detail::mpi_type<T>(), to, 1, comm, &requests[1]);
+            MPI_Irecv(next_k.data(), nk, detail::mpi_type<T>(), from, 0, comm, &requests[2]);
+            MPI_Irecv(next_v.data(), nv, detail::mpi_type<T>(), from, 1, comm, &requests[3]);
+        };
+        start();
+        for (int step = 1; step < size; ++step) {
+            MPI_Waitall(4, requests, MPI_STATUSES_IGNORE);
+            cur_k.swap(next_k);
+            cur_v.swap(next_v);
+            // The block of rank s = r − step: forwarded while it is read (both only read it).
+            if (step + 1 < size) start();
+            const int s = (rank + size - step) % size;
+            if (options.mask.causal && s > rank) continue;  // every key after every query
+            scaled_dot_product_attention<T>(query, cur_k, cur_v, heads, part, other, part_extra);
+            merge_attention<T>(acc, lse, part, part_lse, acc, lse);
+        }
+    }
+    out = acc;
+    if (log_sum_exp) *log_sum_exp = lse;
+}
+
+GATTN_END_ISA_NAMESPACE

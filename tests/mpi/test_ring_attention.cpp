@@ -1,0 +1,124 @@
+// SPDX-License-Identifier: Apache-2.0
+// Ring attention under MPI (run with mpirun -np 2 and -np 3): every rank builds the same whole
+// sequences, keeps its part, and checks its part of ring_attention's output and log-sum-exp
+// against scaled_dot_product_attention over the whole sequences in one process. Bad arguments
+// on one rank make every rank throw the same error instead of waiting.
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "gattn/dist/ring_attention.hpp"
+#include "support/compare.hpp"
+#include "support/reference.hpp"
+
+namespace {
+
+using gattn::Index;
+using gattn::RowMatrix;
+
+int rank_of(MPI_Comm c = MPI_COMM_WORLD) {
+    int r = 0;
+    MPI_Comm_rank(c, &r);
+    return r;
+}
+int size_of(MPI_Comm c = MPI_COMM_WORLD) {
+    int s = 1;
+    MPI_Comm_size(c, &s);
+    return s;
+}
+
+/// Rows of this rank's part: sequence b's tokens [r·n, (r + 1)·n) of a [B·P·n, w] matrix.
+template <class S>
+RowMatrix<S> part_of(const RowMatrix<S>& whole, Index B, Index n) {
+    const Index P = size_of(), r = rank_of();
+    RowMatrix<S> p(B * n, whole.cols());
+    for (Index b = 0; b < B; ++b) p.middleRows(b * n, n) = whole.middleRows(b * P * n + r * n, n);
+    return p;
+}
+
+struct Case {
+    const char* name;
+    bool causal;
+    bool sinks_and_softcap;
+    Index n_q;  // query tokens per rank (n_k = 37)
+};
+
+template <class S>
+void check(const Case& c) {
+    SCOPED_TRACE(std::string(c.name) + " on " + std::to_string(size_of()) + " ranks, rank " + std::to_string(rank_of()));
+    const Index P = size_of(), B = 2, H = 4, Hkv = 2, d = 16, n = 37;
+    const RowMatrix<S> q = gattn_test::random_matrix(B * P * c.n_q, H * d, 11).template cast<S>();
+    const RowMatrix<S> k = gattn_test::random_matrix(B * P * n, Hkv * d, 12).template cast<S>();
+    const RowMatrix<S> v = gattn_test::random_matrix(B * P * n, Hkv * d, 13).template cast<S>();
+    gattn::SdpaOptions<S> o;
+    o.mask.causal = c.causal;
+    if (c.sinks_and_softcap) {
+        o.sinks = {S(0.5), S(-1), S(2), -std::numeric_limits<S>::infinity()};
+        o.logit_softcap = 1.5;
+    }
+    // The whole sequences in one process.
+    RowMatrix<S> whole(B * P * c.n_q, H * d), whole_lse;
+    gattn::SdpaOutputs<S> extra;
+    extra.log_sum_exp = &whole_lse;
+    gattn::scaled_dot_product_attention<S>(q, k, v, {B, H, Hkv}, whole, o, extra);
+    // This rank's part through the ring.
+    RowMatrix<S> out(B * c.n_q, H * d), lse;
+    gattn::ring_attention<S>(part_of(q, B, c.n_q), part_of(k, B, n), part_of(v, B, n), {B, H, Hkv}, out, o,
+                             MPI_COMM_WORLD, &lse);
+    const double tol = std::is_same_v<S, float> ? 2e-6 : 1e-13;
+    gattn_test::expect_close(out, part_of(whole, B, c.n_q).template cast<double>(), tol, tol, "out");
+    gattn_test::expect_close(lse, part_of(whole_lse, B, c.n_q).template cast<double>(), tol, tol, "log_sum_exp");
+}
+
+const Case kCases[] = {{"causal", true, false, 37},
+                       {"full", false, false, 37},
+                       {"full, fewer queries", false, false, 5},
+                       {"causal with sinks and softcap", true, true, 37}};
+
+TEST(RingAttention, FloatEqualsOneProcess) {
+    for (const Case& c : kCases) check<float>(c);
+}
+TEST(RingAttention, DoubleEqualsOneProcess) {
+    for (const Case& c : kCases) check<double>(c);
+}
+
+/// One rank's key of the wrong width: every rank throws, naming that rank and the argument.
+TEST(RingAttention, BadInputOnOneRankFailsEveryRank) {
+    const Index B = 1, H = 2, Hkv = 1, d = 8, n = 4;
+    const int bad = size_of() - 1;
+    const RowMatrix<float> q = RowMatrix<float>::Random(B * n, H * d), v = RowMatrix<float>::Random(B * n, Hkv * d);
+    const RowMatrix<float> k = RowMatrix<float>::Random(B * n, Hkv * d + (rank_of() == bad ? 1 : 0));
+    RowMatrix<float> out = RowMatrix<float>::Constant(B * n, H * d, 7.0f);
+    try {
+        gattn::ring_attention<float>(q, k, v, {B, H, Hkv}, out, {}, MPI_COMM_WORLD);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("gattn::ring_attention: rank " + std::to_string(bad) + " of " + std::to_string(size_of()) +
+                            ": gattn::ring_attention: key must have shape"),
+                  std::string::npos)
+            << what;
+    }
+    EXPECT_TRUE((out.array() == 7.0f).all()) << "out was written";
+    // A mask the ring cannot place is refused on every rank.
+    gattn::SdpaOptions<float> o;
+    o.mask.sliding_window = 3;
+    const RowMatrix<float> k_ok = RowMatrix<float>::Random(B * n, Hkv * d);
+    EXPECT_THROW(gattn::ring_attention<float>(q, k_ok, v, {B, H, Hkv}, out, o, MPI_COMM_WORLD), std::invalid_argument);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    MPI_Init(&argc, &argv);
+    ::testing::InitGoogleTest(&argc, argv);
+    int failed = RUN_ALL_TESTS();  // every rank prints its own results
+    // The run fails when any rank failed.
+    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    MPI_Finalize();
+    return failed;
+}
