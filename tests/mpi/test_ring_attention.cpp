@@ -31,12 +31,20 @@ int size_of(MPI_Comm c = MPI_COMM_WORLD) {
     return s;
 }
 
-/// Rows of this rank's part: sequence b's tokens [r·n, (r + 1)·n) of a [B·P·n, w] matrix.
+/// Rows of this rank's part of a [B·P·n, w] matrix: sequence b's tokens [r·n, (r + 1)·n), or
+/// (zigzag) its chunks r and 2P − 1 − r of n/2 tokens.
 template <class S>
-RowMatrix<S> part_of(const RowMatrix<S>& whole, Index B, Index n) {
-    const Index P = size_of(), r = rank_of();
+RowMatrix<S> part_of(const RowMatrix<S>& whole, Index B, Index n, bool zigzag = false) {
+    const Index P = size_of(), r = rank_of(), c = n / 2;
     RowMatrix<S> p(B * n, whole.cols());
-    for (Index b = 0; b < B; ++b) p.middleRows(b * n, n) = whole.middleRows(b * P * n + r * n, n);
+    for (Index b = 0; b < B; ++b) {
+        if (zigzag) {
+            p.middleRows(b * n, c) = whole.middleRows(b * P * n + r * c, c);
+            p.middleRows(b * n + c, c) = whole.middleRows(b * P * n + (2 * P - 1 - r) * c, c);
+        } else {
+            p.middleRows(b * n, n) = whole.middleRows(b * P * n + r * n, n);
+        }
+    }
     return p;
 }
 
@@ -44,13 +52,15 @@ struct Case {
     const char* name;
     bool causal;
     bool sinks_and_softcap;
-    Index n_q;  // query tokens per rank (n_k = 37)
+    Index n_q;    // query tokens per rank
+    Index n;      // key tokens per rank
+    bool zigzag;  // RingLayout::Zigzag
 };
 
 template <class S>
 void check(const Case& c) {
     SCOPED_TRACE(std::string(c.name) + " on " + std::to_string(size_of()) + " ranks, rank " + std::to_string(rank_of()));
-    const Index P = size_of(), B = 2, H = 4, Hkv = 2, d = 16, n = 37;
+    const Index P = size_of(), B = 2, H = 4, Hkv = 2, d = 16, n = c.n;
     const RowMatrix<S> q = gattn_test::random_matrix(B * P * c.n_q, H * d, 11).template cast<S>();
     const RowMatrix<S> k = gattn_test::random_matrix(B * P * n, Hkv * d, 12).template cast<S>();
     const RowMatrix<S> v = gattn_test::random_matrix(B * P * n, Hkv * d, 13).template cast<S>();
@@ -67,17 +77,22 @@ void check(const Case& c) {
     gattn::scaled_dot_product_attention<S>(q, k, v, {B, H, Hkv}, whole, o, extra);
     // This rank's part through the ring.
     RowMatrix<S> out(B * c.n_q, H * d), lse;
-    gattn::ring_attention<S>(part_of(q, B, c.n_q), part_of(k, B, n), part_of(v, B, n), {B, H, Hkv}, out, o,
-                             MPI_COMM_WORLD, &lse);
+    const auto layout = c.zigzag ? gattn::RingLayout::Zigzag : gattn::RingLayout::Contiguous;
+    gattn::ring_attention<S>(part_of(q, B, c.n_q, c.zigzag), part_of(k, B, n, c.zigzag), part_of(v, B, n, c.zigzag),
+                             {B, H, Hkv}, out, o, MPI_COMM_WORLD, &lse, layout);
     const double tol = std::is_same_v<S, float> ? 2e-6 : 1e-13;
-    gattn_test::expect_close(out, part_of(whole, B, c.n_q).template cast<double>(), tol, tol, "out");
-    gattn_test::expect_close(lse, part_of(whole_lse, B, c.n_q).template cast<double>(), tol, tol, "log_sum_exp");
+    gattn_test::expect_close(out, part_of(whole, B, c.n_q, c.zigzag).template cast<double>(), tol, tol, "out");
+    gattn_test::expect_close(lse, part_of(whole_lse, B, c.n_q, c.zigzag).template cast<double>(), tol, tol,
+                             "log_sum_exp");
 }
 
-const Case kCases[] = {{"causal", true, false, 37},
-                       {"full", false, false, 37},
-                       {"full, fewer queries", false, false, 5},
-                       {"causal with sinks and softcap", true, true, 37}};
+const Case kCases[] = {{"causal", true, false, 37, 37, false},
+                       {"full", false, false, 37, 37, false},
+                       {"full, fewer queries", false, false, 5, 37, false},
+                       {"causal with sinks and softcap", true, true, 37, 37, false},
+                       {"zigzag causal", true, false, 38, 38, true},
+                       {"zigzag full with sinks and softcap", false, true, 38, 38, true},
+                       {"zigzag causal with sinks and softcap", true, true, 38, 38, true}};
 
 TEST(RingAttention, FloatEqualsOneProcess) {
     for (const Case& c : kCases) check<float>(c);
@@ -109,6 +124,12 @@ TEST(RingAttention, BadInputOnOneRankFailsEveryRank) {
     o.mask.sliding_window = 3;
     const RowMatrix<float> k_ok = RowMatrix<float>::Random(B * n, Hkv * d);
     EXPECT_THROW(gattn::ring_attention<float>(q, k_ok, v, {B, H, Hkv}, out, o, MPI_COMM_WORLD), std::invalid_argument);
+    // Zigzag needs two chunks of equal length.
+    const RowMatrix<float> q3 = RowMatrix<float>::Random(3, H * d), k3 = RowMatrix<float>::Random(3, Hkv * d);
+    RowMatrix<float> out3(3, H * d);
+    EXPECT_THROW(gattn::ring_attention<float>(q3, k3, k3, {1, H, Hkv}, out3, {}, MPI_COMM_WORLD, nullptr,
+                                              gattn::RingLayout::Zigzag),
+                 std::invalid_argument);
 }
 
 }  // namespace

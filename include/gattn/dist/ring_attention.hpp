@@ -15,13 +15,30 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <climits>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "gattn/ops/sdpa.hpp"
+
+namespace gattn {
+
+/// Which positions each rank holds in ring_attention.
+enum class RingLayout {
+    /// Rank r holds one chunk: positions [r·n, (r + 1)·n) of every sequence.
+    Contiguous,
+    /// The sequence cut into 2P chunks of n/2; rank r holds chunks r and 2P − 1 − r, in that
+    /// order (rows [0, n/2) and [n/2, n) of each sequence): under a causal mask every rank then
+    /// does the same work (Striped/zigzag context parallelism, as Llama 3's training and
+    /// PyTorch's context_parallel load-balance it).
+    Zigzag,
+};
+
+}  // namespace gattn
 
 GATTN_BEGIN_ISA_NAMESPACE
 namespace detail {
@@ -71,6 +88,8 @@ inline void agree_or_throw(const char* fn, const std::string& error, MPI_Comm co
 ///              offsets, boolean mask, bias) and ALiBi are refused.
 /// \param comm  the ranks holding the sequence's parts, in position order.
 /// \param log_sum_exp optional [B·n_q, H] output, resized (as SdpaOutputs::log_sum_exp).
+/// \param layout which positions the rank's rows hold: one chunk (above), or two chunks
+///        (RingLayout::Zigzag, n even and n_q = n) so that causal work is balanced.
 /// \throws std::invalid_argument on every rank, naming the rank, when any rank's arguments are
 ///         invalid (as scaled_dot_product_attention would reject them, the options above, or
 ///         shapes or options that differ between ranks); nothing is written then.
@@ -78,7 +97,7 @@ inline void agree_or_throw(const char* fn, const std::string& error, MPI_Comm co
 template <class Scalar>
 void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
                     const HeadLayout& heads, MatrixRef<Scalar> out, const SdpaOptions<Scalar>& options, MPI_Comm comm,
-                    RowMatrix<Scalar>* log_sum_exp = nullptr) {
+                    RowMatrix<Scalar>* log_sum_exp = nullptr, RingLayout layout = RingLayout::Contiguous) {
     static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>, "ring_attention: float or double");
     constexpr const char* fn = "gattn::ring_attention";
     int rank = 0, size = 1;
@@ -103,10 +122,14 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
                                                                   : nullptr;
         if (unsupported)
             gattn::detail::throw_invalid(fn, unsupported, "is not supported across ranks (positions are r·n + j)");
-        if (m.causal && heads.batch > 0 && query.rows() != key.rows())
-            gattn::detail::throw_invalid(fn, "query", "must hold as many tokens as key per rank for a causal mask, got " +
+        if ((m.causal || layout == RingLayout::Zigzag) && heads.batch > 0 && query.rows() != key.rows())
+            gattn::detail::throw_invalid(fn, "query", "must hold as many tokens as key per rank for a causal mask or the "
+                                                      "zigzag layout, got " +
                                                           std::to_string(query.rows() / heads.batch) + " and " +
                                                           std::to_string(key.rows() / heads.batch));
+        if (layout == RingLayout::Zigzag && heads.batch > 0 && (key.rows() / heads.batch) % 2 != 0)
+            gattn::detail::throw_invalid(fn, "key", "must hold an even number of tokens per sequence (two chunks) in the "
+                                                    "zigzag layout, got " + std::to_string(key.rows() / heads.batch));
         if (key.size() > INT_MAX || value.size() > INT_MAX)
             gattn::detail::throw_invalid(fn, "key", "block of more than INT_MAX values cannot be sent in one message");
         if (gattn::detail::views_overlap(out, query) || gattn::detail::views_overlap(out, key) ||
@@ -120,13 +143,14 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
     double mine[] = {double(query.rows()), double(query.cols()), double(key.rows()), double(key.cols()),
                      double(value.cols()), double(heads.batch), double(heads.num_heads), double(heads.num_kv_heads),
                      double(options.mask.causal), options.scale ? *options.scale : -1.0,
-                     options.logit_softcap ? *options.logit_softcap : -1.0, double(options.sinks.size())};
+                     options.logit_softcap ? *options.logit_softcap : -1.0, double(options.sinks.size()),
+                     double(layout)};
     constexpr int kFields = int(sizeof(mine) / sizeof(mine[0]));
     double lo[kFields], hi[kFields];
     MPI_Allreduce(mine, lo, kFields, MPI_DOUBLE, MPI_MIN, comm);
     MPI_Allreduce(mine, hi, kFields, MPI_DOUBLE, MPI_MAX, comm);
     const char* names[] = {"query rows", "query columns", "key rows", "key columns", "value columns", "batch",
-                           "num_heads", "num_kv_heads", "causal", "scale", "logit_softcap", "sinks"};
+                           "num_heads", "num_kv_heads", "causal", "scale", "logit_softcap", "sinks", "layout"};
     for (int f = 0; f < kFields; ++f)
         if (lo[f] != hi[f]) {
             error = std::string(fn) + ": the ranks disagree on " + names[f] + " (" + gattn::detail::number_string(lo[f]) +
@@ -136,45 +160,87 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
     if (!error.empty()) throw std::invalid_argument(error);  // the same on every rank
 
     using T = Scalar;
-    const Index rows = query.rows();
-    // This rank's own block: causal on the diagonal, with the sinks (joined once).
-    RowMatrix<T> lse, part_lse;
-    SdpaOutputs<T> extra;
-    extra.log_sum_exp = &lse;
-    RowMatrix<T> acc(rows, out.cols());
-    scaled_dot_product_attention<T>(query, key, value, heads, acc, options, extra);
+    const Index B = heads.batch, P = size, nq = B ? query.rows() / B : 0, nk = B ? key.rows() / B : 0;
+    // The chunks of positions this rank holds, as (first row within a sequence, rows, chunk
+    // index in position order): one chunk of n tokens, or (zigzag) chunks r and 2P − 1 − r.
+    struct Part {
+        Index first, rows, chunk;
+    };
+    const bool zigzag = layout == RingLayout::Zigzag;
+    auto parts = [&](Index n, Index r) {
+        return zigzag ? std::vector<Part>{{0, n / 2, r}, {n / 2, n / 2, 2 * P - 1 - r}} : std::vector<Part>{{0, n, r}};
+    };
+    // Rows [first, first + rows) of every sequence of m (n rows each), as one [B·rows] matrix.
+    auto rows_of = [&](const auto& m, Index n, const Part& p) {
+        RowMatrix<T> x(B * p.rows, m.cols());
+        for (Index b = 0; b < B; ++b) x.middleRows(b * p.rows, p.rows) = m.middleRows(b * n + p.first, p.rows);
+        return x;
+    };
+    const std::vector<Part> query_parts = parts(nq, rank);
+    std::vector<RowMatrix<T>> q(query_parts.size()), acc(q.size()), lse(q.size());
+    for (std::size_t a = 0; a < q.size(); ++a) {
+        q[a] = rows_of(query, nq, query_parts[a]);
+        acc[a] = RowMatrix<T>::Zero(q[a].rows(), out.cols());
+        lse[a] = RowMatrix<T>::Constant(q[a].rows(), heads.num_heads, -std::numeric_limits<T>::infinity());
+    }
+    // Each query chunk against each key chunk of rank s's block: every key visible when the key
+    // chunk comes first, causal on the diagonal chunk (which also joins the sinks, once), none
+    // when it comes after (causal). Results merge through the log-sum-exp (−∞: nothing yet).
+    SdpaOptions<T> full = options, diagonal = options;
+    full.mask.causal = false;
+    full.sinks.clear();
+    RowMatrix<T> part, part_lse;
+    SdpaOutputs<T> part_extra;
+    part_extra.log_sum_exp = &part_lse;
+    auto attend = [&](const RowMatrix<T>& k, const RowMatrix<T>& v, Index s) {
+        for (const Part& kp : parts(nk, s)) {
+            const bool needed = std::any_of(query_parts.begin(), query_parts.end(),
+                                            [&](const Part& p) { return p.chunk >= kp.chunk || !options.mask.causal; });
+            if (!needed) continue;  // after every query of this rank: passed on, not read
+            const RowMatrix<T> kc = rows_of(k, nk, kp), vc = rows_of(v, nk, kp);
+            for (std::size_t a = 0; a < q.size(); ++a) {
+                const Part& qp = query_parts[a];
+                if (options.mask.causal && kp.chunk > qp.chunk) continue;
+                part.resize(q[a].rows(), out.cols());
+                scaled_dot_product_attention<T>(q[a], kc, vc, heads, part, kp.chunk == qp.chunk ? diagonal : full,
+                                                part_extra);
+                merge_attention<T>(acc[a], lse[a], part, part_lse, acc[a], lse[a]);
+            }
+        }
+    };
+    attend(RowMatrix<T>(key), RowMatrix<T>(value), rank);
     if (size > 1) {
-        SdpaOptions<T> other = options;  // earlier ranks' blocks: every key visible, no sinks
-        other.mask.causal = false;
-        other.sinks.clear();
         RowMatrix<T> cur_k = key, cur_v = value, next_k(key.rows(), key.cols()), next_v(value.rows(), value.cols());
-        RowMatrix<T> part(rows, out.cols());
-        SdpaOutputs<T> part_extra;
-        part_extra.log_sum_exp = &part_lse;
         const int to = (rank + 1) % size, from = (rank + size - 1) % size;
-        const int nk = static_cast<int>(cur_k.size()), nv = static_cast<int>(cur_v.size());
+        const int count_k = static_cast<int>(cur_k.size()), count_v = static_cast<int>(cur_v.size());
         MPI_Request requests[4];
         auto start = [&] {
-            MPI_Isend(cur_k.data(), nk, detail::mpi_type<T>(), to, 0, comm, &requests[0]);
-            MPI_Isend(cur_v.data(), nv, detail::mpi_type<T>(), to, 1, comm, &requests[1]);
-            MPI_Irecv(next_k.data(), nk, detail::mpi_type<T>(), from, 0, comm, &requests[2]);
-            MPI_Irecv(next_v.data(), nv, detail::mpi_type<T>(), from, 1, comm, &requests[3]);
+            MPI_Isend(cur_k.data(), count_k, detail::mpi_type<T>(), to, 0, comm, &requests[0]);
+            MPI_Isend(cur_v.data(), count_v, detail::mpi_type<T>(), to, 1, comm, &requests[1]);
+            MPI_Irecv(next_k.data(), count_k, detail::mpi_type<T>(), from, 0, comm, &requests[2]);
+            MPI_Irecv(next_v.data(), count_v, detail::mpi_type<T>(), from, 1, comm, &requests[3]);
         };
         start();
         for (int step = 1; step < size; ++step) {
             MPI_Waitall(4, requests, MPI_STATUSES_IGNORE);
             cur_k.swap(next_k);
             cur_v.swap(next_v);
-            // The block of rank s = r − step: forwarded while it is read (both only read it).
+            // The block of rank r − step: forwarded while it is read (both only read it).
             if (step + 1 < size) start();
-            const int s = (rank + size - step) % size;
-            if (options.mask.causal && s > rank) continue;  // every key after every query
-            scaled_dot_product_attention<T>(query, cur_k, cur_v, heads, part, other, part_extra);
-            merge_attention<T>(acc, lse, part, part_lse, acc, lse);
+            attend(cur_k, cur_v, (rank + size - step) % size);
         }
     }
-    out = acc;
-    if (log_sum_exp) *log_sum_exp = lse;
+    for (std::size_t a = 0; a < q.size(); ++a)
+        for (Index b = 0; b < B; ++b)
+            out.middleRows(b * nq + query_parts[a].first, query_parts[a].rows) =
+                acc[a].middleRows(b * query_parts[a].rows, query_parts[a].rows);
+    if (log_sum_exp) {
+        log_sum_exp->resize(query.rows(), heads.num_heads);
+        for (std::size_t a = 0; a < q.size(); ++a)
+            for (Index b = 0; b < B; ++b)
+                log_sum_exp->middleRows(b * nq + query_parts[a].first, query_parts[a].rows) =
+                    lse[a].middleRows(b * query_parts[a].rows, query_parts[a].rows);
+    }
 }
 
 GATTN_END_ISA_NAMESPACE
