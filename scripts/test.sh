@@ -12,7 +12,8 @@
 #   onednn -DGATTN_WITH_ONEDNN=ON: the tests of bf16 projections, layers and models, with the
 #          bf16 projections on oneDNN's matmul.
 # MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):
-#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention under mpiexec on 2 and 3 ranks.
+#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention under mpiexec on 2 and 3 ranks
+#          (bench_dist is built too).
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline avx2 native" on x86-64, else
 # "baseline native"; any of those and "clang asan tsan onednn mpi"), CMAKE_ARGS (extra CMake args).
@@ -53,8 +54,8 @@ for flavour in $flavours; do
       ;;
     mpi)
       arch="-march=native"
-      cmake_args+=(-DGATTN_WITH_MPI=ON -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_BENCHMARKS=OFF)
-      build_args=(--target test_ring_attention)
+      cmake_args+=(-DGATTN_WITH_MPI=ON -DGATTN_BUILD_EXAMPLES=OFF)
+      build_args=(--target test_ring_attention bench_dist)  # bench_dist is built, not run
       ctest_args=(-R "RingAttention")
       ;;
     clang)

@@ -1,0 +1,127 @@
+// SPDX-License-Identifier: Apache-2.0
+// Ring attention over MPI (gattn/dist), run under mpirun: a causal prefill of one sequence with
+// Qwen3-Next's attention shapes (16 query heads, 2 KV heads, head_dim 256, float), split across
+// the ranks, against rank 0 alone over the whole sequence in the same run (the other ranks wait).
+//
+// BM_RingPrefill/tokens/causal/zigzag reports, per prefill: ring_ms (the slowest rank), one_rank_ms,
+// speedup = one_rank_ms / ring_ms, MiB_sent (K and V bytes each rank sends), and work_balance:
+// the most key-chunk work any rank does over the mean (1 = balanced; from the layout, not timed).
+//
+// Run: mpirun -np 2 --oversubscribe build/bench/bench/bench_dist --benchmark_counters_tabular=true
+// (as root add --allow-run-as-root; OMP_NUM_THREADS=1 gives each rank one thread).
+
+#include <benchmark/benchmark.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <vector>
+
+#include <gattn/dist/ring_attention.hpp>
+
+#include "bench_support.hpp"
+
+namespace {
+
+using gattn::Index;
+using Matrix = gattn::RowMatrix<float>;
+constexpr Index kHeads = 16, kKvHeads = 2, kHeadDim = 256;
+
+int rank_of() {
+    int r = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &r);
+    return r;
+}
+int size_of() {
+    int s = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &s);
+    return s;
+}
+
+/// Key-chunk work of rank r over the mean, causal: contiguous rank r attends r whole blocks and
+/// half of its own; zigzag ranks all attend the same.
+double work_balance(int P, bool causal, bool zigzag) {
+    if (!causal || zigzag) return 1.0;
+    return (P - 0.5) / (P / 2.0);
+}
+
+/// Args: tokens, causal, zigzag.
+void BM_RingPrefill(benchmark::State& state) {
+    const int P = size_of(), r = rank_of();
+    const Index N = state.range(0);
+    const bool causal = state.range(1) != 0, zigzag = state.range(2) != 0;
+    const Index n = N / P, c = n / 2;
+    const Matrix q = Matrix::Random(N, kHeads * kHeadDim), k = Matrix::Random(N, kKvHeads * kHeadDim),
+                 v = Matrix::Random(N, kKvHeads * kHeadDim);
+    // This rank's rows: [r·n, (r + 1)·n), or chunks r and 2P − 1 − r of n/2.
+    auto part = [&](const Matrix& m) {
+        Matrix p(n, m.cols());
+        if (zigzag) {
+            p.topRows(c) = m.middleRows(r * c, c);
+            p.bottomRows(c) = m.middleRows((2 * P - 1 - r) * c, c);
+        } else {
+            p = m.middleRows(r * n, n);
+        }
+        return p;
+    };
+    const Matrix qp = part(q), kp = part(k), vp = part(v);
+    Matrix out(n, kHeads * kHeadDim), whole(N, kHeads * kHeadDim);
+    gattn::SdpaOptions<float> o;
+    o.mask.causal = causal;
+    const auto layout = zigzag ? gattn::RingLayout::Zigzag : gattn::RingLayout::Contiguous;
+    double ring = 0, alone = 0;
+    for (auto _ : state) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        auto t0 = std::chrono::steady_clock::now();
+        gattn::ring_attention<float>(qp, kp, vp, {1, kHeads, kKvHeads}, out, o, MPI_COMM_WORLD, nullptr, layout);
+        double t_ring = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        MPI_Allreduce(MPI_IN_PLACE, &t_ring, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);  // the slowest rank
+        ring += t_ring;
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = std::chrono::steady_clock::now();
+        if (r == 0) gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, kKvHeads}, whole, o);
+        double t_alone = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        MPI_Bcast(&t_alone, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+        alone += t_alone;
+        state.SetIterationTime(t_ring);
+    }
+    const double iters = double(state.iterations());
+    state.counters["ranks"] = P;
+    state.counters["ring_ms"] = 1e3 * ring / iters;
+    state.counters["one_rank_ms"] = 1e3 * alone / iters;
+    state.counters["speedup"] = alone / ring;
+    state.counters["MiB_sent"] = double(P - 1) * double(kp.size() + vp.size()) * sizeof(float) / (1 << 20);
+    state.counters["work_balance"] = work_balance(P, causal, zigzag);
+}
+
+BENCHMARK(BM_RingPrefill)
+    ->ArgsProduct({{4096, 8192}, {1}, {0, 1}})
+    ->Args({4096, 0, 0})
+    ->ArgNames({"tokens", "causal", "zigzag"})
+    ->Iterations(2)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+/// Prints nothing: ranks other than 0 run the benchmarks (every rank must) silently.
+class Silent : public benchmark::BenchmarkReporter {
+public:
+    bool ReportContext(const Context&) override { return true; }
+    void ReportRuns(const std::vector<Run>&) override {}
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    MPI_Init(&argc, &argv);
+    gattn_bench::add_gattn_context();
+    benchmark::Initialize(&argc, argv);
+    if (rank_of() == 0) {
+        benchmark::RunSpecifiedBenchmarks();
+    } else {
+        Silent silent;
+        benchmark::RunSpecifiedBenchmarks(&silent);
+    }
+    benchmark::Shutdown();
+    MPI_Finalize();
+    return 0;
+}
