@@ -28,8 +28,14 @@ enum class QkNorm {
     ZeroCentredRmsNorm,  ///< y = x / √(mean(x²) + ε) · (1 + w) (Qwen3-Next)
 };
 
+}  // namespace gattn
+
+GATTN_BEGIN_ISA_NAMESPACE
+
 /// Layer configuration. Shapes: D = d_model, H = num_heads, H_kv = num_kv_heads,
-/// d_k = head_dim, d_v = value_head_dim (0 means d_k).
+/// d_k = head_dim, d_v = value_head_dim (0 means d_k). (In the instruction-set namespace: its
+/// default constructor stores floating-point values, whose instructions the instruction set
+/// changes.)
 struct AttentionConfig {
     Index d_model = 0;       ///< D: width of the layer's input and output rows (HF hidden_size)
     Index num_heads = 0;     ///< H: query heads (HF num_attention_heads)
@@ -67,10 +73,6 @@ struct AttentionConfig {
     /// Features per value head (value_head_dim, or head_dim when that is 0).
     Index d_v() const noexcept { return value_head_dim > 0 ? value_head_dim : head_dim; }
 };
-
-}  // namespace gattn
-
-GATTN_BEGIN_ISA_NAMESPACE
 
 /// Shape of one named parameter; `shape` has one entry for a bias, two for a weight.
 /// (In the instruction-set namespace: std::vector<TensorShape>'s code differs by instruction set.)
