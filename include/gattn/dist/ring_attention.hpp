@@ -192,7 +192,7 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
     RowMatrix<T> part, part_lse;
     SdpaOutputs<T> part_extra;
     part_extra.log_sum_exp = &part_lse;
-    auto attend = [&](const RowMatrix<T>& k, const RowMatrix<T>& v, Index s) {
+    auto attend = [&](ConstMatrixRef<T> k, ConstMatrixRef<T> v, Index s) {
         for (const Part& kp : parts(nk, s)) {
             const bool needed = std::any_of(query_parts.begin(), query_parts.end(),
                                             [&](const Part& p) { return p.chunk >= kp.chunk || !options.mask.causal; });
@@ -208,7 +208,7 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
             }
         }
     };
-    attend(RowMatrix<T>(key), RowMatrix<T>(value), rank);
+    attend(key, value, rank);  // this rank's own block, read in place
     if (size > 1) {
         RowMatrix<T> cur_k = key, cur_v = value, next_k(key.rows(), key.cols()), next_v(value.rows(), value.cols());
         const int to = (rank + 1) % size, from = (rank + size - 1) % size;
