@@ -350,6 +350,63 @@ TEST(Qwen3NextPitfalls, GateIgnoresQueryNormAndPositions) {
     EXPECT_GT((base.second - renormed.second).cwiseAbs().maxCoeff(), 1e-6) << "q_norm must still act on the query";
 }
 
+TEST(Qwen3NextSinks, SinkLogitJoinsTheDenominatorPerHead) {
+    // A sequence's first token attends only to itself, with probability e^ℓ / (e^ℓ + e^s) =
+    // σ(ℓ − s) for sink logit s. So logit(p) = ℓ − s: moving head h's sink by δ moves logit(p)
+    // by −δ whatever ℓ is, and an absent sink (−∞) gives p = 1. Later tokens spread over more
+    // keys, so the first-key share falls with a larger sink too.
+    gattn::Qwen3NextConfig c;
+    auto w = fixture_weights(c);
+    const Index H = c.num_attention_heads;
+    const gattn::SafetensorsFile cases(kDir + "/cases.safetensors");
+    const RowMatrix<double> x = cases.matrix<double>("prefill.hidden").topRows(7);
+    auto first_key = [&](const std::vector<double>& sinks) {
+        auto config = c;
+        config.attention_sinks = true;
+        auto weights = w;
+        weights.sinks = Eigen::Map<const gattn::Vector<double>>(sinks.data(), H);
+        const gattn::Qwen3NextAttention<double> layer(config, weights);
+        auto cache = layer.make_cache(1, 8);
+        RowMatrix<double> out(7, c.hidden_size), probability;
+        layer.forward(x, {0, 1, 2, 3, 4, 5, 6}, cache, out, {}, nullptr, &probability);
+        return probability;
+    };
+    std::vector<double> a(H), b(H), none(H, -std::numeric_limits<double>::infinity());
+    for (Index h = 0; h < H; ++h) {
+        a[h] = -1.0 + 0.5 * double(h);
+        b[h] = a[h] + 0.25 + 0.5 * double(h);
+    }
+    const RowMatrix<double> pa = first_key(a), pb = first_key(b), p0 = first_key(none);
+    auto logit = [](double p) { return std::log(p / (1 - p)); };
+    for (Index h = 0; h < H; ++h) {
+        EXPECT_DOUBLE_EQ(p0(0, h), 1.0) << "head " << h;
+        EXPECT_NEAR(logit(pa(0, h)) - logit(pb(0, h)), b[h] - a[h], 1e-12) << "head " << h;
+        for (Index t = 1; t < 7; ++t) EXPECT_LT(pb(t, h), pa(t, h)) << "head " << h << " token " << t;
+    }
+}
+
+TEST(Qwen3NextSinks, SinksMustMatchTheConfig) {
+    gattn::Qwen3NextConfig c;
+    auto w = fixture_weights(c);
+    auto message = [](const gattn::Qwen3NextConfig& config, const gattn::Qwen3NextAttentionWeights<double>& weights) {
+        try {
+            gattn::Qwen3NextAttention<double> layer(config, weights);
+        } catch (const gattn::shape_error& e) {
+            return std::string(e.what());
+        }
+        return std::string("no exception");
+    };
+    auto with_sinks = w;
+    with_sinks.sinks = gattn::Vector<double>::Zero(c.num_attention_heads);
+    EXPECT_NE(message(c, with_sinks).find("sinks must be empty: attention_sinks is false, got [4]"), std::string::npos)
+        << message(c, with_sinks);
+    auto sink_config = c;
+    sink_config.attention_sinks = true;
+    EXPECT_NE(message(sink_config, w).find("sinks must have shape [4], got [0] (missing: this config uses it)"),
+              std::string::npos)
+        << message(sink_config, w);
+}
+
 TEST(Qwen3NextPitfalls, ScaleIsOneOverRootHeadDim) {
     gattn::Qwen3NextConfig c;
     fixture_weights(c);
@@ -488,6 +545,10 @@ TEST(Qwen3NextLoader, ConfigFieldsOfTheWrongTypeOrRange) {
                                   "\"hidden_size\" must be an integer");
     expect_config_error<io_error>(edited_config("bias_string", [](J& j) { j["attention_bias"] = "false"; }), -1,
                                   "\"attention_bias\" must be true or false");
+    expect_config_error<io_error>(edited_config("sinks_number", [](J& j) { j["attention_sinks"] = 1; }), -1,
+                                  "\"attention_sinks\" must be true or false, got 1");
+    EXPECT_TRUE(gattn::load_qwen3_next_config(edited_config("sinks", [](J& j) { j["attention_sinks"] = true; }), kLayer)
+                    .attention_sinks);
     expect_config_error<invalid_argument>(edited_config("heads_zero", [](J& j) { j["num_attention_heads"] = 0; }), -1,
                                           "config.num_attention_heads must be in [1, 2^24], got 0");
     // RoPE scaling changes the rotary frequencies; gattn applies plain RoPE, so it refuses them.

@@ -38,7 +38,8 @@ inline nlohmann::json read_json(const std::string& path, const char* fn) {
 /// Reads the attention fields of a Qwen3-Next / Qwen3.5 config.json: hidden_size,
 /// num_attention_heads, num_key_value_heads, head_dim (default 256), rms_norm_eps, rope_theta
 /// and partial_rotary_factor (top level or under "rope_parameters"), attention_bias,
-/// attn_output_gate (default true). A multimodal config's "text_config" is used when present.
+/// attn_output_gate (default true), attention_sinks (gattn's extension, default false). A
+/// multimodal config's "text_config" is used when present.
 /// Defaults are those of transformers' Qwen3NextConfig. With layer ≥ 0, checks that
 /// layer_types (or else full_attention_interval, default 4: every 4th layer) makes that layer a
 /// full-attention layer.
@@ -103,6 +104,7 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
     }
     if (j.contains("attention_bias")) c.attention_bias = boolean("attention_bias");
     if (j.contains("attn_output_gate")) c.attn_output_gate = boolean("attn_output_gate");
+    if (j.contains("attention_sinks")) c.attention_sinks = boolean("attention_sinks");
     validate_qwen3_next_config(c, fn);
     const Index interval = j.contains("full_attention_interval") ? integer("full_attention_interval") : 4;
     if (interval < 1) bad("full_attention_interval", "must be at least 1, got " + std::to_string(interval));

@@ -15,7 +15,9 @@
 /// The gate is the raw q_proj output (before norm and RoPE) and is never cached; the cache holds
 /// k after norm and RoPE, and v as it enters SDPA. With attn_output_gate = false (the ungated
 /// baseline of the same architecture, as in vLLM's Qwen3-Next config flag) q_proj has H·d rows
-/// and Y = o_proj(U).
+/// and Y = o_proj(U). With attention_sinks (a gattn extension, for comparing the gate with
+/// gpt-oss's answer to the attention sink) each query head h has a learned logit sinks[h] that
+/// joins its softmax denominator without a value (SdpaOptions::sinks).
 
 #include <cmath>
 #include <string>
@@ -45,6 +47,9 @@ struct Qwen3NextConfig {
     double partial_rotary_factor = 0.25;  ///< fraction of head_dim that RoPE rotates
     bool attention_bias = false;          ///< q/k/v/o projections have biases
     bool attn_output_gate = true;    ///< false: no gate rows in q_proj, Y = o_proj(U)
+    /// Learned attention sinks as in gpt-oss: weight "sinks" [H], one logit per query head in
+    /// each softmax denominator (config.json key "attention_sinks", a gattn extension).
+    bool attention_sinks = false;
 
     /// Features per head that RoPE rotates: head_dim · partial_rotary_factor.
     Index rotary_dim() const noexcept { return static_cast<Index>(double(head_dim) * partial_rotary_factor); }
@@ -85,6 +90,7 @@ struct Qwen3NextAttentionWeights {
     Vector<Scalar> k_proj_bias;  ///< [H_kv·d] when attention_bias, else empty
     Vector<Scalar> v_proj_bias;  ///< [H_kv·d] when attention_bias, else empty
     Vector<Scalar> o_proj_bias;  ///< [D] when attention_bias, else empty
+    Vector<Scalar> sinks;        ///< [H] sink logits when attention_sinks, else empty
 
     /// Visits (HF name, pointer) for every member.
     template <class F>
@@ -99,6 +105,7 @@ struct Qwen3NextAttentionWeights {
         f("k_proj.bias", &k_proj_bias);
         f("v_proj.bias", &v_proj_bias);
         f("o_proj.bias", &o_proj_bias);
+        f("sinks", &sinks);
     }
     /// Visits (HF name, const reference) for every member.
     template <class F>
@@ -121,11 +128,13 @@ struct Qwen3NextAttentionWeights {
         out.k_proj_bias = k_proj_bias.template cast<To>();
         out.v_proj_bias = v_proj_bias.template cast<To>();
         out.o_proj_bias = o_proj_bias.template cast<To>();
+        out.sinks = sinks.template cast<To>();
         return out;
     }
 };
 
-/// Shapes the layer expects, by HF name (biases only with attention_bias).
+/// Shapes the layer expects, by HF name (biases only with attention_bias, sinks only with
+/// attention_sinks).
 inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& c) {
     const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
     const Index q_rows = c.attn_output_gate ? 2 * H * d : H * d;
@@ -138,6 +147,7 @@ inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& 
         s.push_back({"v_proj.bias", {Hkv * d}});
         s.push_back({"o_proj.bias", {D}});
     }
+    if (c.attention_sinks) s.push_back({"sinks", {H}});
     return s;
 }
 
@@ -170,7 +180,8 @@ class Qwen3NextAttention {
 
 public:
     /// \throws std::invalid_argument for an invalid config; shape_error for a weight of the wrong
-    ///         shape or a bias given while attention_bias is false (naming the HF parameter,
+    ///         shape, a bias given while attention_bias is false or sinks while attention_sinks
+    ///         is false (naming the HF parameter,
     ///         and for q_proj the layout its rows fit, see
     ///         qwen3_next_q_proj_hint: a headwise gate's H·d + H rows, no gate rows, or gate rows
     ///         in an ungated config).
@@ -182,7 +193,9 @@ public:
         const auto shapes = qwen3_next_weight_shapes(config);
         w.for_each([&](const char* name, const auto& t) {
             try {
-                gattn::detail::check_weight_shape(fn, name, t, shapes, "attention_bias is false");
+                gattn::detail::check_weight_shape(fn, name, t, shapes,
+                                                  std::string(name) == "sinks" ? "attention_sinks is false"
+                                                                               : "attention_bias is false");
             } catch (const shape_error& e) {
                 if (std::string(name) != "q_proj.weight") throw;
                 throw shape_error(e.what() + qwen3_next_q_proj_hint(config, t.rows()));
@@ -213,6 +226,10 @@ public:
                                                                         : Vector<T>());
         m_q_norm = w.q_norm_weight.template cast<T>();
         m_k_norm = w.k_norm_weight.template cast<T>();
+        if (config.attention_sinks) {
+            const Vector<T> sinks = w.sinks.template cast<T>();
+            m_sinks.assign(sinks.data(), sinks.data() + sinks.size());
+        }
     }
 
     /// The configuration the layer was built with.
@@ -223,7 +240,8 @@ public:
     /// Bytes of the weights the layer holds (projections as packed or kept, biases, norm
     /// weights): for bf16 weights about the checkpoint's bytes, never a widened copy.
     std::size_t weight_bytes() const noexcept {
-        return m_in.bytes() + m_o.bytes() + sizeof(T) * static_cast<std::size_t>(m_q_norm.size() + m_k_norm.size());
+        return m_in.bytes() + m_o.bytes() +
+               sizeof(T) * (static_cast<std::size_t>(m_q_norm.size() + m_k_norm.size()) + m_sinks.size());
     }
 
     /// Gate columns per token: H·d with the output gate, 0 without.
@@ -322,6 +340,7 @@ private:
         opt.mask.causal = true;
         opt.mask.key_lengths = cache.lengths();
         opt.mask.query_lengths = counts;
+        opt.sinks = m_sinks;
         SdpaOutputs<T> extra;
         extra.first_key_probability = first_key_probability;
         RowMatrix<T> u(rows, H * d);
@@ -344,6 +363,7 @@ private:
     Projection<Scalar> m_in;  // [H·d query | H·d gate (if gated) | H_kv·d key | H_kv·d value] × D
     Projection<Scalar> m_o;   // [D, H·d]
     Vector<T> m_q_norm, m_k_norm;
+    std::vector<T> m_sinks;  // [H] (attention_sinks), as SdpaOptions takes them
 };
 
 GATTN_END_ISA_NAMESPACE
