@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The main example: two byte-level language models trained on Debian's fortunes (assets/tiny_lm;
-# a baseline and its G1-gated twin) run through gattn. Prints a greedy sample from each, their
-# held-out perplexity, tokens per second, and first-token attention / gate score / largest
-# activation per layer; draws first-token attention per layer and head as a PNG heat map.
+# The main example: three byte-level language models trained on Debian's fortunes
+# (assets/tiny_lm; a baseline, its G1-gated twin and its twin with learned attention sinks) run
+# through gattn. Prints a greedy sample from each, their held-out perplexity, tokens per second,
+# and first-token attention / gate score / largest activation per layer; draws first-token
+# attention per layer and head as a PNG heat map.
 # Environment: BUILD_DIR (default build/demo), JOBS (default: all cores),
 # GATTN_ARCH_FLAGS (default -march=native).
 set -euo pipefail

@@ -1,11 +1,12 @@
 #!/usr/bin/python3
-"""Train two tiny byte-level language models on fortunes, gated and ungated, in assets/tiny_lm/.
+"""Train three tiny byte-level language models on fortunes: ungated, gated and with sinks.
 
-The models are identical except for the attention output gate: same architecture, same seed,
-same initial values for every tensor they share, same batches in the same order. "baseline"
-uses plain attention; "gated" is Qwen3-Next's full attention (a G1 elementwise sigmoid gate
-fused into q_proj). They are small enough for a C++ implementation to reproduce them token for
-token from the exported weights.
+The models are identical except for how they let a head attend to nothing: same architecture,
+same seed, same initial values for every tensor they share, same batches in the same order.
+"baseline" uses plain attention; "gated" is Qwen3-Next's full attention (a G1 elementwise
+sigmoid gate fused into q_proj); "sinks" is the baseline with gpt-oss's learned attention sinks
+(one logit per head in each softmax denominator, no value). They are small enough for a C++
+implementation to reproduce them token for token from the exported weights.
 
 Data: every fortune file in /usr/share/games/fortunes (Debian package fortunes) that has a
 matching .dat index, sorted by file name, split into fortunes on lines that are exactly "%";
@@ -26,18 +27,21 @@ Model (per sequence of N tokens at positions 0..N-1; nn.Linear layout W[out, in]
     the value); partial NeoX RoPE on the first r = int(d * partial_rotary_factor) dims,
     inv_freq = theta^(-arange(0, r, 2) / r), rotate_half pairs (j, j + r/2); GQA: query head h
     reads KV head h // (H / Hkv); scale 1/sqrt(head_dim); causal softmax;
-    gated: o_proj(attention * sigmoid(gate)); baseline: o_proj(attention).
+    gated: o_proj(attention * sigmoid(gate)); baseline and sinks: o_proj(attention).
+  * sinks: self_attn.sinks [H] (init 0, not decayed); head h's softmax over its scores
+    s_1..s_n gets the extra logit sinks[h] in its denominator, as gpt-oss's eager attention
+    (softmax over [scores | sink], sink column dropped): p_j = e^s_j / (e^sinks[h] + sum e^s_i).
 
 Training: normal(0, 0.02) init for every matrix and the embedding, norm weights 0; the gated
-model's query rows are the baseline's, its gate rows come from a second generator. AdamW,
-random 257-byte windows of the training text, float32, one thread per model, both models
-trained at once in two processes.
+model's query rows are the baseline's, its gate rows come from a second generator; the sinks
+model's sink logits start at 0. AdamW, random 257-byte windows of the training text, float32,
+one thread per model, the models trained at once in parallel processes.
 
-Exported per model (assets/tiny_lm/{baseline,gated}/): config.json (Hugging Face key names),
+Exported per model (assets/tiny_lm/{baseline,gated,sinks}/): config.json (Hugging Face key names),
 model.safetensors (F32, HF names) and reference.safetensors, computed in float64 from exactly
 the stored float32 weights:
-  * prompt_tokens I64 [P]: the prompt's bytes, the same for both models: the first of PROMPTS
-    whose 64 greedy choices are clear (top-2 margin >= 1e-3) and varied in both models;
+  * prompt_tokens I64 [P]: the prompt's bytes, the same for every model: the first of PROMPTS
+    whose 64 greedy choices are clear (top-2 margin >= 1e-3) and varied in every model;
   * generated_tokens I64 [64]: greedy (argmax) continuation of the prompt;
   * logits F64 [P + 63, 256]: one causal pass over prompt + generated_tokens[:-1];
     row t is the distribution of token t + 1;
@@ -56,7 +60,8 @@ stored logits and heldout_nll to 1e-10 and produce the same greedy tokens.
 
 Usage:
   scripts/train_tiny_lm.sh                                # same as the next line, deps checked
-  /usr/bin/python3 scripts/train_tiny_lm.py               # train, export, check (10-20 min on 2 cores)
+  /usr/bin/python3 scripts/train_tiny_lm.py               # train, export, check (15-30 min on 2 cores)
+  /usr/bin/python3 scripts/train_tiny_lm.py --models sinks  # train one model, keep the others
   /usr/bin/python3 scripts/train_tiny_lm.py --quick       # 20 steps into a temporary directory
   /usr/bin/python3 scripts/train_tiny_lm.py --check       # only check the existing files
 """
@@ -81,7 +86,7 @@ from safetensors_io import encode_safetensors, read_safetensors
 REPO_ROOT = Path(__file__).resolve().parent.parent
 OUT_DIR = REPO_ROOT / "assets" / "tiny_lm"
 FORTUNE_DIR = Path("/usr/share/games/fortunes")
-MODELS = ("baseline", "gated")
+MODELS = ("baseline", "gated", "sinks")
 
 SPLIT_SEED = 5001   # shuffles the fortunes before the held-out split
 INIT_SEED = 5002    # every tensor both models share
@@ -105,7 +110,7 @@ LOG_EVERY = 50
 REFERENCE_WINDOWS = 8
 GENERATE = 64
 # The reference prompt is the first of these whose 64 greedy choices have a clear top-1 and
-# are not one byte repeated (a tiny model easily falls into "      ...") in both models.
+# are not one byte repeated (a tiny model easily falls into "      ...") in every model.
 PROMPTS = [
     "Q: What is the meaning of life?\nA: ",
     "Q: How many programmers does it take to change a light bulb?\nA: ",
@@ -145,6 +150,8 @@ BASE_CONFIG = {
 def model_config(name):
     config = dict(BASE_CONFIG)
     config["attn_output_gate"] = name == "gated"
+    if name == "sinks":
+        config["attention_sinks"] = True  # gattn's config key for gpt-oss-style sinks
     return config
 
 
@@ -213,6 +220,7 @@ class Dims:
         self.eps = float(config["rms_norm_eps"])
         self.context = config["max_position_embeddings"]
         self.gated = bool(config["attn_output_gate"])
+        self.sinks = bool(config.get("attention_sinks", False))
 
 
 def weight_shapes(dims):
@@ -228,6 +236,10 @@ def weight_shapes(dims):
             p + "self_attn.o_proj.weight": (D, H * d),
             p + "self_attn.q_norm.weight": (d,),
             p + "self_attn.k_norm.weight": (d,),
+        })
+        if dims.sinks:
+            shapes[p + "self_attn.sinks"] = (H,)
+        shapes.update({
             p + "post_attention_layernorm.weight": (D,),
             p + "mlp.gate_proj.weight": (I, D),
             p + "mlp.up_proj.weight": (I, D),
@@ -240,8 +252,8 @@ def weight_shapes(dims):
 
 def init_weights(dims):
     """Initial float32 weights. Shared tensors are drawn from INIT_SEED in a fixed order that
-    does not depend on the gate; the gate rows come from GATE_SEED, so the two models start
-    from the same values everywhere they overlap."""
+    does not depend on the gate or the sinks; the gate rows come from GATE_SEED and the sink
+    logits are 0, so the models start from the same values everywhere they overlap."""
     generator = torch.Generator().manual_seed(INIT_SEED)
     gate_generator = torch.Generator().manual_seed(GATE_SEED)
     H, d, D = dims.H, dims.d, dims.D
@@ -352,7 +364,12 @@ def attention(w, p, x, cos, sin, mask, dims):
     k = k.transpose(1, 2).repeat_interleave(group, dim=1)
     v = v.transpose(1, 2).repeat_interleave(group, dim=1)
     scores = matmul_nt(q, k) * dims.d ** -0.5
-    probs = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    if dims.sinks:  # gpt-oss: a sink column joins the softmax, then is dropped
+        sink = w[p + "sinks"].view(1, H, 1, 1).expand(B, H, N, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = matmul_nt(probs, v.transpose(-1, -2)).transpose(1, 2).reshape(B, N, H * d)
     if dims.gated:
         out = out * torch.sigmoid(gate)
@@ -459,17 +476,17 @@ def train_worker(name, steps, out_dir, results):
     }))
 
 
-def train_both(steps, out_dir):
-    """Train the two models in parallel processes; return {name: summary}."""
+def train_models(names, steps, out_dir):
+    """Train the named models in parallel processes; return {name: summary}."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     workers = [context.Process(target=train_worker, args=(name, steps, out_dir, results))
-               for name in MODELS]
+               for name in names]
     for worker in workers:
         worker.start()
     summaries = {}
     try:
-        while len(summaries) < len(MODELS):
+        while len(summaries) < len(names):
             if not any(w.is_alive() for w in workers) and results.empty():
                 break
             try:
@@ -480,8 +497,8 @@ def train_both(steps, out_dir):
     finally:
         for worker in workers:
             worker.join()
-    failed = [n for n, w in zip(MODELS, workers) if w.exitcode != 0]
-    if failed or len(summaries) != len(MODELS):
+    failed = [n for n, w in zip(names, workers) if w.exitcode != 0]
+    if failed or len(summaries) != len(names):
         raise RuntimeError(f"training failed for {failed or 'a model'}")
     return summaries
 
@@ -539,7 +556,7 @@ def reference_metadata(name, prompt_text):
 
 def build_references(out_dir, heldout_text):
     """({name: reference arrays}, prompt, min top-2 margin) for the first prompt of PROMPTS
-    whose greedy choices are clear and varied in both models; failing that, for the prompt
+    whose greedy choices are clear and varied in every model; failing that, for the prompt
     with the largest margin."""
     models = {name: read_safetensors(out_dir / name / "model.safetensors")[1] for name in MODELS}
     candidates = []
@@ -613,8 +630,10 @@ class NumpyDecoder:
             for h in range(H):
                 kv = h // (H // Hkv)
                 s = keys[:, kv] @ q[h] / math.sqrt(d)
-                e = np.exp(s - s.max())
-                out[h] = (e / e.sum()) @ values[:, kv]
+                sink = w[a + "sinks"][h] if dims.sinks else -math.inf
+                top = max(s.max(), sink)
+                e = np.exp(s - top)
+                out[h] = (e / (e.sum() + math.exp(sink - top))) @ values[:, kv]
             out = out.reshape(H * d)
             if dims.gated:
                 out = out / (1.0 + np.exp(-(wq[self.g_rows] @ z)))
@@ -713,17 +732,22 @@ def check(out_dir, log=None, refs=None):
 
 
 def check_shared_init():
-    """Every tensor the models share starts equal; the gated query rows are the baseline's."""
+    """Every tensor the models share starts equal; the gated query rows are the baseline's and
+    the sink logits start at 0."""
     base = init_weights(Dims(model_config("baseline")))
     gated = init_weights(Dims(model_config("gated")))
+    sinks = init_weights(Dims(model_config("sinks")))
     dims = Dims(model_config("gated"))
     H, d, D = dims.H, dims.d, dims.D
     assert base.keys() == gated.keys()
+    assert set(sinks) - set(base) == {f"model.layers.{i}.self_attn.sinks" for i in range(dims.L)}
     for name, tensor in base.items():
         other = gated[name]
         if name.endswith("q_proj.weight"):
             other = other.view(H, 2 * d, D)[:, :d].reshape(H * d, D)
         assert torch.equal(tensor, other), f"initial {name} differs between the models"
+        assert torch.equal(tensor, sinks[name]), f"initial {name} differs between the models"
+    assert all(not torch.any(sinks[n]) for n in sinks if n.endswith("sinks"))
 
 
 def readme(log, prompt, refs):
@@ -740,17 +764,19 @@ def readme(log, prompt, refs):
     samples = "\n".join(
         f"    {name + ':':9s} {bytes(refs[name]['generated_tokens'].tolist()).decode('utf-8', 'replace')!r}"
         for name in MODELS)
-    return f"""# Tiny byte-level language models, with and without the attention output gate
+    return f"""# Tiny byte-level language models: plain attention, the output gate, learned sinks
 
-Two small decoder-only language models trained on the same text, identical except for the
-attention output gate, so that a C++ implementation can be checked against PyTorch token for
-token:
+Three small decoder-only language models trained on the same text, identical except for how a
+head may attend to nothing, so that the paper's gate can be compared with gpt-oss's sinks like
+for like, and a C++ implementation checked against PyTorch token for token:
 
 - `baseline/`: plain attention (`"attn_output_gate": false`);
 - `gated/`: Qwen3-Next full attention, an elementwise sigmoid gate on the attention output
-  (G1) fused into `q_proj` (`"attn_output_gate": true`).
+  (G1) fused into `q_proj` (`"attn_output_gate": true`);
+- `sinks/`: the baseline with learned attention sinks as in gpt-oss, one logit per head
+  (`self_attn.sinks` [H], `"attention_sinks": true`) in each softmax denominator, without a value.
 
-Both start from the same seed, with the same initial value for every tensor they share, and
+All start from the same seed, with the same initial value for every tensor they share, and
 see the same batches in the same order. Each directory holds `config.json` (Hugging Face key
 names), `model.safetensors` (float32 weights under Hugging Face names, nn.Linear layout
 `W[out, in]`) and `reference.safetensors` (float64 outputs, below).
@@ -785,7 +811,7 @@ Tokens are bytes: vocabulary 256, token = byte value.
 | RoPE | NeoX, theta {c['rope_theta']:g}, first {rotary} of {c['head_dim']} dims (partial_rotary_factor {c['partial_rotary_factor']}) |
 | norms | zero-centred RMSNorm, eps {c['rms_norm_eps']:g} |
 | biases | none; `lm_head` not tied to the embedding |
-| parameters | baseline {log['baseline']['parameters']}, gated {log['gated']['parameters']} |
+| parameters | baseline {log['baseline']['parameters']}, gated {log['gated']['parameters']}, sinks {log['sinks']['parameters']} |
 
 Per sequence, tokens at positions 0, 1, 2, …:
 
@@ -800,16 +826,19 @@ gated: `q_proj` has H·2·d rows; rows [h·2d, h·2d + d) are query head h and t
 gate logits. baseline: `q_proj` has H·d rows, all query. Then per-head `q_norm` / `k_norm`
 over head_dim (not the gate, not the value), RoPE after the norms, GQA (query head h reads KV
 head h // 2), scale 1/sqrt(head_dim), causal softmax, and `o_proj(attention * sigmoid(gate))`
-with the gate taken from the raw `q_proj` output (gated) or `o_proj(attention)` (baseline).
+with the gate taken from the raw `q_proj` output (gated) or `o_proj(attention)` (baseline,
+sinks). sinks: head h's weights are e^s_j / (e^sinks[h] + Σ_i e^s_i) over its visible scores s
+(gpt-oss's eager attention: softmax over the scores and a sink column, the column dropped).
 
 ## Training
 
     scripts/train_tiny_lm.sh    # checks the Debian packages, then runs
                                 # /usr/bin/python3 scripts/train_tiny_lm.py
 
-torch {t['torch']}, float32, one CPU thread per model, both models trained at once. Init:
-normal(0, {INIT_STD}) for the embedding and every matrix, norm weights 0; the gated model's
-query rows are the baseline's, its gate rows come from a second generator. {t['steps']} steps of
+torch {t['torch']}, float32, one CPU thread per model, the models trained at once (or one at
+a time with `--models`: the weights do not depend on it). Init: normal(0, {INIT_STD}) for the
+embedding and every matrix, norm weights and sink logits 0; the gated model's query rows are
+the baseline's, its gate rows come from a second generator. {t['steps']} steps of
 AdamW (betas {BETAS[0]}, {BETAS[1]}; weight decay {WEIGHT_DECAY} on matrices and the embedding,
 none on norm weights), batches of {t['batch']} random windows of {t['window']} bytes of the
 training text, learning rate {PEAK_LR:g} after {t['warmup_steps']} linear warmup steps, cosine
@@ -832,7 +861,7 @@ Computed in float64 from exactly the stored float32 weights, and checked by the 
 a second, NumPy implementation that decodes token by token with a KV cache (agreement to
 1e-10).
 
-- `prompt_tokens` I64 [P]: the bytes of the prompt {prompt!r}, the same for both models.
+- `prompt_tokens` I64 [P]: the bytes of the prompt {prompt!r}, the same for every model.
 - `generated_tokens` I64 [64]: the greedy (argmax) continuation.
 - `logits` F64 [P + 63, 256]: one causal pass over prompt + `generated_tokens[:-1]`; row t
   scores token t + 1, so rows P - 1 … P + 62 give the 64 greedy choices.
@@ -858,6 +887,9 @@ def main():
                         help="a short run into a temporary directory, to check the script")
     parser.add_argument("--check", action="store_true",
                         help="only verify the existing files in the output directory")
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
+                        help="models to train (default: all); the others must already be in the "
+                             "output directory, trained with the same steps, and are kept")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="output directory (default assets/tiny_lm; a temporary one with --quick)")
     args = parser.parse_args()
@@ -872,11 +904,21 @@ def main():
               f"({len(heldout_text)} bytes); {steps} steps into {out_dir}", flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "heldout.txt").write_bytes(heldout_text)
-        summaries = train_both(steps, out_dir)
+        summaries = {}
+        if set(args.models) != set(MODELS):  # keep the other models' weights and training logs
+            previous = json.loads((out_dir / "training_log.json").read_text())
+            if previous["training"]["steps"] != steps:
+                raise SystemExit(f"the kept models were trained for {previous['training']['steps']} "
+                                 f"steps, not {steps}")
+            summaries = {name: previous[name] for name in MODELS if name not in args.models}
+            for summary in summaries.values():  # recomputed below
+                for key in ("heldout_nll_8_windows_float64", "min_top2_margin", "generated_text"):
+                    summary.pop(key, None)
+        summaries.update(train_models(args.models, steps, out_dir))
 
         refs, prompt, margin = build_references(out_dir, heldout_text)
         if margin < MIN_MARGIN:
-            message = f"no prompt gives a top-2 margin of {MIN_MARGIN} in both models"
+            message = f"no prompt gives a top-2 margin of {MIN_MARGIN} in every model"
             if not args.quick:
                 raise AssertionError(message)
             print(f"warning: {message} (best {margin:.3g})")

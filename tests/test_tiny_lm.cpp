@@ -92,6 +92,7 @@ void check_model(const std::string& name) {
 
 TYPED_TEST(TinyLM, BaselineMatchesPyTorch) { check_model<TypeParam>("baseline"); }
 TYPED_TEST(TinyLM, GatedMatchesPyTorch) { check_model<TypeParam>("gated"); }
+TYPED_TEST(TinyLM, SinksMatchesPyTorch) { check_model<TypeParam>("sinks"); }
 
 // The attention layers with bf16 weights and bf16 KV caches (embedding and MLP in float),
 // against PyTorch's float64 reference: teacher-forced logits within 0.1 (measured 0.043 on
@@ -138,10 +139,11 @@ void check_bf16_attention(const std::string& name) {
 
 TEST(TinyLMBf16, BaselineKeepsPerplexityAndGreedyTokens) { check_bf16_attention("baseline"); }
 TEST(TinyLMBf16, GatedKeepsPerplexityAndGreedyTokens) { check_bf16_attention("gated"); }
+TEST(TinyLMBf16, SinksKeepsPerplexityAndGreedyTokens) { check_bf16_attention("sinks"); }
 
-// Statistics the demo reports: shapes, ranges, and the ungated model has no gate scores.
+// Statistics the demo reports: shapes, ranges, and the ungated models have no gate scores.
 TEST(TinyLMStats, ShapesAndRanges) {
-    for (const char* name : {"baseline", "gated"}) {
+    for (const char* name : {"baseline", "gated", "sinks"}) {
         SCOPED_TRACE(name);
         const tiny_lm::TinyLM<double> model(kAssets + "/" + name);
         const auto& c = model.attention_config();
@@ -155,9 +157,15 @@ TEST(TinyLMStats, ShapesAndRanges) {
             ASSERT_EQ(first.rows(), 80);
             ASSERT_EQ(first.cols(), c.num_attention_heads);
             EXPECT_TRUE((first.array() >= 0).all() && (first.array() <= 1 + 1e-12).all());
-            // Query 0 of each sequence sees only the first token.
-            EXPECT_NEAR(first(0, 0), 1.0, 1e-12);
-            EXPECT_NEAR(first(40, 0), 1.0, 1e-12);
+            // Query 0 of each sequence sees only the first token; a sink takes a share of it.
+            for (gattn::Index row : {0, 40}) {
+                if (c.attention_sinks) {
+                    EXPECT_GT(first(row, 0), 0.0);
+                    EXPECT_LT(first(row, 0), 1.0);
+                } else {
+                    EXPECT_NEAR(first(row, 0), 1.0, 1e-12);
+                }
+            }
             EXPECT_EQ(stats.gate_scores[l].cols(), c.attn_output_gate ? c.num_attention_heads * c.head_dim : 0);
             EXPECT_GT(stats.max_abs_hidden[l], 0.0);
         }

@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-// Runs the two tiny byte-level language models of assets/tiny_lm (a baseline and a G1
-// elementwise sigmoid-gated twin, trained on Debian's fortunes by scripts/train_tiny_lm.py)
-// through gattn: a greedy sample from each, held-out perplexity, tokens per second, and the
-// paper's attention-sink and gate-sparsity measures per layer (first-token attention F-Attn,
-// mean gate score, largest hidden activation M-Act). Writes F-Attn per layer and head as CSV
-// for scripts/plot_sink.py.
+// Runs the three tiny byte-level language models of assets/tiny_lm (a baseline, its G1
+// elementwise sigmoid-gated twin and its twin with gpt-oss's learned attention sinks, trained on
+// Debian's fortunes by scripts/train_tiny_lm.py) through gattn: a greedy sample from each,
+// held-out perplexity, tokens per second, and the paper's attention-sink and gate-sparsity
+// measures per layer (first-token attention F-Attn, mean gate score, largest hidden activation
+// M-Act). Writes F-Attn per layer and head as CSV for scripts/plot_sink.py.
 //
 // Usage: tiny_lm [assets_dir] [csv_out] [prompt]   (--help)
 //   defaults: assets/tiny_lm, tiny_lm_sink.csv, a fixed prompt.
@@ -113,11 +113,12 @@ Report run(const std::string& dir, const std::string& name, const std::string& h
 }  // namespace
 
 int main(int argc, char** argv) {
-    CLI::App app{"Runs the two tiny byte-level language models of assets/tiny_lm (a baseline and its G1-gated\n"
-                 "twin) through gattn: greedy samples, held-out perplexity, speed, attention-sink statistics."};
+    CLI::App app{"Runs the three tiny byte-level language models of assets/tiny_lm (a baseline, its G1-gated\n"
+                 "twin and its twin with learned sinks) through gattn: greedy samples, held-out perplexity,\n"
+                 "speed, attention-sink statistics."};
     std::string dir = "assets/tiny_lm", csv = "tiny_lm_sink.csv";
     std::string prompt = "Q: How many programmers does it take to change a light bulb?\nA: ";
-    app.add_option("assets_dir", dir, "directory with baseline/, gated/ and heldout.txt")
+    app.add_option("assets_dir", dir, "directory with baseline/, gated/, sinks/ and heldout.txt")
         ->check(CLI::ExistingDirectory)
         ->capture_default_str();
     app.add_option("csv_out", csv, "where to write first-token attention per layer and head")->capture_default_str();
@@ -131,10 +132,12 @@ int main(int argc, char** argv) {
         text << in.rdbuf();
         const std::string heldout = text.str();
 
-        std::vector<Report> reports{run(dir + "/baseline", "baseline", heldout, prompt),
-                                    run(dir + "/gated", "gated", heldout, prompt)};
+        std::vector<Report> reports;
+        for (const char* name : {"baseline", "gated", "sinks"})
+            reports.push_back(run(dir + "/" + name, name, heldout, prompt));
 
-        std::printf("Two byte-level models trained on Debian's fortunes, identical but for the G1 gate.\n\n");
+        std::printf("Three byte-level models trained on Debian's fortunes, identical but for the attention's\n"
+                    "way out of a sink: none, the G1 gate, or a learned sink logit per head (gpt-oss).\n\n");
         std::printf("Greedy sample, prompt \"%s\":\n", printable(prompt, true).c_str());
         for (const Report& r : reports)
             std::printf("[%s]\n    %s\n", r.name.c_str(), printable(r.sample, false).c_str());
@@ -150,25 +153,27 @@ int main(int argc, char** argv) {
                         r.nll / std::log(2.0), r.prefill_tokens_per_s, r.decode_tokens_per_s);
 
         std::printf("\nAttention sink and sparsity per layer (held-out text; F-Attn: mean attention on the first\n"
-                    "token over heads and queries 1..%lld; M-Act: largest |hidden| after the layer)\n", window - 1);
-        std::printf("%-6s %16s %13s %10s %15s %12s\n", "layer", "F-Attn baseline", "F-Attn gated", "gate mean",
-                    "M-Act baseline", "M-Act gated");
+                    "token over heads and queries 1..%lld, a sink's share not counted; M-Act: largest |hidden|\n"
+                    "after the layer)\n", window - 1);
+        std::printf("%-6s %12s %12s %12s %10s %12s %12s %12s\n", "", "F-Attn", "F-Attn", "F-Attn", "gate",
+                    "M-Act", "M-Act", "M-Act");
+        std::printf("%-6s %12s %12s %12s %10s %12s %12s %12s\n", "layer", "baseline", "gated", "sinks", "mean",
+                    "baseline", "gated", "sinks");
         const std::size_t L = reports[0].gate_mean.size();
         auto mean = [](const std::vector<double>& v) {
             double s = 0;
             for (double x : v) s += x;
             return v.empty() ? 0.0 : s / double(v.size());
         };
+        std::vector<std::vector<double>> fa(reports.size());  // [model][layer] mean over heads
+        for (std::size_t m = 0; m < reports.size(); ++m)
+            for (std::size_t l = 0; l < L; ++l) fa[m].push_back(mean(reports[m].first_token_attention[l]));
         for (std::size_t l = 0; l < L; ++l)
-            std::printf("%-6zu %16.4f %13.4f %10.4f %15.2f %12.2f\n", l, mean(reports[0].first_token_attention[l]),
-                        mean(reports[1].first_token_attention[l]), reports[1].gate_mean[l],
-                        reports[0].max_abs_hidden[l], reports[1].max_abs_hidden[l]);
-        std::vector<double> fa0, fa1;
-        for (std::size_t l = 0; l < L; ++l) {
-            fa0.push_back(mean(reports[0].first_token_attention[l]));
-            fa1.push_back(mean(reports[1].first_token_attention[l]));
-        }
-        std::printf("%-6s %16.4f %13.4f %10.4f\n", "all", mean(fa0), mean(fa1), mean(reports[1].gate_mean));
+            std::printf("%-6zu %12.4f %12.4f %12.4f %10.4f %12.2f %12.2f %12.2f\n", l, fa[0][l], fa[1][l], fa[2][l],
+                        reports[1].gate_mean[l], reports[0].max_abs_hidden[l], reports[1].max_abs_hidden[l],
+                        reports[2].max_abs_hidden[l]);
+        std::printf("%-6s %12.4f %12.4f %12.4f %10.4f\n", "all", mean(fa[0]), mean(fa[1]), mean(fa[2]),
+                    mean(reports[1].gate_mean));
 
         std::ofstream out(csv);
         out << "model,layer,head,first_token_attention\n";
