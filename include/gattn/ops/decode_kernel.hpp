@@ -18,6 +18,8 @@
 /// A bf16 cache is read in place: either each register is widened exactly to float as it is
 /// loaded, or (AVX512-BF16, head sizes multiples of 32) both products run as VDPBF16PS on the
 /// bf16 rows, with P rounded to bf16 (decode_bf16): half the instructions, no widening.
+/// An int8 cache (ops/int8_rows.hpp) is read in place too: its codes are widened to float as
+/// they are loaded, and each key's scales multiply its logit and its weight in the value sum.
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +30,7 @@
 
 #include "gattn/ops/bf16_flash_kernel.hpp"
 #include "gattn/ops/flash_kernel.hpp"
+#include "gattn/ops/int8_rows.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"
 
@@ -76,13 +79,25 @@ inline constexpr int kDecodeRows = 4, kDecodeValueRegisters = 16;
 inline constexpr int kDecodeRows = 2, kDecodeValueRegisters = 8;
 #endif
 
-/// One register of T from L values of type KV at p: a plain load, or 16-bit values widened
-/// exactly (bf16, fp16 keys and values of a 16-bit KV cache are read in place).
+/// One register of T from L values of type KV at p: a plain load, or 16-bit values or int8
+/// codes widened exactly (the keys and values of a 16-bit or int8 KV cache are read in place).
 template <class T, class KV>
 inline simd::Batch<T> load_widened(const KV* p) noexcept {
     using B = simd::Batch<T>;
     if constexpr (std::is_same_v<T, KV>) {
         return B::load_unaligned(p);
+    } else if constexpr (std::is_same_v<KV, std::int8_t>) {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<T, float> && sizeof(B) == 64)
+            return B(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#endif
+#if defined(__AVX2__)
+        if constexpr (std::is_same_v<T, float> && sizeof(B) == 32)
+            return B(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#endif
+        alignas(64) T w[simd::kLanes<T>];
+        for (std::size_t i = 0; i < simd::kLanes<T>; ++i) w[i] = static_cast<T>(p[i]);
+        return B::load_aligned(w);
     } else {
 #if defined(__AVX512F__)
         if constexpr (std::is_same_v<T, float> && sizeof(B) == 64) {
@@ -334,7 +349,9 @@ inline bool any_skipped(const float (*score)[16], Index nk) noexcept {
 /// sequence. The KV heads are walked inside each key block, so a [N, H_kv·d] cache is read
 /// row after row (rows of one head alone would each sit in another page). from_memory: the
 /// call reads more than kDecodeFromMemoryBytes of K and V. KV: the type K and V
-/// are stored in (T, or bf16/fp16 widened as they are loaded); the queries are T.
+/// are stored in (T, or bf16/fp16 widened as they are loaded, or int8 codes); the queries are T.
+/// int8 (KV = std::int8_t, T = float): key row j of head g stands for
+/// scales.key[j·scales.stride + g] times its codes, value rows likewise (ops/int8_rows.hpp).
 ///
 /// kDot (bf16 cache, AVX512-BF16, decode_bf16::takes(dk, dv)): both products with VDPBF16PS on
 /// the bf16 query rows q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row
@@ -342,10 +359,16 @@ inline bool any_skipped(const float (*score)[16], Index nk) noexcept {
 template <class T, class KV = T, bool kDot = false>
 void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin,
                   Index k_end, const KV* key_base, Index key_stride, const KV* value_base, Index value_stride,
-                  Index dk, Index dv, T scale, bool from_memory, [[maybe_unused]] const KV* const* q16 = nullptr) {
+                  Index dk, Index dv, T scale, bool from_memory, [[maybe_unused]] const KV* const* q16 = nullptr,
+                  [[maybe_unused]] const Int8Scales& scales = {}) {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    constexpr bool kInt8 = std::is_same_v<KV, std::int8_t>;
+    static_assert(!kInt8 || (std::is_same_v<T, float> && !kDot), "int8 keys and values: float queries");
+    // int8: the block's key and value scales of the current KV head (0 past the block), and the
+    // weights times the value scales.
+    alignas(64) T key_scale[L], value_scale[L], pv_scaled[kDecodeRows][L];
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
     static_assert(!kDot || (std::is_same_v<T, float> && std::is_same_v<KV, bfloat16>), "VDPBF16PS: float, bf16");
     alignas(64) std::uint16_t pw[kDecodeRows][16];  // kDot: P rounded to bf16
@@ -401,6 +424,11 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             PartialState<T>& st = states[g];
             const KV* key = key_base + g * dk;
             const KV* value = value_base + g * dv;
+            if constexpr (kInt8)
+                for (Index kk = 0; kk < L; ++kk) {
+                    key_scale[kk] = kk < nk ? scales.key[(j0 + kk) * scales.stride + g] : T(0);
+                    value_scale[kk] = kk < nk ? scales.value[(j0 + kk) * scales.stride + g] : T(0);
+                }
             for (int t0 = 0; t0 < blk.count; t0 += kDecodeRows) {
                 const int rows = std::min(kDecodeRows, blk.count - t0);
                 bool any = false;
@@ -439,6 +467,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                     for (Index d = dk_vec; d < dk; ++d) tail += blk.q[t][d] * static_cast<T>(k[d]);
                                     sr[kk] += tail * scale;
                                 }
+                            if constexpr (kInt8) (B::load_aligned(sr) * B::load_aligned(key_scale)).store_aligned(sr);
                             // Softcap, then ALiBi's −m·|i' − j| (keys j0 + lane), before the masks.
                             if (capped || blk.alibi_slope[t] != T(0)) {
                                 B v = B::load_aligned(sr);
@@ -487,6 +516,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
 #endif
                             pv.store_aligned(p[r]);
                             st.l[t] += simd::reduce_sum(pv);
+                            if constexpr (kInt8) (pv * B::load_aligned(value_scale)).store_aligned(pv_scaled[r]);
                         }
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
                         if constexpr (kDot) {
@@ -498,7 +528,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 decode_bf16::values_skipping<R>(s, pw, nk, vb, value_stride, acc, dv);
                         } else
 #endif
-                            group_values<T, R, KV>(s, p, nk, value + j0 * value_stride, value_stride, acc, dv);
+                            group_values<T, R, KV>(s, kInt8 ? pv_scaled : p, nk, value + j0 * value_stride,
+                                                   value_stride, acc, dv);
                     }
                 });
             }

@@ -33,6 +33,7 @@
 #include <unistd.h>
 #endif
 
+#include "gattn/ops/int8_rows.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"
@@ -138,6 +139,7 @@ struct FlashScratch {
     RowMatrix<T> ot[G::kGroupBlocks];  // [d_v, Br]  Oᵀ (unnormalised)
     RowMatrix<T> st;                   // [Bc, Br]   Sᵀ, then Pᵀ
     RowMatrix<T> value_rows;           // [Bc, d_v]  one key block's V rows, copied
+    RowMatrix<T> key_rows;             // [Bc, d_k]  one key block's K rows, dequantized (int8)
     RowMatrix<T> stage;                // [Br, d_v]  one block's outputs (OutputWrites::Staged)
     std::vector<FlashBlock<T>> blocks;  // KiBs each: heap, not stack
     /// Whether flash_attention_blocks copies V rows that lie value_stride apart.
@@ -152,12 +154,14 @@ struct FlashScratch {
     void reserve_blocks(Index count) {
         if (static_cast<Index>(blocks.size()) < count) blocks.resize(static_cast<std::size_t>(count));
     }
-    /// Room for groups of up to group_blocks query blocks (and staged outputs).
-    void reserve(Index dk, Index dv, int group_blocks, Index value_stride, bool staged) {
+    /// Room for groups of up to group_blocks query blocks (and staged outputs; int8: the
+    /// dequantized K and V rows of a key block).
+    void reserve(Index dk, Index dv, int group_blocks, Index value_stride, bool staged, bool int8 = false) {
         auto grow = [](RowMatrix<T>& m, Index rows, Index cols) {
             if (m.size() < rows * cols) m.resize(rows, cols);
         };
-        if (copies_values(value_stride, dv)) grow(value_rows, G::kKeys, dv);
+        if (copies_values(value_stride, dv) || int8) grow(value_rows, G::kKeys, dv);
+        if (int8) grow(key_rows, G::kKeys, dk);
         if (staged) grow(stage, G::kQueries, dv);
         for (int i = 0; i < group_blocks; ++i) {
             grow(qt[i], dk, G::kQueries);
@@ -678,10 +682,15 @@ enum class OutputWrites {
 /// blocks' queries are unscaled. Writes the outputs of their lanes (see OutputWrites), their
 /// log-sum-exp and first-key probability, and calls on_block(i, rows) for block i, where
 /// rows[t] holds lane t's output (staged: before the rows are copied to the block's out rows).
-template <class T, class OnBlock>
-void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const T* key, Index key_stride,
-                            const T* value, Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s,
-                            OutputWrites writes, const OnBlock& on_block) {
+/// KV = std::int8_t (T = float): K and V are int8 codes with the scales of `scales` (row r of the
+/// head at scales.key[r·scales.stride], ops/int8_rows.hpp), dequantized key block by key block
+/// into the scratch (FlashScratch::reserve with int8), never as a whole.
+template <class T, class OnBlock, class KV = T>
+void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* key, Index key_stride,
+                            const KV* value, Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s,
+                            OutputWrites writes, const OnBlock& on_block, [[maybe_unused]] const Int8Scales& scales = {}) {
+    static_assert(std::is_same_v<KV, T> || (std::is_same_v<KV, std::int8_t> && std::is_same_v<T, float>),
+                  "keys and values of the query type, or int8 codes with float queries");
     using G = FlashGeometry<T>;
     GATTN_DEBUG_ASSERT(count >= 1 && count <= G::kGroupBlocks);
     FlashState<T> state[G::kGroupBlocks];
@@ -693,27 +702,42 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const T* key
         k_end = std::max(k_end, state[i].union_end);
     }
     for (Index k0 = k_begin; k0 < k_end; k0 += G::kKeys) {
-        const T* key_block = key + k0 * key_stride;
-        const T* value_block = value + k0 * value_stride;
-        // V rows that are not contiguous ([N, H·d]: H·d apart, 4 KiB at H·d = 1024 floats) are
-        // copied together for the group: the 64 rows a PV tile reads for each of its columns
-        // would all fall into one L1 set. K rows are read in place: a QK tile reads 6 of them at
-        // a time and prefetches the next 6. Measured, d = 128, N = 2048, 8 heads, 1 thread:
-        // copying K and V against reading both in place, AVX-512 (two 512-bit FMA pipes) +7 %
-        // (d = 256 +7 %, causal +7 %, d = 64 +1 %), AVX2 88 → 94 GFLOP/s; copying V alone
-        // against both: −0.8 to +2.6 %, median +1 % (14 runs over d = 64–256, causal, N = 512,
-        // 2 threads, AVX2), with half the copying. Exact.
-        Index vs = value_stride;
-        if (FlashScratch<T>::copies_values(value_stride, dv)) {
-            const Index nk = std::min<Index>(G::kKeys, k_end - k0);
-            for (Index r = 0; r < nk; ++r)
-                std::memcpy(s.value_rows.data() + r * dv, value_block + r * value_stride, sizeof(T) * dv);
+        const Index nk = std::min<Index>(G::kKeys, k_end - k0);
+        const T* key_block;
+        const T* value_block;
+        Index ks = key_stride, vs = value_stride;
+        if constexpr (std::is_same_v<KV, std::int8_t>) {
+            for (Index r = 0; r < nk; ++r) {
+                const Index j = k0 + r;
+                dequantize_int8_row(key + j * key_stride, scales.key[j * scales.stride], s.key_rows.data() + r * dk, dk);
+                dequantize_int8_row(value + j * value_stride, scales.value[j * scales.stride],
+                                    s.value_rows.data() + r * dv, dv);
+            }
+            key_block = s.key_rows.data();
             value_block = s.value_rows.data();
+            ks = dk;
             vs = dv;
+        } else {
+            key_block = key + k0 * key_stride;
+            value_block = value + k0 * value_stride;
+            // V rows that are not contiguous ([N, H·d]: H·d apart, 4 KiB at H·d = 1024 floats)
+            // are copied together for the group: the 64 rows a PV tile reads for each of its
+            // columns would all fall into one L1 set. K rows are read in place: a QK tile reads 6
+            // of them at a time and prefetches the next 6. Measured, d = 128, N = 2048, 8 heads,
+            // 1 thread: copying K and V against reading both in place, AVX-512 (two 512-bit FMA
+            // pipes) +7 % (d = 256 +7 %, causal +7 %, d = 64 +1 %), AVX2 88 → 94 GFLOP/s;
+            // copying V alone against both: −0.8 to +2.6 %, median +1 % (14 runs over d = 64–256,
+            // causal, N = 512, 2 threads, AVX2), with half the copying. Exact.
+            if (FlashScratch<T>::copies_values(value_stride, dv)) {
+                for (Index r = 0; r < nk; ++r)
+                    std::memcpy(s.value_rows.data() + r * dv, value_block + r * value_stride, sizeof(T) * dv);
+                value_block = s.value_rows.data();
+                vs = dv;
+            }
         }
         for (int i = 0; i < count; ++i)
             if (state[i].union_begin < state[i].union_end && state[i].first_block() <= k0 && k0 < state[i].union_end)
-                flash_step(blocks[i], state[i], k0, key_block, key_stride, value_block, vs, dk, dv, s.qt[i].data(),
+                flash_step(blocks[i], state[i], k0, key_block, ks, value_block, vs, dk, dv, s.qt[i].data(),
                            s.st.data(), s.ot[i].data());
     }
     T* staged[G::kQueries] = {};

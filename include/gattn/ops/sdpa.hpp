@@ -28,6 +28,7 @@
 #include "gattn/ops/bf16_flash_kernel.hpp"
 #include "gattn/ops/decode_kernel.hpp"
 #include "gattn/ops/flash_kernel.hpp"
+#include "gattn/ops/int8_rows.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"
@@ -313,6 +314,15 @@ inline bool resized_output_holds(const RowMatrix<S>* m, const MaskView<S>& mask)
 
 namespace detail {
 
+/// T itself, in a context that template argument deduction does not look at.
+template <class T>
+struct identity {
+    using type = T;
+};
+/// identity<T>::type.
+template <class T>
+using identity_t = typename identity<T>::type;
+
 /// Prefill outputs of at least this many bytes are written with streaming stores
 /// (simd::stream_store): their rows are not read for ownership before they are overwritten, and
 /// they are not kept in cache. At 4 MiB the layer lost (N = 512, D = 2048: the output
@@ -335,12 +345,18 @@ struct NoEpilogue {
 /// (the thread's kernel scratch is in use).
 /// With 16-bit storage (bf16, fp16) the epilogue gets each row in float before it is rounded,
 /// and the output may be float (Out) instead of the storage type.
-template <class Scalar, class Out, class Epilogue>
-void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, ConstMatrixRef<Scalar> value,
+/// KV: what keys and values are read from: ConstMatrixRef<Scalar>, or Int8Rows (int8 codes and
+/// their scales, ops/int8_rows.hpp) with float queries.
+template <class Scalar, class Out, class Epilogue, class KV = ConstMatrixRef<Scalar>>
+void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& key, const identity_t<KV>& value,
                            const HeadLayout& heads, MatrixRef<Out> out, const SdpaOptions<compute_t<Scalar>>& options,
                            const SdpaOutputs<compute_t<Scalar>>& extra, const Epilogue& epilogue) {
     static_assert(is_supported_storage_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_DOUBLE_BFLOAT16_OR_HALF");
     using T = compute_t<Scalar>;
+    constexpr bool kInt8 = std::is_same_v<KV, Int8Rows>;
+    static_assert(kInt8 || std::is_same_v<KV, ConstMatrixRef<Scalar>>, "keys and values: a matrix or Int8Rows");
+    static_assert(!kInt8 || std::is_same_v<Scalar, float>, "int8 keys and values take float queries");
+    using KVElem = std::conditional_t<kInt8, std::int8_t, Scalar>;  // what K and V rows hold
     static_assert(std::is_same_v<Out, Scalar> || (is_narrow_storage_v<Scalar> && std::is_same_v<Out, T>),
                   "GATTN_OUTPUT_MUST_BE_THE_INPUT_TYPE_OR_FLOAT_FOR_16_BIT_INPUTS");
     constexpr bool kNarrow = is_narrow_storage_v<Scalar>;
@@ -352,6 +368,13 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
     const Index Nq = B == 0 ? 0 : query.rows() / B;
     const Index Nk = B == 0 ? 0 : key.rows() / B;
+    if constexpr (kInt8)
+        for (const auto& [rows, name] : {std::pair<const Int8Rows*, const char*>{&key, "key"}, {&value, "value"}})
+            if (rows->rows() > 0 && (!rows->scales || rows->scale_stride < Hkv))
+                gattn::detail::throw_invalid(fn, std::string(name) + ".scales",
+                                             "must hold H_kv = " + std::to_string(Hkv) + " scales per row, got " +
+                                                 (rows->scales ? "a row stride of " + std::to_string(rows->scale_stride)
+                                                               : std::string("none")));
     gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), B * Nq, H * dv);
     const Index out_span = gattn::detail::span_of(out);
     if (gattn::detail::views_overlap(out, query) || gattn::detail::views_overlap(out, key) ||
@@ -486,7 +509,18 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     };
     // Decoding a cache that does not fit in cache reads ahead with loads (decode_chunk).
     const bool decode_from_memory =
-        decode && B * Nk * Hkv * (dk + dv) * Index(sizeof(Scalar)) > kernel::kDecodeFromMemoryBytes;
+        decode && B * Nk * Hkv * (dk + dv) * Index(sizeof(KVElem)) > kernel::kDecodeFromMemoryBytes;
+    // int8: the scales of sequence b's first key and value row, KV head g.
+    auto int8_scales = [&]([[maybe_unused]] Index b, [[maybe_unused]] Index g) {
+        kernel::Int8Scales sc;
+        if constexpr (kInt8) {
+            sc.key = key.scales + b * Nk * key.scale_stride + g;
+            sc.value = value.scales + b * Nk * value.scale_stride + g;
+            sc.stride = key.scale_stride;
+            GATTN_DEBUG_ASSERT(key.scale_stride == value.scale_stride);
+        }
+        return sc;
+    };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
@@ -521,7 +555,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                 scratch.reserve_blocks(Hkv);
             else
                 scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride(),
-                                writes == kernel::OutputWrites::Staged);
+                                writes == kernel::OutputWrites::Staged, kInt8);
         }
         // Prefill: a task's query blocks. Decoding: a chunk's KV heads, later the block of a merge.
         kernel::FlashBlock<T, Scalar, Out>* const blk = scratch.blocks.data();
@@ -554,8 +588,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                     states[g].reset(blk[g].count, dv);
                 }
                 const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
-                const Scalar* key_seq = key.data() + b * Nk * key.outerStride();
-                const Scalar* value_seq = value.data() + b * Nk * value.outerStride();
+                const KVElem* key_seq = key.data() + b * Nk * key.outerStride();
+                const KVElem* value_seq = value.data() + b * Nk * value.outerStride();
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
                 if constexpr (std::is_same_v<Scalar, bfloat16>) {
                     if (decode_dot) {
@@ -570,8 +604,9 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                     }
                 }
 #endif
-                kernel::decode_chunk<T, Scalar>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(),
-                                                value_seq, value.outerStride(), dk, dv, scale, decode_from_memory);
+                kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(),
+                                                value_seq, value.outerStride(), dk, dv, scale, decode_from_memory,
+                                                nullptr, int8_scales(b, 0));
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.
@@ -584,8 +619,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                 auto on_block = [&](int i, T* const* rows) {
                     finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
                 };
-                const Scalar* key_head = key.data() + b * Nk * key.outerStride() + g * dk;
-                const Scalar* value_head = value.data() + b * Nk * value.outerStride() + g * dv;
+                const KVElem* key_head = key.data() + b * Nk * key.outerStride() + g * dk;
+                const KVElem* value_head = value.data() + b * Nk * value.outerStride() + g * dv;
                 if constexpr (kNarrow)
                     kernel::narrow_attention_blocks(narrow_kernel, blk, count, key_head, key.outerStride(),
                                                     value_head, value.outerStride(), dk, dv, scale, scratch,
@@ -593,7 +628,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                 else
                     kernel::flash_attention_blocks<Scalar>(blk, count, key_head, key.outerStride(), value_head,
                                                            value.outerStride(), dk, dv, scale, scratch, writes,
-                                                           on_block);
+                                                           on_block, int8_scales(b, g));
             }
         }
         if (decode) {
@@ -619,12 +654,17 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
     // normalise) so that they are exact even when every visible logit is huge (the log-sum-exp
     // alone would lose log n).
     std::vector<T> logits(static_cast<std::size_t>(Nk));
-    std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(q_wide.size());
-    auto dot = [&](const Scalar* a, const Scalar* b2) -> T {
+    std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(kNarrow || kInt8 ? dk : 0);
+    // q·k for key row j of sequence b, KV head g.
+    auto dot = [&](const Scalar* a, Index b, Index j, Index g) -> T {
+        const KVElem* b2 = key.data() + (b * Nk + j) * key.outerStride() + g * dk;
         if constexpr (kNarrow) {
             kernel::widen_row(a, q_wide.data(), dk);
             kernel::widen_row(b2, k_wide.data(), dk);
             return simd::dot(q_wide.data(), k_wide.data(), static_cast<std::size_t>(dk));
+        } else if constexpr (kInt8) {
+            dequantize_int8_row(b2, key.scales[(b * Nk + j) * key.scale_stride + g], k_wide.data(), dk);
+            return simd::dot(a, k_wide.data(), static_cast<std::size_t>(dk));
         } else {
             return simd::dot(a, b2, static_cast<std::size_t>(dk));
         }
@@ -636,12 +676,12 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
-                const Scalar* k = key.data() + b * Nk * key.outerStride() + (h / group) * dk;
+                const Index g = h / group;
                 const Index prow = (b * H + h) * Nq + i;
                 T* lg = extra.logits ? extra.logits->data() + prow * Nk : nullptr;
                 if (lg && stage != LogitStage::Final)
                     for (Index j = 0; j < Nk; ++j) {
-                        const T x = dot(q, k + j * key.outerStride()) * scale;
+                        const T x = dot(q, b, j, g) * scale;
                         lg[j] = stage == LogitStage::Softcapped ? capped(x) : x;
                     }
                 if (lg && stage == LogitStage::Final) std::fill(lg, lg + Nk, kNegInf);
@@ -657,7 +697,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> 
                 for (Index j = range.begin; j < range.end; ++j) {
                     logits[j] = kNegInf;
                     if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == kNegInf)) continue;
-                    T sc = capped(dot(q, k + j * key.outerStride()) * scale);
+                    T sc = capped(dot(q, b, j, g) * scale);
                     if (slope != T(0)) sc = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), sc);
                     if (bias_row) sc += bias_row[j];
                     logits[j] = sc;
@@ -681,12 +721,6 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
                         const SdpaOutputs<compute_t<Scalar>>& extra, const Epilogue& epilogue) {
     sdpa_with_epilogue_to<Scalar, Scalar>(query, key, value, heads, out, options, extra, epilogue);
 }
-
-/// T itself, in a context that template argument deduction does not look at.
-template <class T>
-struct identity {
-    using type = T;
-};
 
 }  // namespace detail
 
@@ -729,6 +763,26 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                                   const SdpaOutputs<compute_t<Scalar>>& extra = {}) {
     gattn::detail::sdpa_with_epilogue_to<Scalar, Out>(query, key, value, heads, out, options, extra,
                                                       gattn::detail::NoEpilogue{});
+}
+
+/// Scaled dot-product attention over int8 keys and values (an int8 KV cache): the same as the
+/// float call with K and V the values their codes stand for (ops/int8_rows.hpp), read in place.
+/// Decoding widens the codes as they are loaded and applies each key's scales to its logit and
+/// its weight; prefill dequantizes one key block at a time into the thread's scratch.
+/// \param key   int8 keys [B·N_k, H_kv·d_k] with H_kv scales per row.
+/// \param value int8 values [B·N_k, H_kv·d_v] with H_kv scales per row, the same scale row
+///              stride as key.
+/// \throws what the float call throws, and std::invalid_argument when key or value has rows
+///         but no scales or fewer than H_kv per row.
+inline void scaled_dot_product_attention(ConstMatrixRef<float> query, const Int8Rows& key, const Int8Rows& value,
+                                         const HeadLayout& heads, MatrixRef<float> out,
+                                         const SdpaOptions<float>& options = {}, const SdpaOutputs<float>& extra = {}) {
+    if (key.scale_stride != value.scale_stride)
+        gattn::detail::throw_invalid("gattn::scaled_dot_product_attention", "value.scale_stride",
+                                     "must equal key.scale_stride = " + std::to_string(key.scale_stride) + ", got " +
+                                         std::to_string(value.scale_stride));
+    gattn::detail::sdpa_with_epilogue_to<float, float, gattn::detail::NoEpilogue, Int8Rows>(
+        query, key, value, heads, out, options, extra, gattn::detail::NoEpilogue{});
 }
 
 /// Merges two attention results for the same queries over disjoint key sets (split-KV, or

@@ -1,0 +1,220 @@
+// int8 keys and values (ops/int8_rows.hpp): quantization worked by hand, and SDPA reading int8
+// rows against the float64 reference run on the values the codes stand for (the same bytes,
+// dequantized in double), so the kernels' arithmetic is checked up to float rounding: decoding
+// and prefill shapes, GQA, ragged key lengths, causal and window masks, sinks, softcap and
+// ALiBi, garbage past the key lengths, and thread-count invariance.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "gattn/gattn.hpp"
+#include "support/reference.hpp"
+
+namespace {
+
+using gattn::Index;
+using gattn::RowMatrix;
+using gattn_test::Mat;
+
+/// An int8 matrix and its scales, as an int8 KV cache holds them.
+struct Int8Matrix {
+    RowMatrix<std::int8_t> codes;
+    RowMatrix<float> scales;  // [rows, heads]
+    Index head_dim = 0;
+
+    Int8Matrix(const RowMatrix<float>& x, Index heads)
+        : codes(x.rows(), x.cols()), scales(x.rows(), heads), head_dim(x.cols() / heads) {
+        for (Index r = 0; r < x.rows(); ++r)
+            EXPECT_TRUE(gattn::quantize_int8_row(x.row(r).data(), heads, head_dim, codes.row(r).data(),
+                                                 scales.row(r).data()));
+    }
+    gattn::Int8Rows view() const {
+        return {codes.data(), codes.rows(), codes.cols(), codes.cols(), scales.data(), scales.cols()};
+    }
+    /// The values the codes stand for, in double: scale · code.
+    Mat dequantized() const {
+        Mat m(codes.rows(), codes.cols());
+        for (Index r = 0; r < m.rows(); ++r)
+            for (Index c = 0; c < m.cols(); ++c)
+                m(r, c) = double(scales(r, c / head_dim)) * double(codes(r, c));
+        return m;
+    }
+};
+
+TEST(Int8Quantization, HandWorkedRows) {
+    // Head 0: max |x| = 1.27, scale 0.01, codes x / 0.01. Head 1: zeros, scale 0. Head 2: ±max
+    // give ±127, and 1/3 of the max rounds to 42 (42.33).
+    const float x[12] = {0.5f, -1.27f, 0.0f, 1.0f, 0, 0, 0, 0, 3.0f, -3.0f, 1.0f, 0.0f};
+    std::int8_t codes[12];
+    float scales[3];
+    ASSERT_TRUE(gattn::quantize_int8_row(x, 3, 4, codes, scales));
+    EXPECT_FLOAT_EQ(scales[0], 0.01f);
+    EXPECT_EQ(scales[1], 0.0f);
+    EXPECT_FLOAT_EQ(scales[2], 3.0f / 127.0f);
+    const int want[12] = {50, -127, 0, 100, 0, 0, 0, 0, 127, -127, 42, 0};
+    for (int e = 0; e < 12; ++e) EXPECT_EQ(int(codes[e]), want[e]) << "element " << e;
+    // Each value within half a step of its code.
+    for (int e = 0; e < 12; ++e)
+        EXPECT_LE(std::abs(gattn::dequantize_int8(codes[e], scales[e / 4]) - x[e]), scales[e / 4] / 2 * 1.0001f);
+    // Extremes: the largest float and the smallest subnormal keep their sign and size.
+    const float big[2] = {std::numeric_limits<float>::max(), -std::numeric_limits<float>::denorm_min()};
+    ASSERT_TRUE(gattn::quantize_int8_row(big, 1, 2, codes, scales));
+    EXPECT_EQ(int(codes[0]), 127);
+    EXPECT_EQ(int(codes[1]), 0);
+    EXPECT_FLOAT_EQ(gattn::dequantize_int8(codes[0], scales[0]), std::numeric_limits<float>::max());
+    const float tiny[2] = {std::numeric_limits<float>::denorm_min(), 0.0f};
+    ASSERT_TRUE(gattn::quantize_int8_row(tiny, 1, 2, codes, scales));
+    EXPECT_GE(int(codes[0]), 0);  // the scale underflows; nothing overflows or turns NaN
+    EXPECT_TRUE(std::isfinite(scales[0]));
+}
+
+TEST(Int8Quantization, NonFiniteValuesAreRefusedAndNothingIsWritten) {
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                      -std::numeric_limits<float>::infinity()}) {
+        const float x[4] = {1.0f, 2.0f, 3.0f, bad};
+        std::int8_t codes[4] = {7, 7, 7, 7};
+        float scales[2] = {5.0f, 5.0f};
+        EXPECT_FALSE(gattn::quantize_int8_row(x, 2, 2, codes, scales));
+        for (std::int8_t c : codes) EXPECT_EQ(int(c), 7);
+        EXPECT_EQ(scales[0], 5.0f);
+        EXPECT_EQ(scales[1], 5.0f);
+    }
+}
+
+struct Case {
+    std::string name;
+    Index B, H, Hkv, Nq, Nk, dk, dv;
+    bool causal = false;
+    std::optional<Index> window = std::nullopt;
+    bool ragged = false, sinks = false, alibi = false;
+    std::optional<double> softcap = std::nullopt;
+};
+
+RowMatrix<float> random_rows(Index rows, Index cols, std::mt19937& rng, float spread) {
+    std::normal_distribution<float> dist(0.0f, spread);
+    RowMatrix<float> m(rows, cols);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = dist(rng);
+    return m;
+}
+
+void check_case(const Case& c) {
+    SCOPED_TRACE(c.name);
+    std::mt19937 rng(17);
+    const RowMatrix<float> q = random_rows(c.B * c.Nq, c.H * c.dk, rng, 1.0f);
+    Int8Matrix k(random_rows(c.B * c.Nk, c.Hkv * c.dk, rng, 1.0f), c.Hkv);
+    Int8Matrix v(random_rows(c.B * c.Nk, c.Hkv * c.dv, rng, 1.0f), c.Hkv);
+
+    gattn::SdpaOptions<float> opt;
+    gattn_test::RefMasks ref;
+    opt.mask.causal = ref.causal = c.causal;
+    opt.mask.sliding_window = ref.sliding_window = c.window;
+    if (c.ragged)
+        for (Index b = 0; b < c.B; ++b) ref.key_lengths.push_back(c.Nk - (b * 37) % (c.Nk / 2 + 1));
+    opt.mask.key_lengths = ref.key_lengths;
+    for (Index h = 0; h < c.H && c.sinks; ++h) {
+        ref.sinks.push_back(0.5 * double(h % 3) - 0.25);
+        opt.sinks.push_back(static_cast<float>(ref.sinks.back()));
+    }
+    if (c.alibi) {
+        ref.alibi_slopes = gattn::alibi_slopes(c.H);
+        opt.alibi_slopes.assign(ref.alibi_slopes.begin(), ref.alibi_slopes.end());
+    }
+    opt.logit_softcap = ref.softcap = c.softcap;
+    const Mat kd = k.dequantized(), vd = v.dequantized();
+    // Rows past each sequence's key length hold garbage: codes and NaN scales.
+    for (Index b = 0; b < c.B && c.ragged; ++b)
+        for (Index j = ref.key_lengths[b]; j < c.Nk; ++j) {
+            k.codes.row(b * c.Nk + j).setConstant(-128);
+            k.scales.row(b * c.Nk + j).setConstant(std::numeric_limits<float>::quiet_NaN());
+            v.scales.row(b * c.Nk + j).setConstant(std::numeric_limits<float>::quiet_NaN());
+        }
+
+    const auto want = gattn_test::sdpa_reference(q.cast<double>(), kd, vd, c.B, c.H, c.Hkv, std::nullopt, ref);
+    RowMatrix<float> out(c.B * c.Nq, c.H * c.dv), lse;
+    gattn::SdpaOutputs<float> extra;
+    extra.log_sum_exp = &lse;
+    gattn::scaled_dot_product_attention(q, k.view(), v.view(), {c.B, c.H, c.Hkv}, out, opt, extra);
+    const double out_err = (out.cast<double>() - want.out).cwiseAbs().maxCoeff();
+    EXPECT_LE(out_err, 2e-5 * (1 + want.out.cwiseAbs().maxCoeff())) << "out";
+    double lse_err = 0;
+    for (Index i = 0; i < lse.size(); ++i) {
+        const double w = want.log_sum_exp.data()[i], g = lse.data()[i];
+        if (std::isinf(w)) {
+            EXPECT_EQ(g, w);
+        } else {
+            lse_err = std::max(lse_err, std::abs(g - w) / (1 + std::abs(w)));
+        }
+    }
+    EXPECT_LE(lse_err, 2e-6) << "log-sum-exp";
+
+    // Probabilities (recomputed row by row) read the same codes.
+    if (c.B * c.H * c.Nq * c.Nk <= 200000) {
+        RowMatrix<float> probabilities;
+        gattn::SdpaOutputs<float> with_p;
+        with_p.probabilities = &probabilities;
+        gattn::scaled_dot_product_attention(q, k.view(), v.view(), {c.B, c.H, c.Hkv}, out, opt, with_p);
+        EXPECT_LE((probabilities.cast<double>() - want.probabilities).cwiseAbs().maxCoeff(), 2e-6) << "probabilities";
+    }
+}
+
+TEST(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
+    const std::vector<Case> cases = {
+        // Decoding (one query per sequence): the split-KV kernel reads the codes in place.
+        {"decode GQA ragged", 3, 8, 2, 1, 1300, 64, 64, true, std::nullopt, true},
+        {"decode MHA d=128", 1, 4, 4, 1, 1100, 128, 128, true},
+        {"decode Qwen3-Next heads d=256 sinks", 2, 16, 2, 1, 600, 256, 256, true, std::nullopt, true, true},
+        {"decode d=20 (a tail past the lanes), window", 2, 2, 1, 1, 90, 20, 12, true, 33},
+        {"decode softcap ALiBi", 2, 4, 2, 1, 700, 64, 32, true, std::nullopt, true, false, true, 5.0},
+        // Prefill: key blocks dequantized into the tile kernel's scratch.
+        {"prefill GQA causal ragged", 2, 4, 2, 37, 53, 32, 32, true, std::nullopt, true},
+        {"prefill d=128 causal sinks", 1, 8, 2, 130, 260, 128, 128, true, std::nullopt, false, true},
+        {"prefill window softcap ALiBi", 2, 4, 1, 70, 90, 64, 48, true, 17, true, true, true, 20.0},
+        {"prefill not causal", 1, 2, 2, 40, 300, 16, 16},
+    };
+    for (const Case& c : cases) check_case(c);
+}
+
+TEST(Int8Sdpa, ScalesAreRequired) {
+    Int8Matrix k(RowMatrix<float>::Ones(4, 8), 2), v(RowMatrix<float>::Ones(4, 8), 2);
+    RowMatrix<float> q = RowMatrix<float>::Ones(2, 8), out(2, 8);
+    auto no_scales = k.view();
+    no_scales.scales = nullptr;
+    EXPECT_THROW(gattn::scaled_dot_product_attention(q, no_scales, v.view(), {2, 2, 2}, out), std::invalid_argument);
+    auto short_stride = v.view();
+    short_stride.scale_stride = 1;
+    try {
+        gattn::scaled_dot_product_attention(q, k.view(), short_stride, {2, 2, 2}, out);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("value.scale_stride"), std::string::npos) << e.what();
+    }
+}
+
+#ifdef _OPENMP
+TEST(Int8Sdpa, ResultsDoNotDependOnTheThreadCount) {
+    std::mt19937 rng(5);
+    const Index B = 2, H = 8, Hkv = 2, d = 64, Nk = 3000;
+    const RowMatrix<float> q = random_rows(B, H * d, rng, 1.0f);
+    const Int8Matrix k(random_rows(B * Nk, Hkv * d, rng, 1.0f), Hkv), v(random_rows(B * Nk, Hkv * d, rng, 1.0f), Hkv);
+    RowMatrix<float> one(B, H * d), two(B, H * d);
+    omp_set_num_threads(1);
+    gattn::scaled_dot_product_attention(q, k.view(), v.view(), {B, H, Hkv}, one);
+    omp_set_num_threads(2);
+    gattn::scaled_dot_product_attention(q, k.view(), v.view(), {B, H, Hkv}, two);
+    omp_set_num_threads(1);
+    EXPECT_EQ(one, two);
+}
+#endif
+
+}  // namespace
