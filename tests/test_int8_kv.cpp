@@ -201,6 +201,52 @@ TEST(Int8Sdpa, ScalesAreRequired) {
     }
 }
 
+TEST(Int8Cache, AppendQuantizesEachRowAndRefusesNonFiniteValues) {
+    gattn::KVCache<std::int8_t> cache(2, 4, 2, 3);
+    RowMatrix<float> k(4, 6), v(4, 6);
+    k << 0.5f, -1.27f, 1.0f, 0, 0, 0,  //
+        2, 4, -8, 1, 1, 1,             //
+        9, 9, 9, 9, 9, 9,              //
+        9, 9, 9, 9, 9, 9;
+    v = -k;
+    cache.append(k, v, {2, 1});  // sequence 0: rows 0, 1; sequence 1: row 2
+    EXPECT_EQ(cache.lengths(), (std::vector<Index>{2, 1}));
+    // Row 0, head 0: scale 0.01, codes 50, −127, 100; head 1: zeros.
+    EXPECT_FLOAT_EQ(cache.key_scales()(0, 0), 0.01f);
+    EXPECT_EQ(cache.key_scales()(0, 1), 0.0f);
+    EXPECT_EQ(int(cache.keys()(0, 0)), 50);
+    EXPECT_EQ(int(cache.keys()(0, 1)), -127);
+    EXPECT_EQ(int(cache.keys()(0, 2)), 100);
+    EXPECT_EQ(int(cache.values()(0, 1)), 127);
+    // Row 1, head 0: max 8, codes 2·127/8 = 31.75 → 32, 4·127/8 = 63.5 → 64 (ties to even), −127.
+    EXPECT_FLOAT_EQ(cache.key_scales()(1, 0), 8.0f / 127.0f);
+    EXPECT_EQ(int(cache.keys()(1, 0)), 32);
+    EXPECT_EQ(int(cache.keys()(1, 1)), 64);
+    EXPECT_EQ(int(cache.keys()(1, 2)), -127);
+    EXPECT_EQ(int(cache.keys()(1, 3)), 127);
+    // Sequence 1 starts at row capacity = 4.
+    EXPECT_FLOAT_EQ(cache.key_scales()(4, 0), 9.0f / 127.0f);
+    EXPECT_EQ(int(cache.keys()(4, 5)), 127);
+
+    // A NaN in a row that is appended is refused, naming it; nothing changes.
+    const RowMatrix<std::int8_t> codes_before = cache.keys();
+    RowMatrix<float> bad = RowMatrix<float>::Ones(2, 6);
+    bad(1, 4) = std::numeric_limits<float>::quiet_NaN();
+    try {
+        cache.append(RowMatrix<float>::Ones(2, 6), bad, {1, 1});
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("v row 1, column 4 is nan"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(cache.lengths(), (std::vector<Index>{2, 1}));
+    EXPECT_EQ(cache.keys(), codes_before);
+    // The same NaN in a padding slot (not appended) is never read.
+    cache.append(RowMatrix<float>::Ones(2, 6), bad, {1, 0});
+    EXPECT_EQ(cache.lengths(), (std::vector<Index>{3, 1}));
+    cache.truncate({1, 1});
+    EXPECT_EQ(cache.lengths(), (std::vector<Index>{1, 1}));
+}
+
 #ifdef _OPENMP
 TEST(Int8Sdpa, ResultsDoNotDependOnTheThreadCount) {
     std::mt19937 rng(5);

@@ -9,6 +9,7 @@
 #include <cstdio>
 
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -125,9 +126,12 @@ TYPED_TEST(Qwen3Next, PrefillEqualsTokenByTokenDecoding) {
 /// activations, against PyTorch's float64 outputs for the F32 weights: prefill, decoding and a
 /// chunk. The bound covers the rounding of the weights, x, Q, K, V, P and U to bf16 (each a
 /// relative 2⁻⁹ at most); worst observed |err| / (1 + |want|) ≈ 1.6e-3, NMSE ≈ 1.1e-6.
-TEST(Qwen3NextBf16, PrefillDecodeAndChunkMatchPyTorch) {
+/// Storage: the weights' type; Cache: the KV cache's (Storage, or int8). Returns the worst
+/// |err| / (1 + |want|) and the NMSE over every output and gate row with a token.
+template <class Storage, class Cache>
+std::pair<double, double> error_against_pytorch() {
     gattn::SafetensorsFile cases{kDir + "/cases.safetensors"};
-    const auto layer = gattn::load_qwen3_next_attention<gattn::bfloat16>(kDir, kLayer);
+    const auto layer = gattn::load_qwen3_next_attention<Storage>(kDir, kLayer);
     auto indices = [&](const std::string& name) {
         std::vector<Index> out;
         for (double v : cases.values<double>(name)) out.push_back(static_cast<Index>(v));
@@ -146,7 +150,7 @@ TEST(Qwen3NextBf16, PrefillDecodeAndChunkMatchPyTorch) {
                     ref2 += w * w;
                 }
     };
-    auto cache = layer.make_cache(2, 16);
+    auto cache = layer.template make_cache<Cache>(2, 16);
     const std::vector<Index> lengths = indices("prefill.lengths");
     RowMatrix<float> out(14, 64), gates;
     layer.forward(cases.matrix<float>("prefill.hidden"), indices("prefill.positions"), cache, out, lengths, &gates);
@@ -162,9 +166,30 @@ TEST(Qwen3NextBf16, PrefillDecodeAndChunkMatchPyTorch) {
     layer.forward(cases.matrix<float>("chunk.hidden"), indices("chunk.positions"), cache, y);
     check(y, "chunk.output", 2, {2, 2});
     EXPECT_EQ(cache.lengths(), (std::vector<Index>{12, 10}));
+    return {worst, err2 / ref2};
+}
+
+TEST(Qwen3NextBf16, PrefillDecodeAndChunkMatchPyTorch) {
+    const auto [worst, nmse] = error_against_pytorch<gattn::bfloat16, gattn::bfloat16>();
     EXPECT_LE(worst, 6e-3);
-    EXPECT_LE(err2 / ref2, 1e-5);
-    std::printf("bf16 Qwen3-Next layer against PyTorch float64: worst %.3g, NMSE %.3g\n", worst, err2 / ref2);
+    EXPECT_LE(nmse, 1e-5);
+    std::printf("bf16 Qwen3-Next layer against PyTorch float64: worst %.3g, NMSE %.3g\n", worst, nmse);
+}
+
+/// An int8 KV cache (keys and values quantized per token and KV head, ops/int8_rows.hpp) with
+/// float and with bf16 weights, against PyTorch's float64 outputs for the F32 weights: the
+/// quantization error (at most max|x| / 254 per element of a head row) is what remains.
+/// Bounds: a few times what was measured (float weights: worst 3.0e-3, NMSE 1.3e-6).
+TEST(Qwen3NextInt8Cache, PrefillDecodeAndChunkStayNearPyTorch) {
+    const auto [worst, nmse] = error_against_pytorch<float, std::int8_t>();
+    EXPECT_LE(worst, 1e-2);
+    EXPECT_LE(nmse, 1e-5);
+    EXPECT_GT(nmse, 0.0);
+    std::printf("Qwen3-Next layer, int8 cache, against PyTorch float64: worst %.3g, NMSE %.3g\n", worst, nmse);
+    const auto [worst16, nmse16] = error_against_pytorch<gattn::bfloat16, std::int8_t>();
+    EXPECT_LE(worst16, 1.5e-2);
+    EXPECT_LE(nmse16, 2e-5);
+    std::printf("bf16 weights, int8 cache: worst %.3g, NMSE %.3g\n", worst16, nmse16);
 }
 
 /// A Qwen3-Next-sized layer with bf16 weights holds its weights' bf16 bytes (plus the float

@@ -43,10 +43,11 @@ struct LayerStats {
     std::vector<double> max_abs_hidden;                 ///< per layer: max |h| of its output (M-Act)
 };
 
-/// Scalar: embedding, norms, MLP and logits. Attention: the attention layers' weights and KV
-/// caches (Scalar, or gattn::bfloat16 with a float Scalar: the checkpoint's weights rounded to
-/// bf16 on load, the attention computed as gattn's bf16 layers do).
-template <class Scalar, class Attention = Scalar>
+/// Scalar: embedding, norms, MLP and logits. Attention: the attention layers' weights (Scalar,
+/// or gattn::bfloat16 with a float Scalar: the checkpoint's weights rounded to bf16 on load, the
+/// attention computed as gattn's bf16 layers do). Cache: what the KV caches store (Attention, or
+/// std::int8_t with float compute: int8 codes and scales).
+template <class Scalar, class Attention = Scalar, class Cache = Attention>
 class TinyLM {
     static_assert(std::is_same_v<gattn::compute_t<Attention>, Scalar>, "attention computes in Scalar");
 
@@ -87,17 +88,17 @@ public:
     const gattn::Qwen3NextConfig& attention_config() const { return attention_; }
 
     /// One KV cache per layer for `batch` sequences of up to `capacity` tokens.
-    gattn::KVCacheSet<Attention> make_caches(Index batch, Index capacity) const {
+    gattn::KVCacheSet<Cache> make_caches(Index batch, Index capacity) const {
         std::vector<const gattn::Qwen3NextAttention<Attention>*> layers;
         for (const Block& b : blocks_) layers.push_back(&b.attn);
-        return gattn::KVCacheSet<Attention>(layers, batch, capacity);
+        return gattn::KVCacheSet<Cache>(layers, batch, capacity);
     }
 
     /// Runs N new tokens of each of B sequences (tokens [B·N], sequence-major) after what the
     /// caches hold, appends them to the caches and returns the logits [B·N, vocab].
     /// Throws std::invalid_argument for a wrong number of caches or tokens, a token outside the
     /// vocabulary, or a full cache.
-    Matrix<Scalar> forward(const std::vector<int>& tokens, gattn::KVCacheSet<Attention>& caches,
+    Matrix<Scalar> forward(const std::vector<int>& tokens, gattn::KVCacheSet<Cache>& caches,
                            LayerStats<Scalar>* stats = nullptr) const {
         if (caches.size() != blocks_.size())
             throw std::invalid_argument("tiny_lm::forward: caches: expected one per layer (" +
@@ -193,8 +194,8 @@ inline std::string decode(const std::vector<int>& tokens) {
 /// independent sequence starting at position 0; bytes 1…window−1 are predicted from their
 /// prefixes. Runs `batch` windows at a time; `stats_each` (optional) sees each batch's stats.
 /// Throws std::invalid_argument when the text holds no full window.
-template <class Scalar, class Attention, class F = std::nullptr_t>
-double heldout_nll(const TinyLM<Scalar, Attention>& model, const std::string& text, Index window, Index max_windows,
+template <class Scalar, class Attention, class Cache, class F = std::nullptr_t>
+double heldout_nll(const TinyLM<Scalar, Attention, Cache>& model, const std::string& text, Index window, Index max_windows,
                    Index batch = 8, F&& stats_each = nullptr) {
     const std::vector<int> all = encode(text);
     const Index windows = std::min<Index>(max_windows, static_cast<Index>(all.size()) / window);

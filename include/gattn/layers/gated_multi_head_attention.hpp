@@ -13,9 +13,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -269,7 +271,8 @@ public:
             if (positions.empty())
                 for (Index r = 0; r < rows; ++r) positions.push_back(r % (rows / batch));
         }
-        run_activations(x, HeadLayout{batch, H, Hkv}, out, sdpa, trace, nullptr, {}, positions);
+        run_activations(x, HeadLayout{batch, H, Hkv}, out, sdpa, trace, static_cast<KVCache<Scalar>*>(nullptr), {},
+                        positions);
     }
 
     /// Forward pass, convenience form: returns Y [B·N, D]. Same contract as the core form.
@@ -284,12 +287,17 @@ public:
     /// [batch·capacity, H_kv·d_k] and values [batch·capacity, H_kv·d_v]. A causal layer with a
     /// sliding window w where 2w < capacity gets a window cache instead (KVCache, window w):
     /// 2w rows per sequence that keep the tokens the window still sees, for any number of tokens.
+    /// CacheScalar: the layer's Scalar, or std::int8_t (float compute: Scalar float or 16-bit)
+    /// for an int8 cache (keys and values quantized as they are appended, after a G2 or G3
+    /// gate; ops/int8_rows.hpp).
     /// \throws as the KVCache constructor.
-    KVCache<Scalar> make_cache(Index batch, Index capacity) const {
+    template <class CacheScalar = Scalar>
+    KVCache<CacheScalar> make_cache(Index batch, Index capacity) const {
+        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
         const Index w = m_config.causal && m_config.sliding_window ? *m_config.sliding_window : 0;
         if (w > 0 && w < capacity - w)  // 2w < capacity
-            return KVCache<Scalar>(batch, 2 * w, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id, w);
-        return KVCache<Scalar>(batch, capacity, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id);
+            return KVCache<CacheScalar>(batch, 2 * w, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id, w);
+        return KVCache<CacheScalar>(batch, capacity, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id);
     }
 
     /// Incremental forward pass with a KV cache (prefill, then decoding a token or a few at a
@@ -320,8 +328,10 @@ public:
     ///         that would exceed the cache's capacity, out overlapping x, x or out sharing an
     ///         element with the cache's storage, or a trace matrix holding x or out. Nothing is
     ///         written (cache included) before validation passes.
-    void forward(ConstMatrixRef<Activation> x, KVCache<Scalar>& cache, MatrixRef<Activation> out,
+    template <class CacheScalar>
+    void forward(ConstMatrixRef<Activation> x, KVCache<CacheScalar>& cache, MatrixRef<Activation> out,
                  std::vector<Index> counts = {}, ForwardTrace<T>* trace = nullptr) const {
+        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
@@ -345,6 +355,11 @@ public:
     }
 
 private:
+    /// The caches the layer takes: its Scalar, and int8 when it computes in float.
+    template <class CacheScalar>
+    static constexpr bool takes_cache_v =
+        std::is_same_v<CacheScalar, Scalar> || (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>);
+
     /// Refuses a trace matrix that holds x, out or the bias: the trace's matrices are resized,
     /// which frees their storage.
     static void check_trace(const char* fn, const ForwardTrace<T>* trace, const ConstMatrixRef<Activation>& x,
@@ -372,8 +387,9 @@ private:
 
     /// run() on activations in the compute type: 16-bit x is widened first, and out is rounded
     /// once from the float result.
+    template <class CacheScalar = Scalar>
     void run_activations(ConstMatrixRef<Activation> x, const HeadLayout& layout, MatrixRef<Activation> out,
-                         const SdpaOptions<T>& sdpa, ForwardTrace<T>* trace, KVCache<Scalar>* cache,
+                         const SdpaOptions<T>& sdpa, ForwardTrace<T>* trace, KVCache<CacheScalar>* cache,
                          const std::vector<Index>& counts, const std::vector<Index>& positions) const {
         if constexpr (std::is_same_v<Activation, T>) {
             run(x, layout, out, sdpa, trace, cache, counts, positions);
@@ -388,9 +404,11 @@ private:
     /// The layer's arithmetic on validated arguments. Without a cache, SDPA reads this call's
     /// keys and values; with one, they are appended to it (counts per sequence) and SDPA reads
     /// the cache. positions: each row's RoPE position (with config.rotary_dim > 0).
+    template <class CacheScalar = Scalar>
     void run(ConstMatrixRef<T> x, const HeadLayout& layout, MatrixRef<T> out, const SdpaOptions<T>& sdpa,
-             ForwardTrace<T>* trace, KVCache<Scalar>* cache, const std::vector<Index>& counts,
+             ForwardTrace<T>* trace, KVCache<CacheScalar>* cache, const std::vector<Index>& counts,
              const std::vector<Index>& positions) const {
+        constexpr bool kInt8Cache = std::is_same_v<CacheScalar, std::int8_t>;
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
         const Index rows = x.rows();
@@ -460,10 +478,29 @@ private:
         const ConstMatrixRef<Scalar> q_s = qkv.middleCols(0, H * dk);
         const ConstMatrixRef<Scalar> k_s = qkv.middleCols(H * dk, Hkv * dk);
         const ConstMatrixRef<Scalar> v_s = qkv.middleCols(H * dk + Hkv * dk, Hkv * dv);
-        // Keys and values: this call's, or the cache's once this call's are appended.
-        if (cache) cache->append(k_s, v_s, counts);
-        const ConstMatrixRef<Scalar> keys = cache ? ConstMatrixRef<Scalar>(cache->keys()) : k_s;
-        const ConstMatrixRef<Scalar> values = cache ? ConstMatrixRef<Scalar>(cache->values()) : v_s;
+        // Keys and values: this call's, or the cache's once this call's are appended (an int8
+        // cache quantizes the float K and V, and SDPA reads the float Q).
+        using Operand = std::conditional_t<kInt8Cache, Int8Rows, ConstMatrixRef<Scalar>>;
+        using Q = std::conditional_t<kInt8Cache, T, Scalar>;
+        if (cache) {
+            if constexpr (kInt8Cache)
+                cache->append(k, v, counts);
+            else
+                cache->append(k_s, v_s, counts);
+        }
+        auto operand = [&](bool key) -> Operand {
+            if constexpr (kInt8Cache)
+                return key ? cache->key_operand() : cache->value_operand();  // int8: always cached
+            else
+                return cache ? (key ? cache->key_operand() : cache->value_operand()) : (key ? k_s : v_s);
+        };
+        const Operand keys = operand(true), values = operand(false);
+        const ConstMatrixRef<Q> q_in = [&] {
+            if constexpr (kInt8Cache)
+                return ConstMatrixRef<Q>(q);
+            else
+                return q_s;
+        }();
 
         RowMatrix<T> u(rows, H * dv);
         SdpaOutputs<T> extra;
@@ -478,18 +515,19 @@ private:
                               g.sharing == GateSharing::HeadSpecific && !scores;
         if (fused_g1) {
             const Index zw = gate_logits_per_head(dv);
-            gattn::detail::sdpa_with_epilogue_to<Scalar, T>(
-                q_s, keys, values, layout, u, sdpa, extra, [&](Index row, Index h, T* y) {
-                    // SDPA finishes a head's rows in order; the logits of row + 8 are fetched
-                    // now (rows are H·d_v apart: a page each, which hardware prefetchers skip).
-                    if (row + 8 < rows)
-                        for (Index e = 0; e < zw; e += static_cast<Index>(simd::kLineElems<T>))
-                            simd::prefetch(z.data() + (row + 8) * z.outerStride() + h * zw + e);
-                    gate_head(y, z.data() + row * z.outerStride(), h, dv);
-                });
+            const auto gate_epilogue = [&](Index row, Index h, T* y) {
+                // SDPA finishes a head's rows in order; the logits of row + 8 are fetched now
+                // (rows are H·d_v apart: a page each, which hardware prefetchers skip).
+                if (row + 8 < rows)
+                    for (Index e = 0; e < zw; e += static_cast<Index>(simd::kLineElems<T>))
+                        simd::prefetch(z.data() + (row + 8) * z.outerStride() + h * zw + e);
+                gate_head(y, z.data() + row * z.outerStride(), h, dv);
+            };
+            gattn::detail::sdpa_with_epilogue_to<Q, T, std::decay_t<decltype(gate_epilogue)>, Operand>(
+                q_in, keys, values, layout, u, sdpa, extra, gate_epilogue);
         } else {
-            gattn::detail::sdpa_with_epilogue_to<Scalar, T>(q_s, keys, values, layout, u, sdpa, extra,
-                                                            gattn::detail::NoEpilogue{});
+            gattn::detail::sdpa_with_epilogue_to<Q, T, gattn::detail::NoEpilogue, Operand>(
+                q_in, keys, values, layout, u, sdpa, extra, gattn::detail::NoEpilogue{});
         }
 
         // A window cache that dropped a sequence's first token: no new token sees token 0 (row 0

@@ -20,7 +20,9 @@
 /// joins its softmax denominator without a value (SdpaOptions::sinks).
 
 #include <cmath>
+#include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -249,10 +251,14 @@ public:
         return m_config.attn_output_gate ? m_config.num_attention_heads * m_config.head_dim : 0;
     }
 
-    /// A cache sized for this layer: `batch` sequences of up to `capacity` tokens.
+    /// A cache sized for this layer: `batch` sequences of up to `capacity` tokens. CacheScalar:
+    /// the layer's Scalar, or std::int8_t (float compute: Scalar float or 16-bit) for an int8
+    /// cache (keys and values quantized as they are appended, ops/int8_rows.hpp).
     /// \throws std::invalid_argument as the KVCache constructor does (a size < 1, an overflow).
-    KVCache<Scalar> make_cache(Index batch, Index capacity) const {
-        return KVCache<Scalar>(batch, capacity, m_config.num_key_value_heads, m_config.head_dim, 0, m_id);
+    template <class CacheScalar = Scalar>
+    KVCache<CacheScalar> make_cache(Index batch, Index capacity) const {
+        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
+        return KVCache<CacheScalar>(batch, capacity, m_config.num_key_value_heads, m_config.head_dim, 0, m_id);
     }
 
     /// Runs new tokens through the layer and appends their keys and values to the cache.
@@ -260,7 +266,8 @@ public:
     /// \param positions [B·N] position of each token (RoPE), e.g. cache.lengths()[b] + t.
     /// \param cache     the sequences' cache, made by this layer's make_cache (or a KVCache of
     ///                  its heads made without an owner); counts[b] tokens are appended to
-    ///                  sequence b.
+    ///                  sequence b. An int8 cache (KVCache<std::int8_t>, float compute) holds
+    ///                  their keys and values quantized, and SDPA reads the codes in place.
     /// \param out       [B·N, D], written; rows of padding slots (t ≥ counts[b]) are 0.
     /// \param counts    new tokens per sequence (≤ N; padding at the end); empty = N each.
     /// \param gate_scores optional [B·N, H·d] σ(gate) for statistics (paper §4.2 gate scores);
@@ -273,9 +280,11 @@ public:
     ///         a cache made by another layer's make_cache or a full cache, for out overlapping x, x or out sharing an element with the
     ///         cache's storage, and for an optional output that holds x or out or is the other
     ///         optional output; nothing is written (cache included) when it throws.
-    void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& positions, KVCache<Scalar>& cache,
+    template <class CacheScalar>
+    void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& positions, KVCache<CacheScalar>& cache,
                  MatrixRef<Activation> out, std::vector<Index> counts = {}, RowMatrix<T>* gate_scores = nullptr,
                  RowMatrix<T>* first_key_probability = nullptr) const {
+        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
         constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
         const Qwen3NextConfig& c = m_config;
         const Index D = c.hidden_size, Hkv = c.num_key_value_heads, d = c.head_dim, rows = x.rows();
@@ -301,9 +310,16 @@ public:
     }
 
 private:
+    /// The caches the layer takes: its Scalar, and int8 when it computes in float.
+    template <class CacheScalar>
+    static constexpr bool takes_cache_v =
+        std::is_same_v<CacheScalar, Scalar> || (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>);
+
     /// forward's arithmetic on validated arguments, in the compute type.
-    void run(ConstMatrixRef<T> x, const std::vector<Index>& positions, KVCache<Scalar>& cache, MatrixRef<T> out,
+    template <class CacheScalar>
+    void run(ConstMatrixRef<T> x, const std::vector<Index>& positions, KVCache<CacheScalar>& cache, MatrixRef<T> out,
              const std::vector<Index>& counts, RowMatrix<T>* gate_scores, RowMatrix<T>* first_key_probability) const {
+        constexpr bool kInt8Cache = std::is_same_v<CacheScalar, std::int8_t>;
         const Qwen3NextConfig& c = m_config;
         const Index H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
         const Index B = cache.batch(), rows = x.rows(), N = rows / B;
@@ -317,22 +333,25 @@ private:
         apply_rope(p + k0, rows, ld, Hkv, d, c.rotary_dim(), positions.data(), c.rope_theta);
 
         // Q, K and V in the storage type: the projection itself, or (16-bit) rounded from it once.
+        // An int8 cache quantizes the float K and V, and SDPA reads the float Q.
         RowMatrix<Scalar> q_rounded, kv_rounded;
-        if constexpr (is_narrow_storage_v<Scalar>) {
+        if constexpr (is_narrow_storage_v<Scalar> && !kInt8Cache) {
             q_rounded = proj.middleCols(0, H * d).template cast<Scalar>();
             kv_rounded = proj.middleCols(k0, 2 * Hkv * d).template cast<Scalar>();
         }
-        const ConstMatrixRef<Scalar> q = [&] {
-            if constexpr (is_narrow_storage_v<Scalar>)
-                return ConstMatrixRef<Scalar>(q_rounded);
+        using Q = std::conditional_t<kInt8Cache, T, Scalar>;  // what SDPA's queries are
+        const ConstMatrixRef<Q> q = [&] {
+            if constexpr (is_narrow_storage_v<Q>)
+                return ConstMatrixRef<Q>(q_rounded);
             else
-                return ConstMatrixRef<Scalar>(proj.middleCols(0, H * d));
+                return ConstMatrixRef<Q>(proj.middleCols(0, H * d));
         }();
-        const ConstMatrixRef<Scalar> kv = [&] {
-            if constexpr (is_narrow_storage_v<Scalar>)
-                return ConstMatrixRef<Scalar>(kv_rounded);
+        using KV = typename KVCache<CacheScalar>::Input;
+        const ConstMatrixRef<KV> kv = [&] {
+            if constexpr (is_narrow_storage_v<KV>)
+                return ConstMatrixRef<KV>(kv_rounded);
             else
-                return ConstMatrixRef<Scalar>(proj.middleCols(k0, 2 * Hkv * d));
+                return ConstMatrixRef<KV>(proj.middleCols(k0, 2 * Hkv * d));
         }();
         cache.append(kv.leftCols(Hkv * d), kv.rightCols(Hkv * d), counts);
         SdpaOptions<T> opt;
@@ -344,8 +363,9 @@ private:
         SdpaOutputs<T> extra;
         extra.first_key_probability = first_key_probability;
         RowMatrix<T> u(rows, H * d);
-        gattn::detail::sdpa_with_epilogue_to<Scalar, T>(q, cache.keys(), cache.values(), HeadLayout{B, H, Hkv}, u, opt,
-                                                        extra, gattn::detail::NoEpilogue{});
+        gattn::detail::sdpa_with_epilogue_to<Q, T, gattn::detail::NoEpilogue, typename KVCache<CacheScalar>::Operand>(
+            q, cache.key_operand(), cache.value_operand(), HeadLayout{B, H, Hkv}, u, opt, extra,
+            gattn::detail::NoEpilogue{});
         if (gate_scores) gate_scores->resize(rows, G);
         for (Index r = 0; r < rows && G > 0; ++r) {
             const T* z = p + r * ld + H * d;
