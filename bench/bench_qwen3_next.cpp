@@ -4,7 +4,10 @@
 // decoded together (one row each). Counters steps/s and tokens/s. BM_Qwen3NextDecodeStep/...
 // runs the float layer; BM_Qwen3NextDecodeStepBf16 the same layer with bf16 weights and cache
 // (float activations), and the label names the bf16 kernel. BM_DecodeRoof/<storage>/... sets one
-// step's time against the time its bytes take to stream from memory (counter roof_fraction).
+// step's time against the time its bytes take to stream from memory (counter roof_fraction);
+// int8 is the float layer with an int8 KV cache. BM_DecodeAttention/<cache>/... times SDPA alone
+// over the cache (one query token, 16 heads, 2 KV heads, d = 256) for float, bf16 and int8
+// caches side by side.
 //
 // Run: build/bench/bench/bench_qwen3_next --benchmark_counters_tabular=true
 
@@ -57,26 +60,34 @@ gattn::Qwen3NextAttentionWeights<float> random_weights(const gattn::Qwen3NextCon
 /// One decoding step's inputs: the layer (random weights) and a cache of `batch` sequences
 /// filled with `kv_len` random keys and values each (prefilling 32k tokens would dominate the
 /// run), one new token per sequence. Sets the OpenMP threads; restores 1 when destroyed.
-template <class Storage>
+/// Storage: the weights' type;
+/// Cache: the KV cache's (Storage, or std::int8_t).
+template <class Storage, class Cache = Storage>
 struct DecodeStep {
     gattn::Qwen3NextConfig config = real_config();
     gattn::Qwen3NextAttention<Storage> layer{config, random_weights(config).template cast<Storage>()};
     gattn::Index kv_len, batch, width = config.num_key_value_heads * config.head_dim;
     std::vector<gattn::Index> lengths;
-    gattn::KVCache<Storage> cache;
+    gattn::KVCache<Cache> cache;
     Matrix x, out;
 
-    DecodeStep(gattn::Index cached, gattn::Index sequences, int threads)
+    /// ragged: the sequences' caches hold evenly spread lengths from 1024 to `cached` tokens
+    /// (serving); else `cached` each.
+    DecodeStep(gattn::Index cached, gattn::Index sequences, int threads, bool ragged = false)
         : kv_len(cached), batch(sequences), lengths(static_cast<std::size_t>(sequences), cached),
-          cache(layer.make_cache(sequences, cached + 1)), x(Matrix::Random(sequences, config.hidden_size)),
+          cache(layer.template make_cache<Cache>(sequences, cached + 1)),
+          x(Matrix::Random(sequences, config.hidden_size)),
           out(sequences, config.hidden_size) {
+        if (ragged && sequences > 1)
+            for (gattn::Index b = 0; b < sequences; ++b) lengths[b] = 1024 + b * (cached - 1024) / (sequences - 1);
 #ifdef _OPENMP
         omp_set_num_threads(threads);
 #else
         (void)threads;
 #endif
-        cache.append(Matrix::Random(batch * kv_len, width).cast<Storage>(),
-                     Matrix::Random(batch * kv_len, width).cast<Storage>(), lengths);
+        using Input = typename gattn::KVCache<Cache>::Input;
+        cache.append(Matrix::Random(batch * kv_len, width).cast<Input>(),
+                     Matrix::Random(batch * kv_len, width).cast<Input>(), lengths);
     }
     ~DecodeStep() {
 #ifdef _OPENMP
@@ -89,9 +100,17 @@ struct DecodeStep {
         benchmark::DoNotOptimize(out.data());
         cache.truncate(lengths);
     }
-    /// Bytes a step must read: the weights in their storage and every cached key and value.
+    /// Bytes a step must read: the weights in their storage and every cached key and value (an
+    /// int8 cache's codes and scales).
     double bytes() const {
-        return double(layer.weight_bytes()) + double(batch * kv_len * 2 * width) * sizeof(Storage);
+        gattn::Index cached = 0;
+        for (gattn::Index l : lengths) cached += l;
+        return double(layer.weight_bytes()) + double(cached) * row_bytes();
+    }
+    /// Bytes of one token's keys and values in the cache.
+    double row_bytes() const {
+        const double scales = std::is_same_v<Cache, std::int8_t> ? 2.0 * config.num_key_value_heads * sizeof(float) : 0;
+        return double(2 * width) * sizeof(Cache) + scales;
     }
     static std::string label() {
         return std::is_same_v<Storage, float> ? gattn::simd::arch_name()
@@ -127,13 +146,16 @@ BENCHMARK_TEMPLATE(BM_Qwen3NextDecodeStep, gattn::bfloat16)
     ->UseRealTime();
 
 /// One decoding step of the Qwen3-Next layer against the memory roof. Args: cached tokens,
-/// batch (sequences, one new token each), threads. Storage: the weights' and the cache's type.
+/// batch (sequences, one new token each), threads, and ragged (1: the batch's caches hold
+/// lengths spread evenly from 1024 to the cached tokens, as in serving; tokens/s counts the
+/// batch's tokens). Storage: the weights' and the cache's type.
 /// Counters: step_ms; MiB, the bytes the step must read (weights in their storage, and every
 /// sequence's cached keys and values); stream_GB/s, the read bandwidth of a buffer of that size
 /// measured just before in this process; roof_fraction = (bytes / bandwidth) / step time.
-template <class Storage>
+template <class Storage, class Cache = Storage>
 void BM_DecodeRoof(benchmark::State& state) {
-    DecodeStep<Storage> step(state.range(0), state.range(1), static_cast<int>(state.range(2)));
+    DecodeStep<Storage, Cache> step(state.range(0), state.range(1), static_cast<int>(state.range(2)),
+                                    state.range(3) != 0);
     const double bytes = step.bytes();
     const double bandwidth = gattn_bench::stream_bandwidth(static_cast<std::size_t>(bytes));
     double seconds = 0;
@@ -147,19 +169,86 @@ void BM_DecodeRoof(benchmark::State& state) {
     state.counters["MiB"] = bytes / double(1 << 20);
     state.counters["stream_GB/s"] = bandwidth / 1e9;
     state.counters["roof_fraction"] = bytes / bandwidth / step_seconds;
-    state.SetLabel(DecodeStep<Storage>::label());
+    state.counters["tokens/s"] = double(step.batch) / step_seconds;
+    state.SetLabel(DecodeStep<Storage, Cache>::label());
 }
 
 BENCHMARK_TEMPLATE(BM_DecodeRoof, float)
     ->Name("BM_DecodeRoof/float")
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}})
-    ->ArgNames({"cached", "batch", "threads"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}, {0}})
+    ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
+    ->ArgNames({"cached", "batch", "threads", "ragged"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16)
     ->Name("BM_DecodeRoof/bf16")
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}})
-    ->ArgNames({"cached", "batch", "threads"})
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}, {0}})
+    ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
+    ->ArgNames({"cached", "batch", "threads", "ragged"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_DecodeRoof, float, std::int8_t)
+    ->Name("BM_DecodeRoof/int8")
+    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}, {0}})
+    ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
+    ->ArgNames({"cached", "batch", "threads", "ragged"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16, std::int8_t)
+    ->Name("BM_DecodeRoof/bf16_weights_int8_cache")
+    ->ArgsProduct({{32768}, {1}, {1, 2}, {0}})
+    ->ArgNames({"cached", "batch", "threads", "ragged"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+/// SDPA alone for one decoding step (one query token per sequence, Qwen3-Next's 16 heads, 2 KV
+/// heads, d = 256) over a cache of Cache (float, bf16 or int8) filled with random keys and
+/// values. Args: cached tokens, threads. Counters: step_ms; cache_MiB, the cache's bytes read;
+/// GB/s, those bytes over the step time. Compare the caches within one run.
+template <class Cache>
+void BM_DecodeAttention(benchmark::State& state) {
+    const gattn::Index n = state.range(0), H = 16, Hkv = 2, d = 256;
+#ifdef _OPENMP
+    omp_set_num_threads(static_cast<int>(state.range(1)));
+#endif
+    gattn::KVCache<Cache> cache(1, n, Hkv, d);
+    using Input = typename gattn::KVCache<Cache>::Input;
+    cache.append(Matrix::Random(n, Hkv * d).cast<Input>(), Matrix::Random(n, Hkv * d).cast<Input>(), {n});
+    using Q = std::conditional_t<std::is_same_v<Cache, std::int8_t>, float, Cache>;
+    const gattn::RowMatrix<Q> q = Matrix::Random(1, H * d).cast<Q>();
+    Matrix out(1, H * d);
+    auto step = [&] {
+        if constexpr (std::is_same_v<Cache, std::int8_t>)
+            gattn::scaled_dot_product_attention(q, cache.key_operand(), cache.value_operand(), {1, H, Hkv}, out);
+        else
+            gattn::scaled_dot_product_attention<Cache, float>(q, cache.keys(), cache.values(), {1, H, Hkv}, out);
+        benchmark::DoNotOptimize(out.data());
+    };
+    for (auto _ : state) step();
+    const double row_bytes = 2.0 * Hkv * d * sizeof(Cache) + (std::is_same_v<Cache, std::int8_t> ? 2.0 * Hkv * 4 : 0);
+    state.counters["cache_MiB"] = double(n) * row_bytes / double(1 << 20);
+    state.counters["GB/s"] = benchmark::Counter(double(n) * row_bytes, benchmark::Counter::kIsIterationInvariantRate);
+#ifdef _OPENMP
+    omp_set_num_threads(1);
+#endif
+}
+
+BENCHMARK_TEMPLATE(BM_DecodeAttention, float)
+    ->Name("BM_DecodeAttention/float")
+    ->ArgsProduct({{4096, 32768}, {1, 2}})
+    ->ArgNames({"cached", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_DecodeAttention, gattn::bfloat16)
+    ->Name("BM_DecodeAttention/bf16")
+    ->ArgsProduct({{4096, 32768}, {1, 2}})
+    ->ArgNames({"cached", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_DecodeAttention, std::int8_t)
+    ->Name("BM_DecodeAttention/int8")
+    ->ArgsProduct({{4096, 32768}, {1, 2}})
+    ->ArgNames({"cached", "threads"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
