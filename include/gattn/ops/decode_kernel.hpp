@@ -156,7 +156,8 @@ inline void group_logits(const T* const* q, const KV* key, Index key_stride, Ind
 /// acc_r[j] += Σ_kk p[r][kk]·V[kk][j] for R rows, over kk < nk in order, one fused
 /// multiply-add per key, in registers across the keys; each V vector feeds the R rows. A
 /// masked key (score −∞) is skipped, its V row may be garbage, even NaN; a visible key whose
-/// weight underflowed to 0 is not (0·NaN = NaN).
+/// weight underflowed to 0 is not (0·NaN = NaN). A block whose keys are all visible to the R
+/// rows (the common case) runs without the per-key test.
 template <class T, int R, class KV = T>
 inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::kLanes<T>], Index nk,
                          const KV* value, Index value_stride, T* const* acc, Index dv) noexcept {
@@ -164,24 +165,33 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr int C = std::min(8, kDecodeValueRegisters / (R > 2 ? 4 : R));  // registers of d_v per row
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    bool skips = false;
+    for (int r = 0; r < R; ++r)
+        for (Index kk = 0; kk < nk; ++kk) skips = skips || score[r][kk] == kNegInf;
     Index j = 0;
-    for (; j + C * L <= dv; j += C * L) {
-        B a[R][C];
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < C; ++c) a[r][c] = B::load_unaligned(acc[r] + j + c * L);
-        for (Index kk = 0; kk < nk; ++kk) {
-            const KV* v = value + kk * value_stride + j;
-            B vb[C];
-            for (int c = 0; c < C; ++c) vb[c] = load_widened<T>(v + c * L);
-            for (int r = 0; r < R; ++r) {
-                if (score[r][kk] == kNegInf) continue;
-                const B pk(p[r][kk]);
-                for (int c = 0; c < C; ++c) a[r][c] = simd::fma(pk, vb[c], a[r][c]);
+    auto blocks = [&](auto tests) {
+        for (; j + C * L <= dv; j += C * L) {
+            B a[R][C];
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < C; ++c) a[r][c] = B::load_unaligned(acc[r] + j + c * L);
+            for (Index kk = 0; kk < nk; ++kk) {
+                const KV* v = value + kk * value_stride + j;
+                B vb[C];
+                for (int c = 0; c < C; ++c) vb[c] = load_widened<T>(v + c * L);
+                for (int r = 0; r < R; ++r) {
+                    if (decltype(tests)::value && score[r][kk] == kNegInf) continue;
+                    const B pk(p[r][kk]);
+                    for (int c = 0; c < C; ++c) a[r][c] = simd::fma(pk, vb[c], a[r][c]);
+                }
             }
+            for (int r = 0; r < R; ++r)
+                for (int c = 0; c < C; ++c) a[r][c].store_unaligned(acc[r] + j + c * L);
         }
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < C; ++c) a[r][c].store_unaligned(acc[r] + j + c * L);
-    }
+    };
+    if (skips)
+        blocks(std::true_type{});
+    else
+        blocks(std::false_type{});
     for (; j + L <= dv; j += L)
         for (int r = 0; r < R; ++r) {
             B a = B::load_unaligned(acc[r] + j);
@@ -358,14 +368,18 @@ namespace decode_int8 {
 /// Whether the kernel takes these key head sizes.
 inline constexpr bool takes(Index dk) noexcept { return dk % 32 == 0 && dk <= 4096; }
 
-/// Rounds the dk floats of q to 16-bit integer codes; returns their scale s_q (0 for zeros).
+/// Rounds the dk floats of q (dk a multiple of 32) to 16-bit integer codes, to nearest even;
+/// returns their scale s_q (0 for zeros).
 inline float quantize_query(const float* q, Index dk, std::int16_t* codes) noexcept {
-    float amax = 0;
-    for (Index e = 0; e < dk; ++e) amax = std::fmax(amax, std::fabs(q[e]));
-    const float inv = amax > 0 ? 32767.0f / amax : 0.0f;
-    for (Index e = 0; e < dk; ++e)
-        codes[e] = static_cast<std::int16_t>(std::fmax(-32767.0f, std::fmin(32767.0f, std::nearbyint(q[e] * inv))));
-    return amax / 32767.0f;
+    __m512 amax = _mm512_setzero_ps();
+    for (Index e = 0; e < dk; e += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + e)));
+    const float m = _mm512_reduce_max_ps(amax);
+    const __m512 inv = _mm512_set1_ps(m > 0 ? 32767.0f / m : 0.0f);
+    // x·(32767 / max|q|) rounds into [−32767, 32767]; the pack saturates the last ulp.
+    for (Index e = 0; e < dk; e += 16)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + e),
+                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + e), inv))));
+    return m / 32767.0f;
 }
 
 /// dots[r][kk] = s_q[r] · (lane sums of Σ_d q_r[d]·key[kk][d]) for R rows and the keys kk < nk
@@ -435,8 +449,12 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
     const bool int8_dot = kInt8 && decode_int8::takes(dk);
-    std::vector<std::int16_t> q_codes(int8_dot ? static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk) : 0);
-    std::vector<float> q_scales(int8_dot ? static_cast<std::size_t>(num_kv_heads * kRowsPerHead) : 0);
+    thread_local std::vector<std::int16_t> q_codes;  // kept between calls, grown only
+    thread_local std::vector<float> q_scales;
+    if (int8_dot && q_codes.size() < static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk)) {
+        q_codes.resize(static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk));
+        q_scales.resize(static_cast<std::size_t>(num_kv_heads * kRowsPerHead));
+    }
     if constexpr (kInt8)
         for (Index g = 0; g < num_kv_heads && int8_dot; ++g)
             for (int t = 0; t < blks[g].count; ++t)

@@ -14,6 +14,7 @@
 /// q·k = s_k·(q·codes) and to the weight p·s_v of the value sum, so the codes are only widened,
 /// never scaled, in the decoding kernel; the cost is 4 bytes per head_dim codes (1.6 % at d = 256).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -52,13 +53,13 @@ inline bool quantize_int8_row(const float* x, Index heads, Index width, std::int
     for (Index g = 0; g < heads; ++g) {
         const float* xg = x + g * width;
         float amax = 0;
-        for (Index e = 0; e < width; ++e) amax = std::fmax(amax, std::fabs(xg[e]));
+        for (Index e = 0; e < width; ++e) amax = std::max(amax, std::fabs(xg[e]));
         scales[g] = amax / 127.0f;
         // x·(127 / max|x|) rounds to an integer in [−127, 127]; the clamp guards the last ulp.
         const float inv = amax > 0 ? 127.0f / amax : 0.0f;
         for (Index e = 0; e < width; ++e) {
             const float q = std::nearbyint(xg[e] * inv);
-            codes[g * width + e] = static_cast<std::int8_t>(std::fmax(-127.0f, std::fmin(127.0f, q)));
+            codes[g * width + e] = static_cast<std::int8_t>(std::max(-127.0f, std::min(127.0f, q)));
         }
     }
     return true;
