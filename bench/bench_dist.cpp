@@ -7,6 +7,12 @@
 // speedup = one_rank_ms / ring_ms, MiB_sent (K and V bytes each rank sends), and work_balance:
 // the most key-chunk work any rank does over the mean (1 = balanced; from the layout, not timed).
 //
+// BM_HeadParallelDecode/cached: one decoding step of Qwen3-Next's layer (hidden 2048, random
+// weights, float) against `cached` tokens per rank's shard of the cache, its heads split across
+// the ranks (gattn/dist/head_parallel.hpp), against rank 0 alone with the whole layer and cache:
+// parallel_ms (the slowest rank), one_rank_ms, speedup, and MiB_read_per_rank (its weights and
+// cache shard).
+//
 // Run: mpirun -np 2 --oversubscribe build/bench/bench/bench_dist --benchmark_counters_tabular=true
 // (as root add --allow-run-as-root; OMP_NUM_THREADS=1 gives each rank one thread).
 
@@ -15,8 +21,11 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstdlib>
 #include <vector>
 
+#include <gattn/dist/head_parallel.hpp>
 #include <gattn/dist/ring_attention.hpp>
 
 #include "bench_support.hpp"
@@ -99,6 +108,75 @@ BENCHMARK(BM_RingPrefill)
     ->Args({4096, 0, 0})
     ->ArgNames({"tokens", "causal", "zigzag"})
     ->Iterations(2)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+/// Args: cached tokens.
+void BM_HeadParallelDecode(benchmark::State& state) {
+    const int P = size_of(), r = rank_of();
+    const Index cached = state.range(0);
+    gattn::Qwen3NextConfig c;
+    c.hidden_size = 2048;
+    c.num_attention_heads = kHeads;
+    c.num_key_value_heads = kKvHeads;
+    c.head_dim = kHeadDim;
+    c.partial_rotary_factor = 0.25;
+    gattn::Qwen3NextAttentionWeights<float> w;  // the same on every rank
+    std::srand(11);
+    const float s = 1.0f / std::sqrt(float(c.hidden_size));
+    w.q_proj_weight = Matrix::Random(2 * kHeads * kHeadDim, c.hidden_size) * s;
+    w.k_proj_weight = Matrix::Random(kKvHeads * kHeadDim, c.hidden_size) * s;
+    w.v_proj_weight = Matrix::Random(kKvHeads * kHeadDim, c.hidden_size) * s;
+    w.o_proj_weight = Matrix::Random(c.hidden_size, kHeads * kHeadDim) * s;
+    w.q_norm_weight = gattn::Vector<float>::Zero(kHeadDim);
+    w.k_norm_weight = gattn::Vector<float>::Zero(kHeadDim);
+    const gattn::HeadParallelQwen3Next<float> parallel(c, w, MPI_COMM_WORLD);
+    auto shard_cache = parallel.make_cache(1, cached + 1);
+    const Index shard_width = parallel.shard().num_kv_heads * kHeadDim;
+    shard_cache.append(Matrix::Random(cached, shard_width), Matrix::Random(cached, shard_width), {cached});
+    std::vector<gattn::Qwen3NextAttention<float>> whole;  // rank 0's whole layer and cache
+    std::vector<gattn::KVCache<float>> whole_cache;
+    if (r == 0) {
+        whole.emplace_back(c, w);
+        whole_cache.push_back(whole[0].make_cache(1, cached + 1));
+        whole_cache[0].append(Matrix::Random(cached, kKvHeads * kHeadDim), Matrix::Random(cached, kKvHeads * kHeadDim),
+                              {cached});
+    }
+    const Matrix x = Matrix::Random(1, c.hidden_size);
+    Matrix out(1, c.hidden_size);
+    double parallel_s = 0, alone = 0;
+    for (auto _ : state) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        auto t0 = std::chrono::steady_clock::now();
+        parallel.forward(x, {cached}, shard_cache, out);
+        double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        parallel_s += t;
+        shard_cache.truncate({cached});
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = std::chrono::steady_clock::now();
+        if (r == 0) {
+            whole[0].forward(x, {cached}, whole_cache[0], out);
+            whole_cache[0].truncate({cached});
+        }
+        double t_alone = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        MPI_Bcast(&t_alone, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+        alone += t_alone;
+        state.SetIterationTime(t);
+    }
+    const double iters = double(state.iterations());
+    state.counters["ranks"] = P;
+    state.counters["parallel_ms"] = 1e3 * parallel_s / iters;
+    state.counters["one_rank_ms"] = 1e3 * alone / iters;
+    state.counters["speedup"] = alone / parallel_s;
+    state.counters["MiB_read_per_rank"] =
+        (double(parallel.local().weight_bytes()) + double(cached * 2 * shard_width) * sizeof(float)) / (1 << 20);
+}
+
+BENCHMARK(BM_HeadParallelDecode)
+    ->Arg(32768)
+    ->ArgNames({"cached"})
+    ->Iterations(20)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 

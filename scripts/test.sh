@@ -12,7 +12,8 @@
 #   onednn -DGATTN_WITH_ONEDNN=ON: the tests of bf16 projections, layers and models, with the
 #          bf16 projections on oneDNN's matmul.
 # MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):
-#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention under mpiexec on 2 and 3 ranks
+#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention and head-parallel layer under
+#          mpiexec on 2 and 3 ranks
 #          (bench_dist is built too).
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline avx2 native" on x86-64, else
@@ -55,8 +56,8 @@ for flavour in $flavours; do
     mpi)
       arch="-march=native"
       cmake_args+=(-DGATTN_WITH_MPI=ON -DGATTN_BUILD_EXAMPLES=OFF)
-      build_args=(--target test_ring_attention bench_dist)  # bench_dist is built, not run
-      ctest_args=(-R "RingAttention")
+      build_args=(--target test_ring_attention test_head_parallel bench_dist)  # bench_dist is built, not run
+      ctest_args=(-R "RingAttention|HeadParallel")
       ;;
     clang)
       arch=""
