@@ -4,10 +4,10 @@
 // decoded together (one row each). Counters steps/s and tokens/s. BM_Qwen3NextDecodeStep/...
 // runs the float layer; BM_Qwen3NextDecodeStepBf16 the same layer with bf16 weights and cache
 // (float activations), and the label names the bf16 kernel. BM_DecodeRoof/<storage>/... sets one
-// step's time against the time its bytes take to stream from memory (counter roof_fraction);
-// int8 is the float layer with an int8 KV cache. BM_DecodeAttention/<cache>/... times SDPA alone
-// over the cache (one query token, 16 heads, 2 KV heads, d = 256) for float, bf16 and int8
-// caches side by side.
+// step's time against the time its bytes take to stream from memory (counter roof_fraction),
+// for one sequence over 1k–32k cached tokens; int8 is the float layer with an int8 KV cache.
+// BM_DecodeAttention/<cache>/... times SDPA alone over the cache (one query token, 16 heads,
+// 2 KV heads, d = 256) for float, bf16 and int8 caches side by side.
 //
 // Run: build/bench/bench/bench_qwen3_next --benchmark_counters_tabular=true
 
@@ -175,21 +175,24 @@ void BM_DecodeRoof(benchmark::State& state) {
 
 BENCHMARK_TEMPLATE(BM_DecodeRoof, float)
     ->Name("BM_DecodeRoof/float")
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}, {0}})
+    ->ArgsProduct({{1024, 4096, 8192, 16384, 32768}, {1}, {1, 2}, {0}})
+    ->ArgsProduct({{4096, 32768}, {8}, {1, 2}, {0}})
     ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
     ->ArgNames({"cached", "batch", "threads", "ragged"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16)
     ->Name("BM_DecodeRoof/bf16")
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}, {0}})
+    ->ArgsProduct({{1024, 4096, 8192, 16384, 32768}, {1}, {1, 2}, {0}})
+    ->ArgsProduct({{4096, 32768}, {8}, {1, 2}, {0}})
     ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
     ->ArgNames({"cached", "batch", "threads", "ragged"})
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK_TEMPLATE(BM_DecodeRoof, float, std::int8_t)
     ->Name("BM_DecodeRoof/int8")
-    ->ArgsProduct({{4096, 32768}, {1, 8}, {1, 2}, {0}})
+    ->ArgsProduct({{1024, 4096, 8192, 16384, 32768}, {1}, {1, 2}, {0}})
+    ->ArgsProduct({{4096, 32768}, {8}, {1, 2}, {0}})
     ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
     ->ArgNames({"cached", "batch", "threads", "ragged"})
     ->Unit(benchmark::kMillisecond)
