@@ -13,7 +13,7 @@
 #          bf16 projections on oneDNN's matmul.
 # MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):
 #   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention and head-parallel layer under
-#          mpiexec on 2 and 3 ranks
+#          mpiexec on 2 and 3 ranks, and the examples/mpi programs on 2
 #          (bench_dist is built too).
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline avx2 native" on x86-64, else
@@ -55,9 +55,10 @@ for flavour in $flavours; do
       ;;
     mpi)
       arch="-march=native"
-      cmake_args+=(-DGATTN_WITH_MPI=ON -DGATTN_BUILD_EXAMPLES=OFF)
-      build_args=(--target test_ring_attention test_head_parallel bench_dist)  # bench_dist is built, not run
-      ctest_args=(-R "RingAttention|HeadParallel")
+      cmake_args+=(-DGATTN_WITH_MPI=ON)
+      # bench_dist is built, not run; the examples run at small sizes.
+      build_args=(--target test_ring_attention test_head_parallel bench_dist ring_prefill head_parallel_decode)
+      ctest_args=(-R "RingAttention|HeadParallel|ExamplesMpi")
       ;;
     clang)
       arch=""
