@@ -769,9 +769,13 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
 /// float call with K and V the values their codes stand for (ops/int8_rows.hpp), read in place.
 /// Decoding widens the codes as they are loaded and applies each key's scales to its logit and
 /// its weight; prefill dequantizes one key block at a time into the thread's scratch.
+/// \param query [B·N_q, H·d_k] float.
 /// \param key   int8 keys [B·N_k, H_kv·d_k] with H_kv scales per row.
 /// \param value int8 values [B·N_k, H_kv·d_v] with H_kv scales per row, the same scale row
 ///              stride as key.
+/// \param heads batch B, H and H_kv.
+/// \param out   [B·N_q, H·d_v] float, written.
+/// \param options, extra as for the float call.
 /// \throws what the float call throws, and std::invalid_argument when key or value has rows
 ///         but no scales or fewer than H_kv per row.
 inline void scaled_dot_product_attention(ConstMatrixRef<float> query, const Int8Rows& key, const Int8Rows& value,
