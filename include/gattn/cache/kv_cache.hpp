@@ -461,9 +461,11 @@ std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCa
         throw_invalid(fn, "cache", "keeps only a window of " + std::to_string(cache.window()) +
                                        " tokens; this layer's window is " +
                                        (window ? std::to_string(window) : std::string("none (it sees every token)")));
-    for (const auto& [overlaps, name] :
-         {std::pair<bool, const char*>{views_overlap(x, cache.keys()) || views_overlap(x, cache.values()), "x"},
-          {views_overlap(out, cache.keys()) || views_overlap(out, cache.values()), "out"}})
+    auto holds = [&](const auto& view) {  // shares an element with the cache's storage
+        return views_overlap(view, cache.keys()) || views_overlap(view, cache.values()) ||
+               views_overlap(view, cache.key_scales()) || views_overlap(view, cache.value_scales());
+    };
+    for (const auto& [overlaps, name] : {std::pair<bool, const char*>{holds(x), "x"}, {holds(out), "out"}})
         if (overlaps) throw_invalid(fn, name, "must not share an element with the cache's keys or values");
     if (counts.empty()) counts.assign(static_cast<std::size_t>(B), N);
     if (static_cast<Index>(counts.size()) != B)
