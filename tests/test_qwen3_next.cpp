@@ -543,6 +543,36 @@ TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {
     }
 }
 
+/// A config.json is checked without undefined behaviour whatever its numbers and the layer asked
+/// for.
+TEST(Qwen3NextLoader, ConfigLimits) {
+    using std::invalid_argument;
+    using J = nlohmann::json;
+    // Without num_hidden_layers and layer_types every 4th layer is full attention, up to the
+    // largest Index: 2^63 − 1 ≡ 3 (mod 4) is one, 2^63 − 2 is not.
+    const std::string bare = edited_config("interval_only", [](J& j) {
+        j.erase("num_hidden_layers");
+        j.erase("layer_types");
+    });
+    constexpr Index kMax = std::numeric_limits<Index>::max();
+    EXPECT_EQ(gattn::load_qwen3_next_config(bare, kMax).head_dim, 32);
+    expect_config_error<invalid_argument>(bare, kMax - 1, "9223372036854775806 is a linear_attention layer");
+    expect_config_error<invalid_argument>(
+        edited_config("interval_huge", [&](J& j) {
+            j.erase("num_hidden_layers");
+            j.erase("layer_types");
+            j["full_attention_interval"] = kMax;
+        }),
+        kMax, "9223372036854775807 is a linear_attention layer");
+    // partial_rotary_factor is checked before rotary_dim() = head_dim · factor is formed.
+    expect_config_error<invalid_argument>(edited_config("rotary_huge", [](J& j) { j["partial_rotary_factor"] = 1e300; }), -1,
+                                          "config.partial_rotary_factor must be in (0, 1], got 1e+300");
+    expect_config_error<invalid_argument>(edited_config("rotary_negative", [](J& j) { j["partial_rotary_factor"] = -0.5; }), -1,
+                                          "config.partial_rotary_factor must be in (0, 1], got -0.5");
+    expect_config_error<invalid_argument>(edited_config("rotary_odd", [](J& j) { j["partial_rotary_factor"] = 0.09375; }), -1,
+                                          "must give an even rotary_dim in [2, head_dim], got 3");
+}
+
 /// Expects `f` to throw exactly E (shape_error, or a std::invalid_argument that is not one) with a
 /// message starting with Qwen3NextAttention::forward and holding each of `parts`.
 template <class E, class F>

@@ -124,7 +124,9 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
             if (!t.is_string()) bad("layer_types", "entry " + std::to_string(layer) + " must be a string, got " + t.dump());
             type = t.get<std::string>();
         } else {
-            type = (layer + 1) % interval == 0 ? "full_attention" : "linear_attention";
+            // Layers interval − 1, 2·interval − 1, …: (layer + 1) % interval == 0, without the
+            // overflow of layer + 1 for the largest Index.
+            type = layer % interval == interval - 1 ? "full_attention" : "linear_attention";
         }
         if (type != "full_attention")
             detail::throw_invalid(fn, "layer", std::to_string(layer) + " is a " + type +
