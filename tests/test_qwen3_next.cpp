@@ -544,8 +544,9 @@ TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {
 }
 
 /// A config.json is checked without undefined behaviour whatever its numbers and the layer asked
-/// for.
+/// for; JSON nested deeper than 128 levels is refused before it is copied or printed.
 TEST(Qwen3NextLoader, ConfigLimits) {
+    using gattn::io_error;
     using std::invalid_argument;
     using J = nlohmann::json;
     // Without num_hidden_layers and layer_types every 4th layer is full attention, up to the
@@ -571,6 +572,26 @@ TEST(Qwen3NextLoader, ConfigLimits) {
                                           "config.partial_rotary_factor must be in (0, 1], got -0.5");
     expect_config_error<invalid_argument>(edited_config("rotary_odd", [](J& j) { j["partial_rotary_factor"] = 0.09375; }), -1,
                                           "must give an even rotary_dim in [2, head_dim], got 3");
+    // A key named twice keeps its last value, as Python's json module (and so transformers) reads it.
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / "gattn_qwen3_next_config_text";
+    fs::create_directories(dir);
+    const std::string path = (dir / "config.json").string();
+    std::ofstream(path) << R"({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                              "hidden_size": 64, "partial_rotary_factor": 0.5})";
+    EXPECT_EQ(gattn::load_qwen3_next_config(path).hidden_size, 64);
+    // Nesting: 128 levels read (here a config whose rope_scaling.type is an array 127 deep, refused
+    // for its type), 129 and 100000 are refused as the text is parsed.
+    auto nested = [&](int arrays) {
+        std::ofstream(path) << R"({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_scaling": {"type": )"
+                            << std::string(arrays, '[') << std::string(arrays, ']') << "}}";
+        return path;
+    };
+    expect_config_error<io_error>(nested(126), -1, "\"rope_scaling.type\" must be a string, got [[[");
+    expect_config_error<io_error>(nested(127), -1, "JSON nested deeper than 128 levels");
+    expect_config_error<io_error>(nested(100000), -1, "JSON nested deeper than 128 levels");
+    std::ofstream(path) << "{\"text_config\": " << std::string(100000, '[') << std::string(100000, ']') << "}";
+    expect_config_error<io_error>(path, -1, "JSON nested deeper than 128 levels");
 }
 
 /// Expects `f` to throw exactly E (shape_error, or a std::invalid_argument that is not one) with a

@@ -217,4 +217,26 @@ TEST(Safetensors, RejectsOverflowingShapesAndNumbers) {
     expect_io_error(write_file("number_overflow", {t}, "{\"__metadata__\":{\"x\":1e400}}"), "malformed JSON");
 }
 
+/// A file written byte by byte: the 8-byte little-endian length of `header`, `header`, `data`.
+std::string write_bytes(const std::string& name, const std::string& header, const std::string& data) {
+    const std::string path = temp_path(name);
+    std::string bytes;
+    for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<char>((std::uint64_t(header.size()) >> (8 * i)) & 0xff));
+    std::ofstream(path, std::ios::binary) << bytes << header << data;
+    return path;
+}
+
+/// Arrays and objects nest at most 128 levels deep, as in the reference reader: deeper headers
+/// are refused as they are parsed (here 126 arrays in __metadata__ in the top-level object is 128).
+TEST(Safetensors, RefusesHeadersNestedDeeperThan128) {
+    const std::string w = "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}";
+    auto nested = [&](int arrays) {
+        return "{\"__metadata__\":{\"a\":" + std::string(arrays, '[') + std::string(arrays, ']') + "}," + w + "}";
+    };
+    const gattn::SafetensorsFile ok(write_bytes("depth_128", nested(126), std::string(4, '\0')));
+    EXPECT_EQ(ok.names(), std::vector<std::string>{"w"});
+    expect_io_error(write_bytes("depth_129", nested(127), std::string(4, '\0')), "JSON nested deeper than 128 levels");
+    expect_io_error(write_bytes("depth_100000", nested(100000), std::string(4, '\0')), "JSON nested deeper than 128 levels");
+}
+
 }  // namespace

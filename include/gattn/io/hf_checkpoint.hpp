@@ -23,14 +23,12 @@ GATTN_BEGIN_ISA_NAMESPACE
 
 namespace detail {
 
+/// Reads a JSON file (config.json, model.safetensors.index.json) with parse_json's limit; a
+/// key named twice keeps its last value, as in Python's json module.
 inline nlohmann::json read_json(const std::string& path, const char* fn) {
     std::ifstream in(path);
     if (!in) throw io_error(std::string(fn) + ": cannot open " + path);
-    try {
-        return nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception& e) {
-        throw io_error(std::string(fn) + ": malformed JSON in " + path + ": " + e.what());
-    }
+    return parse_json(in, [&](const std::string& what) { throw io_error(std::string(fn) + ": " + path + ": " + what); });
 }
 
 }  // namespace detail

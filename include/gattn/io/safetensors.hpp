@@ -23,6 +23,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gattn/io/json_input.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
 #include "gattn/types.hpp"
@@ -128,12 +129,7 @@ public:
         m_data_offset = 8 + header_len;
         const std::uint64_t data_size = file_size - m_data_offset;
 
-        nlohmann::json j;
-        try {
-            j = nlohmann::json::parse(header);
-        } catch (const nlohmann::json::exception& e) {
-            fail(std::string("malformed JSON header: ") + e.what());
-        }
+        const nlohmann::json j = detail::parse_json(header, [&](const std::string& what) { fail("malformed header: " + what); });
         if (!j.is_object()) fail("malformed header: not a JSON object");
         for (auto it = j.begin(); it != j.end(); ++it) {
             const std::string& name = it.key();
