@@ -226,6 +226,35 @@ std::string write_bytes(const std::string& name, const std::string& header, cons
     return path;
 }
 
+/// A tensor named twice is refused, naming it, as the format's reference reader does; so is
+/// any key named twice in one object of the header. (A parsed JSON document keeps only the
+/// last of equal keys, which the reader would then take as the whole header.)
+TEST(Safetensors, RefusesNamesGivenTwice) {
+    const std::string w = "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}";
+    const std::string data(8, '\0');
+    {  // the bytes: header length 0x6b = 107, the header, 8 bytes of data
+        const std::string header = "{" + w + "," + w + "}";
+        ASSERT_EQ(header.size(), 107u);
+        const std::string path = write_bytes("duplicate_tensor", header, data);
+        std::ifstream in(path, std::ios::binary);
+        std::string got(8, '\0');
+        in.read(got.data(), 8);
+        EXPECT_EQ(got, std::string("\x6b\0\0\0\0\0\0\0", 8));
+        expect_io_error(path, "malformed header: key 'w' appears twice in the top-level object");
+    }
+    // Twice with different dtypes or spans: the file is refused either way.
+    expect_io_error(write_bytes("duplicate_tensor_dtype", "{" + w + ",\"w\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data),
+                    "key 'w' appears twice");
+    expect_io_error(write_bytes("duplicate_field", "{\"w\":{\"dtype\":\"F64\",\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data),
+                    "key 'dtype' appears twice in the object of 'w'");
+    expect_io_error(write_bytes("duplicate_metadata", "{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}," + w + "}", data),
+                    "key 'k' appears twice in the object of '__metadata__'");
+    // Equal keys in different objects are fine.
+    const gattn::SafetensorsFile ok(write_bytes("same_key_elsewhere", "{\"__metadata__\":{\"w\":\"x\"}," + w + "}", data));
+    EXPECT_EQ(ok.names(), std::vector<std::string>{"w"});
+    EXPECT_EQ(ok.metadata().at("w"), "x");
+}
+
 /// Arrays and objects nest at most 128 levels deep, as in the reference reader: deeper headers
 /// are refused as they are parsed (here 126 arrays in __metadata__ in the top-level object is 128).
 TEST(Safetensors, RefusesHeadersNestedDeeperThan128) {

@@ -23,12 +23,13 @@ GATTN_BEGIN_ISA_NAMESPACE
 
 namespace detail {
 
-/// Reads a JSON file (config.json, model.safetensors.index.json) with parse_json's limit; a
-/// key named twice keeps its last value, as in Python's json module.
+/// Reads a JSON file (config.json, model.safetensors.index.json) with parse_json's limits; a
+/// key named twice keeps its last value, as Python's json module does.
 inline nlohmann::json read_json(const std::string& path, const char* fn) {
     std::ifstream in(path);
     if (!in) throw io_error(std::string(fn) + ": cannot open " + path);
-    return parse_json(in, [&](const std::string& what) { throw io_error(std::string(fn) + ": " + path + ": " + what); });
+    return parse_json(in, /*unique_keys=*/false,
+                      [&](const std::string& what) { throw io_error(std::string(fn) + ": " + path + ": " + what); });
 }
 
 }  // namespace detail

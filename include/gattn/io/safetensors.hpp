@@ -129,7 +129,10 @@ public:
         m_data_offset = 8 + header_len;
         const std::uint64_t data_size = file_size - m_data_offset;
 
-        const nlohmann::json j = detail::parse_json(header, [&](const std::string& what) { fail("malformed header: " + what); });
+        // Tensor names and entry fields must be unique, as the reference reader requires (a
+        // parsed document would keep only the last of two equal keys).
+        const nlohmann::json j = detail::parse_json(header, /*unique_keys=*/true,
+                                                    [&](const std::string& what) { fail("malformed header: " + what); });
         if (!j.is_object()) fail("malformed header: not a JSON object");
         for (auto it = j.begin(); it != j.end(); ++it) {
             const std::string& name = it.key();
