@@ -594,6 +594,56 @@ TEST(Qwen3NextLoader, ConfigLimits) {
     expect_config_error<io_error>(path, -1, "JSON nested deeper than 128 levels");
 }
 
+/// weight_map may only name files inside the checkpoint directory (as Hugging Face's shard names
+/// are); such a file must be a regular file (or a link to one).
+TEST(Qwen3NextLoader, ShardNamesStayInTheCheckpoint) {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / "gattn_qwen3_next_shard_names";
+    fs::remove_all(dir);
+    fs::create_directories(dir / "sub");
+    fs::copy_file(kDir + "/config.json", dir / "config.json");
+    const auto tensors = fixture_tensors();
+    gattn_test::write_safetensors((dir / "sub" / "all.safetensors").string(), tensors);
+    auto load_with = [&](const nlohmann::json& file) {
+        nlohmann::json index;
+        for (const auto& t : tensors) index["weight_map"][t.name] = "sub/all.safetensors";
+        index["weight_map"][tensors[0].name] = file;
+        std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+        return gattn::load_qwen3_next_attention<float>(dir.string(), kLayer);
+    };
+    EXPECT_EQ(load_with("sub/all.safetensors").config().hidden_size, 64);  // a subdirectory is inside
+    EXPECT_EQ(load_with("./sub/all.safetensors").config().hidden_size, 64);
+    for (const std::string& bad : std::vector<std::string>{"", ".", "/", (dir / "sub" / "all.safetensors").string(), "../gattn_qwen3_next_shard_names/sub/all.safetensors",
+                                  "sub/../sub/all.safetensors", std::string("sub/all.safetensors\0.txt", 24)}) {
+        try {
+            load_with(bad);
+            ADD_FAILURE() << "no exception for '" << bad << "'";
+        } catch (const gattn::io_error& e) {
+            EXPECT_NE(std::string(e.what()).find("weight_map entry '" + tensors[0].name +
+                                                 "' must name a file inside the checkpoint directory"),
+                      std::string::npos)
+                << e.what();
+        }
+    }
+    try {  // a directory inside
+        load_with("sub");
+        ADD_FAILURE() << "no exception for a directory";
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find("sub: cannot open file: not a regular file"), std::string::npos) << e.what();
+    }
+    // With an index, only the files it names are read, even when its weight_map is empty and a
+    // model.safetensors is there.
+    gattn_test::write_safetensors((dir / "model.safetensors").string(), tensors);
+    std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map": {}})";
+    try {
+        gattn::load_qwen3_next_attention<float>(dir.string(), kLayer);
+        ADD_FAILURE() << "no exception for an empty weight_map";
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.3.self_attn.q_proj.weight'"), std::string::npos)
+            << e.what();
+    }
+}
+
 /// Expects `f` to throw exactly E (shape_error, or a std::invalid_argument that is not one) with a
 /// message starting with Qwen3NextAttention::forward and holding each of `parts`.
 template <class E, class F>
