@@ -1,17 +1,31 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer harness tests/fuzz/fuzz_sdpa.cpp with clang (-fsanitize=fuzzer,address,
-# undefined, -O1 -g, assertions on) twice, and fuzzes gattn's SDPA against a float64 reference and
-# the gated layer with each for a bounded time, starting from the seed corpus tests/fuzz/corpus:
-#   baseline  the compiler's default instruction set (x86-64: SSE2);
-#   wide      the widest instruction set of this CPU: -march=native when it has AVX-512F, else
-#             -mavx2 -mfma when it has AVX2 and FMA (skipped otherwise, the baseline run then
-#             gets all the time). gattn's kernels are separate code per instruction set.
-# Prints the number of executions per build; a crash or mismatch fails with the input saved
-# under <build dir>/artifacts/ (replay it with: <build dir>/tests/fuzz_sdpa <file>).
+# Builds gattn's libFuzzer harnesses with clang (-fsanitize=fuzzer,address,undefined, -O1 -g,
+# assertions on) and fuzzes each for a bounded time from its seed corpus:
+#  - tests/fuzz/fuzz_sdpa.cpp: SDPA against a float64 reference and the gated layer (seeds
+#    tests/fuzz/corpus), built twice, as gattn's kernels are separate code per instruction set:
+#      baseline  the compiler's default instruction set (x86-64: SSE2);
+#      wide      the widest instruction set of this CPU: -march=native when it has AVX-512F, else
+#                -mavx2 -mfma when it has AVX2 and FMA (skipped otherwise, the baseline run then
+#                gets all the time);
+#  - the file readers, in the baseline build only (they have no instruction-set-specific code):
+#      fuzz_safetensors  gattn::SafetensorsFile (seeds tests/fuzz/corpus_safetensors);
+#      fuzz_config       load_qwen3_next_config (seeds tests/fuzz/corpus_config);
+#      fuzz_index        model.safetensors.index.json of a sharded checkpoint (seeds
+#                        tests/fuzz/corpus_index);
+#    each with its dictionary tests/fuzz/<reader>.dict, and one allocation of 64 MB or more
+#    counted as a finding (-malloc_limit_mb=64: the inputs are a few KB).
+# Up to JOBS harnesses run at once. The summary gives, per harness, the executions, executions
+# per second and libFuzzer's final coverage (cov: edges, ft: features, from the last
+# "#N DONE cov: ..." line). A crash, a sanitizer report, a mismatch or an undocumented exception
+# fails the script with the input kept under <build dir>/artifacts/ (replay it with
+# <build dir>/tests/<harness> <file>; add it to the harness's corpus as finding_<what> so that
+# ctest's Fuzz.*CorpusReplay replays it).
 # Environment: BUILD_DIR (default build/fuzz; the wide build goes to BUILD_DIR-wide), JOBS
-# (default: all cores), FUZZ_SECONDS (default 60: the total, split evenly between the builds),
-# FUZZ_MERGE=1 to add the inputs that found new coverage (in either build) to tests/fuzz/corpus
-# (a minimising merge: keep the corpus small, under ~200 files / 1 MB).
+# (default: all cores), FUZZ_SECONDS (default 60: fuzz_sdpa's total, split evenly between the
+# builds), FUZZ_IO_SECONDS (default 60: each file-reader harness); 0 replays the seeds only.
+# FUZZ_MERGE=1 adds the inputs that found new coverage in fuzz_sdpa (in either build) to
+# tests/fuzz/corpus (a minimising merge: keep the corpus small, under ~200 files / 1 MB); the
+# file readers' corpora are written by scripts/make_fuzz_seeds.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -19,7 +33,9 @@ scripts/deps.sh clang
 base_dir="${BUILD_DIR:-build/fuzz}"
 jobs="${JOBS:-$(nproc)}"
 total_seconds="${FUZZ_SECONDS:-60}"
+io_seconds="${FUZZ_IO_SECONDS:-60}"
 seeds=tests/fuzz/corpus
+readers=(safetensors config index)
 
 # Builds to fuzz: "<name> <build dir> <instruction-set flags>".
 builds=("baseline|$base_dir|")
@@ -32,44 +48,81 @@ seconds=$((total_seconds / ${#builds[@]}))
 
 for entry in "${builds[@]}"; do
   IFS='|' read -r name dir arch <<<"$entry"
-  echo "== fuzz_sdpa build, $name (clang, libFuzzer + AddressSanitizer + UndefinedBehaviorSanitizer)"
+  targets=(fuzz_sdpa)
+  [ "$dir" = "$base_dir" ] && targets+=("${readers[@]/#/fuzz_}")
+  echo "== ${targets[*]} build, $name (clang, libFuzzer + AddressSanitizer + UndefinedBehaviorSanitizer)"
   cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
         "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DGATTN_BUILD_FUZZERS=ON -DGATTN_ARCH_FLAGS="$arch" \
         -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF >/dev/null
-  cmake --build "$dir" -j "$jobs" --target fuzz_sdpa 2>&1 |
+  cmake --build "$dir" -j "$jobs" --target "${targets[@]}" 2>&1 |
     grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)' || true
-  [ -x "$dir/tests/fuzz_sdpa" ] || { echo "fuzz_sdpa was not built in $dir" >&2; exit 1; }
+  for t in "${targets[@]}"; do
+    [ -x "$dir/tests/$t" ] || { echo "$t was not built in $dir" >&2; exit 1; }
+  done
 done
+
+# Runs: "<label>|<fuzzer>|<working corpus>|<seed corpus>|<seconds>|<artifact prefix>|<flags>",
+# the longest first (they start in this order as cores free up).
+runs=()
+for r in "${readers[@]}"; do
+  runs+=("fuzz_$r|$base_dir/tests/fuzz_$r|$base_dir/corpus_$r|tests/fuzz/corpus_$r|$io_seconds|$base_dir/artifacts/fuzz_$r-|-max_len=8192 -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=64 -dict=tests/fuzz/$r.dict")
+done
+for entry in "${builds[@]}"; do
+  IFS='|' read -r name dir arch <<<"$entry"
+  runs+=("fuzz_sdpa $name|$dir/tests/fuzz_sdpa|$dir/corpus|$seeds|$seconds|$dir/artifacts/|-max_len=4096 -timeout=30 -rss_limit_mb=4096")
+done
+
+# One run: its output goes to <working corpus>.log, its exit status to <working corpus>.status.
+# The harnesses' temporary files go to <build dir>/tmp.
+tmp="$PWD/$base_dir/tmp"
+rm -rf "$tmp"
+mkdir -p "$tmp"
+run() {
+  local label="$1" fuzzer="$2" work="$3" seed_dir="$4" secs="$5" prefix="$6" flags="$7" limit
+  rm -rf "$work"
+  mkdir -p "$work" "${prefix%/*}"
+  if [ "$secs" -gt 0 ]; then limit="-max_total_time=$secs"; else limit="-runs=0"; fi
+  echo "== $label: ${secs} s from $(ls "$seed_dir" | wc -l) seed inputs"
+  set +e
+  # shellcheck disable=SC2086  # flags are words
+  TMPDIR="$tmp" UBSAN_OPTIONS=print_stacktrace=1 "$fuzzer" "$limit" -print_final_stats=1 $flags \
+    -artifact_prefix="$prefix" "$work" "$seed_dir" >"$work.log" 2>&1 </dev/null
+  echo $? >"$work.status"
+  set -e
+}
+for entry in "${runs[@]}"; do
+  IFS='|' read -r label fuzzer work seed_dir secs prefix flags <<<"$entry"
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do wait -n || true; done
+  run "$label" "$fuzzer" "$work" "$seed_dir" "$secs" "$prefix" "$flags" &
+done
+wait
 
 failed=0
 summary=()
-for entry in "${builds[@]}"; do
-  IFS='|' read -r name dir arch <<<"$entry"
-  fuzzer="$dir/tests/fuzz_sdpa"
-  work="$dir/corpus"
-  rm -rf "$work"
-  mkdir -p "$work" "$dir/artifacts"
-  echo "== fuzz_sdpa, $name, for $seconds s from $(ls "$seeds" | wc -l) seed inputs"
-  set +e
-  UBSAN_OPTIONS=print_stacktrace=1 "$fuzzer" -max_total_time="$seconds" -print_final_stats=1 \
-    -max_len=4096 -timeout=30 -rss_limit_mb=4096 -artifact_prefix="$dir/artifacts/" \
-    "$work" "$seeds" >"$dir/fuzz.log" 2>&1
-  status=$?
-  set -e
+for entry in "${runs[@]}"; do
+  IFS='|' read -r label fuzzer work seed_dir secs prefix flags <<<"$entry"
+  log="$work.log"
+  status=$(cat "$work.status" 2>/dev/null || echo 1)
+  echo "== $label"
   # The progress lines go; the start, the end, the statistics and any report stay.
   grep -Ev '^#[0-9]+[[:space:]]+(NEW|REDUCE|pulse|RELOAD|INITED)|NEW_FUNC|^"|Recommended dictionary|End of recommended' \
-    "$dir/fuzz.log" | tail -n 60
-  runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$dir/fuzz.log")
-  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$dir/fuzz.log")
+    "$log" | tail -n 60
+  runs_done=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log")
+  rate=$(sed -n 's/^stat::average_exec_per_sec: *//p' "$log")
+  last=$(grep -E '^#[0-9]+[[:space:]]+DONE' "$log" | tail -n 1 || true)
+  [ -n "$last" ] || last=$(grep -E '^#[0-9]+[[:space:]].*cov: ' "$log" | tail -n 1 || true)
+  cov=$(sed -n 's/.* cov: \([0-9]*\).*/\1/p' <<<"$last")
+  ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$last")
   if [ "$status" -ne 0 ]; then
-    echo "FAIL: fuzz_sdpa ($name) stopped with status $status after ${runs:-?} executions;" \
-         "input: $(ls "$dir"/artifacts/* 2>/dev/null | head -n 1)" >&2
+    artifact=$(grep -o "Test unit written to .*" "$log" | tail -n 1 | sed 's/Test unit written to //' || true)
+    echo "FAIL: $label stopped with status $status after ${runs_done:-?} executions; input: ${artifact:-none written}" >&2
     failed=1
-    summary+=("fuzz_sdpa $name: FAILED after ${runs:-?} executions")
+    summary+=("$label: FAILED after ${runs_done:-?} executions; input kept: ${artifact:-none written}")
   else
-    summary+=("fuzz_sdpa $name: ${runs:-?} executions in $seconds s (${rate:-?}/s), $(ls "$work" | wc -l) inputs with new coverage, no failure")
+    summary+=("$label: ${runs_done:-?} executions in $secs s (${rate:-?}/s), cov ${cov:-?} ft ${ft:-?}, $(ls "$work" | wc -l) inputs with new coverage, no failure; last: ${last:-none}")
   fi
 done
+echo "== summary"
 printf '%s\n' "${summary[@]}"
 [ "$failed" -eq 0 ] || exit 1
 

@@ -629,6 +629,107 @@ TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {
     }
 }
 
+/// A config.json is checked without undefined behaviour whatever its numbers and the layer asked
+/// for; JSON nested deeper than 128 levels is refused before it is copied or printed.
+TEST(Qwen3NextLoader, ConfigLimits) {
+    using gattn::io_error;
+    using std::invalid_argument;
+    using J = nlohmann::json;
+    // Without num_hidden_layers and layer_types every 4th layer is full attention, up to the
+    // largest Index: 2^63 − 1 ≡ 3 (mod 4) is one, 2^63 − 2 is not.
+    const std::string bare = edited_config("interval_only", [](J& j) {
+        j.erase("num_hidden_layers");
+        j.erase("layer_types");
+    });
+    constexpr Index kMax = std::numeric_limits<Index>::max();
+    EXPECT_EQ(gattn::load_qwen3_next_config(bare, kMax).head_dim, 32);
+    expect_config_error<invalid_argument>(bare, kMax - 1, "9223372036854775806 is a linear_attention layer");
+    expect_config_error<invalid_argument>(
+        edited_config("interval_huge", [&](J& j) {
+            j.erase("num_hidden_layers");
+            j.erase("layer_types");
+            j["full_attention_interval"] = kMax;
+        }),
+        kMax, "9223372036854775807 is a linear_attention layer");
+    // partial_rotary_factor is checked before rotary_dim() = head_dim · factor is formed.
+    expect_config_error<invalid_argument>(edited_config("rotary_huge", [](J& j) { j["partial_rotary_factor"] = 1e300; }), -1,
+                                          "config.partial_rotary_factor must be in (0, 1], got 1e+300");
+    expect_config_error<invalid_argument>(edited_config("rotary_negative", [](J& j) { j["partial_rotary_factor"] = -0.5; }), -1,
+                                          "config.partial_rotary_factor must be in (0, 1], got -0.5");
+    expect_config_error<invalid_argument>(edited_config("rotary_odd", [](J& j) { j["partial_rotary_factor"] = 0.09375; }), -1,
+                                          "must give an even rotary_dim in [2, head_dim], got 3");
+    // A key named twice keeps its last value, as Python's json module (and so transformers) reads it.
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / "gattn_qwen3_next_config_text";
+    fs::create_directories(dir);
+    const std::string path = (dir / "config.json").string();
+    std::ofstream(path) << R"({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                              "hidden_size": 64, "partial_rotary_factor": 0.5})";
+    EXPECT_EQ(gattn::load_qwen3_next_config(path).hidden_size, 64);
+    // Nesting: 128 levels read (here a config whose rope_scaling.type is an array 127 deep, refused
+    // for its type), 129 and 100000 are refused as the text is parsed.
+    auto nested = [&](int arrays) {
+        std::ofstream(path) << R"({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_scaling": {"type": )"
+                            << std::string(arrays, '[') << std::string(arrays, ']') << "}}";
+        return path;
+    };
+    expect_config_error<io_error>(nested(126), -1, "\"rope_scaling.type\" must be a string, got [[[");
+    expect_config_error<io_error>(nested(127), -1, "JSON nested deeper than 128 levels");
+    expect_config_error<io_error>(nested(100000), -1, "JSON nested deeper than 128 levels");
+    std::ofstream(path) << "{\"text_config\": " << std::string(100000, '[') << std::string(100000, ']') << "}";
+    expect_config_error<io_error>(path, -1, "JSON nested deeper than 128 levels");
+}
+
+/// weight_map may only name files inside the checkpoint directory (as Hugging Face's shard names
+/// are); such a file must be a regular file (or a link to one).
+TEST(Qwen3NextLoader, ShardNamesStayInTheCheckpoint) {
+    namespace fs = std::filesystem;
+    const fs::path dir = fs::temp_directory_path() / "gattn_qwen3_next_shard_names";
+    fs::remove_all(dir);
+    fs::create_directories(dir / "sub");
+    fs::copy_file(kDir + "/config.json", dir / "config.json");
+    const auto tensors = fixture_tensors();
+    gattn_test::write_safetensors((dir / "sub" / "all.safetensors").string(), tensors);
+    auto load_with = [&](const nlohmann::json& file) {
+        nlohmann::json index;
+        for (const auto& t : tensors) index["weight_map"][t.name] = "sub/all.safetensors";
+        index["weight_map"][tensors[0].name] = file;
+        std::ofstream(dir / "model.safetensors.index.json") << index.dump();
+        return gattn::load_qwen3_next_attention<float>(dir.string(), kLayer);
+    };
+    EXPECT_EQ(load_with("sub/all.safetensors").config().hidden_size, 64);  // a subdirectory is inside
+    EXPECT_EQ(load_with("./sub/all.safetensors").config().hidden_size, 64);
+    for (const std::string& bad : std::vector<std::string>{"", ".", "/", (dir / "sub" / "all.safetensors").string(), "../gattn_qwen3_next_shard_names/sub/all.safetensors",
+                                  "sub/../sub/all.safetensors", std::string("sub/all.safetensors\0.txt", 24)}) {
+        try {
+            load_with(bad);
+            ADD_FAILURE() << "no exception for '" << bad << "'";
+        } catch (const gattn::io_error& e) {
+            EXPECT_NE(std::string(e.what()).find("weight_map entry '" + tensors[0].name +
+                                                 "' must name a file inside the checkpoint directory"),
+                      std::string::npos)
+                << e.what();
+        }
+    }
+    try {  // a directory inside
+        load_with("sub");
+        ADD_FAILURE() << "no exception for a directory";
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find("sub: cannot open file: not a regular file"), std::string::npos) << e.what();
+    }
+    // With an index, only the files it names are read, even when its weight_map is empty and a
+    // model.safetensors is there.
+    gattn_test::write_safetensors((dir / "model.safetensors").string(), tensors);
+    std::ofstream(dir / "model.safetensors.index.json") << R"({"weight_map": {}})";
+    try {
+        gattn::load_qwen3_next_attention<float>(dir.string(), kLayer);
+        ADD_FAILURE() << "no exception for an empty weight_map";
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.3.self_attn.q_proj.weight'"), std::string::npos)
+            << e.what();
+    }
+}
+
 /// Expects `f` to throw exactly E (shape_error, or a std::invalid_argument that is not one) with a
 /// message starting with Qwen3NextAttention::forward and holding each of `parts`.
 template <class E, class F>

@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <new>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -12,8 +16,39 @@
 
 #include <nlohmann/json.hpp>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/stat.h>
+#endif
+
 #include "gattn/io/safetensors.hpp"
 #include "support/safetensors_writer.hpp"
+
+// The largest single allocation by operator new since the last reset: this executable replaces
+// the global operator new (and its deletes) to check that a header cannot make the reader
+// allocate what the file does not hold.
+namespace {
+std::atomic<std::size_t> g_largest_allocation{0};
+}  // namespace
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"  // new and delete here are malloc and free
+#endif
+void* operator new(std::size_t n) {
+    std::size_t seen = g_largest_allocation.load(std::memory_order_relaxed);
+    while (n > seen && !g_largest_allocation.compare_exchange_weak(seen, n, std::memory_order_relaxed)) {
+    }
+    if (void* p = std::malloc(n ? n : 1)) return p;
+    throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) { return operator new(n); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
 namespace {
 
@@ -215,6 +250,114 @@ TEST(Safetensors, RejectsOverflowingShapesAndNumbers) {
                                "{\"a\":{\"dtype\":\"F32\",\"shape\":[4611686018427387904],\"data_offsets\":[0,0]}}"),
                     "elements");
     expect_io_error(write_file("number_overflow", {t}, "{\"__metadata__\":{\"x\":1e400}}"), "malformed JSON");
+}
+
+/// A file written byte by byte: the 8-byte little-endian length of `header`, `header`, `data`.
+std::string write_bytes(const std::string& name, const std::string& header, const std::string& data) {
+    const std::string path = temp_path(name);
+    std::string bytes;
+    for (int i = 0; i < 8; ++i) bytes.push_back(static_cast<char>((std::uint64_t(header.size()) >> (8 * i)) & 0xff));
+    std::ofstream(path, std::ios::binary) << bytes << header << data;
+    return path;
+}
+
+/// A tensor named twice is refused, naming it, as the format's reference reader does; so is
+/// any key named twice in one object of the header. (A parsed JSON document keeps only the
+/// last of equal keys, which the reader would then take as the whole header.)
+TEST(Safetensors, RefusesNamesGivenTwice) {
+    const std::string w = "\"w\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}";
+    const std::string data(8, '\0');
+    {  // the bytes: header length 0x6b = 107, the header, 8 bytes of data
+        const std::string header = "{" + w + "," + w + "}";
+        ASSERT_EQ(header.size(), 107u);
+        const std::string path = write_bytes("duplicate_tensor", header, data);
+        std::ifstream in(path, std::ios::binary);
+        std::string got(8, '\0');
+        in.read(got.data(), 8);
+        EXPECT_EQ(got, std::string("\x6b\0\0\0\0\0\0\0", 8));
+        expect_io_error(path, "malformed header: key 'w' appears twice in the top-level object");
+    }
+    // Twice with different dtypes or spans: the file is refused either way.
+    expect_io_error(write_bytes("duplicate_tensor_dtype", "{" + w + ",\"w\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data),
+                    "key 'w' appears twice");
+    expect_io_error(write_bytes("duplicate_field", "{\"w\":{\"dtype\":\"F64\",\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data),
+                    "key 'dtype' appears twice in the object of 'w'");
+    expect_io_error(write_bytes("duplicate_metadata", "{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}," + w + "}", data),
+                    "key 'k' appears twice in the object of '__metadata__'");
+    // Equal keys in different objects are fine.
+    const gattn::SafetensorsFile ok(write_bytes("same_key_elsewhere", "{\"__metadata__\":{\"w\":\"x\"}," + w + "}", data));
+    EXPECT_EQ(ok.names(), std::vector<std::string>{"w"});
+    EXPECT_EQ(ok.metadata().at("w"), "x");
+}
+
+/// The header is checked against the file before anything is allocated for it or for a tensor:
+/// a header may not make the reader allocate what the file does not hold.
+TEST(Safetensors, AllocatesNoMoreThanTheFileHolds) {
+    constexpr std::size_t kSmall = 1 << 16;  // far below every size the headers below declare
+    auto largest_while = [](const auto& f) {
+        g_largest_allocation = 0;
+        f();
+        return g_largest_allocation.load();
+    };
+    // 2^40 F32 elements (4 TiB) declared, offsets beyond the 8 bytes the file holds.
+    const auto start = std::chrono::steady_clock::now();
+    const std::string huge = write_bytes(
+        "huge_shape", "{\"w\":{\"dtype\":\"F32\",\"shape\":[1099511627776],\"data_offsets\":[0,4398046511104]}}",
+        std::string(8, '\0'));
+    EXPECT_LT(largest_while([&] { expect_io_error(huge, "truncated: tensor 'w' spans bytes [0, 4398046511104) of a 8-byte data section"); }),
+              kSmall);
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
+    // The same shape over the 8 bytes that are there.
+    EXPECT_LT(largest_while([&] {
+                  expect_io_error(write_bytes("huge_shape_in_file",
+                                              "{\"w\":{\"dtype\":\"F32\",\"shape\":[1099511627776],\"data_offsets\":[0,8]}}",
+                                              std::string(8, '\0')),
+                                  "8 bytes do not hold shape [1099511627776] of F32");
+              }),
+              kSmall);
+    // A header length of 50 MB (under the format's 100 MB limit) in a file of 16 bytes.
+    {
+        const std::string path = temp_path("long_header_length");
+        std::string bytes(16, ' ');
+        const std::uint64_t n = 50'000'000;
+        for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+        std::ofstream(path, std::ios::binary) << bytes;
+        EXPECT_LT(largest_while([&] { expect_io_error(path, "truncated: header length 50000000 exceeds the 8 bytes after it"); }),
+                  kSmall);
+    }
+    // A tensor of a dtype that does not convert (F4: 2^20 elements in 512 KiB) is refused before
+    // its bytes or 2^20 doubles are allocated.
+    const gattn::SafetensorsFile packed(write_file("packed_f4", {{"p", "F4", {1 << 20}, std::vector<unsigned char>(1 << 19)}}));
+    EXPECT_LT(largest_while([&] { EXPECT_THROW(packed.values<double>("p"), gattn::io_error); }), kSmall);
+    // Reading a tensor allocates its bytes and the result: here 4 KiB of F16 read as double.
+    const gattn::SafetensorsFile f16(write_file("f16_4k", {{"h", "F16", {2048}, std::vector<unsigned char>(4096)}}));
+    const std::size_t read = largest_while([&] { EXPECT_EQ(f16.values<double>("h").size(), 2048u); });
+    EXPECT_EQ(read, 2048 * sizeof(double));
+}
+
+/// Only regular files open: a directory is refused, and a FIFO is refused without blocking.
+TEST(Safetensors, OpensOnlyRegularFiles) {
+    expect_io_error(std::filesystem::temp_directory_path().string(), "not a regular file");
+#if defined(__unix__) || defined(__APPLE__)
+    const std::string fifo = temp_path("fifo");
+    std::filesystem::remove(fifo);
+    ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+    expect_io_error(fifo, "not a regular file");
+    std::filesystem::remove(fifo);
+#endif
+}
+
+/// Arrays and objects nest at most 128 levels deep, as in the reference reader: deeper headers
+/// are refused as they are parsed (here 126 arrays in __metadata__ in the top-level object is 128).
+TEST(Safetensors, RefusesHeadersNestedDeeperThan128) {
+    const std::string w = "\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}";
+    auto nested = [&](int arrays) {
+        return "{\"__metadata__\":{\"a\":" + std::string(arrays, '[') + std::string(arrays, ']') + "}," + w + "}";
+    };
+    const gattn::SafetensorsFile ok(write_bytes("depth_128", nested(126), std::string(4, '\0')));
+    EXPECT_EQ(ok.names(), std::vector<std::string>{"w"});
+    expect_io_error(write_bytes("depth_129", nested(127), std::string(4, '\0')), "JSON nested deeper than 128 levels");
+    expect_io_error(write_bytes("depth_100000", nested(100000), std::string(4, '\0')), "JSON nested deeper than 128 levels");
 }
 
 }  // namespace

@@ -23,14 +23,27 @@ GATTN_BEGIN_ISA_NAMESPACE
 
 namespace detail {
 
+/// Reads a JSON file (config.json, model.safetensors.index.json) with parse_json's limits; a
+/// key named twice keeps its last value, as Python's json module does.
 inline nlohmann::json read_json(const std::string& path, const char* fn) {
     std::ifstream in(path);
     if (!in) throw io_error(std::string(fn) + ": cannot open " + path);
-    try {
-        return nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception& e) {
-        throw io_error(std::string(fn) + ": malformed JSON in " + path + ": " + e.what());
+    return parse_json(in, /*unique_keys=*/false,
+                      [&](const std::string& what) { throw io_error(std::string(fn) + ": " + path + ": " + what); });
+}
+
+/// Whether a weight_map file name stays inside the checkpoint directory: relative, without a
+/// ".." component or a NUL character, and naming something ("" or "." do not).
+inline bool is_shard_name(const std::string& name) {
+    if (name.empty() || name.find('\0') != std::string::npos) return false;
+    const std::filesystem::path p(name);
+    if (p.is_absolute() || p.has_root_path()) return false;
+    bool names_file = false;
+    for (const auto& part : p) {
+        if (part == "..") return false;
+        if (!part.empty() && part != ".") names_file = true;
     }
+    return names_file;
 }
 
 }  // namespace detail
@@ -43,8 +56,11 @@ inline nlohmann::json read_json(const std::string& path, const char* fn) {
 /// Defaults are those of transformers' Qwen3NextConfig. With layer ≥ 0, checks that
 /// layer_types (or else full_attention_interval, default 4: every 4th layer) makes that layer a
 /// full-attention layer.
-/// \throws io_error for a missing or malformed file or field (a size that is not a JSON
-///         integer, a field of the wrong JSON type); std::invalid_argument when the layer is a
+/// The file is read with the limits of gattn's JSON readers: nested at most 128 levels deep; a
+/// key named twice keeps its last value, as in Python's json module.
+/// \throws io_error for a missing or malformed file or field (JSON nested deeper than 128
+///         levels, a size that is not a JSON integer, a field of the wrong JSON type);
+///         std::invalid_argument when the layer is a
 ///         linear-attention layer or out of range, for an invalid config (validate_qwen3_next_config)
 ///         and for RoPE scaling other than "default" or "mrope" ("rope_scaling" or
 ///         rope_parameters' "rope_type": linear, dynamic, yarn, … would change the rotary
@@ -126,7 +142,9 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
             if (!t.is_string()) bad("layer_types", "entry " + std::to_string(layer) + " must be a string, got " + t.dump());
             type = t.get<std::string>();
         } else {
-            type = (layer + 1) % interval == 0 ? "full_attention" : "linear_attention";
+            // Layers interval − 1, 2·interval − 1, …: (layer + 1) % interval == 0, without the
+            // overflow of layer + 1 for the largest Index.
+            type = layer % interval == interval - 1 ? "full_attention" : "linear_attention";
         }
         if (type != "full_attention")
             detail::throw_invalid(fn, "layer", std::to_string(layer) + " is a " + type +
@@ -138,9 +156,13 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
 /// Loads layer `layer`'s attention weights from a checkpoint directory (model.safetensors, or
 /// the shards named by model.safetensors.index.json), trying the prefixes
 /// "model.layers.N.self_attn." and "model.language_model.layers.N.self_attn." (Qwen3.5).
+/// The index is read with load_qwen3_next_config's JSON limits, and its weight_map may only
+/// name files inside `dir` (relative paths without ".."; subdirectories are fine); each file is
+/// opened as a SafetensorsFile, with its limits, once, when a tensor it holds is needed.
 /// \throws io_error for a missing, truncated or malformed file (or a path the system cannot
-///         examine), a missing tensor or a non-floating-point dtype; shape_error for a wrong
-///         shape (for q_proj, naming the layout its rows fit, see qwen3_next_q_proj_hint).
+///         examine), a weight_map file name that is not a string or leaves `dir`, a missing
+///         tensor or a non-floating-point dtype; shape_error for a wrong shape (for q_proj,
+///         naming the layout its rows fit, see qwen3_next_q_proj_hint).
 template <class Scalar>
 Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::string& dir, Index layer,
                                                                    const Qwen3NextConfig& config) {
@@ -157,7 +179,8 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
         if (ec) throw io_error(std::string(fn) + ": " + p.string() + ": " + ec.message());
         return found;
     };
-    if (exists(index)) {
+    const bool sharded = exists(index);  // then the index alone says where tensors are
+    if (sharded) {
         const nlohmann::json j = detail::read_json(index.string(), fn);
         if (!j.contains("weight_map") || !j["weight_map"].is_object())
             throw io_error(std::string(fn) + ": " + index.string() + " has no weight_map");
@@ -165,7 +188,12 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
             if (!it.value().is_string())
                 throw io_error(std::string(fn) + ": " + index.string() + ": weight_map entry '" + it.key() +
                                "' must be a file name, got " + it.value().dump());
-            file_of[it.key()] = (fs::path(dir) / it.value().get<std::string>()).string();
+            const std::string& file = it.value().get_ref<const std::string&>();
+            if (!detail::is_shard_name(file))
+                throw io_error(std::string(fn) + ": " + index.string() + ": weight_map entry '" + it.key() +
+                               "' must name a file inside the checkpoint directory (a relative path without "
+                               "'..'), got " + it.value().dump());
+            file_of[it.key()] = (fs::path(dir) / file).string();
         }
     } else if (!exists(single)) {
         throw io_error(std::string(fn) + ": " + dir + " has neither model.safetensors nor model.safetensors.index.json");
@@ -173,7 +201,7 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
     std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files;
     auto file_for = [&](const std::string& name) -> const SafetensorsFile* {
         std::string path = single;
-        if (!file_of.empty()) {
+        if (sharded) {
             auto it = file_of.find(name);
             if (it == file_of.end()) return nullptr;
             path = it->second;

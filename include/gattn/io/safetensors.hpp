@@ -11,10 +11,15 @@
 /// without gaps or overlaps; tensors are row-major and little-endian. F16, BF16, F32, F64, I32
 /// and I64 tensors convert to the requested type on read.
 /// Tensors are read on demand, so a multi-gigabyte checkpoint is not loaded whole.
+///
+/// Files from anywhere are safe to open: the header is checked against the file before anything
+/// is read or allocated for it (limits in SafetensorsFile's documentation), and every error is a
+/// gattn::io_error (shape_error from vector() of a tensor that is not 1-D).
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <string>
@@ -23,6 +28,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "gattn/io/json_input.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
 #include "gattn/types.hpp"
@@ -98,21 +104,45 @@ inline float bf16_to_float(std::uint16_t h) noexcept {
 }  // namespace detail
 
 /// A safetensors file opened for reading.
+///
+/// Limits, checked when the file is opened (each an io_error naming the file and the fault):
+///  - the path names a regular file (or a link to one): a directory, FIFO or device is refused
+///    unopened;
+///  - the header length is at most 100 MB (the format's limit) and at most the bytes after it;
+///  - the header is one JSON object, nested at most 128 levels deep, naming no key twice in one
+///    object (a tensor named twice is refused, as by the format's reference reader);
+///  - each tensor has a known dtype, at most 2^48 elements, non-negative integer offsets within
+///    the data section whose length is exactly its elements' bytes, and the tensors tile the data
+///    section without gap or overlap.
+///
+/// Memory: opening holds the header text and its parsed JSON (bounded by the header length, so
+/// by the file); values() allocates the tensor's bytes, which the file was checked to hold, and
+/// the converted result (numel × sizeof(Scalar)); no size is taken from the header alone.
 class SafetensorsFile {
 public:
-    /// Reads and validates the header.
-    /// \throws io_error when the file cannot be opened, is shorter than its header says, or the
-    ///         header is not valid JSON or has an entry with a bad dtype, shape or offsets
-    ///         (offsets past the end, or tensors that leave a gap, overlap or stop short of the
-    ///         end of the data section).
+    /// Reads and validates the header (see the class's limits).
+    /// \throws io_error when the path is not a regular file or cannot be opened, the file is
+    ///         shorter than its header says, or the header exceeds 100 MB, is not valid JSON, is
+    ///         nested deeper than 128 levels, names a key twice in one object (e.g. a tensor),
+    ///         or has an entry with a bad dtype, shape or offsets (offsets past the end, or
+    ///         tensors that leave a gap, overlap or stop short of the end of the data section).
     explicit SafetensorsFile(std::string path) : m_path(std::move(path)) {
+        // Only a regular file (or a link to one) has a size to check the header against; a
+        // directory, a FIFO or a device is refused before it is opened (a FIFO would block).
+        std::error_code ec;
+        const std::filesystem::file_status status = std::filesystem::status(m_path, ec);
+        if (ec || !std::filesystem::exists(status))
+            fail("cannot open file" + (ec ? ": " + ec.message() : std::string()));
+        if (!std::filesystem::is_regular_file(status)) fail("cannot open file: not a regular file");
         std::ifstream in(m_path, std::ios::binary | std::ios::ate);
         if (!in) fail("cannot open file");
-        const std::uint64_t file_size = static_cast<std::uint64_t>(in.tellg());
+        const std::streamoff end = in.tellg();
+        if (end < 0) fail("cannot determine the file size");
+        const std::uint64_t file_size = static_cast<std::uint64_t>(end);
         if (file_size < 8) fail("truncated: " + std::to_string(file_size) + " bytes, less than the 8-byte header length");
         in.seekg(0);
         unsigned char len_bytes[8];
-        in.read(reinterpret_cast<char*>(len_bytes), 8);
+        if (!in.read(reinterpret_cast<char*>(len_bytes), 8)) fail("cannot read the header length");
         std::uint64_t header_len = 0;
         for (int i = 7; i >= 0; --i) header_len = (header_len << 8) | len_bytes[i];
         if (header_len > kMaxHeaderBytes)
@@ -128,12 +158,10 @@ public:
         m_data_offset = 8 + header_len;
         const std::uint64_t data_size = file_size - m_data_offset;
 
-        nlohmann::json j;
-        try {
-            j = nlohmann::json::parse(header);
-        } catch (const nlohmann::json::exception& e) {
-            fail(std::string("malformed JSON header: ") + e.what());
-        }
+        // Tensor names and entry fields must be unique, as the reference reader requires (a
+        // parsed document would keep only the last of two equal keys).
+        const nlohmann::json j = detail::parse_json(header, /*unique_keys=*/true,
+                                                    [&](const std::string& what) { fail("malformed header: " + what); });
         if (!j.is_object()) fail("malformed header: not a JSON object");
         for (auto it = j.begin(); it != j.end(); ++it) {
             const std::string& name = it.key();
@@ -213,11 +241,19 @@ public:
 
     /// All values of a tensor, row-major, converted to Scalar (float, double, gattn::bfloat16 or
     /// gattn::half; conversions to 16 bits round to nearest even, a tensor of that very type is
-    /// copied bit for bit).
-    /// \throws io_error (missing tensor, unsupported dtype, read failure).
+    /// copied bit for bit). Allocates the tensor's bytes and the result, nothing before the
+    /// dtype is known to convert.
+    /// \throws io_error (missing tensor, dtype other than F16, BF16, F32, F64, I32 and I64, read
+    ///         failure, e.g. a file truncated since it was opened).
     template <class Scalar>
     std::vector<Scalar> values(const std::string& name) const {
         const TensorInfo& t = info(name);
+        if (t.dtype != "F32" && t.dtype != "F64" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "I64" &&
+            t.dtype != "I32")
+            fail("tensor '" + name + "' has dtype " + t.dtype + "; only F16, BF16, F32, F64, I32 and I64 convert");
+        // The header was checked against the file: the tensor's bytes are in it (end ≤ the data
+        // section's size) and hold exactly numel elements, so neither buffer exceeds what the
+        // file holds (times sizeof(Scalar) / the dtype's width for the result).
         const std::size_t n = static_cast<std::size_t>(t.numel());
         std::vector<unsigned char> raw(static_cast<std::size_t>(t.end - t.begin));
         std::ifstream in(m_path, std::ios::binary);
@@ -255,7 +291,7 @@ public:
                 const std::uint16_t h = static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
                 out[i] = static_cast<Scalar>(half ? detail::half_to_float(h) : detail::bf16_to_float(h));
             }
-        } else if (t.dtype == "I64" || t.dtype == "I32") {  // positions, lengths
+        } else {  // I64 or I32: positions, lengths
             const bool wide = t.dtype == "I64";
             for (std::size_t i = 0; i < n; ++i) {
                 std::int64_t v64 = 0;
@@ -268,8 +304,6 @@ public:
                 }
                 out[i] = static_cast<Scalar>(v64);
             }
-        } else {
-            fail("tensor '" + name + "' has dtype " + t.dtype + "; only F16, BF16, F32, F64, I32 and I64 convert");
         }
         return out;
     }

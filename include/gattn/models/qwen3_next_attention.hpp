@@ -71,8 +71,12 @@ inline void validate_qwen3_next_config(const Qwen3NextConfig& c, const char* fn)
         detail::throw_invalid(fn, "config.num_key_value_heads",
                               "must divide num_attention_heads = " + std::to_string(c.num_attention_heads) +
                                   ", got " + std::to_string(c.num_key_value_heads));
+    // The factor's range first: rotary_dim() of a factor far above 1 would not fit an Index.
+    if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1))
+        detail::throw_invalid(fn, "config.partial_rotary_factor",
+                              "must be in (0, 1], got " + detail::number_string(c.partial_rotary_factor));
     const Index r = c.rotary_dim();
-    if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || r % 2 != 0 || r < 2)
+    if (r % 2 != 0 || r < 2)
         detail::throw_invalid(fn, "config.partial_rotary_factor",
                               "must give an even rotary_dim in [2, head_dim], got " + std::to_string(r));
     if (!(c.rope_theta > 0) || !(c.rms_norm_eps >= 0))
