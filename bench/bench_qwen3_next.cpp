@@ -74,7 +74,9 @@ struct DecodeStep {
     /// ragged: the sequences' caches hold evenly spread lengths from 1024 to `cached` tokens
     /// (serving); else `cached` each.
     DecodeStep(gattn::Index cached, gattn::Index sequences, int threads, bool ragged = false)
-        : kv_len(cached), batch(sequences), lengths(static_cast<std::size_t>(sequences), cached),
+        : kv_len(cached),
+          batch(sequences),
+          lengths(static_cast<std::size_t>(sequences), cached),
           cache(layer.template make_cache<Cache>(sequences, cached + 1)),
           x(Matrix::Random(sequences, config.hidden_size)),
           out(sequences, config.hidden_size) {

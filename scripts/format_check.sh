@@ -5,8 +5,8 @@
 # not reformatted in bulk). Prints clang-format's diff and exits 1 when a changed line is not
 # formatted, with the command that formats them; exits 0 otherwise (2 for an unknown base).
 # Uncommitted changes are not checked.
-# Fix what it reports with: git clang-format-14 --binary clang-format-14 <base> (it formats the
-# lines changed since <base> in the working tree), then commit.
+# Fix what it reports with: git clang-format-14 --binary clang-format-14 --extensions h,hpp,cpp,cc
+# <base> (it formats the lines changed since <base> in the working tree), then commit.
 # Environment: FORMAT_BASE (default HEAD~1, the previous commit: only the last commit is
 # checked; e.g. FORMAT_BASE=main checks every commit of a branch since it left main, as the
 # check starts from the commit HEAD and FORMAT_BASE have in common). Without a parent commit
@@ -40,7 +40,7 @@ out=$(git clang-format-14 --binary clang-format-14 --style file --extensions h,h
 if grep -q '^diff --git' <<<"$out"; then
   printf '%s\n' "$out"
   echo "format check: FAILED, the changed lines above are not formatted as .clang-format says;" \
-       "fix them with: git clang-format-14 --binary clang-format-14 $base (then commit)" >&2
+       "fix them with: git clang-format-14 --binary clang-format-14 --extensions h,hpp,cpp,cc $base (then commit)" >&2
   exit 1
 fi
 echo "format check: passed"

@@ -373,16 +373,19 @@ void run_int8_cache_case(const GateSpec& spec, std::optional<Index> window) {
                 std::vector<std::int8_t> codes(static_cast<std::size_t>(Hkv * std::max(dk, dv)));
                 std::vector<float> scales(static_cast<std::size_t>(Hkv));
                 gattn::quantize_int8_row(exact.keys().row(row).data(), Hkv, dk, codes.data(), scales.data());
-                for (Index e = 0; e < Hkv * dk; ++e) ASSERT_EQ(int8.keys()(row8, e), codes[e]) << "key " << b << "," << t;
+                for (Index e = 0; e < Hkv * dk; ++e)
+                    ASSERT_EQ(int8.keys()(row8, e), codes[e]) << "key " << b << "," << t;
                 for (Index g = 0; g < Hkv; ++g) ASSERT_EQ(int8.key_scales()(row8, g), scales[g]);
                 gattn::quantize_int8_row(exact.values().row(row).data(), Hkv, dv, codes.data(), scales.data());
-                for (Index e = 0; e < Hkv * dv; ++e) ASSERT_EQ(int8.values()(row8, e), codes[e]) << "value " << b << "," << t;
+                for (Index e = 0; e < Hkv * dv; ++e)
+                    ASSERT_EQ(int8.values()(row8, e), codes[e]) << "value " << b << "," << t;
                 for (Index g = 0; g < Hkv; ++g) ASSERT_EQ(int8.value_scales()(row8, g), scales[g]);
             }
         for (Index b = 0; b < B; ++b)
             for (Index t = 0; t < counts[b]; ++t) {
                 const double scale = 1 + y_exact.row(b * n + t).cwiseAbs().maxCoeff();
-                worst = std::max(worst, double((y_int8.row(b * n + t) - y_exact.row(b * n + t)).cwiseAbs().maxCoeff()) / scale);
+                worst = std::max(worst, double((y_int8.row(b * n + t) - y_exact.row(b * n + t)).cwiseAbs().maxCoeff()) /
+                                            scale);
             }
     }
     EXPECT_LE(worst, 1e-2);

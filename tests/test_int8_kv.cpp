@@ -38,8 +38,8 @@ struct Int8Matrix {
     Int8Matrix(const RowMatrix<float>& x, Index heads)
         : codes(x.rows(), x.cols()), scales(x.rows(), heads), head_dim(x.cols() / heads) {
         for (Index r = 0; r < x.rows(); ++r)
-            EXPECT_TRUE(gattn::quantize_int8_row(x.row(r).data(), heads, head_dim, codes.row(r).data(),
-                                                 scales.row(r).data()));
+            EXPECT_TRUE(
+                gattn::quantize_int8_row(x.row(r).data(), heads, head_dim, codes.row(r).data(), scales.row(r).data()));
     }
     gattn::Int8Rows view() const {
         return {codes.data(), codes.rows(), codes.cols(), codes.cols(), scales.data(), scales.cols()};
@@ -48,8 +48,7 @@ struct Int8Matrix {
     Mat dequantized() const {
         Mat m(codes.rows(), codes.cols());
         for (Index r = 0; r < m.rows(); ++r)
-            for (Index c = 0; c < m.cols(); ++c)
-                m(r, c) = double(scales(r, c / head_dim)) * double(codes(r, c));
+            for (Index c = 0; c < m.cols(); ++c) m(r, c) = double(scales(r, c / head_dim)) * double(codes(r, c));
         return m;
     }
 };
@@ -150,7 +149,8 @@ void check_case(const Case& c) {
         for (Index r = 0; r < q.rows(); ++r)
             for (Index h = 0; h < c.H; ++h) {
                 std::vector<std::int16_t> codes(static_cast<std::size_t>(c.dk));
-                const float s = gattn::kernel::decode_int8::quantize_query(q.row(r).data() + h * c.dk, c.dk, codes.data());
+                const float s =
+                    gattn::kernel::decode_int8::quantize_query(q.row(r).data() + h * c.dk, c.dk, codes.data());
                 for (Index e = 0; e < c.dk; ++e) q_ref(r, h * c.dk + e) = double(s) * double(codes[e]);
             }
 #endif

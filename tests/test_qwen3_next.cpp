@@ -644,20 +644,23 @@ TEST(Qwen3NextLoader, ConfigLimits) {
     constexpr Index kMax = std::numeric_limits<Index>::max();
     EXPECT_EQ(gattn::load_qwen3_next_config(bare, kMax).head_dim, 32);
     expect_config_error<invalid_argument>(bare, kMax - 1, "9223372036854775806 is a linear_attention layer");
-    expect_config_error<invalid_argument>(
-        edited_config("interval_huge", [&](J& j) {
-            j.erase("num_hidden_layers");
-            j.erase("layer_types");
-            j["full_attention_interval"] = kMax;
-        }),
-        kMax, "9223372036854775807 is a linear_attention layer");
+    expect_config_error<invalid_argument>(edited_config("interval_huge",
+                                                        [&](J& j) {
+                                                            j.erase("num_hidden_layers");
+                                                            j.erase("layer_types");
+                                                            j["full_attention_interval"] = kMax;
+                                                        }),
+                                          kMax, "9223372036854775807 is a linear_attention layer");
     // partial_rotary_factor is checked before rotary_dim() = head_dim · factor is formed.
-    expect_config_error<invalid_argument>(edited_config("rotary_huge", [](J& j) { j["partial_rotary_factor"] = 1e300; }), -1,
-                                          "config.partial_rotary_factor must be in (0, 1], got 1e+300");
-    expect_config_error<invalid_argument>(edited_config("rotary_negative", [](J& j) { j["partial_rotary_factor"] = -0.5; }), -1,
-                                          "config.partial_rotary_factor must be in (0, 1], got -0.5");
-    expect_config_error<invalid_argument>(edited_config("rotary_odd", [](J& j) { j["partial_rotary_factor"] = 0.09375; }), -1,
-                                          "must give an even rotary_dim in [2, head_dim], got 3");
+    expect_config_error<invalid_argument>(edited_config("rotary_huge",
+                                                        [](J& j) { j["partial_rotary_factor"] = 1e300; }),
+                                          -1, "config.partial_rotary_factor must be in (0, 1], got 1e+300");
+    expect_config_error<invalid_argument>(edited_config("rotary_negative",
+                                                        [](J& j) { j["partial_rotary_factor"] = -0.5; }),
+                                          -1, "config.partial_rotary_factor must be in (0, 1], got -0.5");
+    expect_config_error<invalid_argument>(edited_config("rotary_odd",
+                                                        [](J& j) { j["partial_rotary_factor"] = 0.09375; }),
+                                          -1, "must give an even rotary_dim in [2, head_dim], got 3");
     // A key named twice keeps its last value, as Python's json module (and so transformers) reads it.
     namespace fs = std::filesystem;
     const fs::path dir = fs::temp_directory_path() / "gattn_qwen3_next_config_text";
@@ -669,8 +672,9 @@ TEST(Qwen3NextLoader, ConfigLimits) {
     // Nesting: 128 levels read (here a config whose rope_scaling.type is an array 127 deep, refused
     // for its type), 129 and 100000 are refused as the text is parsed.
     auto nested = [&](int arrays) {
-        std::ofstream(path) << R"({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_scaling": {"type": )"
-                            << std::string(arrays, '[') << std::string(arrays, ']') << "}}";
+        std::ofstream(path)
+            << R"({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "rope_scaling": {"type": )"
+            << std::string(arrays, '[') << std::string(arrays, ']') << "}}";
         return path;
     };
     expect_config_error<io_error>(nested(126), -1, "\"rope_scaling.type\" must be a string, got [[[");
@@ -699,8 +703,10 @@ TEST(Qwen3NextLoader, ShardNamesStayInTheCheckpoint) {
     };
     EXPECT_EQ(load_with("sub/all.safetensors").config().hidden_size, 64);  // a subdirectory is inside
     EXPECT_EQ(load_with("./sub/all.safetensors").config().hidden_size, 64);
-    for (const std::string& bad : std::vector<std::string>{"", ".", "/", (dir / "sub" / "all.safetensors").string(), "../gattn_qwen3_next_shard_names/sub/all.safetensors",
-                                  "sub/../sub/all.safetensors", std::string("sub/all.safetensors\0.txt", 24)}) {
+    for (const std::string& bad :
+         std::vector<std::string>{"", ".", "/", (dir / "sub" / "all.safetensors").string(),
+                                  "../gattn_qwen3_next_shard_names/sub/all.safetensors", "sub/../sub/all.safetensors",
+                                  std::string("sub/all.safetensors\0.txt", 24)}) {
         try {
             load_with(bad);
             ADD_FAILURE() << "no exception for '" << bad << "'";
@@ -715,7 +721,8 @@ TEST(Qwen3NextLoader, ShardNamesStayInTheCheckpoint) {
         load_with("sub");
         ADD_FAILURE() << "no exception for a directory";
     } catch (const gattn::io_error& e) {
-        EXPECT_NE(std::string(e.what()).find("sub: cannot open file: not a regular file"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("sub: cannot open file: not a regular file"), std::string::npos)
+            << e.what();
     }
     // With an index, only the files it names are read, even when its weight_map is empty and a
     // model.safetensors is there.
@@ -725,7 +732,8 @@ TEST(Qwen3NextLoader, ShardNamesStayInTheCheckpoint) {
         gattn::load_qwen3_next_attention<float>(dir.string(), kLayer);
         ADD_FAILURE() << "no exception for an empty weight_map";
     } catch (const gattn::io_error& e) {
-        EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.3.self_attn.q_proj.weight'"), std::string::npos)
+        EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.3.self_attn.q_proj.weight'"),
+                  std::string::npos)
             << e.what();
     }
 }

@@ -5,12 +5,12 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
-#include <new>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <new>
 #include <string>
 #include <vector>
 
@@ -278,14 +278,18 @@ TEST(Safetensors, RefusesNamesGivenTwice) {
         expect_io_error(path, "malformed header: key 'w' appears twice in the top-level object");
     }
     // Twice with different dtypes or spans: the file is refused either way.
-    expect_io_error(write_bytes("duplicate_tensor_dtype", "{" + w + ",\"w\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data),
+    expect_io_error(write_bytes("duplicate_tensor_dtype",
+                                "{" + w + ",\"w\":{\"dtype\":\"I32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data),
                     "key 'w' appears twice");
-    expect_io_error(write_bytes("duplicate_field", "{\"w\":{\"dtype\":\"F64\",\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}", data),
+    expect_io_error(write_bytes("duplicate_field",
+                                "{\"w\":{\"dtype\":\"F64\",\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}",
+                                data),
                     "key 'dtype' appears twice in the object of 'w'");
     expect_io_error(write_bytes("duplicate_metadata", "{\"__metadata__\":{\"k\":\"1\",\"k\":\"2\"}," + w + "}", data),
                     "key 'k' appears twice in the object of '__metadata__'");
     // Equal keys in different objects are fine.
-    const gattn::SafetensorsFile ok(write_bytes("same_key_elsewhere", "{\"__metadata__\":{\"w\":\"x\"}," + w + "}", data));
+    const gattn::SafetensorsFile ok(
+        write_bytes("same_key_elsewhere", "{\"__metadata__\":{\"w\":\"x\"}," + w + "}", data));
     EXPECT_EQ(ok.names(), std::vector<std::string>{"w"});
     EXPECT_EQ(ok.metadata().at("w"), "x");
 }
@@ -301,18 +305,23 @@ TEST(Safetensors, AllocatesNoMoreThanTheFileHolds) {
     };
     // 2^40 F32 elements (4 TiB) declared, offsets beyond the 8 bytes the file holds.
     const auto start = std::chrono::steady_clock::now();
-    const std::string huge = write_bytes(
-        "huge_shape", "{\"w\":{\"dtype\":\"F32\",\"shape\":[1099511627776],\"data_offsets\":[0,4398046511104]}}",
-        std::string(8, '\0'));
-    EXPECT_LT(largest_while([&] { expect_io_error(huge, "truncated: tensor 'w' spans bytes [0, 4398046511104) of a 8-byte data section"); }),
+    const std::string huge =
+        write_bytes("huge_shape",
+                    "{\"w\":{\"dtype\":\"F32\",\"shape\":[1099511627776],\"data_offsets\":[0,4398046511104]}}",
+                    std::string(8, '\0'));
+    EXPECT_LT(largest_while([&] {
+                  expect_io_error(huge,
+                                  "truncated: tensor 'w' spans bytes [0, 4398046511104) of a 8-byte data section");
+              }),
               kSmall);
     EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
     // The same shape over the 8 bytes that are there.
     EXPECT_LT(largest_while([&] {
-                  expect_io_error(write_bytes("huge_shape_in_file",
-                                              "{\"w\":{\"dtype\":\"F32\",\"shape\":[1099511627776],\"data_offsets\":[0,8]}}",
-                                              std::string(8, '\0')),
-                                  "8 bytes do not hold shape [1099511627776] of F32");
+                  expect_io_error(
+                      write_bytes("huge_shape_in_file",
+                                  "{\"w\":{\"dtype\":\"F32\",\"shape\":[1099511627776],\"data_offsets\":[0,8]}}",
+                                  std::string(8, '\0')),
+                      "8 bytes do not hold shape [1099511627776] of F32");
               }),
               kSmall);
     // A header length of 50 MB (under the format's 100 MB limit) in a file of 16 bytes.
@@ -322,12 +331,14 @@ TEST(Safetensors, AllocatesNoMoreThanTheFileHolds) {
         const std::uint64_t n = 50'000'000;
         for (int i = 0; i < 8; ++i) bytes[i] = static_cast<char>((n >> (8 * i)) & 0xff);
         std::ofstream(path, std::ios::binary) << bytes;
-        EXPECT_LT(largest_while([&] { expect_io_error(path, "truncated: header length 50000000 exceeds the 8 bytes after it"); }),
+        EXPECT_LT(largest_while(
+                      [&] { expect_io_error(path, "truncated: header length 50000000 exceeds the 8 bytes after it"); }),
                   kSmall);
     }
     // A tensor of a dtype that does not convert (F4: 2^20 elements in 512 KiB) is refused before
     // its bytes or 2^20 doubles are allocated.
-    const gattn::SafetensorsFile packed(write_file("packed_f4", {{"p", "F4", {1 << 20}, std::vector<unsigned char>(1 << 19)}}));
+    const gattn::SafetensorsFile packed(
+        write_file("packed_f4", {{"p", "F4", {1 << 20}, std::vector<unsigned char>(1 << 19)}}));
     EXPECT_LT(largest_while([&] { EXPECT_THROW(packed.values<double>("p"), gattn::io_error); }), kSmall);
     // Reading a tensor allocates its bytes and the result: here 4 KiB of F16 read as double.
     const gattn::SafetensorsFile f16(write_file("f16_4k", {{"h", "F16", {2048}, std::vector<unsigned char>(4096)}}));
@@ -357,7 +368,8 @@ TEST(Safetensors, RefusesHeadersNestedDeeperThan128) {
     const gattn::SafetensorsFile ok(write_bytes("depth_128", nested(126), std::string(4, '\0')));
     EXPECT_EQ(ok.names(), std::vector<std::string>{"w"});
     expect_io_error(write_bytes("depth_129", nested(127), std::string(4, '\0')), "JSON nested deeper than 128 levels");
-    expect_io_error(write_bytes("depth_100000", nested(100000), std::string(4, '\0')), "JSON nested deeper than 128 levels");
+    expect_io_error(write_bytes("depth_100000", nested(100000), std::string(4, '\0')),
+                    "JSON nested deeper than 128 levels");
 }
 
 }  // namespace

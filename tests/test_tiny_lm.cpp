@@ -5,10 +5,10 @@
 // themselves (KV-cache decoding in gattn), and the held-out negative log-likelihood.
 
 #include <algorithm>
-#include <cstdint>
-#include <limits>
 #include <cmath>
+#include <cstdint>
 #include <fstream>
+#include <limits>
 #include <sstream>
 #include <string>
 #include <type_traits>
@@ -134,13 +134,15 @@ void check_narrow_attention(const std::string& name, double logit_tol, double pe
 
     const double nll = tiny_lm::heldout_nll(model, read_file(kAssets + "/heldout.txt"), 256, 8);
     const double change = std::exp(nll - ref.heldout_nll) - 1;
-    EXPECT_LT(std::abs(change), perplexity_tol) << "perplexity " << std::exp(nll) << " against " << std::exp(ref.heldout_nll);
-    std::printf("%s, %s: logits within %.3g, perplexity %.4f against %.4f (%+.3f %%), greedy tokens "
-                "equal for %zu steps (first near tie at step %zu)\n",
-                name.c_str(), what, logit_err, std::exp(nll), std::exp(ref.heldout_nll), 100 * change,
-                static_cast<std::size_t>(std::mismatch(generated.begin(), generated.end(), ref.generated.begin()).first -
-                                         generated.begin()),
-                decidable);
+    EXPECT_LT(std::abs(change), perplexity_tol)
+        << "perplexity " << std::exp(nll) << " against " << std::exp(ref.heldout_nll);
+    std::printf(
+        "%s, %s: logits within %.3g, perplexity %.4f against %.4f (%+.3f %%), greedy tokens "
+        "equal for %zu steps (first near tie at step %zu)\n",
+        name.c_str(), what, logit_err, std::exp(nll), std::exp(ref.heldout_nll), 100 * change,
+        static_cast<std::size_t>(std::mismatch(generated.begin(), generated.end(), ref.generated.begin()).first -
+                                 generated.begin()),
+        decidable);
 }
 
 void check_bf16_attention(const std::string& name) {

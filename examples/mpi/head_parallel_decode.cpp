@@ -30,7 +30,9 @@ int main(int argc, char** argv) {
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     CLI::App app{"Prefill and decoding with a Qwen3-Next-shaped layer whose heads are split across the MPI ranks."};
     long prompt = 4096, steps = 8;
-    app.add_option("--prompt", prompt, "prompt tokens to prefill")->check(CLI::Range(1L, 1L << 20))->capture_default_str();
+    app.add_option("--prompt", prompt, "prompt tokens to prefill")
+        ->check(CLI::Range(1L, 1L << 20))
+        ->capture_default_str();
     app.add_option("--steps", steps, "tokens to decode after the prompt")
         ->check(CLI::Range(0L, 1L << 20))
         ->capture_default_str();
@@ -63,8 +65,8 @@ int main(int argc, char** argv) {
         w.k_norm_weight = gattn::Vector<float>::Zero(256);
         const gattn::HeadParallelQwen3Next<float> layer(c, w, MPI_COMM_WORLD);
         if (rank == 0)
-            std::printf("gattn %s: %s\n%d ranks\n", gattn::version(), gattn::describe(gattn::instruction_sets()).c_str(),
-                        size);
+            std::printf("gattn %s: %s\n%d ranks\n", gattn::version(),
+                        gattn::describe(gattn::instruction_sets()).c_str(), size);
         MPI_Barrier(MPI_COMM_WORLD);
         const gattn::HeadShard& sh = layer.shard();
         std::printf("rank %d: query heads %ld-%ld, KV heads %ld-%ld, %.1f MiB of weights\n", rank, long(sh.first_head),

@@ -113,9 +113,10 @@ Report run(const std::string& dir, const std::string& name, const std::string& h
 }  // namespace
 
 int main(int argc, char** argv) {
-    CLI::App app{"Runs the three tiny byte-level language models of assets/tiny_lm (a baseline, its G1-gated\n"
-                 "twin and its twin with learned sinks) through gattn: greedy samples, held-out perplexity,\n"
-                 "speed, attention-sink statistics."};
+    CLI::App app{
+        "Runs the three tiny byte-level language models of assets/tiny_lm (a baseline, its G1-gated\n"
+        "twin and its twin with learned sinks) through gattn: greedy samples, held-out perplexity,\n"
+        "speed, attention-sink statistics."};
     std::string dir = "assets/tiny_lm", csv = "tiny_lm_sink.csv";
     std::string prompt = "Q: How many programmers does it take to change a light bulb?\nA: ";
     app.add_option("assets_dir", dir, "directory with baseline/, gated/, sinks/ and heldout.txt")
@@ -136,8 +137,9 @@ int main(int argc, char** argv) {
         for (const char* name : {"baseline", "gated", "sinks"})
             reports.push_back(run(dir + "/" + name, name, heldout, prompt));
 
-        std::printf("Three byte-level models trained on Debian's fortunes, identical but for the attention's\n"
-                    "way out of a sink: none, the G1 gate, or a learned sink logit per head (gpt-oss).\n\n");
+        std::printf(
+            "Three byte-level models trained on Debian's fortunes, identical but for the attention's\n"
+            "way out of a sink: none, the G1 gate, or a learned sink logit per head (gpt-oss).\n\n");
         std::printf("Greedy sample, prompt \"%s\":\n", printable(prompt, true).c_str());
         for (const Report& r : reports)
             std::printf("[%s]\n    %s\n", r.name.c_str(), printable(r.sample, false).c_str());
@@ -152,11 +154,13 @@ int main(int argc, char** argv) {
             std::printf("%-9s %10lld %12.3f %10.3f %14.0f %13.0f\n", r.name.c_str(), r.parameters, std::exp(r.nll),
                         r.nll / std::log(2.0), r.prefill_tokens_per_s, r.decode_tokens_per_s);
 
-        std::printf("\nAttention sink and sparsity per layer (held-out text; F-Attn: mean attention on the first\n"
-                    "token over heads and queries 1..%lld, a sink's share not counted; M-Act: largest |hidden|\n"
-                    "after the layer)\n", window - 1);
-        std::printf("%-6s %12s %12s %12s %10s %12s %12s %12s\n", "", "F-Attn", "F-Attn", "F-Attn", "gate",
-                    "M-Act", "M-Act", "M-Act");
+        std::printf(
+            "\nAttention sink and sparsity per layer (held-out text; F-Attn: mean attention on the first\n"
+            "token over heads and queries 1..%lld, a sink's share not counted; M-Act: largest |hidden|\n"
+            "after the layer)\n",
+            window - 1);
+        std::printf("%-6s %12s %12s %12s %10s %12s %12s %12s\n", "", "F-Attn", "F-Attn", "F-Attn", "gate", "M-Act",
+                    "M-Act", "M-Act");
         std::printf("%-6s %12s %12s %12s %10s %12s %12s %12s\n", "layer", "baseline", "gated", "sinks", "mean",
                     "baseline", "gated", "sinks");
         const std::size_t L = reports[0].gate_mean.size();

@@ -195,8 +195,8 @@ inline std::string decode(const std::vector<int>& tokens) {
 /// prefixes. Runs `batch` windows at a time; `stats_each` (optional) sees each batch's stats.
 /// Throws std::invalid_argument when the text holds no full window.
 template <class Scalar, class Attention, class Cache, class F = std::nullptr_t>
-double heldout_nll(const TinyLM<Scalar, Attention, Cache>& model, const std::string& text, Index window, Index max_windows,
-                   Index batch = 8, F&& stats_each = nullptr) {
+double heldout_nll(const TinyLM<Scalar, Attention, Cache>& model, const std::string& text, Index window,
+                   Index max_windows, Index batch = 8, F&& stats_each = nullptr) {
     const std::vector<int> all = encode(text);
     const Index windows = std::min<Index>(max_windows, static_cast<Index>(all.size()) / window);
     if (windows < 1 || window < 2)

@@ -46,8 +46,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     fuzz_io::write_file(path, data, size);
     for (Index layer : {Index(-1), Index(0), Index(3), Index(47), std::numeric_limits<Index>::max()}) {
         gattn::Qwen3NextConfig c;
-        if (fuzz_io::only_throws<gattn::io_error, std::invalid_argument>(
-                "load_qwen3_next_config", [&] { c = gattn::load_qwen3_next_config(path, layer); }))
+        if (fuzz_io::only_throws<gattn::io_error, std::invalid_argument>("load_qwen3_next_config", [&] {
+                c = gattn::load_qwen3_next_config(path, layer);
+            }))
             check_config(c);
     }
     return 0;

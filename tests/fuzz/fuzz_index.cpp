@@ -78,8 +78,8 @@ const std::string& checkpoint_dir() {
         std::filesystem::create_directories(d / "sub");
         fuzz_io::write_file(d / "config.json", kConfig, std::strlen(kConfig));
         auto layer = [](const std::string& p, const std::string& name, const std::string& dtype) {
-            const std::vector<Index> shape = name == "q_proj.weight"   ? std::vector<Index>{16, 8}
-                                             : name == "o_proj.weight" ? std::vector<Index>{8, 8}
+            const std::vector<Index> shape = name == "q_proj.weight"                  ? std::vector<Index>{16, 8}
+                                             : name == "o_proj.weight"                ? std::vector<Index>{8, 8}
                                              : name.find("norm") != std::string::npos ? std::vector<Index>{4}
                                                                                       : std::vector<Index>{4, 8};
             return tensor(p + name, dtype, shape);
@@ -101,10 +101,12 @@ const std::string& checkpoint_dir() {
         }
         gattn_test::write_safetensors((d / "qwen35.safetensors").string(), qwen35);
         gattn_test::write_safetensors((d / "sub" / "all.safetensors").string(), all);
-        gattn_test::write_safetensors((d / "mismatched.safetensors").string(),
-                                      {tensor(l0 + "q_proj.weight", "F32", {10, 8}), tensor(l0 + "k_proj.weight", "I32", {4, 8}),
-                                       tensor(l0 + "v_proj.weight", "F32", {32}), tensor(l0 + "q_norm.weight", "U8", {4})});
-        gattn_test::write_safetensors((d / "broken.safetensors").string(), {layer(l0, "o_proj.weight", "F32")}, "", 100);
+        gattn_test::write_safetensors(
+            (d / "mismatched.safetensors").string(),
+            {tensor(l0 + "q_proj.weight", "F32", {10, 8}), tensor(l0 + "k_proj.weight", "I32", {4, 8}),
+             tensor(l0 + "v_proj.weight", "F32", {32}), tensor(l0 + "q_norm.weight", "U8", {4})});
+        gattn_test::write_safetensors((d / "broken.safetensors").string(), {layer(l0, "o_proj.weight", "F32")}, "",
+                                      100);
         return d.string();
     }();
     return dir;
@@ -124,14 +126,16 @@ template <class M>
 void check_weight(const char* name, const M& m, Index rows, Index cols) {
     FUZZ_CHECK(m.rows() == rows && m.cols() == cols, std::string(name) + " has the wrong shape");
     for (Index i = 0; i < m.size(); ++i)
-        FUZZ_CHECK(static_cast<float>(m.data()[i]) == pattern(i), std::string(name) + ": wrong value at " + std::to_string(i));
+        FUZZ_CHECK(static_cast<float>(m.data()[i]) == pattern(i),
+                   std::string(name) + ": wrong value at " + std::to_string(i));
 }
 
 template <class Scalar>
 void load(const std::string& dir) {
     gattn::Qwen3NextAttentionWeights<Scalar> w;
-    if (!fuzz_io::only_throws<gattn::io_error, gattn::shape_error>(
-            "load_qwen3_next_attention_weights", [&] { w = gattn::load_qwen3_next_attention_weights<Scalar>(dir, 0, config()); }))
+    if (!fuzz_io::only_throws<gattn::io_error, gattn::shape_error>("load_qwen3_next_attention_weights", [&] {
+            w = gattn::load_qwen3_next_attention_weights<Scalar>(dir, 0, config());
+        }))
         return;
     check_weight("q_proj.weight", w.q_proj_weight, 16, 8);
     check_weight("k_proj.weight", w.k_proj_weight, 4, 8);

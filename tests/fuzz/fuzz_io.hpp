@@ -33,7 +33,8 @@ inline const std::filesystem::path& temp_dir() {
             const std::string name = entry.path().filename().string();
             if (name.compare(0, prefix.size(), prefix) != 0) continue;
             const std::string digits = name.substr(prefix.size());
-            if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+            if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos)
+                continue;
             const pid_t pid = static_cast<pid_t>(std::stol(digits));
             if (pid != ::getpid() && ::kill(pid, 0) != 0 && errno == ESRCH) fs::remove_all(entry.path(), ec);
         }

@@ -73,7 +73,8 @@ template <class Scalar>
 void check_values(const gattn::SafetensorsFile& file, const std::string& name, const gattn::TensorInfo& t,
                   const std::uint8_t* p) {
     std::vector<Scalar> v;
-    const bool read = fuzz_io::only_throws<gattn::io_error>("SafetensorsFile::values", [&] { v = file.values<Scalar>(name); });
+    const bool read =
+        fuzz_io::only_throws<gattn::io_error>("SafetensorsFile::values", [&] { v = file.values<Scalar>(name); });
     const std::size_t width = element_bytes(t.dtype);
     FUZZ_CHECK(read == (width != 0), "tensor '" + name + "' of dtype " + t.dtype + (read ? " read" : " did not read"));
     if (!read) return;
@@ -165,10 +166,11 @@ void check_file(const gattn::SafetensorsFile& file, const std::uint8_t* data, st
         FUZZ_CHECK(m.size() == t.numel(), "tensor '" + name + "': matrix of the wrong size");
         FUZZ_CHECK(m.cols() == (t.shape.empty() ? 1 : t.shape.back()), "tensor '" + name + "': matrix columns");
         gattn::Vector<double> vec;
-        const bool one_d = fuzz_io::only_throws<gattn::io_error, gattn::shape_error>(
-            "SafetensorsFile::vector", [&] { vec = file.vector<double>(name); });
-        FUZZ_CHECK(one_d == (t.shape.size() == 1), "tensor '" + name + "': vector() of a " +
-                                                        std::to_string(t.shape.size()) + "-D tensor");
+        const bool one_d = fuzz_io::only_throws<gattn::io_error, gattn::shape_error>("SafetensorsFile::vector", [&] {
+            vec = file.vector<double>(name);
+        });
+        FUZZ_CHECK(one_d == (t.shape.size() == 1),
+                   "tensor '" + name + "': vector() of a " + std::to_string(t.shape.size()) + "-D tensor");
         if (one_d) FUZZ_CHECK(vec.size() == t.numel(), "tensor '" + name + "': vector of the wrong size");
     }
     FUZZ_CHECK(covered == data_size, "the tensors do not cover the data section");

@@ -192,17 +192,18 @@ public:
         // while being read.
         for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}}) {
             if (gattn::detail::views_overlap(*view, m_keys) || gattn::detail::views_overlap(*view, m_values) ||
-                gattn::detail::views_overlap(*view, m_key_scales) || gattn::detail::views_overlap(*view, m_value_scales))
+                gattn::detail::views_overlap(*view, m_key_scales) ||
+                gattn::detail::views_overlap(*view, m_value_scales))
                 detail::throw_invalid(fn, name, "must not share an element with the cache's keys or values");
             if constexpr (kInt8)  // int8 codes stand for finite values only
                 for (Index b = 0; b < B; ++b)
                     for (Index r = b * n; r < b * n + counts[b]; ++r)
                         for (Index c = 0; c < view->cols(); ++c)
                             if (!std::isfinite((*view)(r, c)))
-                                detail::throw_invalid(fn, name, "row " + std::to_string(r) + ", column " +
-                                                                    std::to_string(c) + " is " +
-                                                                    std::to_string((*view)(r, c)) +
-                                                                    ": an int8 cache stores finite values only");
+                                detail::throw_invalid(fn, name,
+                                                      "row " + std::to_string(r) + ", column " + std::to_string(c) +
+                                                          " is " + std::to_string((*view)(r, c)) +
+                                                          ": an int8 cache stores finite values only");
         }
         if (m_window > 0) make_room(counts);
         for (Index b = 0; b < B; ++b) {
@@ -298,7 +299,8 @@ private:
             if (capacity != m_capacity) {
                 M grown(B * capacity, m.cols());
                 for (Index b = 0; b < B; ++b)
-                    grown.middleRows(b * capacity, keep[b]) = m.middleRows(b * m_capacity + m_lengths[b] - keep[b], keep[b]);
+                    grown.middleRows(b * capacity, keep[b]) =
+                        m.middleRows(b * m_capacity + m_lengths[b] - keep[b], keep[b]);
                 m.swap(grown);
                 return;
             }

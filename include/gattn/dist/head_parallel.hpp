@@ -65,9 +65,8 @@ inline HeadShard head_shard(Index num_heads, Index num_kv_heads, int rank, int s
 /// \throws std::invalid_argument for an invalid config (validate_qwen3_next_config) or a shard
 ///         outside it; shape_error for weights of the wrong shapes.
 template <class Scalar>
-std::pair<Qwen3NextConfig, Qwen3NextAttentionWeights<Scalar>> shard_qwen3_next(const Qwen3NextConfig& c,
-                                                                             const Qwen3NextAttentionWeights<Scalar>& w,
-                                                                             const HeadShard& s) {
+std::pair<Qwen3NextConfig, Qwen3NextAttentionWeights<Scalar>> shard_qwen3_next(
+    const Qwen3NextConfig& c, const Qwen3NextAttentionWeights<Scalar>& w, const HeadShard& s) {
     constexpr const char* fn = "gattn::shard_qwen3_next";
     validate_qwen3_next_config(c, fn);
     const auto shapes = qwen3_next_weight_shapes(c);
@@ -111,7 +110,10 @@ public:
     ///         (head_shard), and what the Qwen3NextAttention constructor throws.
     HeadParallelQwen3Next(const Qwen3NextConfig& config, const Qwen3NextAttentionWeights<Scalar>& weights,
                           MPI_Comm comm)
-        : m_comm(comm), m_config(config), m_shard(shard_of(config, comm)), m_local(local_layer(config, weights, m_shard)) {}
+        : m_comm(comm),
+          m_config(config),
+          m_shard(shard_of(config, comm)),
+          m_local(local_layer(config, weights, m_shard)) {}
 
     /// The whole layer's config.
     const Qwen3NextConfig& config() const noexcept { return m_config; }

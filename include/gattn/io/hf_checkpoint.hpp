@@ -192,7 +192,8 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
             if (!detail::is_shard_name(file))
                 throw io_error(std::string(fn) + ": " + index.string() + ": weight_map entry '" + it.key() +
                                "' must name a file inside the checkpoint directory (a relative path without "
-                               "'..'), got " + it.value().dump());
+                               "'..'), got " +
+                               it.value().dump());
             file_of[it.key()] = (fs::path(dir) / file).string();
         }
     } else if (!exists(single)) {

@@ -44,14 +44,15 @@ nlohmann::json parse_json(Input&& input, bool unique_keys, const Fail& fail) {
             case Event::array_start:
                 if (depth >= json_max_depth)
                     fail("JSON nested deeper than " + std::to_string(json_max_depth) + " levels");
-                if (unique_keys && event == Event::object_start) objects.emplace_back(std::set<std::string>{}, last_key.back());
+                if (unique_keys && event == Event::object_start)
+                    objects.emplace_back(std::set<std::string>{}, last_key.back());
                 last_key.emplace_back();
                 break;
             case Event::key:
                 last_key.back() = parsed.get<std::string>();
                 if (unique_keys && !objects.back().first.insert(last_key.back()).second)
                     fail("key '" + last_key.back() + "' appears twice in " +
-                         (depth == 1                        ? std::string("the top-level object")
+                         (depth == 1                      ? std::string("the top-level object")
                           : objects.back().second.empty() ? std::string("an object in an array")
                                                           : "the object of '" + objects.back().second + "'"));
                 break;
@@ -60,8 +61,7 @@ nlohmann::json parse_json(Input&& input, bool unique_keys, const Fail& fail) {
                 if (unique_keys && event == Event::object_end) objects.pop_back();
                 last_key.pop_back();
                 break;
-            case Event::value:
-                break;
+            case Event::value: break;
         }
         return true;
     };

@@ -160,8 +160,9 @@ public:
 
         // Tensor names and entry fields must be unique, as the reference reader requires (a
         // parsed document would keep only the last of two equal keys).
-        const nlohmann::json j = detail::parse_json(header, /*unique_keys=*/true,
-                                                    [&](const std::string& what) { fail("malformed header: " + what); });
+        const nlohmann::json j = detail::parse_json(header, /*unique_keys=*/true, [&](const std::string& what) {
+            fail("malformed header: " + what);
+        });
         if (!j.is_object()) fail("malformed header: not a JSON object");
         for (auto it = j.begin(); it != j.end(); ++it) {
             const std::string& name = it.key();

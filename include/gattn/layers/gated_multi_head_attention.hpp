@@ -357,8 +357,8 @@ public:
 private:
     /// The caches the layer takes: its Scalar, and int8 when it computes in float.
     template <class CacheScalar>
-    static constexpr bool takes_cache_v =
-        std::is_same_v<CacheScalar, Scalar> || (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>);
+    static constexpr bool takes_cache_v = std::is_same_v<CacheScalar, Scalar> ||
+                                          (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>);
 
     /// Refuses a trace matrix that holds x, out or the bias: the trace's matrices are resized,
     /// which frees their storage.
@@ -526,8 +526,9 @@ private:
             gattn::detail::sdpa_with_epilogue_to<Q, T, std::decay_t<decltype(gate_epilogue)>, Operand>(
                 q_in, keys, values, layout, u, sdpa, extra, gate_epilogue);
         } else {
-            gattn::detail::sdpa_with_epilogue_to<Q, T, gattn::detail::NoEpilogue, Operand>(
-                q_in, keys, values, layout, u, sdpa, extra, gattn::detail::NoEpilogue{});
+            gattn::detail::sdpa_with_epilogue_to<Q, T, gattn::detail::NoEpilogue, Operand>(q_in, keys, values, layout,
+                                                                                           u, sdpa, extra,
+                                                                                           gattn::detail::NoEpilogue{});
         }
 
         // A window cache that dropped a sequence's first token: no new token sees token 0 (row 0

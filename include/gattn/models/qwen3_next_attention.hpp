@@ -316,8 +316,8 @@ public:
 private:
     /// The caches the layer takes: its Scalar, and int8 when it computes in float.
     template <class CacheScalar>
-    static constexpr bool takes_cache_v =
-        std::is_same_v<CacheScalar, Scalar> || (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>);
+    static constexpr bool takes_cache_v = std::is_same_v<CacheScalar, Scalar> ||
+                                          (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>);
 
     /// forward's arithmetic on validated arguments, in the compute type.
     template <class CacheScalar>

@@ -391,7 +391,9 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
     auto load = [&](Index kk, Index d) {
         return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + kk * key_stride + d)));
     };
-    auto to_float = [&](__m512i a, int r) { return B(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(q_scale[r]))); };
+    auto to_float = [&](__m512i a, int r) {
+        return B(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(q_scale[r])));
+    };
     Index kk = 0;
     for (; kk + 4 <= nk; kk += 4) {
         __m512i a[R][4];
@@ -412,7 +414,8 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
         for (int r = 0; r < R; ++r) {
             __m512i a = _mm512_setzero_si512();
             if (kk < nk)
-                for (Index d = 0; d < dk; d += 32) a = _mm512_dpwssd_epi32(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
+                for (Index d = 0; d < dk; d += 32)
+                    a = _mm512_dpwssd_epi32(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
             dots[r][kk] = to_float(a, r);
         }
 }
@@ -433,9 +436,9 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
 /// the bf16 query rows q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row
 /// sums l add the rounded weights. The states' sums are in feature order on return.
 template <class T, class KV = T, bool kDot = false>
-void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin,
-                  Index k_end, const KV* key_base, Index key_stride, const KV* value_base, Index value_stride,
-                  Index dk, Index dv, T scale, bool from_memory, [[maybe_unused]] const KV* const* q16 = nullptr,
+void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin, Index k_end,
+                  const KV* key_base, Index key_stride, const KV* value_base, Index value_stride, Index dk, Index dv,
+                  T scale, bool from_memory, [[maybe_unused]] const KV* const* q16 = nullptr,
                   [[maybe_unused]] const Int8Scales& scales = {}) {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
@@ -533,22 +536,27 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                 with_constant<kDecodeRows + 1>(rows, [&](auto rows_constant) {
                     constexpr int R = decltype(rows_constant)::value;
                     if constexpr (R > 0) {
+                        // The logits' dot products: VDPBF16PS (bf16), VPDPWSSD (int8), or FMAs.
+                        bool products_done = false;
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
-                        if constexpr (kDot)
+                        if constexpr (kDot) {
                             decode_bf16::logits<R>(q16 + g * FlashGeometry<T>::kQueries + t0, key + j0 * key_stride,
                                                    key_stride, nk, dk, dots);
-                        else
+                            products_done = true;
+                        }
 #endif
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
-                        if (int8_dot) {
-                            if constexpr (kInt8) {
+                        if constexpr (kInt8) {
+                            if (int8_dot) {
                                 const std::int16_t* qc[R];
                                 for (int r = 0; r < R; ++r) qc[r] = q_codes.data() + (g * kRowsPerHead + t0 + r) * dk;
                                 decode_int8::logits<R>(qc, q_scales.data() + g * kRowsPerHead + t0,
                                                        key + j0 * key_stride, key_stride, nk, dk, dots);
+                                products_done = true;
                             }
-                        } else
+                        }
 #endif
+                        if (!products_done)
                             group_logits<T, R, KV>(blk.q + t0, key + j0 * key_stride, key_stride, nk, dk_vec, dots);
                         for (int r = 0; r < R; ++r) {
                             // Logits of row t from its dot-product registers, masked (−∞: key

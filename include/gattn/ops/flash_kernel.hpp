@@ -686,9 +686,9 @@ enum class OutputWrites {
 /// head at scales.key[r·scales.stride], ops/int8_rows.hpp), dequantized key block by key block
 /// into the scratch (FlashScratch::reserve with int8), never as a whole.
 template <class T, class OnBlock, class KV = T>
-void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* key, Index key_stride,
-                            const KV* value, Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s,
-                            OutputWrites writes, const OnBlock& on_block, [[maybe_unused]] const Int8Scales& scales = {}) {
+void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* key, Index key_stride, const KV* value,
+                            Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s, OutputWrites writes,
+                            const OnBlock& on_block, [[maybe_unused]] const Int8Scales& scales = {}) {
     static_assert(std::is_same_v<KV, T> || (std::is_same_v<KV, std::int8_t> && std::is_same_v<T, float>),
                   "keys and values of the query type, or int8 codes with float queries");
     using G = FlashGeometry<T>;
@@ -709,7 +709,8 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
         if constexpr (std::is_same_v<KV, std::int8_t>) {
             for (Index r = 0; r < nk; ++r) {
                 const Index j = k0 + r;
-                dequantize_int8_row(key + j * key_stride, scales.key[j * scales.stride], s.key_rows.data() + r * dk, dk);
+                dequantize_int8_row(key + j * key_stride, scales.key[j * scales.stride], s.key_rows.data() + r * dk,
+                                    dk);
                 dequantize_int8_row(value + j * value_stride, scales.value[j * scales.stride],
                                     s.value_rows.data() + r * dv, dv);
             }
@@ -737,8 +738,8 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
         }
         for (int i = 0; i < count; ++i)
             if (state[i].union_begin < state[i].union_end && state[i].first_block() <= k0 && k0 < state[i].union_end)
-                flash_step(blocks[i], state[i], k0, key_block, ks, value_block, vs, dk, dv, s.qt[i].data(),
-                           s.st.data(), s.ot[i].data());
+                flash_step(blocks[i], state[i], k0, key_block, ks, value_block, vs, dk, dv, s.qt[i].data(), s.st.data(),
+                           s.ot[i].data());
     }
     T* staged[G::kQueries] = {};
     if (writes == OutputWrites::Staged)

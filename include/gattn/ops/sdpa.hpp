@@ -508,8 +508,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         for (int t = 0; t < count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
     };
     // Decoding a cache that does not fit in cache reads ahead with loads (decode_chunk).
-    const bool decode_from_memory =
-        decode && B * Nk * Hkv * (dk + dv) * Index(sizeof(KVElem)) > kernel::kDecodeFromMemoryBytes;
+    const bool decode_from_memory = decode &&
+                                    B * Nk * Hkv * (dk + dv) * Index(sizeof(KVElem)) > kernel::kDecodeFromMemoryBytes;
     // int8: the scales of sequence b's first key and value row, KV head g.
     auto int8_scales = [&]([[maybe_unused]] Index b, [[maybe_unused]] Index g) {
         kernel::Int8Scales sc;
@@ -604,9 +604,9 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                     }
                 }
 #endif
-                kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(),
-                                                value_seq, value.outerStride(), dk, dv, scale, decode_from_memory,
-                                                nullptr, int8_scales(b, 0));
+                kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(), value_seq,
+                                                value.outerStride(), dk, dv, scale, decode_from_memory, nullptr,
+                                                int8_scales(b, 0));
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.
