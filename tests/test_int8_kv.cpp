@@ -143,8 +143,8 @@ void check_case(const Case& c) {
 
     // The decoding kernel's integer products take the query rounded to 16-bit codes per head.
     Mat q_ref = q.cast<double>();
-    const bool decode = (c.H / c.Hkv) * c.Nq <= gattn::kernel::FlashGeometry<float>::kQueries / 4;
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
+    const bool decode = (c.H / c.Hkv) * c.Nq <= gattn::kernel::FlashGeometry<float>::kQueries / 4;
     if (decode && gattn::kernel::decode_int8::takes(c.dk))
         for (Index r = 0; r < q.rows(); ++r)
             for (Index h = 0; h < c.H; ++h) {
