@@ -127,8 +127,7 @@ void BM_Qwen3NextDecodeStep(benchmark::State& state) {
     DecodeStep<Storage> step(state.range(0), state.range(1), static_cast<int>(state.range(2)));
     for (auto _ : state) step.run();
     state.counters["steps/s"] = benchmark::Counter(1.0, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["tokens/s"] =
-        benchmark::Counter(double(step.batch), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["tokens/s"] = benchmark::Counter(double(step.batch), benchmark::Counter::kIsIterationInvariantRate);
     state.SetLabel(DecodeStep<Storage>::label());
 }
 

@@ -110,8 +110,7 @@ bool table_allows(const GateSpec& s) {
         case GatePosition::G1:
             if ((specific || shared_elem) && (mul || add) && input && separate) return true;
             if (specific && (mul || add) && input && !separate && !s.bias) return true;
-            if (elem && specific && mul && s.source == GateSource::InputIndependent && separate && !s.bias)
-                return true;
+            if (elem && specific && mul && s.source == GateSource::InputIndependent && separate && !s.bias) return true;
             if (!elem && specific && mul && s.source == GateSource::Query && separate) return true;
             return false;
         case GatePosition::G2: return (specific || shared_elem) && mul && input && separate;
@@ -125,16 +124,15 @@ bool table_allows(const GateSpec& s) {
 /// Every GateSpec the enums can express (positions × all fields × bias).
 std::vector<GateSpec> all_gate_specs() {
     std::vector<GateSpec> out;
-    for (auto pos : {GatePosition::None, GatePosition::G1, GatePosition::G2, GatePosition::G3,
-                     GatePosition::G4, GatePosition::G5})
+    for (auto pos :
+         {GatePosition::None, GatePosition::G1, GatePosition::G2, GatePosition::G3, GatePosition::G4, GatePosition::G5})
         for (auto gran : {GateGranularity::Elementwise, GateGranularity::Headwise})
             for (auto share : {GateSharing::HeadSpecific, GateSharing::HeadShared})
                 for (auto comb : {GateCombine::Multiplicative, GateCombine::Additive, GateCombine::ResidualMix})
-                    for (auto act : {GateActivation::Sigmoid, GateActivation::SiLU,
-                                     GateActivation::NonSparseSigmoid})
+                    for (auto act : {GateActivation::Sigmoid, GateActivation::SiLU, GateActivation::NonSparseSigmoid})
                         for (auto src : {GateSource::Input, GateSource::InputIndependent, GateSource::Query})
-                            for (auto lay : {GateLayout::Separate, GateLayout::PerHeadInterleaved,
-                                             GateLayout::GroupedByKV})
+                            for (auto lay :
+                                 {GateLayout::Separate, GateLayout::PerHeadInterleaved, GateLayout::GroupedByKV})
                                 for (bool bias : {false, true}) {
                                     GateSpec s;
                                     s.position = pos;
@@ -168,9 +166,9 @@ struct LayerShape {
     std::optional<double> scale;
     std::vector<Index> key_lengths;
     bool record_probabilities;
-    bool sinks = false;  ///< learned attention sinks beside the gate
-    double softcap = 0;  ///< logit softcap (0: none)
-    bool alibi = false;  ///< ALiBi with the standard slopes
+    bool sinks = false;    ///< learned attention sinks beside the gate
+    double softcap = 0;    ///< logit softcap (0: none)
+    bool alibi = false;    ///< ALiBi with the standard slopes
     Index rotary_dim = 0;  ///< RoPE (0: none)
     gattn::RopeStyle rope_style = gattn::RopeStyle::NeoX;
     gattn::QkNorm qk_norm = gattn::QkNorm::None;
@@ -181,17 +179,54 @@ const LayerShape kMhaKeyLengths{"MhaKeyLengths", 24, 4, 4, 6, 5, 1, 7, false, fa
 const LayerShape kGqaCausalSinks{"GqaCausalSinks", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {}, false, true};
 // Softcap 0.25 bends the logits of these random weights (mostly within ±1); ALiBi's slopes for 4 heads
 // (1/4 … 1/256) are exact in every storage type.
-const LayerShape kGqaCausalSoftcapAlibi{"GqaCausalSoftcapAlibi", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {},
-                                        true, false, 0.25, true};
+const LayerShape kGqaCausalSoftcapAlibi{
+    "GqaCausalSoftcapAlibi", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {}, true, false, 0.25, true};
 // Llama/Qwen3-style (full NeoX RoPE, plain q/k RMSNorm) and GPT-J-style (partial interleaved
 // RoPE, Qwen3-Next's zero-centred norm) queries and keys.
-const LayerShape kGqaCausalRopeNorm{"GqaCausalRopeNorm", 24, 4, 2, 6, 5, 2, 5, true, true, true, {}, {}, {},
-                                    true, false, 0, false, 6, gattn::RopeStyle::NeoX, gattn::QkNorm::RmsNorm};
-const LayerShape kMhaKeyLengthsGptJ{"MhaKeyLengthsGptJ", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5},
-                                    true, false, 0, false, 4, gattn::RopeStyle::GptJ,
+const LayerShape kGqaCausalRopeNorm{"GqaCausalRopeNorm",
+                                    24,
+                                    4,
+                                    2,
+                                    6,
+                                    5,
+                                    2,
+                                    5,
+                                    true,
+                                    true,
+                                    true,
+                                    {},
+                                    {},
+                                    {},
+                                    true,
+                                    false,
+                                    0,
+                                    false,
+                                    6,
+                                    gattn::RopeStyle::NeoX,
+                                    gattn::QkNorm::RmsNorm};
+const LayerShape kMhaKeyLengthsGptJ{"MhaKeyLengthsGptJ",
+                                    24,
+                                    4,
+                                    4,
+                                    6,
+                                    5,
+                                    1,
+                                    7,
+                                    false,
+                                    false,
+                                    false,
+                                    3,
+                                    0.3,
+                                    {5},
+                                    true,
+                                    false,
+                                    0,
+                                    false,
+                                    4,
+                                    gattn::RopeStyle::GptJ,
                                     gattn::QkNorm::ZeroCentredRmsNorm};
-const LayerShape kMhaKeyLengthsSinks{"MhaKeyLengthsSinks", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5},
-                                     true, true};
+const LayerShape kMhaKeyLengthsSinks{
+    "MhaKeyLengthsSinks", 24, 4, 4, 6, 5, 1, 7, false, false, false, 3, 0.3, {5}, true, true};
 
 /// The config for a spec and shape; d_v differs from d_k unless the spec fuses an elementwise
 /// gate into q_proj (which requires d_v = d_k).
@@ -247,8 +282,7 @@ void run_layer_case(const GateSpec& spec, const LayerShape& sh) {
         EXPECT_EQ(trace.gate_scores.size(), 0);
         EXPECT_TRUE(std::isnan(trace.mean_gate_score()));
     }
-    expect_close(trace.first_key_attention, ref.first_key_attention, T::atol, T::rtol,
-                 label + "/first_key_attention");
+    expect_close(trace.first_key_attention, ref.first_key_attention, T::atol, T::rtol, label + "/first_key_attention");
     EXPECT_NEAR(trace.first_token_attention_share(), ref.first_key_attention.mean(), T::atol);
     if (sh.record_probabilities)
         expect_close(trace.probabilities, ref.probabilities, T::atol, T::rtol, label + "/probabilities");
@@ -264,8 +298,8 @@ void run_layer_case(const GateSpec& spec, const LayerShape& sh) {
 /// against the float64 layer_reference on the whole padded batch (causal, key lengths {7, 5}).
 /// Padding slots of a call, where the gate does not act on the output, give o_proj's bias.
 template <class S>
-void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sinks = false,
-                     bool softcap_alibi = false, bool rope = false) {
+void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sinks = false, bool softcap_alibi = false,
+                     bool rope = false) {
     const std::string label = std::string("Decode") + type_label<S>() + (window ? "/Window" : "") +
                               (sinks ? "/Sinks" : "") + (softcap_alibi ? "/SoftcapAlibi" : "") +
                               (rope ? "/RopeNorm" : "") + "/" + spec_name(spec);
@@ -290,8 +324,9 @@ void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sin
     const Mat x = gattn_test::rounded<A>(gattn_test::random_matrix(B * N, sh.D, 4343u));
     const auto ref = gattn_test::layer_reference(c, gattn_test::weights_to_double(w), x, B, lengths);
     using T = LayerTol<S>;
-    const bool u_zero_gives_bias = spec.position != gattn::GatePosition::G5 &&
-                                   !(spec.position == gattn::GatePosition::G1 && spec.combine == gattn::GateCombine::Additive);
+    const bool u_zero_gives_bias =
+        spec.position != gattn::GatePosition::G5 &&
+        !(spec.position == gattn::GatePosition::G1 && spec.combine == gattn::GateCombine::Additive);
 
     const Mat o_bias = gattn_test::weights_to_double(w).o_proj_bias.transpose();
     auto cache = layer.make_cache(B, 8);
@@ -315,7 +350,8 @@ void run_decode_case(const GateSpec& spec, std::optional<Index> window, bool sin
                 const std::string where = label + " sequence " + std::to_string(b) + " slot " + std::to_string(t) +
                                           " after " + std::to_string(before[b]) + " tokens";
                 if (t >= counts[b]) {
-                    if (u_zero_gives_bias) expect_close(out.row(b * n + t), o_bias, T::atol, T::rtol, where + " (padding)");
+                    if (u_zero_gives_bias)
+                        expect_close(out.row(b * n + t), o_bias, T::atol, T::rtol, where + " (padding)");
                     continue;
                 }
                 const Index row = b * N + before[b] + t;
@@ -553,34 +589,45 @@ TEST(GateWeights, WrongShapesNameTheParameter) {
     GateSpec biased = GateSpec::g1_elementwise();
     biased.bias = true;
     const auto c = small_config(biased);
-    expect_weight_error(c, [](auto& w) { w.gate_proj_weight.resize(w.gate_proj_weight.rows() + 1, w.gate_proj_weight.cols()); },
-                        "gate_proj.weight");
-    expect_weight_error(c, [](auto& w) { w.gate_proj_weight.resize(0, 0); }, "gate_proj.weight");
-    expect_weight_error(c, [](auto& w) { w.gate_proj_weight.transposeInPlace(); }, "gate_proj.weight");
-    expect_weight_error(c, [](auto& w) { w.gate_proj_bias.resize(3); }, "gate_proj.bias");
-    expect_weight_error(c, [](auto& w) { w.o_proj_weight.transposeInPlace(); }, "o_proj.weight");
-    expect_weight_error(c, [](auto& w) { w.k_proj_bias.resize(0); }, "k_proj.bias");
+    expect_weight_error(
+        c, [](auto& w) { w.gate_proj_weight.resize(w.gate_proj_weight.rows() + 1, w.gate_proj_weight.cols()); },
+        "gate_proj.weight");
+    expect_weight_error(
+        c, [](auto& w) { w.gate_proj_weight.resize(0, 0); }, "gate_proj.weight");
+    expect_weight_error(
+        c, [](auto& w) { w.gate_proj_weight.transposeInPlace(); }, "gate_proj.weight");
+    expect_weight_error(
+        c, [](auto& w) { w.gate_proj_bias.resize(3); }, "gate_proj.bias");
+    expect_weight_error(
+        c, [](auto& w) { w.o_proj_weight.transposeInPlace(); }, "o_proj.weight");
+    expect_weight_error(
+        c, [](auto& w) { w.k_proj_bias.resize(0); }, "k_proj.bias");
 
     // A given but unused parameter is refused too.
     const auto ungated = small_config(GateSpec{});
-    expect_weight_error(ungated, [](auto& w) { w.gate_theta = gattn::RowMatrix<float>::Ones(4, 5); }, "gate_theta");
+    expect_weight_error(
+        ungated, [](auto& w) { w.gate_theta = gattn::RowMatrix<float>::Ones(4, 5); }, "gate_theta");
 
     // Fused layout: q_proj must carry the gate rows.
     const auto fused = small_config(GateSpec::g1_headwise(GateLayout::PerHeadInterleaved));
-    expect_weight_error(fused, [](auto& w) { w.q_proj_weight.conservativeResize(4 * 6, 24); }, "q_proj.weight");
-    expect_weight_error(fused, [](auto& w) { w.q_proj_bias.conservativeResize(4 * 6); }, "q_proj.bias");
+    expect_weight_error(
+        fused, [](auto& w) { w.q_proj_weight.conservativeResize(4 * 6, 24); }, "q_proj.weight");
+    expect_weight_error(
+        fused, [](auto& w) { w.q_proj_bias.conservativeResize(4 * 6); }, "q_proj.bias");
 
     // Query-sourced gate: gate_proj is [H, d_k], not [H, D].
     GateSpec query = GateSpec::g1_headwise();
     query.source = GateSource::Query;
     const auto qc = small_config(query);
-    expect_weight_error(qc, [](auto& w) { w.gate_proj_weight = gattn::RowMatrix<float>::Ones(4, 24); }, "gate_proj.weight");
+    expect_weight_error(
+        qc, [](auto& w) { w.gate_proj_weight = gattn::RowMatrix<float>::Ones(4, 24); }, "gate_proj.weight");
 
     // Input-independent gate: gate_theta is [H, d_v].
     GateSpec indep = GateSpec::g1_elementwise();
     indep.source = GateSource::InputIndependent;
     const auto ic = small_config(indep);
-    expect_weight_error(ic, [](auto& w) { w.gate_theta = gattn::RowMatrix<float>::Ones(4, 6); }, "gate_theta");
+    expect_weight_error(
+        ic, [](auto& w) { w.gate_theta = gattn::RowMatrix<float>::Ones(4, 6); }, "gate_theta");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -648,8 +695,12 @@ TYPED_TEST_SUITE(GateKernels, Scalars, ScalarNames);
 /// Extreme values placed at every lane position of full registers and of the tail.
 template <class S>
 std::vector<S> extreme_array(std::size_t n) {
-    const S v[] = {S(-1000), S(1000), -std::numeric_limits<S>::infinity(),
-                   std::numeric_limits<S>::infinity(), std::numeric_limits<S>::quiet_NaN(), S(0)};
+    const S v[] = {S(-1000),
+                   S(1000),
+                   -std::numeric_limits<S>::infinity(),
+                   std::numeric_limits<S>::infinity(),
+                   std::numeric_limits<S>::quiet_NaN(),
+                   S(0)};
     std::vector<S> z(n);
     for (std::size_t i = 0; i < n; ++i) z[i] = v[i % 6];
     return z;
@@ -664,10 +715,10 @@ TYPED_TEST(GateKernels, SigmoidSaturatesExactly) {
         for (std::size_t i = 0; i < n; ++i) {
             SCOPED_TRACE("n = " + std::to_string(n) + ", i = " + std::to_string(i) + ", z = " + std::to_string(z[i]));
             switch (i % 6) {
-                case 0: EXPECT_EQ(out[i], S(0)); break;   // σ(−1000)
-                case 1: EXPECT_EQ(out[i], S(1)); break;   // σ(1000)
-                case 2: EXPECT_EQ(out[i], S(0)); break;   // σ(−∞)
-                case 3: EXPECT_EQ(out[i], S(1)); break;   // σ(+∞)
+                case 0: EXPECT_EQ(out[i], S(0)); break;  // σ(−1000)
+                case 1: EXPECT_EQ(out[i], S(1)); break;  // σ(1000)
+                case 2: EXPECT_EQ(out[i], S(0)); break;  // σ(−∞)
+                case 3: EXPECT_EQ(out[i], S(1)); break;  // σ(+∞)
                 case 4: EXPECT_TRUE(std::isnan(out[i])); break;
                 case 5: EXPECT_EQ(out[i], S(0.5)); break;
             }
@@ -728,8 +779,8 @@ template <class S>
 std::vector<double> logit_grid() {
     std::vector<double> g;
     for (double z = -120.0; z <= 120.0; z += 0.173) g.push_back(static_cast<double>(static_cast<S>(z)));
-    for (double z : {-1000.0, -745.0, -710.0, -104.0, -89.0, -88.7, -88.0, -87.0, -30.0, -1e-3, -1e-7, 0.0,
-                     1e-7, 1e-3, 17.0, 30.0, 88.0, 89.0, 710.0, 745.0, 1000.0})
+    for (double z : {-1000.0, -745.0, -710.0, -104.0, -89.0, -88.7, -88.0, -87.0, -30.0, -1e-3, -1e-7,
+                     0.0,     1e-7,   1e-3,   17.0,   30.0,  88.0,  89.0,  710.0, 745.0, 1000.0})
         g.push_back(static_cast<double>(static_cast<S>(z)));
     return g;
 }
@@ -787,8 +838,8 @@ TYPED_TEST(GateKernels, FusedCombineMatchesReference) {
                                                                 : gv * yv + (1.0 - gv) * xv;
                 ref(1, c) = gv;
             }
-            const std::string label = std::string("GateFused") + type_label<S>() + "/" +
-                                      gattn::to_string(act) + "/" + gattn::to_string(comb);
+            const std::string label = std::string("GateFused") + type_label<S>() + "/" + gattn::to_string(act) + "/" +
+                                      gattn::to_string(comb);
             // Magnitudes here are ≤ ~1000 (SiLU of 1000): a relative tolerance a few ulps wide.
             expect_close(got, ref, 4 * std::numeric_limits<S>::epsilon(), 4 * std::numeric_limits<S>::epsilon(), label);
             if (act == GateActivation::Sigmoid) {

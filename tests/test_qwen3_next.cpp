@@ -138,7 +138,8 @@ std::pair<double, double> error_against_pytorch() {
         return out;
     };
     double err2 = 0, ref2 = 0, worst = 0;
-    auto check = [&](const RowMatrix<float>& got, const std::string& name, Index batch, const std::vector<Index>& counts) {
+    auto check = [&](const RowMatrix<float>& got, const std::string& name, Index batch,
+                     const std::vector<Index>& counts) {
         const RowMatrix<double> want = cases.matrix<double>(name);
         const Index n = got.rows() / batch;
         for (Index b = 0; b < batch; ++b)
@@ -452,7 +453,8 @@ TEST(Qwen3NextLoader, ReportsBadCheckpoints) {
     EXPECT_THROW(gattn::load_qwen3_next_attention<float>(dir.string(), kLayer), gattn::io_error);  // no weights
     // A path the system cannot examine (a name over NAME_MAX) is an io_error too.
     EXPECT_THROW(gattn::load_qwen3_next_attention_weights<float>((dir / std::string(300, 'x')).string(), kLayer,
-                                                                 gattn::load_qwen3_next_config(kDir + "/config.json", kLayer)),
+                                                                 gattn::load_qwen3_next_config(kDir + "/config.json",
+                                                                                               kLayer)),
                  gattn::io_error);
     // A config that disagrees with the checkpoint: the message names the tensor and both shapes.
     try {
@@ -461,7 +463,8 @@ TEST(Qwen3NextLoader, ReportsBadCheckpoints) {
         gattn::load_qwen3_next_attention_weights<float>(kDir, kLayer, c);
         ADD_FAILURE() << "no exception";
     } catch (const gattn::shape_error& e) {
-        EXPECT_NE(std::string(e.what()).find("model.layers.3.self_attn.k_proj.weight must have shape [128, 64], got [64, 64]"),
+        EXPECT_NE(std::string(e.what()).find(
+                      "model.layers.3.self_attn.k_proj.weight must have shape [128, 64], got [64, 64]"),
                   std::string::npos)
             << e.what();
     }
@@ -484,7 +487,8 @@ std::vector<gattn_test::RawTensor> fixture_tensors(const std::string& skip = "")
     std::vector<gattn_test::RawTensor> t;
     auto add = [&](const char* name, const auto& m, bool vec) {
         if (name != skip)
-            t.push_back(gattn_test::f32_tensor(std::string("model.layers.3.self_attn.") + name, m.template cast<float>(), vec));
+            t.push_back(
+                gattn_test::f32_tensor(std::string("model.layers.3.self_attn.") + name, m.template cast<float>(), vec));
     };
     add("q_proj.weight", w.q_proj_weight, false);
     add("k_proj.weight", w.k_proj_weight, false);
@@ -518,11 +522,13 @@ TEST(Qwen3NextLoader, NamesEveryCheckpointFault) {
     expect_load_error<gattn::io_error>(write_checkpoint("int_weight", ints), "has dtype I32");
     // A headwise-gate checkpoint: q_proj holds H·d query rows and H gate rows.
     auto headwise = fixture_tensors("q_proj.weight");
-    headwise.push_back(gattn_test::f32_tensor("model.layers.3.self_attn.q_proj.weight", RowMatrix<float>::Random(132, 64)));
+    headwise.push_back(
+        gattn_test::f32_tensor("model.layers.3.self_attn.q_proj.weight", RowMatrix<float>::Random(132, 64)));
     expect_load_error<gattn::shape_error>(write_checkpoint("headwise", headwise), "headwise gate checkpoint");
     // A q_proj without gate rows (a layer whose gate has its own gate_proj).
     auto ungated = fixture_tensors("q_proj.weight");
-    ungated.push_back(gattn_test::f32_tensor("model.layers.3.self_attn.q_proj.weight", RowMatrix<float>::Random(128, 64)));
+    ungated.push_back(
+        gattn_test::f32_tensor("model.layers.3.self_attn.q_proj.weight", RowMatrix<float>::Random(128, 64)));
     expect_load_error<gattn::shape_error>(write_checkpoint("no_gate_rows", ungated), "(no gate rows:");
 }
 
@@ -545,7 +551,8 @@ void expect_config_error(const std::string& path, Index layer, const std::string
         ADD_FAILURE() << "no exception; expected one mentioning " << part;
     } catch (const std::exception& e) {
         EXPECT_TRUE(dynamic_cast<const E*>(&e) != nullptr) << e.what();
-        EXPECT_EQ(dynamic_cast<const gattn::io_error*>(&e) != nullptr, (std::is_same_v<E, gattn::io_error>)) << e.what();
+        EXPECT_EQ(dynamic_cast<const gattn::io_error*>(&e) != nullptr, (std::is_same_v<E, gattn::io_error>))
+            << e.what();
         EXPECT_NE(std::string(e.what()).find(part), std::string::npos) << "'" << part << "' in " << e.what();
     }
 }
@@ -554,11 +561,17 @@ TEST(Qwen3NextLoader, ConfigFieldsOfTheWrongTypeOrRange) {
     using gattn::io_error;
     using std::invalid_argument;
     using J = nlohmann::json;
-    const std::string interval0 =
-        edited_config("interval0", [](J& j) { j.erase("layer_types"); j["full_attention_interval"] = 0; });
+    const std::string interval0 = edited_config("interval0", [](J& j) {
+        j.erase("layer_types");
+        j["full_attention_interval"] = 0;
+    });
     expect_config_error<io_error>(interval0, kLayer, "\"full_attention_interval\" must be at least 1, got 0");
     expect_config_error<io_error>(interval0, -1, "\"full_attention_interval\" must be at least 1, got 0");
-    expect_config_error<io_error>(edited_config("interval_string", [](J& j) { j.erase("layer_types"); j["full_attention_interval"] = "4"; }),
+    expect_config_error<io_error>(edited_config("interval_string",
+                                                [](J& j) {
+                                                    j.erase("layer_types");
+                                                    j["full_attention_interval"] = "4";
+                                                }),
                                   kLayer, "\"full_attention_interval\" must be an integer, got \"4\"");
     expect_config_error<io_error>(edited_config("layers_string", [](J& j) { j["num_hidden_layers"] = "4"; }), kLayer,
                                   "\"num_hidden_layers\" must be an integer");
@@ -578,16 +591,30 @@ TEST(Qwen3NextLoader, ConfigFieldsOfTheWrongTypeOrRange) {
                                           "config.num_attention_heads must be in [1, 2^24], got 0");
     // RoPE scaling changes the rotary frequencies; gattn applies plain RoPE, so it refuses them.
     expect_config_error<invalid_argument>(
-        edited_config("yarn", [](J& j) { j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}}; }), -1,
-        "rope_scaling.rope_type must be \"default\": gattn applies unscaled RoPE, got \"yarn\"");
+        edited_config("yarn",
+                      [](J& j) {
+                          j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+                      }),
+        -1, "rope_scaling.rope_type must be \"default\": gattn applies unscaled RoPE, got \"yarn\"");
     expect_config_error<invalid_argument>(
-        edited_config("linear", [](J& j) { j["rope_parameters"] = {{"type", "linear"}, {"factor", 4.0}}; }), -1,
-        "rope_parameters.type must be \"default\"");
+        edited_config("linear",
+                      [](J& j) {
+                          j["rope_parameters"] = {{"type", "linear"}, {"factor", 4.0}};
+                      }),
+        -1, "rope_parameters.type must be \"default\"");
     const auto plain = gattn::load_qwen3_next_config(
-        edited_config("default_rope", [](J& j) { j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5e6}}; }), kLayer);
+        edited_config("default_rope",
+                      [](J& j) {
+                          j["rope_parameters"] = {{"rope_type", "default"}, {"rope_theta", 5e6}};
+                      }),
+        kLayer);
     EXPECT_EQ(plain.rope_theta, 10000.0) << "the top-level rope_theta comes first";
     const auto mrope = gattn::load_qwen3_next_config(
-        edited_config("mrope", [](J& j) { j["rope_scaling"] = {{"type", "mrope"}, {"mrope_section", {2, 1, 1}}}; }), kLayer);
+        edited_config("mrope",
+                      [](J& j) {
+                          j["rope_scaling"] = {{"type", "mrope"}, {"mrope_section", {2, 1, 1}}};
+                      }),
+        kLayer);
     EXPECT_EQ(mrope.rotary_dim(), plain.rotary_dim());
     // transformers' defaults: head_dim 256, and without layer_types every 4th layer is full attention.
     const std::string bare = edited_config("defaults", [](J& j) {
@@ -605,7 +632,8 @@ TEST(Qwen3NextLoader, ReadsShardedCheckpoints) {
     fs::create_directories(dir);
     fs::copy_file(kDir + "/config.json", dir / "config.json", fs::copy_options::overwrite_existing);
     auto tensors = fixture_tensors();
-    const std::vector<gattn_test::RawTensor> first(tensors.begin(), tensors.begin() + 3), second(tensors.begin() + 3, tensors.end());
+    const std::vector<gattn_test::RawTensor> first(tensors.begin(), tensors.begin() + 3),
+        second(tensors.begin() + 3, tensors.end());
     gattn_test::write_safetensors((dir / "model-00001-of-00002.safetensors").string(), first);
     gattn_test::write_safetensors((dir / "model-00002-of-00002.safetensors").string(), second);
     nlohmann::json index;
@@ -768,10 +796,14 @@ TEST(Qwen3NextValidation, BadArgumentsLeaveOutputAndCacheUntouched) {
     using std::invalid_argument;
     expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(6, 63), pos, cache, out); },
                                  {"x must have shape [B*N, hidden_size] = [multiple of 2, 64]", "got [6, 63]"});
-    expect_rejected<shape_error>([&] { layer.forward(RowMatrix<float>::Random(5, 64), {1, 2, 3, 4, 5}, cache, out); },
-                                 {"x must have shape", "got [5, 64]"});
+    expect_rejected<shape_error>(
+        [&] {
+            layer.forward(RowMatrix<float>::Random(5, 64), {1, 2, 3, 4, 5}, cache, out);
+        },
+        {"x must have shape", "got [5, 64]"});
     RowMatrix<float> narrow = RowMatrix<float>::Constant(6, 32, 7.0f);
-    expect_rejected<shape_error>([&] { layer.forward(x, pos, cache, narrow); }, {"out must have shape [6, 64], got [6, 32]"});
+    expect_rejected<shape_error>([&] { layer.forward(x, pos, cache, narrow); },
+                                 {"out must have shape [6, 64], got [6, 32]"});
     // Another layer's cache whose rows are as wide as this one's (H_kv·d the same).
     const auto& cfg = layer.config();
     gattn::KVCache<float> other(2, 8, cfg.num_key_value_heads * 2, cfg.head_dim / 2);
@@ -782,17 +814,30 @@ TEST(Qwen3NextValidation, BadArgumentsLeaveOutputAndCacheUntouched) {
     expect_rejected<invalid_argument>([&] { layer.forward(x, pos, again_cache, out); },
                                       {"cache belongs to another layer", "every layer needs its own cache"});
     EXPECT_TRUE((narrow.array() == 7.0f).all());
-    expect_rejected<shape_error>([&] { layer.forward(x, {2, 3, 4, 1, 2}, cache, out); },
-                                 {"positions must have shape [6], got [5]"});
-    expect_rejected<shape_error>([&] { layer.forward(x, pos, cache, out, {3}); }, {"counts must have shape [2], got [1]"});
-    expect_rejected<invalid_argument>([&] { layer.forward(x, pos, cache, out, {3, 4}); },
-                                      {"counts[1] must be in [0, 3], got 4"});
-    expect_rejected<invalid_argument>([&] { layer.forward(x, pos, cache, out, {-1, 0}); },
-                                      {"counts[0] must be in [0, 3], got -1"});
+    expect_rejected<shape_error>(
+        [&] {
+            layer.forward(x, {2, 3, 4, 1, 2}, cache, out);
+        },
+        {"positions must have shape [6], got [5]"});
+    expect_rejected<shape_error>([&] { layer.forward(x, pos, cache, out, {3}); },
+                                 {"counts must have shape [2], got [1]"});
+    expect_rejected<invalid_argument>(
+        [&] {
+            layer.forward(x, pos, cache, out, {3, 4});
+        },
+        {"counts[1] must be in [0, 3], got 4"});
+    expect_rejected<invalid_argument>(
+        [&] {
+            layer.forward(x, pos, cache, out, {-1, 0});
+        },
+        {"counts[0] must be in [0, 3], got -1"});
     const RowMatrix<float> x7 = RowMatrix<float>::Random(14, 64);
     RowMatrix<float> out7 = RowMatrix<float>::Constant(14, 64, 7.0f);
-    expect_rejected<invalid_argument>([&] { layer.forward(x7, std::vector<Index>(14, 3), cache, out7, {7, 0}); },
-                                      {"cache sequence 0 would exceed the capacity 8 (holds "});
+    expect_rejected<invalid_argument>(
+        [&] {
+            layer.forward(x7, std::vector<Index>(14, 3), cache, out7, {7, 0});
+        },
+        {"cache sequence 0 would exceed the capacity 8 (holds "});
     EXPECT_TRUE((out7.array() == 7.0f).all());
     RowMatrix<float> same = x;
     expect_rejected<invalid_argument>([&] { layer.forward(same, pos, cache, same); }, {"out must not overlap x"});
@@ -837,10 +882,14 @@ TEST(KVCacheConstruction, SizesThatOverflowOrAreNegativeAreRejected) {
         return std::string("no exception");
     };
     const Index huge = Index(1) << 62;
-    EXPECT_NE(message([&] { gattn::KVCache<float>(4, huge, 1, 1); }).find("gattn::KVCache: capacity batch·capacity·num_kv_heads·head_dim overflows"),
+    EXPECT_NE(message([&] {
+                  gattn::KVCache<float>(4, huge, 1, 1);
+              }).find("gattn::KVCache: capacity batch·capacity·num_kv_heads·head_dim overflows"),
               std::string::npos);
     EXPECT_NE(message([&] { gattn::KVCache<float>(1, 2, huge, 4); }).find("overflows"), std::string::npos);
-    EXPECT_NE(message([&] { gattn::KVCache<float>(1, 2, 1, 4, -1); }).find("value_head_dim must be >= 0 (0 = head_dim), got -1"),
+    EXPECT_NE(message([&] {
+                  gattn::KVCache<float>(1, 2, 1, 4, -1);
+              }).find("value_head_dim must be >= 0 (0 = head_dim), got -1"),
               std::string::npos);
     EXPECT_NE(message([&] { gattn::KVCache<float>(0, 2, 1, 4); }).find("batch must be >= 1, got 0"), std::string::npos);
     const gattn::KVCache<float> ok(2, 3, 2, 4, 5);
@@ -859,7 +908,8 @@ TEST(KVCacheAppend, RowsOfTheCacheItselfAreRejected) {
         cache.append(cache.keys().topRows(3), v, {3});
         ADD_FAILURE() << "no exception";
     } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find("gattn::KVCache::append: k must not share an element with the cache's keys or values"),
+        EXPECT_NE(std::string(e.what()).find(
+                      "gattn::KVCache::append: k must not share an element with the cache's keys or values"),
                   std::string::npos)
             << e.what();
     }

@@ -73,11 +73,11 @@ std::vector<unsigned char> u16_bytes(const std::vector<std::uint16_t>& v) { retu
 TEST(Safetensors, ConvertsF16BF16F32F64) {
     // Hand-worked encodings: F16 0x3C00 = 1, 0xC000 = -2, 0x3555 ≈ 0.333251953125,
     // 0x0001 = 2^-24 (subnormal), 0x7C00 = +inf. BF16 0x3F80 = 1, 0xC0A0 = -5, 0x3EAB = 0.333984375.
-    const std::string path = write_file(
-        "dtypes", {{"h", "F16", {5}, u16_bytes({0x3C00, 0xC000, 0x3555, 0x0001, 0x7C00})},
-                   {"b", "BF16", {3}, u16_bytes({0x3F80, 0xC0A0, 0x3EAB})},
-                   {"f", "F32", {2, 2}, bytes_of(std::vector<float>{1.5f, -2.25f, 3.0f, 0.125f})},
-                   {"d", "F64", {1, 2}, bytes_of(std::vector<double>{0.1, -7.0})}});
+    const std::string path =
+        write_file("dtypes", {{"h", "F16", {5}, u16_bytes({0x3C00, 0xC000, 0x3555, 0x0001, 0x7C00})},
+                              {"b", "BF16", {3}, u16_bytes({0x3F80, 0xC0A0, 0x3EAB})},
+                              {"f", "F32", {2, 2}, bytes_of(std::vector<float>{1.5f, -2.25f, 3.0f, 0.125f})},
+                              {"d", "F64", {1, 2}, bytes_of(std::vector<double>{0.1, -7.0})}});
     const gattn::SafetensorsFile f(path);
     const auto h = f.values<double>("h");
     EXPECT_EQ(h[0], 1.0);
@@ -99,10 +99,10 @@ TEST(Safetensors, ConvertsF16BF16F32F64) {
 /// bf16 rounds to nearest, ties to even (hand-worked: 1 + 2⁻⁸ is a tie between 1 and 1 + 2⁻⁷
 /// and goes to 1 (0x3F80); 1 + 3·2⁻⁸ goes to 1 + 2⁻⁶ (0x3F82)); a bf16 layer loads from them.
 TEST(Safetensors, ReadsSixteenBitTensorsAsSixteenBitTypes) {
-    const std::string path = write_file(
-        "sixteen", {{"b", "BF16", {3}, u16_bytes({0x3F80, 0xC0A0, 0x7FC1})},
-                    {"h", "F16", {2}, u16_bytes({0x3555, 0x7E01})},
-                    {"f", "F32", {2}, bytes_of(std::vector<float>{1.00390625f, 1.01171875f})}});
+    const std::string path =
+        write_file("sixteen", {{"b", "BF16", {3}, u16_bytes({0x3F80, 0xC0A0, 0x7FC1})},
+                               {"h", "F16", {2}, u16_bytes({0x3555, 0x7E01})},
+                               {"f", "F32", {2}, bytes_of(std::vector<float>{1.00390625f, 1.01171875f})}});
     const gattn::SafetensorsFile f(path);
     auto bits = [](const auto& v) {
         std::vector<std::uint16_t> out;
@@ -139,8 +139,9 @@ TEST(Safetensors, ReportsMalformedFiles) {
     // Tensors must tile the data section (8 bytes here): no overlap, no gap, nothing left over.
     const std::string a = "\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":";
     const std::string b = "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":";
-    expect_io_error(write_file("overlap", {t}, "{" + a + "[0,4]}," + b + "[0,4]}}"),
-                    "tensor 'b' starts at byte 0, expected 4 (tensors must follow one another without gaps or overlaps)");
+    expect_io_error(
+        write_file("overlap", {t}, "{" + a + "[0,4]}," + b + "[0,4]}}"),
+        "tensor 'b' starts at byte 0, expected 4 (tensors must follow one another without gaps or overlaps)");
     expect_io_error(write_file("gap", {t}, "{" + a + "[4,8]}}"), "tensor 'a' starts at byte 4, expected 0");
     expect_io_error(write_file("left_over", {t}, "{" + a + "[0,4]}}"),
                     "4 bytes after the last tensor (byte 4 of a 8-byte data section)");
@@ -164,19 +165,20 @@ TEST(Safetensors, ReportsMalformedFiles) {
         expect_io_error(path, "not a safetensors file?");
     }
     const gattn::SafetensorsFile ok(write_file("ints", {{"i", "I32", {2}, bytes_of(std::vector<std::int32_t>{3, -4})},
-                                                         {"l", "I64", {1}, bytes_of(std::vector<std::int64_t>{1} )},
-                                                         {"u", "U8", {1}, std::vector<unsigned char>{7}}}));
+                                                        {"l", "I64", {1}, bytes_of(std::vector<std::int64_t>{1})},
+                                                        {"u", "U8", {1}, std::vector<unsigned char>{7}}}));
     EXPECT_EQ(ok.values<double>("i"), (std::vector<double>{3.0, -4.0}));  // positions, lengths
     EXPECT_EQ(ok.values<float>("l"), (std::vector<float>{1.0f}));
     EXPECT_THROW(ok.values<float>("u"), gattn::io_error);
     EXPECT_THROW(ok.values<float>("absent"), gattn::io_error);
     // Dtypes gattn does not convert (FP8 scales, complex, FP4/FP6 packs) do not hide the file's
     // other tensors; a zero-length 1-D tensor is a [1, 0] matrix.
-    const gattn::SafetensorsFile mixed(write_file("mixed", {{"scale", "F8_E8M0", {2}, std::vector<unsigned char>{127, 128}},
-                                                            {"packed", "F4", {4}, std::vector<unsigned char>{0x21, 0x43}},
-                                                            {"w", "F32", {2}, bytes_of(std::vector<float>{5, 6})},
-                                                            {"c", "C64", {1}, bytes_of(std::vector<float>{1, 2})},
-                                                            {"none", "F32", {0}, {}}}));
+    const gattn::SafetensorsFile mixed(
+        write_file("mixed", {{"scale", "F8_E8M0", {2}, std::vector<unsigned char>{127, 128}},
+                             {"packed", "F4", {4}, std::vector<unsigned char>{0x21, 0x43}},
+                             {"w", "F32", {2}, bytes_of(std::vector<float>{5, 6})},
+                             {"c", "C64", {1}, bytes_of(std::vector<float>{1, 2})},
+                             {"none", "F32", {0}, {}}}));
     EXPECT_EQ(mixed.values<float>("w"), (std::vector<float>{5, 6}));
     EXPECT_THROW(mixed.values<float>("scale"), gattn::io_error);
     EXPECT_THROW(mixed.values<float>("packed"), gattn::io_error);
@@ -185,7 +187,8 @@ TEST(Safetensors, ReportsMalformedFiles) {
     EXPECT_EQ(none.cols(), 0);
     const RawTensor one{"w", "F32", {1}, bytes_of(std::vector<float>{4})};
     const gattn::SafetensorsFile null_metadata(
-        write_file("null_metadata", {one}, "{\"__metadata__\":null,\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}"));
+        write_file("null_metadata", {one},
+                   "{\"__metadata__\":null,\"w\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]}}"));
     EXPECT_EQ(null_metadata.values<float>("w"), std::vector<float>{4});
     expect_io_error(write_file("f4_odd", {{"p", "F4", {3}, std::vector<unsigned char>{0x21, 0x43}}}),
                     "2 bytes do not hold shape [3] of F4");
@@ -203,8 +206,10 @@ TEST(Safetensors, LoaderNamesMissingAndMisshapenTensors) {
         return RawTensor{n, "F32", {m.rows(), m.cols()}, bytes_of(std::vector<float>(m.data(), m.data() + m.size()))};
     };
     const std::string prefix = "model.layers.3.self_attn.";
-    const std::vector<RawTensor> all{raw(prefix + "q_proj.weight", w.q_proj_weight), raw(prefix + "k_proj.weight", w.k_proj_weight),
-                                     raw(prefix + "v_proj.weight", w.v_proj_weight), raw(prefix + "o_proj.weight", w.o_proj_weight)};
+    const std::vector<RawTensor> all{raw(prefix + "q_proj.weight", w.q_proj_weight),
+                                     raw(prefix + "k_proj.weight", w.k_proj_weight),
+                                     raw(prefix + "v_proj.weight", w.v_proj_weight),
+                                     raw(prefix + "o_proj.weight", w.o_proj_weight)};
     const gattn::SafetensorsFile good(write_file("layer", all));
     const auto loaded = gattn::load_attention_weights<float>(good, c, prefix);
     EXPECT_EQ(loaded.q_proj_weight, w.q_proj_weight);
@@ -224,7 +229,8 @@ TEST(Safetensors, LoaderNamesMissingAndMisshapenTensors) {
         gattn::load_attention_weights<float>(missing, c, prefix);
         ADD_FAILURE() << "no exception";
     } catch (const gattn::io_error& e) {
-        EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.3.self_attn.v_proj.weight'"), std::string::npos)
+        EXPECT_NE(std::string(e.what()).find("missing tensor 'model.layers.3.self_attn.v_proj.weight'"),
+                  std::string::npos)
             << e.what();
         EXPECT_NE(std::string(e.what()).find("no tensor of the file ends in 'v_proj.weight'"), std::string::npos)
             << e.what();

@@ -41,9 +41,12 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 std::string printable(const std::string& s, bool quoted) {
     std::string out;
     for (unsigned char c : s) {
-        if (c == '\n') out += quoted ? "\\n" : "\n    ";
-        else if (c == '\t' || (c >= 32 && c < 127)) out += static_cast<char>(c);
-        else out += '?';
+        if (c == '\n')
+            out += quoted ? "\\n" : "\n    ";
+        else if (c == '\t' || (c >= 32 && c < 127))
+            out += static_cast<char>(c);
+        else
+            out += '?';
     }
     return out;
 }
@@ -64,19 +67,20 @@ Report run(const std::string& dir, const std::string& name, const std::string& h
     double queries = 0, gate_values = 0;
     rep.nll = tiny_lm::heldout_nll(model, heldout, window, 1 << 30, batch,
                                    [&](const tiny_lm::LayerStats<Scalar>& s, gattn::Index windows) {
-        for (gattn::Index l = 0; l < L; ++l) {
-            const auto& first = s.first_token_attention[l];
-            for (gattn::Index r = 0; r < first.rows(); ++r) {
-                if (r % window == 0) continue;  // query 0 can only attend to itself
-                for (gattn::Index h = 0; h < H; ++h) rep.first_token_attention[l][h] += first(r, h);
-            }
-            rep.gate_mean[l] += s.gate_scores[l].template cast<double>().sum();
-            rep.max_abs_hidden[l] = std::max(rep.max_abs_hidden[l], s.max_abs_hidden[l]);
-        }
-        queries += double(windows * (window - 1));
-        gate_values += double(s.gate_scores[0].size());
-        rep.windows += windows;
-    });
+                                       for (gattn::Index l = 0; l < L; ++l) {
+                                           const auto& first = s.first_token_attention[l];
+                                           for (gattn::Index r = 0; r < first.rows(); ++r) {
+                                               if (r % window == 0) continue;  // query 0 can only attend to itself
+                                               for (gattn::Index h = 0; h < H; ++h)
+                                                   rep.first_token_attention[l][h] += first(r, h);
+                                           }
+                                           rep.gate_mean[l] += s.gate_scores[l].template cast<double>().sum();
+                                           rep.max_abs_hidden[l] = std::max(rep.max_abs_hidden[l], s.max_abs_hidden[l]);
+                                       }
+                                       queries += double(windows * (window - 1));
+                                       gate_values += double(s.gate_scores[0].size());
+                                       rep.windows += windows;
+                                   });
     for (gattn::Index l = 0; l < L; ++l) {
         for (double& v : rep.first_token_attention[l]) v /= queries;
         rep.gate_mean[l] = gate_values > 0 ? rep.gate_mean[l] / gate_values : 1.0;  // ungated: gate ≡ 1
@@ -145,9 +149,10 @@ int main(int argc, char** argv) {
             std::printf("[%s]\n    %s\n", r.name.c_str(), printable(r.sample, false).c_str());
 
         const long long window = reports[0].window;
-        std::printf("\nHeld-out text: %lld windows of %lld bytes (float, gattn; tokens/s: best of 3, prefill of\n"
-                    "8 windows in one call, decoding one token per call after the prompt)\n",
-                    static_cast<long long>(reports[0].windows), window);
+        std::printf(
+            "\nHeld-out text: %lld windows of %lld bytes (float, gattn; tokens/s: best of 3, prefill of\n"
+            "8 windows in one call, decoding one token per call after the prompt)\n",
+            static_cast<long long>(reports[0].windows), window);
         std::printf("%-9s %10s %12s %10s %14s %13s\n", "model", "params", "perplexity", "bits/byte", "prefill tok/s",
                     "decode tok/s");
         for (const Report& r : reports)

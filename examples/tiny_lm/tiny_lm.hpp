@@ -32,8 +32,10 @@
 namespace tiny_lm {
 
 using gattn::Index;
-template <class S> using Matrix = gattn::RowMatrix<S>;
-template <class S> using Vector = gattn::Vector<S>;
+template <class S>
+using Matrix = gattn::RowMatrix<S>;
+template <class S>
+using Vector = gattn::Vector<S>;
 
 /// Per-layer statistics of one forward call (the paper's §4 measures), all optional.
 template <class Scalar>
@@ -76,7 +78,8 @@ public:
                         attention_, gattn::load_qwen3_next_attention_weights<Attention>(dir, l, attention_)),
                     file.vector<Scalar>(p + "input_layernorm.weight"),
                     file.vector<Scalar>(p + "post_attention_layernorm.weight"),
-                    file.matrix<Scalar>(p + "mlp.gate_proj.weight"), file.matrix<Scalar>(p + "mlp.up_proj.weight"),
+                    file.matrix<Scalar>(p + "mlp.gate_proj.weight"),
+                    file.matrix<Scalar>(p + "mlp.up_proj.weight"),
                     file.matrix<Scalar>(p + "mlp.down_proj.weight")};
             blocks_.push_back(std::move(b));
         }

@@ -243,8 +243,8 @@ public:
         for (std::size_t b = 0; b < lengths.size(); ++b)
             if (lengths[b] < min_length(b) || lengths[b] > m_lengths[b])
                 detail::throw_invalid(fn, "lengths[" + std::to_string(b) + "]",
-                                      "must be in [" + std::to_string(min_length(b)) + ", " + std::to_string(m_lengths[b]) +
-                                          "], got " + std::to_string(lengths[b]) +
+                                      "must be in [" + std::to_string(min_length(b)) + ", " +
+                                          std::to_string(m_lengths[b]) + "], got " + std::to_string(lengths[b]) +
                                           (min_length(b) > 0 ? " (after dropping tokens a window cache keeps "
                                                                "at least window − 1)"
                                                              : ""));
@@ -335,13 +335,14 @@ private:
         positive(num_kv_heads, "num_kv_heads");
         positive(head_dim, "head_dim");
         if (value_head_dim < 0)
-            detail::throw_invalid(fn, "value_head_dim", "must be >= 0 (0 = head_dim), got " + std::to_string(value_head_dim));
+            detail::throw_invalid(fn, "value_head_dim",
+                                  "must be >= 0 (0 = head_dim), got " + std::to_string(value_head_dim));
         const Index width = std::max(head_dim, value_head_dim), max = std::numeric_limits<Index>::max();
         if (capacity > max / batch || num_kv_heads > max / width || batch * capacity > max / (num_kv_heads * width))
-            detail::throw_invalid(fn, "capacity", "batch·capacity·num_kv_heads·head_dim overflows: batch " +
-                                                      std::to_string(batch) + ", capacity " + std::to_string(capacity) +
-                                                      ", num_kv_heads " + std::to_string(num_kv_heads) + ", head_dim " +
-                                                      std::to_string(width));
+            detail::throw_invalid(fn, "capacity",
+                                  "batch·capacity·num_kv_heads·head_dim overflows: batch " + std::to_string(batch) +
+                                      ", capacity " + std::to_string(capacity) + ", num_kv_heads " +
+                                      std::to_string(num_kv_heads) + ", head_dim " + std::to_string(width));
         return capacity;
     }
 
@@ -411,7 +412,8 @@ public:
 private:
     // Tokens seen → tokens stored in cache c.
     static std::vector<Index> stored(const KVCache<Scalar>& c, std::vector<Index> tokens) {
-        for (std::size_t b = 0; b < tokens.size() && b < c.first_positions().size(); ++b) tokens[b] -= c.first_positions()[b];
+        for (std::size_t b = 0; b < tokens.size() && b < c.first_positions().size(); ++b)
+            tokens[b] -= c.first_positions()[b];
         return tokens;
     }
 
@@ -452,17 +454,19 @@ std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCa
                std::to_string(dv);
     };
     if (cache.owner() != 0 && cache.owner() != layer)
-        throw_invalid(fn, "cache", "belongs to another layer (made by make_cache of layer " + std::to_string(cache.owner()) +
-                                       "; this is layer " + std::to_string(layer) +
-                                       "): every layer needs its own cache, made by its make_cache");
-    if (cache.num_kv_heads() != num_kv_heads || cache.head_dim() != head_dim || cache.value_head_dim() != value_head_dim)
+        throw_invalid(fn, "cache",
+                      "belongs to another layer (made by make_cache of layer " + std::to_string(cache.owner()) +
+                          "; this is layer " + std::to_string(layer) +
+                          "): every layer needs its own cache, made by its make_cache");
+    if (cache.num_kv_heads() != num_kv_heads || cache.head_dim() != head_dim ||
+        cache.value_head_dim() != value_head_dim)
         throw shape_error(std::string(fn) + ": cache must hold this layer's heads (" +
                           heads(num_kv_heads, head_dim, value_head_dim) + "), got " +
                           heads(cache.num_kv_heads(), cache.head_dim(), cache.value_head_dim()));
     if (cache.window() != 0 && cache.window() != window)
-        throw_invalid(fn, "cache", "keeps only a window of " + std::to_string(cache.window()) +
-                                       " tokens; this layer's window is " +
-                                       (window ? std::to_string(window) : std::string("none (it sees every token)")));
+        throw_invalid(fn, "cache",
+                      "keeps only a window of " + std::to_string(cache.window()) + " tokens; this layer's window is " +
+                          (window ? std::to_string(window) : std::string("none (it sees every token)")));
     auto holds = [&](const auto& view) {  // shares an element with the cache's storage
         return views_overlap(view, cache.keys()) || views_overlap(view, cache.values()) ||
                views_overlap(view, cache.key_scales()) || views_overlap(view, cache.value_scales());
@@ -481,9 +485,10 @@ std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCa
     std::vector<Index> lengths = cache.lengths();
     for (Index b = 0; b < B; ++b) {
         if (lengths[b] + counts[b] > cache.capacity())
-            throw_invalid(fn, "cache", "sequence " + std::to_string(b) + " would exceed the capacity " +
-                                           std::to_string(cache.capacity()) + " (holds " + std::to_string(lengths[b]) +
-                                           ", adding " + std::to_string(counts[b]) + ")");
+            throw_invalid(fn, "cache",
+                          "sequence " + std::to_string(b) + " would exceed the capacity " +
+                              std::to_string(cache.capacity()) + " (holds " + std::to_string(lengths[b]) + ", adding " +
+                              std::to_string(counts[b]) + ")");
         lengths[b] += counts[b];
     }
     return lengths;

@@ -63,8 +63,8 @@ inline void agree_or_throw(const char* fn, const std::string& error, MPI_Comm co
     MPI_Bcast(&length, 1, MPI_INT, failing, comm);
     message.resize(static_cast<std::size_t>(length));
     MPI_Bcast(message.data(), length, MPI_CHAR, failing, comm);
-    throw std::invalid_argument(std::string(fn) + ": rank " + std::to_string(failing) + " of " +
-                                std::to_string(size) + ": " + message);
+    throw std::invalid_argument(std::string(fn) + ": rank " + std::to_string(failing) + " of " + std::to_string(size) +
+                                ": " + message);
 }
 
 }  // namespace detail
@@ -112,24 +112,27 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), query.rows(),
                                    heads.num_heads * (heads.num_kv_heads ? value.cols() / heads.num_kv_heads : 0));
         const auto& m = options.mask;
-        const char* unsupported = m.sliding_window          ? "mask.sliding_window"
-                                  : !m.key_lengths.empty()   ? "mask.key_lengths"
-                                  : !m.query_lengths.empty() ? "mask.query_lengths"
-                                  : !m.query_offsets.empty() ? "mask.query_offsets"
-                                  : !m.bool_mask.empty()     ? "mask.bool_mask"
-                                  : !m.bias.empty()          ? "mask.bias"
+        const char* unsupported = m.sliding_window                ? "mask.sliding_window"
+                                  : !m.key_lengths.empty()        ? "mask.key_lengths"
+                                  : !m.query_lengths.empty()      ? "mask.query_lengths"
+                                  : !m.query_offsets.empty()      ? "mask.query_offsets"
+                                  : !m.bool_mask.empty()          ? "mask.bool_mask"
+                                  : !m.bias.empty()               ? "mask.bias"
                                   : !options.alibi_slopes.empty() ? "alibi_slopes"
                                                                   : nullptr;
         if (unsupported)
             gattn::detail::throw_invalid(fn, unsupported, "is not supported across ranks (positions are r·n + j)");
         if ((m.causal || layout == RingLayout::Zigzag) && heads.batch > 0 && query.rows() != key.rows())
-            gattn::detail::throw_invalid(fn, "query", "must hold as many tokens as key per rank for a causal mask or the "
-                                                      "zigzag layout, got " +
-                                                          std::to_string(query.rows() / heads.batch) + " and " +
-                                                          std::to_string(key.rows() / heads.batch));
+            gattn::detail::throw_invalid(fn, "query",
+                                         "must hold as many tokens as key per rank for a causal mask or the "
+                                         "zigzag layout, got " +
+                                             std::to_string(query.rows() / heads.batch) + " and " +
+                                             std::to_string(key.rows() / heads.batch));
         if (layout == RingLayout::Zigzag && heads.batch > 0 && (key.rows() / heads.batch) % 2 != 0)
-            gattn::detail::throw_invalid(fn, "key", "must hold an even number of tokens per sequence (two chunks) in the "
-                                                    "zigzag layout, got " + std::to_string(key.rows() / heads.batch));
+            gattn::detail::throw_invalid(fn, "key",
+                                         "must hold an even number of tokens per sequence (two chunks) in the "
+                                         "zigzag layout, got " +
+                                             std::to_string(key.rows() / heads.batch));
         if (key.size() > INT_MAX || value.size() > INT_MAX)
             gattn::detail::throw_invalid(fn, "key", "block of more than INT_MAX values cannot be sent in one message");
         if (gattn::detail::views_overlap(out, query) || gattn::detail::views_overlap(out, key) ||
@@ -140,21 +143,30 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
     }
     detail::agree_or_throw(fn, error, comm);
     // Every rank's shapes and options, as the lowest and highest value over the ranks.
-    double mine[] = {double(query.rows()), double(query.cols()), double(key.rows()), double(key.cols()),
-                     double(value.cols()), double(heads.batch), double(heads.num_heads), double(heads.num_kv_heads),
-                     double(options.mask.causal), options.scale ? *options.scale : -1.0,
-                     options.logit_softcap ? *options.logit_softcap : -1.0, double(options.sinks.size()),
+    double mine[] = {double(query.rows()),
+                     double(query.cols()),
+                     double(key.rows()),
+                     double(key.cols()),
+                     double(value.cols()),
+                     double(heads.batch),
+                     double(heads.num_heads),
+                     double(heads.num_kv_heads),
+                     double(options.mask.causal),
+                     options.scale ? *options.scale : -1.0,
+                     options.logit_softcap ? *options.logit_softcap : -1.0,
+                     double(options.sinks.size()),
                      double(layout)};
     constexpr int kFields = int(sizeof(mine) / sizeof(mine[0]));
     double lo[kFields], hi[kFields];
     MPI_Allreduce(mine, lo, kFields, MPI_DOUBLE, MPI_MIN, comm);
     MPI_Allreduce(mine, hi, kFields, MPI_DOUBLE, MPI_MAX, comm);
-    const char* names[] = {"query rows", "query columns", "key rows", "key columns", "value columns", "batch",
-                           "num_heads", "num_kv_heads", "causal", "scale", "logit_softcap", "sinks", "layout"};
+    const char* names[] = {"query rows",    "query columns", "key rows",     "key columns", "value columns",
+                           "batch",         "num_heads",     "num_kv_heads", "causal",      "scale",
+                           "logit_softcap", "sinks",         "layout"};
     for (int f = 0; f < kFields; ++f)
         if (lo[f] != hi[f]) {
-            error = std::string(fn) + ": the ranks disagree on " + names[f] + " (" + gattn::detail::number_string(lo[f]) +
-                    " to " + gattn::detail::number_string(hi[f]) + ")";
+            error = std::string(fn) + ": the ranks disagree on " + names[f] + " (" +
+                    gattn::detail::number_string(lo[f]) + " to " + gattn::detail::number_string(hi[f]) + ")";
             break;
         }
     if (!error.empty()) throw std::invalid_argument(error);  // the same on every rank

@@ -97,13 +97,16 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
     c.num_key_value_heads = integer("num_key_value_heads");
     c.head_dim = j.contains("head_dim") && !j["head_dim"].is_null() ? integer("head_dim") : 256;
     if (j.contains("rms_norm_eps")) c.rms_norm_eps = number("rms_norm_eps");
-    const nlohmann::json* rope = j.contains("rope_parameters") && j["rope_parameters"].is_object()
-                                     ? &j["rope_parameters"]
-                                     : nullptr;
-    if (j.contains("rope_theta")) c.rope_theta = number("rope_theta");
-    else if (rope && rope->contains("rope_theta")) c.rope_theta = number("rope_theta", rope);
-    if (j.contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor");
-    else if (rope && rope->contains("partial_rotary_factor")) c.partial_rotary_factor = number("partial_rotary_factor", rope);
+    const nlohmann::json* rope =
+        j.contains("rope_parameters") && j["rope_parameters"].is_object() ? &j["rope_parameters"] : nullptr;
+    if (j.contains("rope_theta"))
+        c.rope_theta = number("rope_theta");
+    else if (rope && rope->contains("rope_theta"))
+        c.rope_theta = number("rope_theta", rope);
+    if (j.contains("partial_rotary_factor"))
+        c.partial_rotary_factor = number("partial_rotary_factor");
+    else if (rope && rope->contains("partial_rotary_factor"))
+        c.partial_rotary_factor = number("partial_rotary_factor", rope);
     const nlohmann::json* scaling = j.contains("rope_scaling") ? &j["rope_scaling"] : nullptr;
     for (const nlohmann::json* r : {scaling, rope}) {
         if (!r || r->is_null()) continue;
@@ -111,7 +114,8 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
         if (!r->is_object()) bad(key, "must be an object or null, got " + r->dump());
         const std::string type_key = r->contains("rope_type") ? "rope_type" : "type";
         if (!r->contains(type_key)) continue;
-        if (!(*r)[type_key].is_string()) bad(std::string(key) + "." + type_key, "must be a string, got " + (*r)[type_key].dump());
+        if (!(*r)[type_key].is_string())
+            bad(std::string(key) + "." + type_key, "must be a string, got " + (*r)[type_key].dump());
         // "mrope" (multimodal sections) is plain RoPE for text positions, as transformers treats it.
         const std::string type = (*r)[type_key].get<std::string>();
         if (type != "default" && type != "mrope")
@@ -128,18 +132,21 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
         if (j.contains("num_hidden_layers")) {
             const Index layers = integer("num_hidden_layers");
             if (layer >= layers)
-                detail::throw_invalid(fn, "layer", "must be < num_hidden_layers = " + std::to_string(layers) +
-                                                       ", got " + std::to_string(layer));
+                detail::throw_invalid(fn, "layer",
+                                      "must be < num_hidden_layers = " + std::to_string(layers) + ", got " +
+                                          std::to_string(layer));
         }
         std::string type;
         if (j.contains("layer_types") && !j["layer_types"].is_null()) {
             const nlohmann::json& types = j["layer_types"];
             if (!types.is_array()) bad("layer_types", "must be an array, got " + types.dump());
             if (layer >= Index(types.size()))
-                detail::throw_invalid(fn, "layer", "must be < the " + std::to_string(types.size()) +
-                                                       " entries of layer_types, got " + std::to_string(layer));
+                detail::throw_invalid(fn, "layer",
+                                      "must be < the " + std::to_string(types.size()) +
+                                          " entries of layer_types, got " + std::to_string(layer));
             const nlohmann::json& t = types[static_cast<std::size_t>(layer)];
-            if (!t.is_string()) bad("layer_types", "entry " + std::to_string(layer) + " must be a string, got " + t.dump());
+            if (!t.is_string())
+                bad("layer_types", "entry " + std::to_string(layer) + " must be a string, got " + t.dump());
             type = t.get<std::string>();
         } else {
             // Layers interval − 1, 2·interval − 1, …: (layer + 1) % interval == 0, without the
@@ -147,8 +154,9 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
             type = layer % interval == interval - 1 ? "full_attention" : "linear_attention";
         }
         if (type != "full_attention")
-            detail::throw_invalid(fn, "layer", std::to_string(layer) + " is a " + type +
-                                                   " layer; gated attention lives in the full_attention layers");
+            detail::throw_invalid(fn, "layer",
+                                  std::to_string(layer) + " is a " + type +
+                                      " layer; gated attention lives in the full_attention layers");
     }
     return c;
 }
@@ -165,7 +173,7 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
 ///         naming the layout its rows fit, see qwen3_next_q_proj_hint).
 template <class Scalar>
 Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::string& dir, Index layer,
-                                                                   const Qwen3NextConfig& config) {
+                                                                    const Qwen3NextConfig& config) {
     constexpr const char* fn = "gattn::load_qwen3_next_attention_weights";
     namespace fs = std::filesystem;
     std::map<std::string, std::string> file_of;  // tensor name -> file (sharded checkpoints)
@@ -197,7 +205,8 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
             file_of[it.key()] = (fs::path(dir) / file).string();
         }
     } else if (!exists(single)) {
-        throw io_error(std::string(fn) + ": " + dir + " has neither model.safetensors nor model.safetensors.index.json");
+        throw io_error(std::string(fn) + ": " + dir +
+                       " has neither model.safetensors nor model.safetensors.index.json");
     }
     std::map<std::string, std::unique_ptr<SafetensorsFile>> open_files;
     auto file_for = [&](const std::string& name) -> const SafetensorsFile* {
@@ -213,13 +222,15 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
     };
     const std::string n = std::to_string(layer);
     std::string prefix;
-    for (const std::string& candidate : {"model.layers." + n + ".self_attn.", "model.language_model.layers." + n + ".self_attn."})
+    for (const std::string& candidate :
+         {"model.layers." + n + ".self_attn.", "model.language_model.layers." + n + ".self_attn."})
         if (file_for(candidate + "q_proj.weight")) {
             prefix = candidate;
             break;
         }
     if (prefix.empty())
-        throw io_error(std::string(fn) + ": " + dir + ": missing tensor 'model.layers." + n + ".self_attn.q_proj.weight'");
+        throw io_error(std::string(fn) + ": " + dir + ": missing tensor 'model.layers." + n +
+                       ".self_attn.q_proj.weight'");
     Qwen3NextAttentionWeights<Scalar> w;
     const auto shapes = qwen3_next_weight_shapes(config);
     w.for_each([&](const char* name, auto* t) {
@@ -234,13 +245,17 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
                                "; weights must be F32, F16, BF16 or F64");
             if (info.shape != s.shape) {
                 std::string why;
-                if (s.name == "q_proj.weight" && !info.shape.empty()) why = qwen3_next_q_proj_hint(config, info.shape[0]);
-                throw shape_error(std::string(fn) + ": " + full + " must have shape " + SafetensorsFile::shape_text(s.shape) +
-                                  ", got " + SafetensorsFile::shape_text(info.shape) + why);
+                if (s.name == "q_proj.weight" && !info.shape.empty())
+                    why = qwen3_next_q_proj_hint(config, info.shape[0]);
+                throw shape_error(std::string(fn) + ": " + full + " must have shape " +
+                                  SafetensorsFile::shape_text(s.shape) + ", got " +
+                                  SafetensorsFile::shape_text(info.shape) + why);
             }
             using T = std::decay_t<decltype(*t)>;
-            if constexpr (T::ColsAtCompileTime == 1) *t = f->vector<Scalar>(full);
-            else *t = f->matrix<Scalar>(full);
+            if constexpr (T::ColsAtCompileTime == 1)
+                *t = f->vector<Scalar>(full);
+            else
+                *t = f->matrix<Scalar>(full);
         }
     });
     return w;
@@ -252,8 +267,7 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
 ///         std::invalid_argument (a linear-attention or out-of-range layer, an invalid config).
 template <class Scalar>
 Qwen3NextAttention<Scalar> load_qwen3_next_attention(const std::string& dir, Index layer) {
-    const Qwen3NextConfig config =
-        load_qwen3_next_config((std::filesystem::path(dir) / "config.json").string(), layer);
+    const Qwen3NextConfig config = load_qwen3_next_config((std::filesystem::path(dir) / "config.json").string(), layer);
     return Qwen3NextAttention<Scalar>(config, load_qwen3_next_attention_weights<Scalar>(dir, layer, config));
 }
 

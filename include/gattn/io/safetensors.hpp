@@ -37,10 +37,10 @@ namespace gattn {
 
 /// Header entry of one tensor.
 struct TensorInfo {
-    std::string dtype;          ///< "F32", "F16", "BF16", "F64", ... as stored
-    std::vector<Index> shape;   ///< row-major dims; empty for a scalar
-    std::uint64_t begin = 0;    ///< byte offset in the data section
-    std::uint64_t end = 0;      ///< byte offset one past the tensor's last byte
+    std::string dtype;         ///< "F32", "F16", "BF16", "F64", ... as stored
+    std::vector<Index> shape;  ///< row-major dims; empty for a scalar
+    std::uint64_t begin = 0;   ///< byte offset in the data section
+    std::uint64_t end = 0;     ///< byte offset one past the tensor's last byte
 
     /// Elements: the product of shape (1 for a scalar).
     Index numel() const noexcept {
@@ -139,7 +139,8 @@ public:
         const std::streamoff end = in.tellg();
         if (end < 0) fail("cannot determine the file size");
         const std::uint64_t file_size = static_cast<std::uint64_t>(end);
-        if (file_size < 8) fail("truncated: " + std::to_string(file_size) + " bytes, less than the 8-byte header length");
+        if (file_size < 8)
+            fail("truncated: " + std::to_string(file_size) + " bytes, less than the 8-byte header length");
         in.seekg(0);
         unsigned char len_bytes[8];
         if (!in.read(reinterpret_cast<char*>(len_bytes), 8)) fail("cannot read the header length");
@@ -174,9 +175,9 @@ public:
                     if (m.value().is_string()) m_metadata[m.key()] = m.value().get<std::string>();
                 continue;
             }
-            if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
-                !v.contains("data_offsets") || !v["dtype"].is_string() || !v["shape"].is_array() ||
-                !v["data_offsets"].is_array() || v["data_offsets"].size() != 2)
+            if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets") ||
+                !v["dtype"].is_string() || !v["shape"].is_array() || !v["data_offsets"].is_array() ||
+                v["data_offsets"].size() != 2)
                 fail("malformed header entry for tensor '" + name + "'");
             TensorInfo t;
             t.dtype = v["dtype"].get<std::string>();
@@ -196,12 +197,11 @@ public:
             const std::size_t bits = detail::dtype_bits(t.dtype);
             if (bits == 0) fail("tensor '" + name + "': unknown dtype '" + t.dtype + "'");
             if (t.begin > t.end || t.end > data_size)
-                fail("truncated: tensor '" + name + "' spans bytes [" + std::to_string(t.begin) +
-                     ", " + std::to_string(t.end) + ") of a " + std::to_string(data_size) +
-                     "-byte data section");
+                fail("truncated: tensor '" + name + "' spans bytes [" + std::to_string(t.begin) + ", " +
+                     std::to_string(t.end) + ") of a " + std::to_string(data_size) + "-byte data section");
             if ((t.end - t.begin) * 8 != static_cast<std::uint64_t>(t.numel()) * bits)
-                fail("tensor '" + name + "': " + std::to_string(t.end - t.begin) +
-                     " bytes do not hold shape " + shape_text(t.shape) + " of " + t.dtype);
+                fail("tensor '" + name + "': " + std::to_string(t.end - t.begin) + " bytes do not hold shape " +
+                     shape_text(t.shape) + " of " + t.dtype);
             m_tensors.emplace(name, std::move(t));
         }
         // As the format requires (and its reference reader checks): the tensors tile the data
@@ -329,7 +329,8 @@ public:
     Vector<Scalar> vector(const std::string& name) const {
         const TensorInfo& t = info(name);
         if (t.shape.size() != 1)
-            throw shape_error("gattn::SafetensorsFile::vector: tensor '" + name + "' must be 1-D, got shape " + shape_text(t.shape));
+            throw shape_error("gattn::SafetensorsFile::vector: tensor '" + name + "' must be 1-D, got shape " +
+                              shape_text(t.shape));
         const std::vector<Scalar> v = values<Scalar>(name);
         return Eigen::Map<const Vector<Scalar>>(v.data(), static_cast<Index>(v.size()));
     }
@@ -380,8 +381,7 @@ inline std::string tensors_named(const SafetensorsFile& file, const std::string&
 ///         actual shape; e.g. a headwise checkpoint read with an elementwise config);
 ///         std::invalid_argument for an invalid config (validate_config).
 template <class Scalar>
-AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file,
-                                                const AttentionConfig& config,
+AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file, const AttentionConfig& config,
                                                 const std::string& prefix = "") {
     validate_config(config, "gattn::load_attention_weights");
     AttentionWeights<Scalar> w;

@@ -37,15 +37,15 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// default constructor stores floating-point values, whose instructions the instruction set
 /// changes.)
 struct AttentionConfig {
-    Index d_model = 0;       ///< D: width of the layer's input and output rows (HF hidden_size)
-    Index num_heads = 0;     ///< H: query heads (HF num_attention_heads)
-    Index num_kv_heads = 0;  ///< H_kv: key/value heads, dividing H (H_kv = H: MHA, 1: MQA, else GQA)
-    Index head_dim = 0;      ///< d_k: features per query/key head
-    Index value_head_dim = 0;  ///< 0 = head_dim
-    bool qkv_bias = false;     ///< q_proj, k_proj, v_proj have biases (HF attention_bias)
-    bool o_bias = false;       ///< o_proj has a bias
-    GateSpec gate;             ///< default: no gate (the ungated baseline)
-    bool causal = false;       ///< bottom-right aligned causal mask
+    Index d_model = 0;                    ///< D: width of the layer's input and output rows (HF hidden_size)
+    Index num_heads = 0;                  ///< H: query heads (HF num_attention_heads)
+    Index num_kv_heads = 0;               ///< H_kv: key/value heads, dividing H (H_kv = H: MHA, 1: MQA, else GQA)
+    Index head_dim = 0;                   ///< d_k: features per query/key head
+    Index value_head_dim = 0;             ///< 0 = head_dim
+    bool qkv_bias = false;                ///< q_proj, k_proj, v_proj have biases (HF attention_bias)
+    bool o_bias = false;                  ///< o_proj has a bias
+    GateSpec gate;                        ///< default: no gate (the ungated baseline)
+    bool causal = false;                  ///< bottom-right aligned causal mask
     std::optional<Index> sliding_window;  ///< window in keys, counting the diagonal
     std::optional<double> scale;          ///< logit scale; empty = 1/√head_dim
     /// Learned attention sinks (gpt-oss): one logit per query head, HF name "sinks" [H], that
@@ -65,7 +65,7 @@ struct AttentionConfig {
     /// query and key head (even, ≤ head_dim; HF head_dim · partial_rotary_factor), after
     /// qk_norm; 0 = none. Positions come from ForwardOptions::positions or the cache.
     Index rotary_dim = 0;
-    double rope_theta = 10000;            ///< RoPE base θ: pair i turns by position · θ^(−2i/r)
+    double rope_theta = 10000;               ///< RoPE base θ: pair i turns by position · θ^(−2i/r)
     RopeStyle rope_style = RopeStyle::NeoX;  ///< which features RoPE pairs
 
     /// Features per query and key head.
@@ -88,8 +88,8 @@ struct TensorShape {
 /// fused gate layout with d_v ≠ d_k for an elementwise gate.
 inline void validate_config(const AttentionConfig& c, const char* function) {
     auto positive = [&](Index v, const char* name) {
-        if (v < 1) detail::throw_invalid(function, std::string("config.") + name,
-                                         "must be >= 1, got " + std::to_string(v));
+        if (v < 1)
+            detail::throw_invalid(function, std::string("config.") + name, "must be >= 1, got " + std::to_string(v));
     };
     positive(c.d_model, "d_model");
     positive(c.num_heads, "num_heads");
@@ -100,8 +100,7 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
     constexpr Index kMaxSize = Index(1) << 24;
     auto bounded = [&](Index v, const char* name) {
         if (v > kMaxSize)
-            detail::throw_invalid(function, std::string("config.") + name,
-                                  "must be <= 2^24, got " + std::to_string(v));
+            detail::throw_invalid(function, std::string("config.") + name, "must be <= 2^24, got " + std::to_string(v));
     };
     bounded(c.d_model, "d_model");
     bounded(c.num_heads, "num_heads");
@@ -117,13 +116,10 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
                                   std::to_string(c.num_kv_heads));
     if (c.sliding_window && *c.sliding_window < 1)
         detail::throw_invalid(function, "config.sliding_window",
-                              "must be >= 1 (it counts the diagonal), got " +
-                                  std::to_string(*c.sliding_window));
-    if (c.scale && !std::isfinite(*c.scale))
-        detail::throw_invalid(function, "config.scale", "must be finite");
+                              "must be >= 1 (it counts the diagonal), got " + std::to_string(*c.sliding_window));
+    if (c.scale && !std::isfinite(*c.scale)) detail::throw_invalid(function, "config.scale", "must be finite");
     // As SDPA will check it in float (the narrowest compute type): > 0 and finite times log₂e.
-    if (!(c.logit_softcap == 0 ||
-          (float(c.logit_softcap) > 0 && std::isfinite(float(c.logit_softcap) * 1.44269504f))))
+    if (!(c.logit_softcap == 0 || (float(c.logit_softcap) > 0 && std::isfinite(float(c.logit_softcap) * 1.44269504f))))
         detail::throw_invalid(function, "config.logit_softcap",
                               "must be 0 (none) or > 0 and, times log2(e), finite in float, got " +
                                   detail::number_string(c.logit_softcap));
@@ -132,7 +128,8 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
                               "must be even and in [0, head_dim = " + std::to_string(c.head_dim) + "], got " +
                                   std::to_string(c.rotary_dim));
     if (c.rotary_dim > 0 && !(std::isfinite(c.rope_theta) && c.rope_theta > 0))
-        detail::throw_invalid(function, "config.rope_theta", "must be finite and > 0, got " + std::to_string(c.rope_theta));
+        detail::throw_invalid(function, "config.rope_theta",
+                              "must be finite and > 0, got " + std::to_string(c.rope_theta));
     if (c.qk_norm != QkNorm::None && !(std::isfinite(c.rms_norm_eps) && c.rms_norm_eps >= 0))
         detail::throw_invalid(function, "config.rms_norm_eps",
                               "must be finite and >= 0, got " + std::to_string(c.rms_norm_eps));
@@ -219,8 +216,7 @@ void check_weight_shape(const char* fn, const char* name, const Tensor& t, const
             throw shape_error(std::string(fn) + ": " + name + " must be empty: " + unused + ", got " + got);
         return;
     }
-    const bool ok = is_vector ? t.rows() == want->shape[0]
-                              : t.rows() == want->shape[0] && t.cols() == want->shape[1];
+    const bool ok = is_vector ? t.rows() == want->shape[0] : t.rows() == want->shape[0] && t.cols() == want->shape[1];
     if (!ok) {
         const std::string expected = want->shape.size() == 1 ? shape_string({want->shape[0]})
                                                              : shape_string({want->shape[0], want->shape[1]});

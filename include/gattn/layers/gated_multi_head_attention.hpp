@@ -45,8 +45,8 @@ struct ForwardOptions {
     /// (so its output row is what the layer makes of U = 0), and causal and window masks align
     /// on token positions (token i sees token j ≤ i). Empty = all N tokens.
     std::vector<Index> key_lengths;
-    MaskView<bool> bool_mask;        ///< [B|1, H|1, N|1, N], true = attend
-    MaskView<Scalar> bias;           ///< [B|1, H|1, N|1, N] additive
+    MaskView<bool> bool_mask;  ///< [B|1, H|1, N|1, N], true = attend
+    MaskView<Scalar> bias;     ///< [B|1, H|1, N|1, N] additive
     /// RoPE position of each token ([B·N], row order), e.g. for a left-padded batch; empty =
     /// its index t within its sequence. Used only with config.rotary_dim > 0.
     std::vector<Index> positions;
@@ -61,14 +61,14 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// q_proj_weight in their checkpoint order.
 template <class Scalar>
 struct AttentionWeights {
-    RowMatrix<Scalar> q_proj_weight;  ///< [H·d_k, D] (with a fused gate: [H·d_k + gate rows, D])
-    RowMatrix<Scalar> k_proj_weight;  ///< [H_kv·d_k, D] (G3 key gate: its rows follow as with q)
-    RowMatrix<Scalar> v_proj_weight;  ///< [H_kv·d_v, D]
-    RowMatrix<Scalar> o_proj_weight;  ///< [D, H·d_v]
-    Vector<Scalar> q_proj_bias;       ///< [rows of q_proj_weight] when qkv_bias, else empty
-    Vector<Scalar> k_proj_bias;       ///< [H_kv·d_k] when qkv_bias, else empty
-    Vector<Scalar> v_proj_bias;       ///< [H_kv·d_v] when qkv_bias, else empty
-    Vector<Scalar> o_proj_bias;       ///< [D] when o_bias, else empty
+    RowMatrix<Scalar> q_proj_weight;     ///< [H·d_k, D] (with a fused gate: [H·d_k + gate rows, D])
+    RowMatrix<Scalar> k_proj_weight;     ///< [H_kv·d_k, D] (G3 key gate: its rows follow as with q)
+    RowMatrix<Scalar> v_proj_weight;     ///< [H_kv·d_v, D]
+    RowMatrix<Scalar> o_proj_weight;     ///< [D, H·d_v]
+    Vector<Scalar> q_proj_bias;          ///< [rows of q_proj_weight] when qkv_bias, else empty
+    Vector<Scalar> k_proj_bias;          ///< [H_kv·d_k] when qkv_bias, else empty
+    Vector<Scalar> v_proj_bias;          ///< [H_kv·d_v] when qkv_bias, else empty
+    Vector<Scalar> o_proj_bias;          ///< [D] when o_bias, else empty
     RowMatrix<Scalar> gate_proj_weight;  ///< separate gate: [gate_width, D], query gate: [H, d_k]
     Vector<Scalar> gate_proj_bias;       ///< [gate_width] when the gate spec has a bias, else empty
     RowMatrix<Scalar> gate_theta;        ///< input-independent gate: [H, d_v]
@@ -137,8 +137,8 @@ AttentionWeights<Scalar> make_random_weights(const AttentionConfig& config, std:
             if (s.name != name) continue;
             const Index rows = s.shape[0], cols = s.shape.size() > 1 ? s.shape[1] : 1;
             const double fan_in = s.name == "gate_theta" ? 1.0
-                                  : s.shape.size() > 1     ? double(cols)
-                                                           : double(config.d_model);
+                                  : s.shape.size() > 1   ? double(cols)
+                                                         : double(config.d_model);
             std::uniform_real_distribution<double> u(-1.0 / std::sqrt(fan_in), 1.0 / std::sqrt(fan_in));
             p->resize(rows, p->ColsAtCompileTime == 1 ? 1 : cols);
             for (Index k = 0; k < p->size(); ++k) p->data()[k] = static_cast<Scalar>(u(rng));
@@ -199,16 +199,14 @@ public:
     /// \throws std::invalid_argument for an invalid config (validate_config);
     ///         shape_error when a weight is missing, has the wrong shape, or is given although
     ///         the config does not use it (message names the HF parameter).
-    GatedMultiHeadAttention(const AttentionConfig& config, const AttentionWeights<Scalar>& weights)
-        : m_config(config) {
+    GatedMultiHeadAttention(const AttentionConfig& config, const AttentionWeights<Scalar>& weights) : m_config(config) {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention";
         gattn::detail::warn_once_if_slow_build();
         validate_config(config, fn);
         const auto shapes = expected_weight_shapes(config);
         const std::string unused = "this config (gate " + describe(config.gate) + ") does not use it";
-        weights.for_each([&](const char* name, const auto& t) {
-            gattn::detail::check_weight_shape(fn, name, t, shapes, unused);
-        });
+        weights.for_each(
+            [&](const char* name, const auto& t) { gattn::detail::check_weight_shape(fn, name, t, shapes, unused); });
         pack(weights);
     }
 
@@ -221,8 +219,9 @@ public:
     /// parameters): for 16-bit weights about their checkpoint's bytes, never a widened copy.
     std::size_t weight_bytes() const noexcept {
         return m_in.bytes() + m_gate.bytes() + m_o.bytes() +
-               sizeof(T) * static_cast<std::size_t>(m_gate_query.size() + m_gate_query_bias.size() + m_gate_theta.size() +
-                                                    m_sinks.size() + m_q_norm.size() + m_k_norm.size());
+               sizeof(T) *
+                   static_cast<std::size_t>(m_gate_query.size() + m_gate_query_bias.size() + m_gate_theta.size() +
+                                            m_sinks.size() + m_q_norm.size() + m_k_norm.size());
     }
 
     /// Forward pass, core form.
@@ -260,8 +259,8 @@ public:
         sdpa.mask.bias = options.bias;
         const Index rows = x.rows();
         // Validate the attention call before anything is written.
-        gattn::detail::validate_sdpa<T>(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv,
-                                        HeadLayout{batch, H, Hkv}, sdpa, "options.");
+        gattn::detail::validate_sdpa<T>(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv, HeadLayout{batch, H, Hkv},
+                                        sdpa, "options.");
         if (!options.positions.empty() && static_cast<Index>(options.positions.size()) != rows)
             gattn::detail::throw_shape(fn, "options.positions", gattn::detail::shape_string({rows}),
                                        gattn::detail::shape_string({static_cast<Index>(options.positions.size())}));
@@ -336,9 +335,9 @@ public:
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
         const Index B = cache.batch(), rows = x.rows();
-        std::vector<Index> lengths =
-            gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "d_model", D, Hkv, dk, dv,
-                                               c.sliding_window ? *c.sliding_window : 0, counts);
+        std::vector<Index> lengths = gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "d_model", D, Hkv, dk,
+                                                                        dv, c.sliding_window ? *c.sliding_window : 0,
+                                                                        counts);
         check_trace(fn, trace, x, out, nullptr);
         SdpaOptions<T> sdpa = sdpa_options();
         sdpa.mask.key_lengths = std::move(lengths);
@@ -365,12 +364,14 @@ private:
     static void check_trace(const char* fn, const ForwardTrace<T>* trace, const ConstMatrixRef<Activation>& x,
                             const MatrixRef<Activation>& out, const MaskView<T>* bias) {
         if (!trace) return;
-        for (const auto& [m, name] : {std::pair<const RowMatrix<T>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
-                                      {&trace->first_key_attention, "trace->first_key_attention"},
-                                      {&trace->probabilities, "trace->probabilities"}})
+        for (const auto& [m, name] :
+             {std::pair<const RowMatrix<T>*, const char*>{&trace->gate_scores, "trace->gate_scores"},
+              {&trace->first_key_attention, "trace->first_key_attention"},
+              {&trace->probabilities, "trace->probabilities"}})
             if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out) ||
                 (bias && gattn::detail::resized_output_holds(m, *bias)))
-                gattn::detail::throw_invalid(fn, name, bias ? "must not hold x, out or options.bias" : "must not hold x or out");
+                gattn::detail::throw_invalid(fn, name,
+                                             bias ? "must not hold x, out or options.bias" : "must not hold x or out");
     }
 
     /// SDPA options of the config: scale, causal and window masks, sinks, softcap, ALiBi.
@@ -461,8 +462,10 @@ private:
 
         // Gates on the projections (G2 value, G3 key, G4 query) gate the projection output.
         if (input_gate && g.position != GatePosition::G1 && g.position != GatePosition::G5) {
-            if (g.position == GatePosition::G2) gate_heads(v.data(), v.outerStride(), Hkv, dv, z, nullptr, scores, rows);
-            if (g.position == GatePosition::G3) gate_heads(k.data(), k.outerStride(), Hkv, dk, z, nullptr, scores, rows);
+            if (g.position == GatePosition::G2)
+                gate_heads(v.data(), v.outerStride(), Hkv, dv, z, nullptr, scores, rows);
+            if (g.position == GatePosition::G3)
+                gate_heads(k.data(), k.outerStride(), Hkv, dk, z, nullptr, scores, rows);
             if (g.position == GatePosition::G4) gate_heads(q.data(), q.outerStride(), H, dk, z, nullptr, scores, rows);
         }
 
@@ -511,8 +514,8 @@ private:
         // A head-specific G1 gate on the input is applied to each (token, head) output as soon as
         // SDPA has written it, while it is in cache, instead of in a pass over U afterwards
         // (with a trace, the pass records the gate scores). Same arithmetic, same result.
-        const bool fused_g1 = input_gate && g.position == GatePosition::G1 &&
-                              g.sharing == GateSharing::HeadSpecific && !scores;
+        const bool fused_g1 = input_gate && g.position == GatePosition::G1 && g.sharing == GateSharing::HeadSpecific &&
+                              !scores;
         if (fused_g1) {
             const Index zw = gate_logits_per_head(dv);
             const auto gate_epilogue = [&](Index row, Index h, T* y) {
@@ -549,8 +552,8 @@ private:
 #endif
                 for (Index r = 0; r < rows; ++r)
                     for (Index h = 0; h < H; ++h)
-                        z(r, h) = simd::dot(q.data() + r * q.outerStride() + h * dk,
-                                            m_gate_query.data() + h * dk, static_cast<std::size_t>(dk)) +
+                        z(r, h) = simd::dot(q.data() + r * q.outerStride() + h * dk, m_gate_query.data() + h * dk,
+                                            static_cast<std::size_t>(dk)) +
                                   (m_gate_query_bias.size() ? m_gate_query_bias[h] : T(0));
                 gate_heads(u.data(), u.outerStride(), H, dv, z, nullptr, scores, rows);
             } else {
@@ -561,8 +564,8 @@ private:
 #pragma omp parallel for schedule(static) if (rows * H * dv >= (Index(1) << 16))
 #endif
                 for (Index r = 0; r < rows; ++r)
-                    apply_gate(g.activation, GateCombine::Multiplicative, u.data() + r * u.outerStride(),
-                               gate.data(), static_cast<const T*>(nullptr), static_cast<T*>(nullptr),
+                    apply_gate(g.activation, GateCombine::Multiplicative, u.data() + r * u.outerStride(), gate.data(),
+                               static_cast<const T*>(nullptr), static_cast<T*>(nullptr),
                                static_cast<std::size_t>(H * dv), /*activated=*/true);
                 if (scores) *scores = gate;
             }
@@ -570,8 +573,7 @@ private:
 
         m_o.template forward<T, T>(u, out);
 
-        if (g.position == GatePosition::G5)
-            gate_heads(out.data(), out.outerStride(), 1, D, z, &x, scores, rows);
+        if (g.position == GatePosition::G5) gate_heads(out.data(), out.outerStride(), 1, D, z, &x, scores, rows);
 
         if (trace) trace->max_abs_output = out.cwiseAbs().maxCoeff();
     }
@@ -625,7 +627,8 @@ private:
             bias.segment(H * dk + Hkv * dk, Hkv * dv) = w.v_proj_bias.template cast<T>();
         }
         m_in = Projection<Scalar>(std::move(w_in), c.qkv_bias ? bias : Vector<T>());
-        if (input_gate) m_gate = Projection<Scalar>(std::move(w_gate), (fused ? c.qkv_bias : g.bias) ? gate_bias : Vector<T>());
+        if (input_gate)
+            m_gate = Projection<Scalar>(std::move(w_gate), (fused ? c.qkv_bias : g.bias) ? gate_bias : Vector<T>());
         m_o = Projection<Scalar>(w.o_proj_weight, c.o_bias ? Vector<T>(w.o_proj_bias.template cast<T>()) : Vector<T>());
         if (g.enabled() && g.source == GateSource::Query) {
             m_gate_query = w.gate_proj_weight.template cast<T>();
@@ -650,9 +653,9 @@ private:
         const bool shared = g.sharing == GateSharing::HeadShared;
         const Index score_width = !elem ? heads : (shared ? width : heads * width);
         if (scores) scores->resize(rows, score_width);
-        // Rows in parallel, like the GEMMs and SDPA around this pass (a serial pass would grow
-        // into a large share of the layer on many cores). Each row's arithmetic is the same on
-        // any thread, so the result does not depend on the thread count.
+            // Rows in parallel, like the GEMMs and SDPA around this pass (a serial pass would grow
+            // into a large share of the layer on many cores). Each row's arithmetic is the same on
+            // any thread, so the result does not depend on the thread count.
 #ifdef _OPENMP
         const int threads = omp_get_max_threads();
 #else
@@ -687,9 +690,8 @@ private:
                 }
                 if (s) activate(g.activation, mean, s, static_cast<std::size_t>(width));
                 for (Index h = 0; h < heads; ++h)
-                    apply_gate(g.activation, g.combine, y + h * width, mean,
-                               xr ? xr + h * width : nullptr, static_cast<T*>(nullptr),
-                               static_cast<std::size_t>(width));
+                    apply_gate(g.activation, g.combine, y + h * width, mean, xr ? xr + h * width : nullptr,
+                               static_cast<T*>(nullptr), static_cast<std::size_t>(width));
             } else {
                 for (Index h = 0; h < heads; ++h) {
                     if (s) activate(g.activation, zr + h, s + h, 1);
@@ -730,8 +732,8 @@ private:
     Projection<Scalar> m_o;     // W_o: [D, H·d_v]
     RowMatrix<T> m_gate_query;  // [H, d_k] (query-sourced gate)
     Vector<T> m_gate_query_bias;
-    RowMatrix<T> m_gate_theta;  // [H, d_v] (input-independent gate)
-    std::vector<T> m_sinks;     // [H] sink logits (config.sinks), as SdpaOptions takes them
+    RowMatrix<T> m_gate_theta;     // [H, d_v] (input-independent gate)
+    std::vector<T> m_sinks;        // [H] sink logits (config.sinks), as SdpaOptions takes them
     Vector<T> m_q_norm, m_k_norm;  // [d_k] qk_norm weights
 };
 

@@ -40,15 +40,15 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// The attention part of a Qwen3-Next / Qwen3.5 config.json. (In the instruction-set namespace:
 /// rotary_dim() is floating-point code, which the instruction set changes.)
 struct Qwen3NextConfig {
-    Index hidden_size = 0;           ///< D
-    Index num_attention_heads = 0;   ///< H
-    Index num_key_value_heads = 0;   ///< H_kv
-    Index head_dim = 0;              ///< d
+    Index hidden_size = 0;                ///< D
+    Index num_attention_heads = 0;        ///< H
+    Index num_key_value_heads = 0;        ///< H_kv
+    Index head_dim = 0;                   ///< d
     double rms_norm_eps = 1e-6;           ///< ε of q_norm and k_norm
     double rope_theta = 10000.0;          ///< RoPE base (θ_i = rope_theta^(−2i/rotary_dim))
     double partial_rotary_factor = 0.25;  ///< fraction of head_dim that RoPE rotates
     bool attention_bias = false;          ///< q/k/v/o projections have biases
-    bool attn_output_gate = true;    ///< false: no gate rows in q_proj, Y = o_proj(U)
+    bool attn_output_gate = true;         ///< false: no gate rows in q_proj, Y = o_proj(U)
     /// Learned attention sinks as in gpt-oss: weight "sinks" [H], one logit per query head in
     /// each softmax denominator (config.json key "attention_sinks", a gattn extension).
     bool attention_sinks = false;
@@ -69,8 +69,8 @@ inline void validate_qwen3_next_config(const Qwen3NextConfig& c, const char* fn)
     positive(c.head_dim, "head_dim");
     if (c.num_attention_heads % c.num_key_value_heads != 0)
         detail::throw_invalid(fn, "config.num_key_value_heads",
-                              "must divide num_attention_heads = " + std::to_string(c.num_attention_heads) +
-                                  ", got " + std::to_string(c.num_key_value_heads));
+                              "must divide num_attention_heads = " + std::to_string(c.num_attention_heads) + ", got " +
+                                  std::to_string(c.num_key_value_heads));
     // The factor's range first: rotary_dim() of a factor far above 1 would not fit an Index.
     if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1))
         detail::throw_invalid(fn, "config.partial_rotary_factor",
@@ -92,11 +92,11 @@ struct Qwen3NextAttentionWeights {
     RowMatrix<Scalar> o_proj_weight;  ///< [D, H·d]
     Vector<Scalar> q_norm_weight;     ///< [d]
     Vector<Scalar> k_norm_weight;     ///< [d]
-    Vector<Scalar> q_proj_bias;  ///< [rows of q_proj_weight] when attention_bias, else empty
-    Vector<Scalar> k_proj_bias;  ///< [H_kv·d] when attention_bias, else empty
-    Vector<Scalar> v_proj_bias;  ///< [H_kv·d] when attention_bias, else empty
-    Vector<Scalar> o_proj_bias;  ///< [D] when attention_bias, else empty
-    Vector<Scalar> sinks;        ///< [H] sink logits when attention_sinks, else empty
+    Vector<Scalar> q_proj_bias;       ///< [rows of q_proj_weight] when attention_bias, else empty
+    Vector<Scalar> k_proj_bias;       ///< [H_kv·d] when attention_bias, else empty
+    Vector<Scalar> v_proj_bias;       ///< [H_kv·d] when attention_bias, else empty
+    Vector<Scalar> o_proj_bias;       ///< [D] when attention_bias, else empty
+    Vector<Scalar> sinks;             ///< [H] sink logits when attention_sinks, else empty
 
     /// Visits (HF name, pointer) for every member.
     template <class F>
@@ -144,9 +144,9 @@ struct Qwen3NextAttentionWeights {
 inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& c) {
     const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
     const Index q_rows = c.attn_output_gate ? 2 * H * d : H * d;
-    std::vector<TensorShape> s{{"q_proj.weight", {q_rows, D}}, {"k_proj.weight", {Hkv * d, D}},
-                               {"v_proj.weight", {Hkv * d, D}},   {"o_proj.weight", {D, H * d}},
-                               {"q_norm.weight", {d}},            {"k_norm.weight", {d}}};
+    std::vector<TensorShape> s{{"q_proj.weight", {q_rows, D}},  {"k_proj.weight", {Hkv * d, D}},
+                               {"v_proj.weight", {Hkv * d, D}}, {"o_proj.weight", {D, H * d}},
+                               {"q_norm.weight", {d}},          {"k_norm.weight", {d}}};
     if (c.attention_bias) {
         s.push_back({"q_proj.bias", {q_rows}});
         s.push_back({"k_proj.bias", {Hkv * d}});
@@ -191,8 +191,7 @@ public:
     ///         and for q_proj the layout its rows fit, see
     ///         qwen3_next_q_proj_hint: a headwise gate's H·d + H rows, no gate rows, or gate rows
     ///         in an ungated config).
-    Qwen3NextAttention(const Qwen3NextConfig& config, const Qwen3NextAttentionWeights<Scalar>& w)
-        : m_config(config) {
+    Qwen3NextAttention(const Qwen3NextConfig& config, const Qwen3NextAttentionWeights<Scalar>& w) : m_config(config) {
         constexpr const char* fn = "gattn::Qwen3NextAttention";
         gattn::detail::warn_once_if_slow_build();
         validate_qwen3_next_config(config, fn);
@@ -215,7 +214,8 @@ public:
         Vector<T> bias = Vector<T>::Zero(w_in.rows());
         for (Index h = 0; h < H; ++h) {
             w_in.middleRows(h * d, d) = w.q_proj_weight.middleRows(h * q_stride, d);
-            if (config.attention_bias) bias.segment(h * d, d) = w.q_proj_bias.segment(h * q_stride, d).template cast<T>();
+            if (config.attention_bias)
+                bias.segment(h * d, d) = w.q_proj_bias.segment(h * q_stride, d).template cast<T>();
             if (G == 0) continue;
             w_in.middleRows(H * d + h * d, d) = w.q_proj_weight.middleRows(h * q_stride + d, d);
             if (config.attention_bias)
@@ -228,8 +228,8 @@ public:
             bias.segment(H * d + G + Hkv * d, Hkv * d) = w.v_proj_bias.template cast<T>();
         }
         m_in = Projection<Scalar>(std::move(w_in), config.attention_bias ? bias : Vector<T>());
-        m_o = Projection<Scalar>(w.o_proj_weight, config.attention_bias ? Vector<T>(w.o_proj_bias.template cast<T>())
-                                                                        : Vector<T>());
+        m_o = Projection<Scalar>(w.o_proj_weight,
+                                 config.attention_bias ? Vector<T>(w.o_proj_bias.template cast<T>()) : Vector<T>());
         m_q_norm = w.q_norm_weight.template cast<T>();
         m_k_norm = w.k_norm_weight.template cast<T>();
         if (config.attention_sinks) {
@@ -330,8 +330,8 @@ private:
         RowMatrix<T> proj(rows, m_in.out_features());
         m_in.template forward<T, T>(x, proj);
         T* p = proj.data();
-        const Index ld = proj.outerStride(), G = gate_width(), k0 = H * d + G;  // k0: first key column
-        rms_norm_heads(p, rows, ld, H, d, m_q_norm.data(), c.rms_norm_eps);        // query
+        const Index ld = proj.outerStride(), G = gate_width(), k0 = H * d + G;      // k0: first key column
+        rms_norm_heads(p, rows, ld, H, d, m_q_norm.data(), c.rms_norm_eps);         // query
         rms_norm_heads(p + k0, rows, ld, Hkv, d, m_k_norm.data(), c.rms_norm_eps);  // key
         apply_rope(p, rows, ld, H, d, c.rotary_dim(), positions.data(), c.rope_theta);
         apply_rope(p + k0, rows, ld, Hkv, d, c.rotary_dim(), positions.data(), c.rope_theta);
@@ -373,7 +373,8 @@ private:
         if (gate_scores) gate_scores->resize(rows, G);
         for (Index r = 0; r < rows && G > 0; ++r) {
             const T* z = p + r * ld + H * d;
-            if (gate_scores) activate(GateActivation::Sigmoid, z, gate_scores->data() + r * G, static_cast<std::size_t>(G));
+            if (gate_scores)
+                activate(GateActivation::Sigmoid, z, gate_scores->data() + r * G, static_cast<std::size_t>(G));
             apply_gate(GateActivation::Sigmoid, GateCombine::Multiplicative, u.data() + r * H * d, z,
                        static_cast<const T*>(nullptr), static_cast<T*>(nullptr), static_cast<std::size_t>(G));
         }

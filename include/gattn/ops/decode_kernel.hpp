@@ -147,7 +147,8 @@ inline void group_logits(const T* const* q, const KV* key, Index key_stride, Ind
             B a(T(0));
             if (kk < nk) {
                 const KV* k = key + kk * key_stride;
-                for (Index d = 0; d < dk_vec; d += L) a = simd::fma(B::load_unaligned(q[r] + d), load_widened<T>(k + d), a);
+                for (Index d = 0; d < dk_vec; d += L)
+                    a = simd::fma(B::load_unaligned(q[r] + d), load_widened<T>(k + d), a);
             }
             dots[r][kk] = a;
         }
@@ -159,8 +160,8 @@ inline void group_logits(const T* const* q, const KV* key, Index key_stride, Ind
 /// weight underflowed to 0 is not (0·NaN = NaN). A block whose keys are all visible to the R
 /// rows (the common case) runs without the per-key test.
 template <class T, int R, class KV = T>
-inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::kLanes<T>], Index nk,
-                         const KV* value, Index value_stride, T* const* acc, Index dv) noexcept {
+inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::kLanes<T>], Index nk, const KV* value,
+                         Index value_stride, T* const* acc, Index dv) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr int C = std::min(8, kDecodeValueRegisters / (R > 2 ? 4 : R));  // registers of d_v per row
@@ -196,7 +197,8 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
         for (int r = 0; r < R; ++r) {
             B a = B::load_unaligned(acc[r] + j);
             for (Index kk = 0; kk < nk; ++kk)
-                if (score[r][kk] != kNegInf) a = simd::fma(B(p[r][kk]), load_widened<T>(value + kk * value_stride + j), a);
+                if (score[r][kk] != kNegInf)
+                    a = simd::fma(B(p[r][kk]), load_widened<T>(value + kk * value_stride + j), a);
             a.store_unaligned(acc[r] + j);
         }
     for (; j < dv; ++j)
@@ -292,8 +294,8 @@ inline void values(const std::uint16_t (*pw)[16], Index nk, const bfloat16* valu
 /// The value sum of a block where some row skips a key (score −∞) whose V row may hold
 /// anything: lane by lane, skipping those keys, into the permuted order.
 template <int R>
-inline void values_skipping(const float (*score)[16], const std::uint16_t (*pw)[16], Index nk,
-                            const bfloat16* value, Index value_stride, float* const* acc, Index dv) noexcept {
+inline void values_skipping(const float (*score)[16], const std::uint16_t (*pw)[16], Index nk, const bfloat16* value,
+                            Index value_stride, float* const* acc, Index dv) noexcept {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
     for (int r = 0; r < R; ++r)
         for (Index kk = 0; kk < nk; ++kk) {
@@ -502,7 +504,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             // used (1.12–1.20× at 32k keys, d = 256, 2 KV heads, bf16 and float caches).
             std::uint8_t touched = 0;
             const Index ahead = std::min(j0 + 3 * L, k_end);
-            for (Index kk = j0 + 2 * L; kk < ahead; ++kk) touched ^= touch_lines(key_base + kk * key_stride, num_kv_heads * dk);
+            for (Index kk = j0 + 2 * L; kk < ahead; ++kk)
+                touched ^= touch_lines(key_base + kk * key_stride, num_kv_heads * dk);
             for (Index kk = j0 + 2 * L; kk < ahead; ++kk)
                 touched ^= touch_lines(value_base + kk * value_stride, num_kv_heads * dv);
             volatile std::uint8_t kept = touched;  // the loads are not elided
@@ -529,7 +532,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             for (int t0 = 0; t0 < blk.count; t0 += kDecodeRows) {
                 const int rows = std::min(kDecodeRows, blk.count - t0);
                 bool any = false;
-                for (int t = t0; t < t0 + rows; ++t) any = any || std::max(j0, blk.begin[t]) < std::min(j0 + nk, blk.end[t]);
+                for (int t = t0; t < t0 + rows; ++t)
+                    any = any || std::max(j0, blk.begin[t]) < std::min(j0 + nk, blk.end[t]);
                 if (!any) continue;  // no row of the group sees a key of this block
                 T* acc[kDecodeRows];
                 for (int r = 0; r < rows; ++r) acc[r] = st.acc.data() + (t0 + r) * dv;
@@ -597,8 +601,10 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                     bool visible = j >= lo && j < hi;
                                     if (visible && blk.bool_row[t] && !blk.bool_row[t][j]) visible = false;
                                     if (visible && blk.bias_row[t]) {
-                                        if (blk.bias_row[t][j] == kNegInf) visible = false;
-                                        else sr[kk] += blk.bias_row[t][j];
+                                        if (blk.bias_row[t][j] == kNegInf)
+                                            visible = false;
+                                        else
+                                            sr[kk] += blk.bias_row[t][j];
                                     }
                                     if (!visible) sr[kk] = kNegInf;
                                 }
@@ -607,7 +613,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             const B sv = B::load_aligned(sr);
                             // A NaN logit must reach the row: reduce_max skips NaN lanes.
                             const T bmax = xsimd::any(xsimd::isnan(sv)) ? std::numeric_limits<T>::quiet_NaN()
-                                                                       : simd::reduce_max(sv);
+                                                                        : simd::reduce_max(sv);
                             if (bmax == kNegInf) continue;  // every logit −∞: every key skipped
                             T& m = st.m[t];
                             const T m_new = std::isnan(bmax) ? bmax : std::max(m, bmax);
@@ -689,8 +695,7 @@ void decode_finish(const FlashBlock<T>& blk, const PartialState<T>* chunks, Inde
             simd::scale(w / l, o, static_cast<std::size_t>(dv));
         }
         if (blk.lse[t]) *blk.lse[t] = empty ? kNegInf : m + std::log(l);
-        if (blk.first_key[t])
-            *blk.first_key[t] = empty || first == kNegInf ? T(0) : simd::exp_scalar<T>(first - m) / l;
+        if (blk.first_key[t]) *blk.first_key[t] = empty || first == kNegInf ? T(0) : simd::exp_scalar<T>(first - m) / l;
     }
 }
 

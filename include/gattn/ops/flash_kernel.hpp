@@ -78,7 +78,7 @@ struct FlashGeometry {
     static constexpr int kRows = 6;  // 6 × 2 = 12 accumulators of 16 registers
 #endif
     static constexpr int kQueries = kCols * kLanes;  // Br: queries per block
-    static constexpr int kKeys = 64;  // Bc: keys per block
+    static constexpr int kKeys = 64;                 // Bc: keys per block
     // Query blocks that walk the keys together: each key block (and the memory pages of its
     // rows, which in a [N, H·d] layout are one page per row) is used by all of them while it
     // is in L2 and in the TLB, so K and V come from L3 once per group instead of once per
@@ -111,9 +111,9 @@ template <class T, class Storage = T, class Out = Storage>
 struct FlashBlock {
     using G = FlashGeometry<T>;
     int count = 0;
-    const Storage* q[G::kQueries];    // query rows (d_k values)
-    Out* out[G::kQueries];            // output rows (d_v values)
-    Index begin[G::kQueries];         // visible key range per lane
+    const Storage* q[G::kQueries];  // query rows (d_k values)
+    Out* out[G::kQueries];          // output rows (d_v values)
+    Index begin[G::kQueries];       // visible key range per lane
     Index end[G::kQueries];
     const bool* bool_row[G::kQueries];  // null when no boolean mask
     const T* bias_row[G::kQueries];     // null when no bias
@@ -135,12 +135,12 @@ struct FlashBlock {
 template <class T>
 struct FlashScratch {
     using G = FlashGeometry<T>;
-    RowMatrix<T> qt[G::kGroupBlocks];  // [d_k, Br]  scale·Qᵀ
-    RowMatrix<T> ot[G::kGroupBlocks];  // [d_v, Br]  Oᵀ (unnormalised)
-    RowMatrix<T> st;                   // [Bc, Br]   Sᵀ, then Pᵀ
-    RowMatrix<T> value_rows;           // [Bc, d_v]  one key block's V rows, copied
-    RowMatrix<T> key_rows;             // [Bc, d_k]  one key block's K rows, dequantized (int8)
-    RowMatrix<T> stage;                // [Br, d_v]  one block's outputs (OutputWrites::Staged)
+    RowMatrix<T> qt[G::kGroupBlocks];   // [d_k, Br]  scale·Qᵀ
+    RowMatrix<T> ot[G::kGroupBlocks];   // [d_v, Br]  Oᵀ (unnormalised)
+    RowMatrix<T> st;                    // [Bc, Br]   Sᵀ, then Pᵀ
+    RowMatrix<T> value_rows;            // [Bc, d_v]  one key block's V rows, copied
+    RowMatrix<T> key_rows;              // [Bc, d_k]  one key block's K rows, dequantized (int8)
+    RowMatrix<T> stage;                 // [Br, d_v]  one block's outputs (OutputWrites::Staged)
     std::vector<FlashBlock<T>> blocks;  // KiBs each: heap, not stack
     /// Whether flash_attention_blocks copies V rows that lie value_stride apart.
     static bool copies_values(Index value_stride, Index dv) noexcept { return value_stride != dv; }
@@ -209,8 +209,7 @@ struct LogitTransform {
     B apply(B v, int c, const B& j) const noexcept {
         constexpr int L = G::kLanes;
         if (capped) v = simd::softcap<T>(v, cap, inv_cap);
-        if (alibi)
-            v = simd::fnma(B::load_aligned(slope + c * L), xsimd::abs(B::load_aligned(distance + c * L) - j), v);
+        if (alibi) v = simd::fnma(B::load_aligned(slope + c * L), xsimd::abs(B::load_aligned(distance + c * L) - j), v);
         return v;
     }
 };
@@ -223,8 +222,8 @@ struct LogitTransform {
 /// their products are skipped and their Sᵀ entries set to −∞ (the diagonal blocks of causal
 /// attention).
 template <class T, int R, bool Masked, int C0 = 0>
-inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0,
-                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* next_key,
+inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0, const T* lane_begin,
+                        const T* lane_end, simd::Batch<T>* bmax, const T* next_key,
                         const LogitTransform<T>* tf) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
@@ -253,7 +252,8 @@ inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T
             B v = acc[r][c];
             if (tf) v = tf->apply(v, c, j);
             if constexpr (Masked) {
-                const auto visible = (B::load_aligned(lane_begin + c * L) <= j) & (j < B::load_aligned(lane_end + c * L));
+                const auto visible = (B::load_aligned(lane_begin + c * L) <= j) &
+                                     (j < B::load_aligned(lane_end + c * L));
                 v = xsimd::select(visible, v, B(-std::numeric_limits<T>::infinity()));
             }
             v.store_aligned(st + r * W + c * L);
@@ -275,8 +275,8 @@ struct KeyRun {
 /// only in the registers that have lanes it is hidden from, so the diagonal blocks of causal
 /// attention pay one masked register per key, not four.
 template <class T, int R, bool Masked>
-inline void values_tile(const T* value, Index value_stride, const T* pt, Index nk,
-                        const simd::Batch<T>* alpha, T* ot, const KeyRun* runs, int run_count) noexcept {
+inline void values_tile(const T* value, Index value_stride, const T* pt, Index nk, const simd::Batch<T>* alpha, T* ot,
+                        const KeyRun* runs, int run_count) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
@@ -329,8 +329,8 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
 /// tf: the block's softcap and ALiBi, or null for none.
 template <class T, int R, bool Masked>
 inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0, Index nk,
-                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* after,
-                        const int* dead, const LogitTransform<T>* tf) noexcept {
+                        const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* after, const int* dead,
+                        const LogitTransform<T>* tf) noexcept {
     using G = FlashGeometry<T>;
     Index kk = 0;
     for (; kk + R <= nk; kk += R) {
@@ -341,8 +341,8 @@ inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T
                 std::fill(st + kk * G::kQueries, st + (kk + R) * G::kQueries, -std::numeric_limits<T>::infinity());
             with_constant<G::kCols>(c0, [&](auto first_live) {
                 scores_tile<T, R, true, decltype(first_live)::value>(key + kk * key_stride, key_stride, qt, dk,
-                                                                    st + kk * G::kQueries, j0 + kk, lane_begin,
-                                                                    lane_end, bmax, next, tf);
+                                                                     st + kk * G::kQueries, j0 + kk, lane_begin,
+                                                                     lane_end, bmax, next, tf);
             });
         } else {
             scores_tile<T, R, false>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
@@ -351,15 +351,14 @@ inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T
     }
     if constexpr (R > 1) {
         if (kk < nk)
-            scores_rows<T, R - 1, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries,
-                                          j0 + kk, nk - kk, lane_begin, lane_end, bmax, after,
-                                          Masked ? dead + kk : nullptr, tf);
+            scores_rows<T, R - 1, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
+                                          nk - kk, lane_begin, lane_end, bmax, after, Masked ? dead + kk : nullptr, tf);
     }
 }
 
 template <class T, int R, bool Masked>
-inline void values_rows(const T* value, Index value_stride, const T* pt, Index nk, const simd::Batch<T>* alpha,
-                        T* ot, Index dv, const KeyRun* runs, int run_count) noexcept {
+inline void values_rows(const T* value, Index value_stride, const T* pt, Index nk, const simd::Batch<T>* alpha, T* ot,
+                        Index dv, const KeyRun* runs, int run_count) noexcept {
     using G = FlashGeometry<T>;
     Index j = 0;
     for (; j + R <= dv; j += R)

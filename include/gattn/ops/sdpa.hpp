@@ -73,7 +73,6 @@ struct SdpaOptions {
     std::vector<Scalar> alibi_slopes;
 };
 
-
 /// Which logits SdpaOutputs::logits holds.
 enum class LogitStage {
     Scaled,      ///< scale·q·k for every key j < N_k, masked or not (a hidden key may hold anything)
@@ -127,9 +126,8 @@ namespace detail {
 
 /// Validates an SDPA call; throws shape_error / std::invalid_argument. Returns {d_k, d_v}.
 template <class Scalar>
-inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index q_cols,
-                                             Index k_rows, Index k_cols, Index v_rows,
-                                             Index v_cols, const HeadLayout& heads,
+inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index q_cols, Index k_rows, Index k_cols,
+                                             Index v_rows, Index v_cols, const HeadLayout& heads,
                                              const SdpaOptions<Scalar>& options,
                                              const std::string& mask_prefix = "mask.") {
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
@@ -137,16 +135,16 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
     if (H < 1) throw_invalid(fn, "num_heads", "must be >= 1, got " + std::to_string(H));
     if (Hkv < 1 || H % Hkv != 0)
         throw_invalid(fn, "num_kv_heads",
-                      "must be >= 1 and divide num_heads = " + std::to_string(H) + ", got " +
-                          std::to_string(Hkv));
+                      "must be >= 1 and divide num_heads = " + std::to_string(H) + ", got " + std::to_string(Hkv));
     if (q_cols % H != 0 || q_cols == 0)
-        throw_shape(fn, "query", "[B*N_q, num_heads*head_dim] with num_heads = " +
-                                     std::to_string(H) + " and head_dim >= 1",
+        throw_shape(fn, "query",
+                    "[B*N_q, num_heads*head_dim] with num_heads = " + std::to_string(H) + " and head_dim >= 1",
                     shape_string({q_rows, q_cols}));
     const Index dk = q_cols / H;
     if (B == 0 ? q_rows != 0 : q_rows % B != 0)
-        throw_shape(fn, "query", "[B*N_q, num_heads*head_dim] = [multiple of " + std::to_string(B) + ", " +
-                                     std::to_string(q_cols) + "]",
+        throw_shape(fn, "query",
+                    "[B*N_q, num_heads*head_dim] = [multiple of " + std::to_string(B) + ", " + std::to_string(q_cols) +
+                        "]",
                     shape_string({q_rows, q_cols}));
     if (k_cols != Hkv * dk || (B == 0 ? k_rows != 0 : k_rows % B != 0))
         throw_shape(fn, "key",
@@ -155,8 +153,8 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                     shape_string({k_rows, k_cols}));
     if (v_rows != k_rows || v_cols % Hkv != 0 || v_cols == 0)
         throw_shape(fn, "value",
-                    "[" + std::to_string(k_rows) + ", num_kv_heads*value_head_dim] with num_kv_heads = " +
-                        std::to_string(Hkv),
+                    "[" + std::to_string(k_rows) +
+                        ", num_kv_heads*value_head_dim] with num_kv_heads = " + std::to_string(Hkv),
                     shape_string({v_rows, v_cols}));
     const Index dv = v_cols / Hkv;
     const Index Nq = B == 0 ? 0 : q_rows / B;
@@ -164,8 +162,7 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
     const auto& m = options.mask;
     if (m.sliding_window && *m.sliding_window < 1)
         throw_invalid(fn, mask_prefix + "sliding_window",
-                      "must be >= 1 (it counts the diagonal), got " +
-                          std::to_string(*m.sliding_window));
+                      "must be >= 1 (it counts the diagonal), got " + std::to_string(*m.sliding_window));
     if (!m.key_lengths.empty()) {
         if (static_cast<Index>(m.key_lengths.size()) != B)
             throw_shape(fn, mask_prefix + "key_lengths", shape_string({B}),
@@ -224,13 +221,12 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
     }
     auto check_view = [&](const auto& view, const std::string& name) {
         if (view.empty()) return;
-        const bool ok = (view.batch == 1 || view.batch == B) &&
-                        (view.heads == 1 || view.heads == H) &&
+        const bool ok = (view.batch == 1 || view.batch == B) && (view.heads == 1 || view.heads == H) &&
                         (view.query_len == 1 || view.query_len == Nq) && view.key_len == Nk;
         if (!ok)
             throw_shape(fn, name,
-                        "[1|" + std::to_string(B) + ", 1|" + std::to_string(H) + ", 1|" +
-                            std::to_string(Nq) + ", " + std::to_string(Nk) + "]",
+                        "[1|" + std::to_string(B) + ", 1|" + std::to_string(H) + ", 1|" + std::to_string(Nq) + ", " +
+                            std::to_string(Nk) + "]",
                         shape_string({view.batch, view.heads, view.query_len, view.key_len}));
     };
     check_view(m.bool_mask, mask_prefix + "bool_mask");
@@ -281,20 +277,20 @@ inline bool views_overlap(const MA& a, const MB& b) noexcept {
     if constexpr (!std::is_same_v<T, TB>) {
         return overlaps_any(a.data(), na, b.data(), nb);
     } else {
-    if (!overlaps(a.data(), na, static_cast<const T*>(b.data()), nb)) return false;
-    const Index s = a.outerStride();
-    const auto pa = reinterpret_cast<std::uintptr_t>(a.data()), pb = reinterpret_cast<std::uintptr_t>(b.data());
-    if (s != b.outerStride() || s < a.cols() || s < b.cols() || (pa > pb ? pa - pb : pb - pa) % sizeof(T) != 0)
-        return true;
-    // Order the views so that b starts at or after a, δ = q·s + r elements later: b's row k is
-    // a's row q + k from column r on, continuing into row q + k + 1 past column s.
-    const bool swap = pb < pa;
-    const Index ra = swap ? b.rows() : a.rows(), ca = swap ? b.cols() : a.cols();
-    const Index rb = swap ? a.rows() : b.rows(), cb = swap ? a.cols() : b.cols();
-    const Index delta = static_cast<Index>((swap ? pa - pb : pb - pa) / sizeof(T)), q = delta / s, r = delta % s;
-    auto meet = [](Index lo1, Index hi1, Index lo2, Index hi2) { return lo1 < hi2 && lo2 < hi1; };
-    if (meet(0, ra, q, q + rb) && meet(0, ca, r, std::min(s, r + cb))) return true;
-    return r + cb > s && meet(0, ra, q + 1, q + 1 + rb) && meet(0, ca, 0, r + cb - s);
+        if (!overlaps(a.data(), na, static_cast<const T*>(b.data()), nb)) return false;
+        const Index s = a.outerStride();
+        const auto pa = reinterpret_cast<std::uintptr_t>(a.data()), pb = reinterpret_cast<std::uintptr_t>(b.data());
+        if (s != b.outerStride() || s < a.cols() || s < b.cols() || (pa > pb ? pa - pb : pb - pa) % sizeof(T) != 0)
+            return true;
+        // Order the views so that b starts at or after a, δ = q·s + r elements later: b's row k is
+        // a's row q + k from column r on, continuing into row q + k + 1 past column s.
+        const bool swap = pb < pa;
+        const Index ra = swap ? b.rows() : a.rows(), ca = swap ? b.cols() : a.cols();
+        const Index rb = swap ? a.rows() : b.rows(), cb = swap ? a.cols() : b.cols();
+        const Index delta = static_cast<Index>((swap ? pa - pb : pb - pa) / sizeof(T)), q = delta / s, r = delta % s;
+        auto meet = [](Index lo1, Index hi1, Index lo2, Index hi2) { return lo1 < hi2 && lo2 < hi1; };
+        if (meet(0, ra, q, q + rb) && meet(0, ca, r, std::min(s, r + cb))) return true;
+        return r + cb > s && meet(0, ra, q + 1, q + 1 + rb) && meet(0, ca, 0, r + cb - s);
     }
 }
 
@@ -363,7 +359,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     constexpr const char* fn = "gattn::scaled_dot_product_attention";
     // Plain variables, not a structured binding: C++17 lambdas cannot capture those.
     const auto head_dims = gattn::detail::validate_sdpa<T>(fn, query.rows(), query.cols(), key.rows(), key.cols(),
-                                                        value.rows(), value.cols(), heads, options);
+                                                           value.rows(), value.cols(), heads, options);
     const Index dk = head_dims.first, dv = head_dims.second;
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
     const Index Nq = B == 0 ? 0 : query.rows() / B;
@@ -385,8 +381,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         gattn::detail::overlaps_any(out.data(), out_span, mask.bias.data, gattn::detail::numel(mask.bias)))
         gattn::detail::throw_invalid(fn, "out", "must not overlap mask.bias");
     // Optional outputs are resized, which frees their storage: they must not be, or hold, an input.
-    const RowMatrix<T>* extras[] = {extra.log_sum_exp, extra.probabilities, extra.first_key_probability,
-                                    extra.logits};
+    const RowMatrix<T>* extras[] = {extra.log_sum_exp, extra.probabilities, extra.first_key_probability, extra.logits};
     const char* extra_names[] = {"extra.log_sum_exp", "extra.probabilities", "extra.first_key_probability",
                                  "extra.logits"};
     for (int a = 0; a < 4; ++a) {
@@ -417,7 +412,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     if (Nk == 0) {  // no keys: every row is fully masked
         for (Index r = 0; r < out.rows(); ++r) out.row(r).setZero();
         if (extra.log_sum_exp)
-            for (Index h = 0; h < H; ++h) extra.log_sum_exp->col(h).setConstant(options.sinks.empty() ? kNegInf : options.sinks[h]);
+            for (Index h = 0; h < H; ++h)
+                extra.log_sum_exp->col(h).setConstant(options.sinks.empty() ? kNegInf : options.sinks[h]);
         std::vector<T> zeros(kNarrow ? static_cast<std::size_t>(dv) : 0);
         for (Index r = 0; r < out.rows(); ++r)
             for (Index h = 0; h < H; ++h) {
@@ -524,8 +520,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
-    const Bf16Kernel narrow_kernel =
-        std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family() : Bf16Kernel::WidenedFloat;
+    const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
+                                                                      : Bf16Kernel::WidenedFloat;
     // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32); else widened to float.
     [[maybe_unused]] const bool decode_dot = narrow_kernel == Bf16Kernel::Avx512Bf16 &&
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
@@ -544,7 +540,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                 return kernel::NarrowScratch<Scalar, Out>::for_this_thread();
             else
                 return kernel::FlashScratch<Scalar>::for_this_thread();
-        }();
+        }
+        ();
         if constexpr (kNarrow) {
             if (decode)
                 scratch.reserve_decode(dk, dv, Hkv);
@@ -598,8 +595,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                         for (Index g = 0; g < Hkv; ++g)
                             for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
                         kernel::decode_chunk<T, Scalar, true>(decode_blk, states, Hkv, c0, c1, key_seq,
-                                                              key.outerStride(), value_seq, value.outerStride(), dk,
-                                                              dv, scale, decode_from_memory, q16);
+                                                              key.outerStride(), value_seq, value.outerStride(), dk, dv,
+                                                              scale, decode_from_memory, q16);
                         continue;
                     }
                 }
@@ -610,8 +607,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.
-                const Index first = (block_tasks - 1 - task % block_tasks) * per_task,
-                            g = (task / block_tasks) % Hkv,
+                const Index first = (block_tasks - 1 - task % block_tasks) * per_task, g = (task / block_tasks) % Hkv,
                             b = task / (block_tasks * Hkv);
                 const int count = static_cast<int>(std::min(per_task, blocks - first));
                 for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
@@ -622,9 +618,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                 const KVElem* key_head = key.data() + b * Nk * key.outerStride() + g * dk;
                 const KVElem* value_head = value.data() + b * Nk * value.outerStride() + g * dv;
                 if constexpr (kNarrow)
-                    kernel::narrow_attention_blocks(narrow_kernel, blk, count, key_head, key.outerStride(),
-                                                    value_head, value.outerStride(), dk, dv, scale, scratch,
-                                                    on_block);
+                    kernel::narrow_attention_blocks(narrow_kernel, blk, count, key_head, key.outerStride(), value_head,
+                                                    value.outerStride(), dk, dv, scale, scratch, on_block);
                 else
                     kernel::flash_attention_blocks<Scalar>(blk, count, key_head, key.outerStride(), value_head,
                                                            value.outerStride(), dk, dv, scale, scratch, writes,
@@ -698,12 +693,14 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                     logits[j] = kNegInf;
                     if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == kNegInf)) continue;
                     T sc = capped(dot(q, b, j, g) * scale);
-                    if (slope != T(0)) sc = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), sc);
+                    if (slope != T(0))
+                        sc = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), sc);
                     if (bias_row) sc += bias_row[j];
                     logits[j] = sc;
                     m = std::max(m, sc);
                 }
-                if (lg && stage == LogitStage::Final) std::copy(logits.begin() + range.begin, logits.begin() + range.end, lg + range.begin);
+                if (lg && stage == LogitStage::Final)
+                    std::copy(logits.begin() + range.begin, logits.begin() + range.end, lg + range.begin);
                 if (!probabilities) continue;
                 T* p = extra.probabilities->data() + prow * Nk;
                 T l = sink == kNegInf ? T(0) : simd::exp_scalar<T>(sink - m);
@@ -839,7 +836,8 @@ void merge_attention(ConstMatrixRef<Scalar> out_a, ConstMatrixRef<Scalar> lse_a,
                 lse(r, h) = kNegInf;
                 continue;
             }
-            const Scalar m = std::isnan(la) || std::isnan(lb) ? std::numeric_limits<Scalar>::quiet_NaN() : std::max(la, lb);
+            const Scalar m = std::isnan(la) || std::isnan(lb) ? std::numeric_limits<Scalar>::quiet_NaN()
+                                                              : std::max(la, lb);
             const Scalar wa = has_a ? std::exp(la - m) : Scalar(0), wb = has_b ? std::exp(lb - m) : Scalar(0);
             const Scalar sum = wa + wb;  // ≥ 1 (the larger side's weight is 1), or NaN
             for (Index e = 0; e < dv; ++e) {
@@ -855,17 +853,14 @@ void merge_attention(ConstMatrixRef<Scalar> out_a, ConstMatrixRef<Scalar> lse_a,
 
 /// Convenience form: returns out [B·N_q, H·d_v]. Same contract as the core form.
 template <class Scalar>
-RowMatrix<Scalar> scaled_dot_product_attention(ConstMatrixRef<Scalar> query,
-                                               ConstMatrixRef<Scalar> key,
-                                               ConstMatrixRef<Scalar> value,
-                                               const HeadLayout& heads,
+RowMatrix<Scalar> scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
+                                               ConstMatrixRef<Scalar> value, const HeadLayout& heads,
                                                const SdpaOptions<compute_t<Scalar>>& options = {},
                                                const SdpaOutputs<compute_t<Scalar>>& extra = {}) {
     const Index H = heads.num_heads, Hkv = heads.num_kv_heads;
     // Validate first so that a bad head count is reported before the output is sized.
-    gattn::detail::validate_sdpa<compute_t<Scalar>>("gattn::scaled_dot_product_attention", query.rows(),
-                                 query.cols(), key.rows(), key.cols(), value.rows(), value.cols(),
-                                 heads, options);
+    gattn::detail::validate_sdpa<compute_t<Scalar>>("gattn::scaled_dot_product_attention", query.rows(), query.cols(),
+                                                    key.rows(), key.cols(), value.rows(), value.cols(), heads, options);
     RowMatrix<Scalar> out(query.rows(), H * (value.cols() / Hkv));
     scaled_dot_product_attention<Scalar>(query, key, value, heads, out, options, extra);
     return out;
