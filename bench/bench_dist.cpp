@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include <gattn/dist/head_parallel.hpp>
@@ -54,6 +55,34 @@ double work_balance(int P, bool causal, bool zigzag) {
     return (P - 0.5) / (P / 2.0);
 }
 
+/// Runs `all_ranks` on every rank, then `rank0_alone` on rank 0 while the others wait, each
+/// timed from a barrier, for every iteration of the benchmark (whose time is the parallel
+/// call's). Sets the counters ranks, <name>_ms (the slowest rank), one_rank_ms and speedup.
+template <class AllRanks, class Rank0Alone>
+void time_against_rank0(benchmark::State& state, const char* name, AllRanks&& all_ranks, Rank0Alone&& rank0_alone) {
+    double parallel = 0, alone = 0;
+    for (auto _ : state) {
+        MPI_Barrier(MPI_COMM_WORLD);
+        auto t0 = std::chrono::steady_clock::now();
+        all_ranks();
+        double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);  // the slowest rank
+        parallel += t;
+        MPI_Barrier(MPI_COMM_WORLD);
+        t0 = std::chrono::steady_clock::now();
+        if (rank_of() == 0) rank0_alone();
+        double t_alone = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        MPI_Bcast(&t_alone, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
+        alone += t_alone;
+        state.SetIterationTime(t);
+    }
+    const double iters = double(state.iterations());
+    state.counters["ranks"] = size_of();
+    state.counters[std::string(name) + "_ms"] = 1e3 * parallel / iters;
+    state.counters["one_rank_ms"] = 1e3 * alone / iters;
+    state.counters["speedup"] = alone / parallel;
+}
+
 /// Args: tokens, causal, zigzag.
 void BM_RingPrefill(benchmark::State& state) {
     const int P = size_of(), r = rank_of();
@@ -78,27 +107,14 @@ void BM_RingPrefill(benchmark::State& state) {
     gattn::SdpaOptions<float> o;
     o.mask.causal = causal;
     const auto layout = zigzag ? gattn::RingLayout::Zigzag : gattn::RingLayout::Contiguous;
-    double ring = 0, alone = 0;
-    for (auto _ : state) {
-        MPI_Barrier(MPI_COMM_WORLD);
-        auto t0 = std::chrono::steady_clock::now();
-        gattn::ring_attention<float>(qp, kp, vp, {1, kHeads, kKvHeads}, out, o, MPI_COMM_WORLD, nullptr, layout);
-        double t_ring = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        MPI_Allreduce(MPI_IN_PLACE, &t_ring, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);  // the slowest rank
-        ring += t_ring;
-        MPI_Barrier(MPI_COMM_WORLD);
-        t0 = std::chrono::steady_clock::now();
-        if (r == 0) gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, kKvHeads}, whole, o);
-        double t_alone = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        MPI_Bcast(&t_alone, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-        alone += t_alone;
-        state.SetIterationTime(t_ring);
-    }
-    const double iters = double(state.iterations());
-    state.counters["ranks"] = P;
-    state.counters["ring_ms"] = 1e3 * ring / iters;
-    state.counters["one_rank_ms"] = 1e3 * alone / iters;
-    state.counters["speedup"] = alone / ring;
+    time_against_rank0(
+        state, "ring",
+        [&] {
+            gattn::ring_attention<float>(qp, kp, vp, {1, kHeads, kKvHeads}, out, o, MPI_COMM_WORLD, nullptr, layout);
+        },
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, kKvHeads}, whole, o);
+        });
     state.counters["MiB_sent"] = double(P - 1) * double(kp.size() + vp.size()) * sizeof(float) / (1 << 20);
     state.counters["work_balance"] = work_balance(P, causal, zigzag);
 }
@@ -114,7 +130,7 @@ BENCHMARK(BM_RingPrefill)
 
 /// Args: cached tokens.
 void BM_HeadParallelDecode(benchmark::State& state) {
-    const int P = size_of(), r = rank_of();
+    const int r = rank_of();
     const Index cached = state.range(0);
     gattn::Qwen3NextConfig c;
     c.hidden_size = 2048;
@@ -145,31 +161,16 @@ void BM_HeadParallelDecode(benchmark::State& state) {
     }
     const Matrix x = Matrix::Random(1, c.hidden_size);
     Matrix out(1, c.hidden_size);
-    double parallel_s = 0, alone = 0;
-    for (auto _ : state) {
-        MPI_Barrier(MPI_COMM_WORLD);
-        auto t0 = std::chrono::steady_clock::now();
-        parallel.forward(x, {cached}, shard_cache, out);
-        double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        MPI_Allreduce(MPI_IN_PLACE, &t, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
-        parallel_s += t;
-        shard_cache.truncate({cached});
-        MPI_Barrier(MPI_COMM_WORLD);
-        t0 = std::chrono::steady_clock::now();
-        if (r == 0) {
+    time_against_rank0(
+        state, "parallel",
+        [&] {
+            parallel.forward(x, {cached}, shard_cache, out);
+            shard_cache.truncate({cached});
+        },
+        [&] {
             whole[0].forward(x, {cached}, whole_cache[0], out);
             whole_cache[0].truncate({cached});
-        }
-        double t_alone = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        MPI_Bcast(&t_alone, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
-        alone += t_alone;
-        state.SetIterationTime(t);
-    }
-    const double iters = double(state.iterations());
-    state.counters["ranks"] = P;
-    state.counters["parallel_ms"] = 1e3 * parallel_s / iters;
-    state.counters["one_rank_ms"] = 1e3 * alone / iters;
-    state.counters["speedup"] = alone / parallel_s;
+        });
     state.counters["MiB_read_per_rank"] =
         (double(parallel.local().weight_bytes()) + double(cached * 2 * shard_width) * sizeof(float)) / (1 << 20);
 }

@@ -57,6 +57,13 @@ gattn::Qwen3NextAttentionWeights<float> random_weights(const gattn::Qwen3NextCon
     return w;
 }
 
+/// Bytes of one token's keys and values in a cache of Cache (an int8 cache's codes and scales).
+template <class Cache>
+double kv_row_bytes(gattn::Index num_kv_heads, gattn::Index head_dim) {
+    const double scales = std::is_same_v<Cache, std::int8_t> ? 2.0 * num_kv_heads * sizeof(float) : 0.0;
+    return 2.0 * double(num_kv_heads * head_dim) * sizeof(Cache) + scales;
+}
+
 /// One decoding step's inputs: the layer (random weights) and a cache of `batch` sequences
 /// filled with `kv_len` random keys and values each (prefilling 32k tokens would dominate the
 /// run), one new token per sequence. Sets the OpenMP threads; restores 1 when destroyed.
@@ -107,12 +114,8 @@ struct DecodeStep {
     double bytes() const {
         gattn::Index cached = 0;
         for (gattn::Index l : lengths) cached += l;
-        return double(layer.weight_bytes()) + double(cached) * row_bytes();
-    }
-    /// Bytes of one token's keys and values in the cache.
-    double row_bytes() const {
-        const double scales = std::is_same_v<Cache, std::int8_t> ? 2.0 * config.num_key_value_heads * sizeof(float) : 0;
-        return double(2 * width) * sizeof(Cache) + scales;
+        return double(layer.weight_bytes()) +
+               double(cached) * kv_row_bytes<Cache>(config.num_key_value_heads, config.head_dim);
     }
     static std::string label() {
         return std::is_same_v<Storage, float> ? gattn::simd::arch_name()
@@ -174,30 +177,19 @@ void BM_DecodeRoof(benchmark::State& state) {
     state.SetLabel(DecodeStep<Storage, Cache>::label());
 }
 
-BENCHMARK_TEMPLATE(BM_DecodeRoof, float)
-    ->Name("BM_DecodeRoof/float")
-    ->ArgsProduct({{1024, 4096, 8192, 16384, 32768}, {1}, {1, 2}, {0}})
-    ->ArgsProduct({{4096, 32768}, {8}, {1, 2}, {0}})
-    ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
-    ->ArgNames({"cached", "batch", "threads", "ragged"})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16)
-    ->Name("BM_DecodeRoof/bf16")
-    ->ArgsProduct({{1024, 4096, 8192, 16384, 32768}, {1}, {1, 2}, {0}})
-    ->ArgsProduct({{4096, 32768}, {8}, {1, 2}, {0}})
-    ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
-    ->ArgNames({"cached", "batch", "threads", "ragged"})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_TEMPLATE(BM_DecodeRoof, float, std::int8_t)
-    ->Name("BM_DecodeRoof/int8")
-    ->ArgsProduct({{1024, 4096, 8192, 16384, 32768}, {1}, {1, 2}, {0}})
-    ->ArgsProduct({{4096, 32768}, {8}, {1, 2}, {0}})
-    ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
-    ->ArgNames({"cached", "batch", "threads", "ragged"})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+/// One sequence at 1k–32k cached tokens, 8 at 4k and 32k, and 8 ragged (1k–32k); 1 and 2 threads.
+void decode_roof_args(benchmark::internal::Benchmark* b) {
+    b->ArgsProduct({{1024, 4096, 8192, 16384, 32768}, {1}, {1, 2}, {0}})
+        ->ArgsProduct({{4096, 32768}, {8}, {1, 2}, {0}})
+        ->ArgsProduct({{32768}, {8}, {1, 2}, {1}})
+        ->ArgNames({"cached", "batch", "threads", "ragged"})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+}
+
+BENCHMARK_TEMPLATE(BM_DecodeRoof, float)->Name("BM_DecodeRoof/float")->Apply(decode_roof_args);
+BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16)->Name("BM_DecodeRoof/bf16")->Apply(decode_roof_args);
+BENCHMARK_TEMPLATE(BM_DecodeRoof, float, std::int8_t)->Name("BM_DecodeRoof/int8")->Apply(decode_roof_args);
 BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16, std::int8_t)
     ->Name("BM_DecodeRoof/bf16_weights_int8_cache")
     ->ArgsProduct({{32768}, {1}, {1, 2}, {0}})
@@ -229,7 +221,7 @@ void BM_DecodeAttention(benchmark::State& state) {
         benchmark::DoNotOptimize(out.data());
     };
     for (auto _ : state) step();
-    const double row_bytes = 2.0 * Hkv * d * sizeof(Cache) + (std::is_same_v<Cache, std::int8_t> ? 2.0 * Hkv * 4 : 0);
+    const double row_bytes = kv_row_bytes<Cache>(Hkv, d);
     state.counters["cache_MiB"] = double(n) * row_bytes / double(1 << 20);
     state.counters["GB/s"] = benchmark::Counter(double(n) * row_bytes, benchmark::Counter::kIsIterationInvariantRate);
 #ifdef _OPENMP
@@ -237,24 +229,16 @@ void BM_DecodeAttention(benchmark::State& state) {
 #endif
 }
 
-BENCHMARK_TEMPLATE(BM_DecodeAttention, float)
-    ->Name("BM_DecodeAttention/float")
-    ->ArgsProduct({{4096, 32768}, {1, 2}})
-    ->ArgNames({"cached", "threads"})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_TEMPLATE(BM_DecodeAttention, gattn::bfloat16)
-    ->Name("BM_DecodeAttention/bf16")
-    ->ArgsProduct({{4096, 32768}, {1, 2}})
-    ->ArgNames({"cached", "threads"})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
-BENCHMARK_TEMPLATE(BM_DecodeAttention, std::int8_t)
-    ->Name("BM_DecodeAttention/int8")
-    ->ArgsProduct({{4096, 32768}, {1, 2}})
-    ->ArgNames({"cached", "threads"})
-    ->Unit(benchmark::kMillisecond)
-    ->UseRealTime();
+void decode_attention_args(benchmark::internal::Benchmark* b) {
+    b->ArgsProduct({{4096, 32768}, {1, 2}})
+        ->ArgNames({"cached", "threads"})
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+}
+
+BENCHMARK_TEMPLATE(BM_DecodeAttention, float)->Name("BM_DecodeAttention/float")->Apply(decode_attention_args);
+BENCHMARK_TEMPLATE(BM_DecodeAttention, gattn::bfloat16)->Name("BM_DecodeAttention/bf16")->Apply(decode_attention_args);
+BENCHMARK_TEMPLATE(BM_DecodeAttention, std::int8_t)->Name("BM_DecodeAttention/int8")->Apply(decode_attention_args);
 
 }  // namespace
 

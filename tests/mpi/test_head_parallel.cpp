@@ -14,22 +14,15 @@
 #include <vector>
 
 #include "gattn/dist/head_parallel.hpp"
+#include "support/mpi_test.hpp"
 
 namespace {
 
 using gattn::Index;
 using gattn::RowMatrix;
 
-int rank_of() {
-    int r = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &r);
-    return r;
-}
-int size_of() {
-    int s = 1;
-    MPI_Comm_size(MPI_COMM_WORLD, &s);
-    return s;
-}
+using gattn_test::rank_of;
+using gattn_test::size_of;
 
 template <class S>
 RowMatrix<S> random_rows(Index rows, Index cols, std::mt19937& rng, double scale) {
@@ -166,12 +159,4 @@ TEST(HeadParallel, OneRanksBadInputFailsEveryRankAndChangesNoCache) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-    MPI_Init(&argc, &argv);
-    ::testing::InitGoogleTest(&argc, argv);
-    int failed = RUN_ALL_TESTS();  // every rank prints its own results
-    // The run fails when any rank failed.
-    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    return failed;
-}
+int main(int argc, char** argv) { return gattn_test::run_mpi_tests(argc, argv); }

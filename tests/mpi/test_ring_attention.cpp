@@ -13,6 +13,7 @@
 
 #include "gattn/dist/ring_attention.hpp"
 #include "support/compare.hpp"
+#include "support/mpi_test.hpp"
 #include "support/reference.hpp"
 
 namespace {
@@ -20,16 +21,8 @@ namespace {
 using gattn::Index;
 using gattn::RowMatrix;
 
-int rank_of(MPI_Comm c = MPI_COMM_WORLD) {
-    int r = 0;
-    MPI_Comm_rank(c, &r);
-    return r;
-}
-int size_of(MPI_Comm c = MPI_COMM_WORLD) {
-    int s = 1;
-    MPI_Comm_size(c, &s);
-    return s;
-}
+using gattn_test::rank_of;
+using gattn_test::size_of;
 
 /// Rows of this rank's part of a [B·P·n, w] matrix: sequence b's tokens [r·n, (r + 1)·n), or
 /// (zigzag) its chunks r and 2P − 1 − r of n/2 tokens.
@@ -59,7 +52,8 @@ struct Case {
 
 template <class S>
 void check(const Case& c) {
-    SCOPED_TRACE(std::string(c.name) + " on " + std::to_string(size_of()) + " ranks, rank " + std::to_string(rank_of()));
+    SCOPED_TRACE(std::string(c.name) + " on " + std::to_string(size_of()) + " ranks, rank " +
+                 std::to_string(rank_of()));
     const Index P = size_of(), B = 2, H = 4, Hkv = 2, d = 16, n = c.n;
     const RowMatrix<S> q = gattn_test::random_matrix(B * P * c.n_q, H * d, 11).template cast<S>();
     const RowMatrix<S> k = gattn_test::random_matrix(B * P * n, Hkv * d, 12).template cast<S>();
@@ -134,12 +128,4 @@ TEST(RingAttention, BadInputOnOneRankFailsEveryRank) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
-    MPI_Init(&argc, &argv);
-    ::testing::InitGoogleTest(&argc, argv);
-    int failed = RUN_ALL_TESTS();  // every rank prints its own results
-    // The run fails when any rank failed.
-    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    MPI_Finalize();
-    return failed;
-}
+int main(int argc, char** argv) { return gattn_test::run_mpi_tests(argc, argv); }
