@@ -57,7 +57,9 @@ struct KernelLimit {
 /// The kernel families this build and CPU can run for bf16 (the fastest first).
 std::vector<Bf16Kernel> runnable_kernels() {
     std::vector<Bf16Kernel> ks;
-    if (gattn::bf16_kernel().kernel == Bf16Kernel::Avx512Bf16) ks.push_back(Bf16Kernel::Avx512Bf16);
+    const Bf16Kernel best = gattn::bf16_kernel().kernel;
+    if (best == Bf16Kernel::Amx) ks.push_back(Bf16Kernel::Amx);
+    if (best != Bf16Kernel::WidenedFloat) ks.push_back(Bf16Kernel::Avx512Bf16);
     ks.push_back(Bf16Kernel::WidenedFloat);
     return ks;
 }
@@ -368,17 +370,29 @@ TEST(NarrowSdpa, BadShapesThrowAndLeaveOutputUntouched) {
 TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
     const gattn::CpuFeatures& f = gattn::cpu_features();
     const gattn::KernelChoice best = gattn::bf16_kernel();
-    if (f.avx512bf16 && gattn::compiled_with_avx512bf16())
+    if (f.amx_bf16 && gattn::compiled_with_amx() && gattn::detail::amx_tile_permission()) {
+        EXPECT_EQ(best.kernel, Bf16Kernel::Amx) << best.reason;
+        EXPECT_EQ(best.reason, "");
+    } else if (f.avx512bf16 && gattn::compiled_with_avx512bf16()) {
         EXPECT_EQ(best.kernel, Bf16Kernel::Avx512Bf16) << best.reason;
-    else
+    } else {
         EXPECT_EQ(best.kernel, Bf16Kernel::WidenedFloat) << best.reason;
+    }
     EXPECT_EQ(gattn::detail::bf16_kernel_family(), best.kernel);  // what SDPA dispatches on
-    EXPECT_NE(best.reason.find("AMX: "), std::string::npos) << best.reason;  // no AMX kernel runs yet
     if (!f.amx_bf16) {
-        EXPECT_NE(best.reason.find("no AMX-BF16"), std::string::npos) << best.reason;
+        EXPECT_NE(best.reason.find("AMX: this CPU has no AMX-BF16"), std::string::npos) << best.reason;
+    } else if (!gattn::compiled_with_amx()) {
+        EXPECT_NE(best.reason.find("AMX: not compiled with the flags"), std::string::npos) << best.reason;
     }
     if (!f.avx512bf16) {
         EXPECT_NE(best.reason.find("AVX512-BF16: this CPU has none"), std::string::npos) << best.reason;
+    }
+    {
+        KernelLimit no_amx(Bf16Kernel::Avx512Bf16);
+        const gattn::KernelChoice c = gattn::bf16_kernel();
+        EXPECT_NE(c.kernel, Bf16Kernel::Amx);
+        EXPECT_NE(c.reason.find("AMX: excluded by set_bf16_kernel_limit"), std::string::npos) << c.reason;
+        EXPECT_EQ(gattn::detail::bf16_kernel_family(), c.kernel);
     }
     KernelLimit limit(Bf16Kernel::WidenedFloat);
     const gattn::KernelChoice widened = gattn::bf16_kernel();

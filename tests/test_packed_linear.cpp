@@ -40,8 +40,9 @@ struct Choice {
 /// Every backend and header-only kernel that runs here.
 std::vector<Choice> runnable() {
     std::vector<Choice> cs;
-    if (gattn::bf16_kernel().kernel == Bf16Kernel::Avx512Bf16)
-        cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Avx512Bf16});
+    const Bf16Kernel best = gattn::bf16_kernel().kernel;
+    if (best == Bf16Kernel::Amx) cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Amx});
+    if (best != Bf16Kernel::WidenedFloat) cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Avx512Bf16});
     cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::WidenedFloat});
     if (gattn::compiled_with_onednn() &&
         gattn::PackedLinear<bfloat16>(gattn::RowMatrix<bfloat16>::Zero(1, 1)).backend() == gattn::LinearBackend::OneDnn)
@@ -52,7 +53,7 @@ std::vector<Choice> runnable() {
 /// Whether lin rounds float x to bf16 (the AVX512-BF16 kernel and oneDNN) or widens its weights.
 template <class S>
 bool rounds_x(const gattn::PackedLinear<S>& lin) {
-    return lin.backend() == gattn::LinearBackend::OneDnn || lin.kernel() == Bf16Kernel::Avx512Bf16;
+    return lin.backend() == gattn::LinearBackend::OneDnn || lin.kernel() != Bf16Kernel::WidenedFloat;
 }
 
 /// y = x·wᵀ + b in double; x rounded to bf16 first when round_x.

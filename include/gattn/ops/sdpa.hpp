@@ -522,8 +522,9 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
     const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
                                                                       : Bf16Kernel::WidenedFloat;
-    // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32); else widened to float.
-    [[maybe_unused]] const bool decode_dot = narrow_kernel == Bf16Kernel::Avx512Bf16 &&
+    // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32; also under AMX, whose
+    // 16-row tiles would sit mostly idle on a decoding step's few queries); else widened.
+    [[maybe_unused]] const bool decode_dot = narrow_kernel != Bf16Kernel::WidenedFloat &&
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
                                              kernel::decode_bf16::takes(dk, dv);
 #else

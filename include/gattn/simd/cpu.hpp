@@ -6,9 +6,10 @@
 /// on bf16 inputs runs (and why no faster one): gattn never falls back silently.
 ///
 /// Kernels for 16-bit inputs, fastest first:
-///  - Amx: the AMX tile unit (TDPBF16PS). Detected here (CPUID), but gattn has no AMX kernel
-///    yet: such a CPU runs the AVX512-BF16 kernel, and bf16_kernel() says so. (An AMX kernel
-///    will also need Linux's tile permission, arch_prctl ARCH_REQ_XCOMP_PERM.)
+///  - Amx: the AMX tile unit (TDPBF16PS) for the matrix products, AVX512-BF16 around them;
+///    needs a translation unit built with AMX-TILE, AMX-BF16 and AVX512-BF16 (e.g.
+///    -march=native or -march=sapphirerapids), a CPU that has them, and Linux's permission to
+///    use the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per process, on first use).
 ///  - Avx512Bf16: VDPBF16PS products of bf16 pairs into float accumulators
 ///    (ops/bf16_flash_kernel.hpp); needs a translation unit built with AVX512-BF16
 ///    (e.g. -march=native on Zen 4/5, Cooper Lake, Sapphire Rapids) and a CPU that has it.
@@ -24,6 +25,11 @@
 #include <cpuid.h>
 #define GATTN_HAS_CPUID 1
 #endif
+#endif
+
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 #include "gattn/config.hpp"
@@ -54,7 +60,7 @@ struct CpuFeatures {
     bool avx2_fma = false;    ///< AVX2 and FMA, and the OS saves the ymm state
     bool avx512f = false;     ///< AVX-512 Foundation, and the OS saves the zmm state
     bool avx512bf16 = false;  ///< AVX512-BF16 (VDPBF16PS), with the zmm state saved
-    bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID; Linux grants the tile state separately)
+    bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID), and the OS enables the tile state (XCR0)
 };
 
 namespace detail {
@@ -79,7 +85,8 @@ inline CpuFeatures read_cpu_features() noexcept {
     f.avx2_fma = os_ymm && fma && ((b >> 5) & 1u);
     f.avx512f = os_zmm && ((b >> 16) & 1u);
     const bool amx_tile = (d >> 24) & 1u, amx_bf16 = (d >> 22) & 1u;
-    f.amx_bf16 = amx_tile && amx_bf16;
+    const bool os_tiles = ((xcr0 >> 17) & 3u) == 3u;  // XTILECFG, XTILEDATA
+    f.amx_bf16 = amx_tile && amx_bf16 && os_tiles;
     __cpuid_count(7, 1, a, b, c, d);
     f.avx512bf16 = f.avx512f && ((a >> 5) & 1u);
 #endif
@@ -119,22 +126,59 @@ inline constexpr bool compiled_with_avx512bf16() noexcept {
 #endif
 }
 
+/// Whether this translation unit contains the AMX kernels (AMX-TILE, AMX-BF16 and the
+/// AVX512-BF16 kernel: -march=native on a CPU with AMX, or -march=sapphirerapids).
+inline constexpr bool compiled_with_amx() noexcept {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    return compiled_with_avx512bf16();
+#else
+    return false;
+#endif
+}
+
+namespace detail {
+/// Asks Linux once per process for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM,
+/// XFEATURE_XTILEDATA; Linux 5.16 and later); true when granted. Other systems: false.
+inline bool amx_tile_permission() noexcept {
+    static const bool granted = [] {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+        constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+        return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+#else
+        return false;
+#endif
+    }();
+    return granted;
+}
+
+/// Why the AMX kernels do not run here (empty when they do).
+inline const char* amx_refusal() noexcept {
+    if (bf16_kernel_limit() != Bf16Kernel::Amx) return "excluded by set_bf16_kernel_limit";
+    if (!cpu_features().amx_bf16) return "this CPU has no AMX-BF16 (or the OS does not enable its tiles)";
+    if (!compiled_with_amx())
+        return "not compiled with the flags (build with -march=native, or -march=sapphirerapids)";
+    if (!amx_tile_permission()) return "Linux refused the tile permission (arch_prctl ARCH_REQ_XCOMP_PERM)";
+    return "";
+}
+}  // namespace detail
+
 /// The kernel family an SDPA call on bf16 query, key and value runs here, and why no faster
 /// one (CPU lacks it, this unit was not compiled with the flags, the limit set by
-/// set_bf16_kernel_limit, or no kernel of that family in gattn yet). fp16 inputs always run
-/// WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not).
+/// set_bf16_kernel_limit, Linux refused the AMX tile permission). fp16 inputs always run
+/// WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not). The first
+/// call on a CPU with AMX asks Linux for the tile permission.
 inline KernelChoice bf16_kernel() {
     const CpuFeatures& f = cpu_features();
     const Bf16Kernel limit = detail::bf16_kernel_limit();
     KernelChoice choice;
     std::string why;
     auto add = [&](const std::string& line) { why += (why.empty() ? "" : "; ") + line; };
-    if (limit != Bf16Kernel::Amx)
-        add("AMX: excluded by set_bf16_kernel_limit");
-    else if (!f.amx_bf16)
-        add("AMX: this CPU has no AMX-BF16");
-    else
-        add("AMX: no AMX kernel in this version of gattn");
+    const std::string amx = detail::amx_refusal();
+    if (amx.empty()) {
+        choice.kernel = Bf16Kernel::Amx;
+        return choice;
+    }
+    add("AMX: " + amx);
     if (limit == Bf16Kernel::WidenedFloat) {
         add("AVX512-BF16: excluded by set_bf16_kernel_limit");
     } else if (!f.avx512bf16) {
@@ -151,6 +195,7 @@ inline KernelChoice bf16_kernel() {
 namespace detail {
 /// bf16_kernel().kernel without the reasons (no allocation): what an SDPA call dispatches on.
 inline Bf16Kernel bf16_kernel_family() noexcept {
+    if (*amx_refusal() == '\0') return Bf16Kernel::Amx;
     if (bf16_kernel_limit() != Bf16Kernel::WidenedFloat && cpu_features().avx512bf16 && compiled_with_avx512bf16())
         return Bf16Kernel::Avx512Bf16;
     return Bf16Kernel::WidenedFloat;
