@@ -145,11 +145,11 @@ TEST_P(NarrowSweep, HalfMatchesReference) {
     run_case<half, float>(shape, kind, Bf16Kernel::Amx);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    ShapesAndMasks, NarrowSweep, ::testing::Combine(::testing::ValuesIn(kShapes), ::testing::ValuesIn(kMaskKinds)),
-    [](const ::testing::TestParamInfo<NarrowSweep::ParamType>& info) {
-        return std::string(std::get<0>(info.param).name) + mask_name(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(ShapesAndMasks, NarrowSweep,
+                         ::testing::Combine(::testing::ValuesIn(kShapes), ::testing::ValuesIn(kMaskKinds)),
+                         [](const ::testing::TestParamInfo<NarrowSweep::ParamType>& info) {
+                             return std::string(std::get<0>(info.param).name) + mask_name(std::get<1>(info.param));
+                         });
 
 /// A NaN key j is visible to queries i ≥ j only: the earlier queries of its key block (which the
 /// AVX512-BF16 kernel multiplies with P = −0 for it) stay finite and match the reference, the
@@ -158,8 +158,8 @@ TEST(NarrowSdpa, NaNInCausalFutureKeysDoesNotLeak) {
     const Index B = 2, H = 4, Hkv = 2, dk = 8, dv = 8;
     for (Bf16Kernel k : runnable_kernels()) {
         KernelLimit limit(k);
-        for (const auto& [N, poisoned] : {std::pair<Index, Index>{16, 11}, {100, 11}, {100, 37}, {100, 70}, {101, 99},
-                                          {130, 64}, {130, 127}}) {
+        for (const auto& [N, poisoned] :
+             {std::pair<Index, Index>{16, 11}, {100, 11}, {100, 37}, {100, 70}, {101, 99}, {130, 64}, {130, 127}}) {
             SCOPED_TRACE(std::string(kernel_label(k)) + ", N = " + std::to_string(N) + ", poisoned key " +
                          std::to_string(poisoned));
             Mat q = rounded<bfloat16>(random_matrix(B * N, H * dk, 91)),
@@ -233,52 +233,54 @@ TEST(NarrowSdpa, DecodingOverLongCacheMatchesReference) {
     const Index B = 2, Nq = 1, H = 8, Hkv = 2;
     // 26000 keys: more K and V than kDecodeFromMemoryBytes, read ahead with loads.
     for (Index Nk : {Index(1500), Index(26000)})
-    for (Index d : {72, 128})
-    for (bool window : {false, true}) {
-        SCOPED_TRACE((window ? "window 700, d " : "no window, d ") + std::to_string(d) + ", " + std::to_string(Nk) +
-                     " keys");
-        Mat q = rounded<bfloat16>(random_matrix(B * Nq, H * d, 31)),
-            key = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 32)),
-            v = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 33));
-        const std::vector<Index> lengths = {Nk - 399, Nk};
-        for (Index j = lengths[0]; j < Nk; ++j) {
-            key.row(j).setConstant(kNaN);
-            v.row(j).setConstant(kInf);
-        }
-        gattn::SdpaOptions<float> opt;
-        opt.mask.key_lengths = lengths;
-        if (window) opt.mask.sliding_window = 700;
-        opt.mask.causal = true;
-        RefMasks rm;
-        rm.key_lengths = lengths;
-        rm.causal = true;
-        if (window) rm.sliding_window = 700;
-        const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
-        const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
-        for (Bf16Kernel k : runnable_kernels()) {
-            KernelLimit limit(k);
-            gattn::RowMatrix<float> lse;
-            gattn::SdpaOutputs<float> extra;
-            extra.log_sum_exp = &lse;
-            gattn::RowMatrix<float> out(B * Nq, H * d);
-            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out, opt, extra);
-            const NarrowTol t = d % 32 == 0 ? tolerance<bfloat16, float>(k) : tolerance<float, float>(k);
-            const NarrowTol t16 = d % 32 == 0 ? tolerance<bfloat16, bfloat16>(k) : tolerance<float, bfloat16>(k);
-            expect_close(out, ref.out, t.atol, t.rtol, "NarrowDecode/out", t.nmse);
-            expect_close(lse, ref.log_sum_exp, t.lse_atol, 1e-5, "NarrowDecode/lse");
-            const gattn::RowMatrix<bfloat16> out16 =
-                gattn::scaled_dot_product_attention<bfloat16>(qs, ks, vs, {B, H, Hkv}, opt);
-            expect_close(out16.cast<float>(), ref.out, t16.atol, t16.rtol, "NarrowDecode/out16", t16.nmse);
+        for (Index d : {72, 128})
+            for (bool window : {false, true}) {
+                SCOPED_TRACE((window ? "window 700, d " : "no window, d ") + std::to_string(d) + ", " +
+                             std::to_string(Nk) + " keys");
+                Mat q = rounded<bfloat16>(random_matrix(B * Nq, H * d, 31)),
+                    key = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 32)),
+                    v = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 33));
+                const std::vector<Index> lengths = {Nk - 399, Nk};
+                for (Index j = lengths[0]; j < Nk; ++j) {
+                    key.row(j).setConstant(kNaN);
+                    v.row(j).setConstant(kInf);
+                }
+                gattn::SdpaOptions<float> opt;
+                opt.mask.key_lengths = lengths;
+                if (window) opt.mask.sliding_window = 700;
+                opt.mask.causal = true;
+                RefMasks rm;
+                rm.key_lengths = lengths;
+                rm.causal = true;
+                if (window) rm.sliding_window = 700;
+                const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
+                const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(),
+                                                 vs = v.cast<bfloat16>();
+                for (Bf16Kernel k : runnable_kernels()) {
+                    KernelLimit limit(k);
+                    gattn::RowMatrix<float> lse;
+                    gattn::SdpaOutputs<float> extra;
+                    extra.log_sum_exp = &lse;
+                    gattn::RowMatrix<float> out(B * Nq, H * d);
+                    gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out, opt, extra);
+                    const NarrowTol t = d % 32 == 0 ? tolerance<bfloat16, float>(k) : tolerance<float, float>(k);
+                    const NarrowTol t16 = d % 32 == 0 ? tolerance<bfloat16, bfloat16>(k)
+                                                      : tolerance<float, bfloat16>(k);
+                    expect_close(out, ref.out, t.atol, t.rtol, "NarrowDecode/out", t.nmse);
+                    expect_close(lse, ref.log_sum_exp, t.lse_atol, 1e-5, "NarrowDecode/lse");
+                    const gattn::RowMatrix<bfloat16> out16 =
+                        gattn::scaled_dot_product_attention<bfloat16>(qs, ks, vs, {B, H, Hkv}, opt);
+                    expect_close(out16.cast<float>(), ref.out, t16.atol, t16.rtol, "NarrowDecode/out16", t16.nmse);
 #ifdef _OPENMP
-            const int saved = omp_get_max_threads();
-            omp_set_num_threads(saved == 1 ? 2 : 1);
-            gattn::RowMatrix<float> again(B * Nq, H * d);
-            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, again, opt);
-            omp_set_num_threads(saved);
-            EXPECT_TRUE(again == out) << "thread count changed a decoding result";
+                    const int saved = omp_get_max_threads();
+                    omp_set_num_threads(saved == 1 ? 2 : 1);
+                    gattn::RowMatrix<float> again(B * Nq, H * d);
+                    gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, again, opt);
+                    omp_set_num_threads(saved);
+                    EXPECT_TRUE(again == out) << "thread count changed a decoding result";
 #endif
-        }
-    }
+                }
+            }
 }
 
 /// Rows with no visible key give 0 and log-sum-exp −∞, never NaN, in every output type.
@@ -317,10 +319,42 @@ TEST(NarrowSdpa, StridedViewsMatchContiguous) {
         gattn::RowMatrix<bfloat16> wide = gattn::RowMatrix<bfloat16>::Constant(N, H * d + 8, bfloat16(3.0f));
         gattn::scaled_dot_product_attention<bfloat16>(q, key, v, {1, H, Hkv}, wide.middleCols(4, H * d), opt);
         const gattn::RowMatrix<bfloat16> qc = q, kc = key, vc = v;
-        const gattn::RowMatrix<bfloat16> dense = gattn::scaled_dot_product_attention<bfloat16>(qc, kc, vc, {1, H, Hkv}, opt);
+        const gattn::RowMatrix<bfloat16> dense =
+            gattn::scaled_dot_product_attention<bfloat16>(qc, kc, vc, {1, H, Hkv}, opt);
         EXPECT_TRUE(wide.middleCols(4, H * d) == dense) << kernel_label(k);
         EXPECT_TRUE((wide.leftCols(4).cast<float>().array() == 3.0f).all());
         EXPECT_TRUE((wide.rightCols(4).cast<float>().array() == 3.0f).all());
+    }
+}
+
+/// Logits that jump by more and by less than the tile kernel's lazy-rescaling margin (8 in
+/// base 2, 5.5 nats) from one 64-key block to the next, up and down: every kernel matches the
+/// float64 reference. Query all ones, key j all c_j, so the logit of key j is 8·c_j; d_k = 72
+/// and d_v = 40 also exercise the tiles' feature tails.
+TEST(NarrowSdpa, LogitJumpsBetweenKeyBlocks) {
+    const Index N = 64 * 5 + 17, Nq = 70, dk = 72, dv = 40;
+    // Nats: a jump of 10 (rescaled), equal, down, up by 1 (kept: P up to e), a partial block.
+    const double block_level[6] = {0.0, 10.0, 10.0, 4.0, 11.0, 2.0};
+    Mat q = Mat::Constant(Nq, dk, 1.0), key(N, dk);
+    for (Index j = 0; j < N; ++j) {
+        const double u = 0.3 * static_cast<double>((j * 37) % 17);  // 0 to 4.8 nats within a block
+        key.row(j).setConstant((block_level[j / 64] + u) / 8.0);
+    }
+    key = rounded<bfloat16>(key);
+    const Mat v = rounded<bfloat16>(random_matrix(N, dv, 77));
+    const double scale = 1.0 / 9.0;  // logits = sum over 72 features / 9 = 8 c_j
+    const auto ref = gattn_test::sdpa_reference(q, key, v, 1, 1, 1, scale);
+    gattn::SdpaOptions<float> opt;
+    opt.scale = scale;
+    const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
+    for (Bf16Kernel k : runnable_kernels()) {
+        KernelLimit limit(k);
+        gattn::RowMatrix<float> out(Nq, dv), lse;
+        gattn::SdpaOutputs<float> extra;
+        extra.log_sum_exp = &lse;
+        gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {1, 1, 1}, out, opt, extra);
+        expect_close(out, ref.out, 0x1p-7, 1e-5, std::string("LogitJumps/") + kernel_label(k), 2e-5);
+        expect_close(lse, ref.log_sum_exp, 0x1p-6, 1e-4, std::string("LogitJumps/lse/") + kernel_label(k));
     }
 }
 

@@ -80,19 +80,20 @@ void check_shapes(Choice c) {
         for (Index in : {1, 7, 64, 301})
             for (Index out : {1, 63, 64, 130})
                 for (bool with_bias : {false, true}) {
-                    const std::string label = "rows " + std::to_string(rows) +
-                                              " in " + std::to_string(in) + " out " + std::to_string(out) +
-                                              (with_bias ? " bias" : "");
+                    const std::string label = "rows " + std::to_string(rows) + " in " + std::to_string(in) + " out " +
+                                              std::to_string(out) + (with_bias ? " bias" : "");
                     const std::uint64_t seed = std::uint64_t(rows * 1000 + in * 10 + out);
                     const gattn::RowMatrix<S> w = random_matrix(out, in, seed).cast<S>();
                     const gattn::RowMatrix<float> x = random_matrix(rows, in, seed + 1).cast<float>();
                     const gattn::Vector<float> b =
-                        with_bias ? gattn::Vector<float>(random_matrix(out, 1, seed + 2).cast<float>()) : gattn::Vector<float>();
+                        with_bias ? gattn::Vector<float>(random_matrix(out, 1, seed + 2).cast<float>())
+                                  : gattn::Vector<float>();
                     const gattn::PackedLinear<S> lin(w, b, c.backend);
                     const auto ref = reference(x, w.template cast<float>().template cast<double>(), b, rounds_x(lin));
                     gattn::RowMatrix<float> y(rows, out);
                     lin.template forward<float, float>(x, y);
-                    gattn_test::expect_close(y, ref, tolerance(in), 0.0, "PackedLinear/" + lin.describe() + " " + label);
+                    gattn_test::expect_close(y, ref, tolerance(in), 0.0,
+                                             "PackedLinear/" + lin.describe() + " " + label);
                     gattn::RowMatrix<S> y16(rows, out);
                     lin.template forward<float, S>(x, y16);
                     const double rtol = std::is_same_v<S, bfloat16> ? 0x1p-8 : 0x1p-11;
@@ -169,7 +170,9 @@ TEST(PackedLinear, BadArgumentsThrowAndLeaveOutputUntouched) {
     } catch (const gattn::shape_error& e) {
         EXPECT_NE(std::string(e.what()).find("x must have shape [R, 6]"), std::string::npos) << e.what();
     }
-    auto forward = [&](gattn::ConstMatrixRef<float> x, gattn::MatrixRef<float> out) { lin.forward<float, float>(x, out); };
+    auto forward = [&](gattn::ConstMatrixRef<float> x, gattn::MatrixRef<float> out) {
+        lin.forward<float, float>(x, out);
+    };
     gattn::RowMatrix<float> short_out(2, 8);
     EXPECT_THROW(forward(gattn::RowMatrix<float>::Zero(3, 6), short_out), gattn::shape_error);
     gattn::RowMatrix<float> buffer = gattn::RowMatrix<float>::Zero(3, 14);
@@ -196,7 +199,8 @@ TEST(PackedLinear, BackendIsReported) {
     const gattn::PackedLinear<half> lin16(w.cast<float>().cast<half>());
     EXPECT_EQ(lin16.backend(), gattn::LinearBackend::HeaderOnly);
     EXPECT_NE(lin16.describe().find("oneDNN: used for bf16 weights only"), std::string::npos) << lin16.describe();
-    EXPECT_THROW(gattn::PackedLinear<half>(w.cast<float>().cast<half>(), gattn::Vector<float>(), gattn::LinearBackend::OneDnn),
+    EXPECT_THROW(gattn::PackedLinear<half>(w.cast<float>().cast<half>(), gattn::Vector<float>(),
+                                           gattn::LinearBackend::OneDnn),
                  std::invalid_argument);
     if (!gattn::compiled_with_onednn()) {
         EXPECT_EQ(lin.backend(), gattn::LinearBackend::HeaderOnly);
@@ -205,7 +209,8 @@ TEST(PackedLinear, BackendIsReported) {
             gattn::PackedLinear<bfloat16>(w, gattn::Vector<float>(), gattn::LinearBackend::OneDnn);
             ADD_FAILURE() << "no exception";
         } catch (const std::invalid_argument& e) {
-            EXPECT_NE(std::string(e.what()).find("OneDnn cannot run: oneDNN: not built in"), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find("OneDnn cannot run: oneDNN: not built in"), std::string::npos)
+                << e.what();
         }
     } else if (lin.backend() == gattn::LinearBackend::OneDnn) {
         EXPECT_EQ(lin.describe().rfind("oneDNN ", 0), 0u) << lin.describe();

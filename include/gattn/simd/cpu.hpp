@@ -155,8 +155,7 @@ inline bool amx_tile_permission() noexcept {
 inline const char* amx_refusal() noexcept {
     if (bf16_kernel_limit() != Bf16Kernel::Amx) return "excluded by set_bf16_kernel_limit";
     if (!cpu_features().amx_bf16) return "this CPU has no AMX-BF16 (or the OS does not enable its tiles)";
-    if (!compiled_with_amx())
-        return "not compiled with the flags (build with -march=native, or -march=sapphirerapids)";
+    if (!compiled_with_amx()) return "not compiled with the flags (build with -march=native, or -march=sapphirerapids)";
     if (!amx_tile_permission()) return "Linux refused the tile permission (arch_prctl ARCH_REQ_XCOMP_PERM)";
     return "";
 }
