@@ -169,15 +169,21 @@ void BM_GattnVsCareful(benchmark::State& state) {
     state.SetLabel(gattn::simd::arch_name());
 }
 
+/// The bf16 kernel limit a benchmark's argument names: 0 none (the fastest this CPU and build
+/// run), 1 AVX512-BF16 (what a CPU without AMX runs), 2 widened float (a CPU without bf16
+/// instructions).
+gattn::Bf16Kernel kernel_limit(std::int64_t arg) {
+    return arg == 1 ? gattn::Bf16Kernel::Avx512Bf16 : arg == 2 ? gattn::Bf16Kernel::WidenedFloat : gattn::Bf16Kernel::Amx;
+}
+
 /// gattn's float SDPA and its bf16 SDPA in turn within every iteration. Args: N, causal,
-/// threads, widened (1: bf16 limited to the widened-float kernel, what a CPU without bf16
-/// instructions runs); d = 128, 8 heads. Counters: each one's GFLOP/s and speedup = float /
-/// bf16 time.
+/// threads, kernel (kernel_limit); d = 128, 8 heads. Counters: each one's GFLOP/s and
+/// speedup = float / bf16 time. The label names the bf16 kernel that ran.
 void BM_Bf16VsFloat(benchmark::State& state) {
     const gattn::Index n = state.range(0), d = 128;
     const bool causal = state.range(1) != 0;
     set_threads(static_cast<int>(state.range(2)));
-    gattn::set_bf16_kernel_limit(state.range(3) != 0 ? gattn::Bf16Kernel::WidenedFloat : gattn::Bf16Kernel::Amx);
+    gattn::set_bf16_kernel_limit(kernel_limit(state.range(3)));
     Inputs in(n, n, d);
     const gattn::RowMatrix<gattn::bfloat16> q = in.q.cast<gattn::bfloat16>(), k = in.k.cast<gattn::bfloat16>(),
                                             v = in.v.cast<gattn::bfloat16>();
@@ -278,11 +284,13 @@ void BM_DecodeVsEigen(benchmark::State& state) {
 
 /// Accuracy of bf16 SDPA against float64 SDPA on the same bf16 inputs, N(0, 1) entries, one head
 /// of d = 128, non-causal (the float64 reference is a plain three-pass softmax per row). Args: N,
-/// output (0: bf16, 1: float). Counters: NMSE = Σ(out − ref)² / Σ ref², max |out − ref|, and the
-/// same for the float SDPA on the widened inputs (float_*). Run once; not a timing.
+/// output (0: bf16, 1: float), kernel (kernel_limit). Counters: NMSE = Σ(out − ref)² / Σ ref²,
+/// max |out − ref|, and the same for the float SDPA on the widened inputs (float_*). Run once;
+/// not a timing.
 void BM_Bf16Accuracy(benchmark::State& state) {
     const gattn::Index n = state.range(0), d = 128;
     const bool float_out = state.range(1) != 0;
+    gattn::set_bf16_kernel_limit(kernel_limit(state.range(2)));
     std::mt19937 rng(42);
     std::normal_distribution<float> normal;
     gattn::RowMatrix<gattn::bfloat16> q(n, d), k(n, d), v(n, d);
@@ -323,6 +331,7 @@ void BM_Bf16Accuracy(benchmark::State& state) {
     state.counters["float_NMSE"] = ferr2 / ref2;
     state.counters["float_max_err"] = fmax;
     state.SetLabel(gattn::kernel_name(gattn::bf16_kernel().kernel));
+    gattn::set_bf16_kernel_limit(gattn::Bf16Kernel::Amx);
 }
 
 /// Typical hand-written Eigen attention: (Q·Kᵀ)·scale materialised, softmax through
@@ -487,10 +496,10 @@ BENCHMARK(BM_GattnSdpa)->Apply(prefill_args)->ArgNames({"Nq", "Nk", "d", "causal
 BENCHMARK(BM_GattnSdpa)->Name("BM_GattnDecode")->Apply(decode_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_GattnLongContext)->Arg(2)->ArgNames({"threads"})->Iterations(1)->Unit(benchmark::kSecond)->UseRealTime();
 BENCHMARK(BM_GattnVsCareful)->Args({512, 128, 0})->Args({512, 128, 1})->Args({2048, 128, 0})->Args({2048, 128, 1})->ArgNames({"N", "d", "causal"})->MinTime(3.0)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Bf16VsFloat)->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}, {0}})->Args({2048, 0, 2, 0})->Args({2048, 1, 2, 0})->Args({2048, 0, 1, 1})->Args({2048, 1, 1, 1})->ArgNames({"N", "causal", "threads", "widened"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Bf16VsFloat)->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}, {0}})->ArgsProduct({{2048}, {0, 1}, {2}, {0}})->ArgsProduct({{2048}, {0, 1}, {1}, {1, 2}})->ArgNames({"N", "causal", "threads", "kernel"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_Bf16DecodeVsFloat)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
 BENCHMARK(BM_DecodeVsEigen)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_Bf16Accuracy)->ArgsProduct({{2048, 8192}, {0, 1}})->ArgNames({"N", "float_out"})->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Bf16Accuracy)->ArgsProduct({{2048, 8192}, {0, 1}, {0, 1}})->ArgNames({"N", "float_out", "kernel"})->Iterations(1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_VariantCost)->Apply(variant_args)->ArgNames({"variant", "Nq", "Nk", "d", "causal", "bf16"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenCarefulSdpa)->Apply(baseline_args)->ArgNames({"N", "d", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_EigenTypicalSdpa)->Args({512, 128})->Args({2048, 128})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
