@@ -7,6 +7,22 @@
 /// that will multiply them; accumulation in float.
 ///
 /// Kernels (the same families as SDPA's, gattn::bf16_kernel()):
+///  - AMX, bf16 weights: the AVX512-BF16 kernel's panels with their pair rows padded with zero
+///    pairs to a multiple of 16 (in_features to a multiple of 32): a panel's 16 pair rows × 16
+///    outputs are a TDPBF16PS B tile (VNNI layout, row stride 256 bytes). x is rounded to bf16
+///    as below into a per-thread copy padded with zeros to whole A tiles (16 rows × 16 pairs).
+///    Each output is the float accumulator of TDPBF16PS products over the k steps of 16 pairs,
+///    in input order, plus the bias in float. Per thread, one tile configuration per call (C in
+///    tiles 0–3, x and weights in 4–7), released at the end; rows in chunks of 256 (their x
+///    stays in L2), then per panel blocks of 32 rows × 32 outputs (2 × 2 C tiles) and a last
+///    block of up to 16 rows × 64 outputs (1 × 4), the next tiles' lines prefetched into L1 two
+///    k steps ahead. Rows past the last and outputs past out_features are computed on zero
+///    padding and not stored. Every row count runs on AMX: a row's products and their order
+///    do not depend on the block it falls in, so a row's result never depends on the other
+///    rows. At 1–2 rows (decoding; the weights stream from L3 or memory) AMX ran at 0.7–1.1×
+///    the AVX512-BF16 kernel's speed, at 8 rows 1.2–1.4×, at 16 rows 2–2.4×, from 64 rows 2–5×
+///    (2048 → 256, 2048 and 4608, one thread); sending 1–2 rows to AVX512-BF16 would make a
+///    row decoded alone differ from the same row decoded in a batch.
 ///  - AVX512-BF16, bf16 weights: the weights are packed as pairs of inputs in panels of 64
 ///    outputs, [⌈in/2⌉][64] pairs per panel (the same bytes as the bf16 weights); x is rounded
 ///    to bf16 (nearest even) when it is float, and each output is Σ over input pairs of
@@ -16,9 +32,10 @@
 ///    panel of 64 output rows is widened exactly to float in a per-thread scratch and multiplied
 ///    by float x with Eigen (one thread per panel): a matrix-vector product per row up to
 ///    kLinearGemvRows rows, a GEMM above.
-/// Either way each output is computed by one thread in a fixed order: the result does not
-/// depend on the thread count, and, up to kLinearGemvRows rows (decoding a batch), a row's
-/// result does not depend on the other rows.
+/// Each kernel computes each output on one thread in a fixed order: the result does not depend
+/// on the thread count, and, up to kLinearGemvRows rows (decoding a batch; AMX: at any row
+/// count), a row's result does not depend on the other rows. AMX and AVX512-BF16 sum the same
+/// products in different orders, so their results differ in the last bits.
 ///
 /// Optional backend: with GATTN_WITH_ONEDNN defined and libdnnl linked (CMake
 /// -DGATTN_WITH_ONEDNN=ON), bf16 weights go to oneDNN's matmul by default (AMX where oneDNN
@@ -46,7 +63,7 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// Who multiplies a PackedLinear's weights.
 enum class LinearBackend {
     Default,     ///< oneDNN for bf16 weights when built with it and it runs here; else HeaderOnly
-    HeaderOnly,  ///< gattn's own kernels (AVX512-BF16 tiles or widened float)
+    HeaderOnly,  ///< gattn's own kernels (AMX, AVX512-BF16 or widened float)
     OneDnn,      ///< oneDNN's matmul (bf16 weights, GATTN_WITH_ONEDNN builds only)
 };
 
@@ -88,6 +105,32 @@ struct PackedLinearScratch {
 };
 
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
+/// dst[p] = the pair (x[2p], x[2p+1]) rounded to bf16 (nearest even), for p < ⌈n/2⌉; a missing
+/// x[n] is 0.
+template <class X>
+inline void linear_pack_x(const X* x, Index n, std::uint32_t* dst) noexcept {
+    if constexpr (std::is_same_v<X, float>) {
+        // VCVTNE2PS2BF16 rounds to nearest even, as bfloat16(float) does; it reads subnormal
+        // floats as 0, which the bf16 products read subnormal bf16 as anyway.
+        for (Index i = 0; i < n; i += 32) {
+            const Index left = n - i;
+            const __mmask16 lo = left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
+            const __mmask16 hi = left >= 32  ? __mmask16(0xFFFF)
+                                 : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1u)
+                                             : __mmask16(0);
+            const __m512i v =
+                (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + i + 16),  // NOLINT: vector cast
+                                             _mm512_maskz_loadu_ps(lo, x + i));
+            const Index pairs = std::min<Index>(16, (left + 1) / 2);
+            _mm512_mask_storeu_epi32(dst + i / 2, static_cast<__mmask16>((1u << pairs) - 1u), v);
+        }
+    } else {
+        for (Index p = 0; 2 * p < n; ++p)
+            dst[p] = std::uint32_t(kernel::bits16(x[2 * p])) |
+                     (2 * p + 1 < n ? std::uint32_t(kernel::bits16(x[2 * p + 1])) << 16 : 0u);
+    }
+}
+
 /// out[r][o0 + j] = Σ_p x_pairs[r][p]·panel[p][j] + bias (j < n ≤ 64) for R rows.
 template <int R>
 inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::uint32_t* panel, const float* bias,
@@ -114,11 +157,131 @@ inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::ui
 }
 #endif
 
+#if defined(GATTN_HAS_AMX_KERNEL)
+/// Pairs of inputs per AMX k step: a bf16 tile row is 64 bytes, 16 pairs.
+inline constexpr Index kAmxPairs = 16;
+/// Rows of x per AMX tile.
+inline constexpr Index kAmxRows = 16;
+/// k steps ahead that the AMX kernel prefetches its tiles' lines into L1: tile loads that miss
+/// L1 stall (2048 → 4608, one thread: 1.5–2× as fast at 16 and 64 rows, up to 1.4× at 2048).
+inline constexpr Index kAmxPrefetchSteps = 2;
+
+/// LDTILECFG's 64-byte operand, palette 1.
+struct alignas(64) AmxTileConfig {
+    std::uint8_t palette = 1, start_row = 0;
+    std::uint8_t reserved[14] = {};
+    std::uint16_t colsb[16] = {};
+    std::uint8_t rows[16] = {};
+};
+
+/// PackedLinear's tiles, all 16 rows of 64 bytes: C in 0–3 (16 rows × 16 floats), then A (16
+/// rows × 16 x pairs) and B (16 pair rows × 16 outputs) in 4–7 (linear_amx_block: A in 4–5, B
+/// in 6–7; linear_amx_row_tile: A in 4, B in 5–7).
+inline void linear_amx_configure() noexcept {
+    AmxTileConfig cfg;
+    for (int t = 0; t < 8; ++t) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/// Prefetches `lines` cache lines, `stride` uint32 apart, from p into L1.
+inline void linear_amx_prefetch(const std::uint32_t* p, Index stride, int lines) noexcept {
+    for (int i = 0; i < lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + i * stride), _MM_HINT_T0);
+}
+
+/// Two row tiles × two column tiles: c[32][32] (row stride 32 floats) = Σ over kblocks blocks
+/// of 16 pairs, in order, of TDPBF16PS products of x pairs at a (32 rows, row stride lda
+/// pairs) and 32 outputs of a panel at b (row stride kLinearPanel pairs). Needs
+/// linear_amx_configure() on this thread.
+inline void linear_amx_block(const std::uint32_t* a, Index lda, const std::uint32_t* b, Index kblocks,
+                             float* c) noexcept {
+    constexpr int kStrideB = static_cast<int>(kLinearPanel * sizeof(std::uint32_t)), kStrideC = 32 * sizeof(float);
+    const int stride_a = static_cast<int>(lda * static_cast<Index>(sizeof(std::uint32_t)));
+    const std::uint32_t* a1 = a + kAmxRows * lda;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (Index k = 0; k < kblocks; ++k) {
+        const std::uint32_t* bk = b + k * kAmxPairs * kLinearPanel;
+        if (k + kAmxPrefetchSteps < kblocks) {
+            const Index ahead = kAmxPrefetchSteps * kAmxPairs;
+            linear_amx_prefetch(bk + ahead * kLinearPanel, kLinearPanel, 16);
+            linear_amx_prefetch(bk + ahead * kLinearPanel + 16, kLinearPanel, 16);
+            linear_amx_prefetch(a + k * kAmxPairs + ahead, lda, 2 * kAmxRows);
+        }
+        _tile_loadd(4, a + k * kAmxPairs, stride_a);
+        _tile_loadd(6, bk, kStrideB);
+        _tile_loadd(7, bk + 16, kStrideB);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(5, a1 + k * kAmxPairs, stride_a);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, kStrideC);
+    _tile_stored(1, c + 16, kStrideC);
+    _tile_stored(2, c + 16 * 32, kStrideC);
+    _tile_stored(3, c + 16 * 32 + 16, kStrideC);
+}
+
+/// One row tile × a whole panel: c[16][64] (row stride 64 floats) = Σ over kblocks blocks of
+/// 16 pairs, in order, of TDPBF16PS products of x pairs at a (16 rows, row stride lda pairs)
+/// and the panel at b, whose rows are read whole and in order (for few rows, when the weights
+/// stream from memory). Each output sees the same products in the same order as in
+/// linear_amx_block. Needs linear_amx_configure() on this thread.
+inline void linear_amx_row_tile(const std::uint32_t* a, Index lda, const std::uint32_t* b, Index kblocks,
+                                float* c) noexcept {
+    constexpr int kStrideB = static_cast<int>(kLinearPanel * sizeof(std::uint32_t)), kStrideC = 64 * sizeof(float);
+    const int stride_a = static_cast<int>(lda * static_cast<Index>(sizeof(std::uint32_t)));
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (Index k = 0; k < kblocks; ++k) {
+        const std::uint32_t* bk = b + k * kAmxPairs * kLinearPanel;
+        if (k + kAmxPrefetchSteps < kblocks) {
+            const Index ahead = kAmxPrefetchSteps * kAmxPairs;
+            linear_amx_prefetch(bk + ahead * kLinearPanel, 16, 4 * 16);
+            linear_amx_prefetch(a + k * kAmxPairs + ahead, lda, kAmxRows);
+        }
+        _tile_loadd(4, a + k * kAmxPairs, stride_a);
+        _tile_loadd(5, bk, kStrideB);
+        _tile_loadd(6, bk + 16, kStrideB);
+        _tile_loadd(7, bk + 32, kStrideB);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, bk + 48, kStrideB);
+        _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, c, kStrideC);
+    _tile_stored(1, c + 16, kStrideC);
+    _tile_stored(2, c + 32, kStrideC);
+    _tile_stored(3, c + 48, kStrideC);
+}
+
+/// out[r][j] = c[r][j] + bias[j] for r < rows, j < n (c: row stride ldc floats, 64-byte aligned
+/// rows; n ≤ ldc).
+inline void linear_amx_store(const float* c, Index ldc, Index rows, const float* bias, float* out, Index out_stride,
+                             Index n) noexcept {
+    for (Index j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
+        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + j) : _mm512_setzero_ps();
+        for (Index r = 0; r < rows; ++r)
+            _mm512_mask_storeu_ps(out + r * out_stride + j, m, _mm512_add_ps(_mm512_load_ps(c + r * ldc + j), b));
+    }
+}
+#endif
+
 }  // namespace detail
 
 /// A linear layer y = x·wᵀ + b with 16-bit weights packed once for this CPU's kernel.
 /// Storage: gattn::bfloat16 or gattn::half. Resident memory: the weights' own 16-bit bytes (plus
-/// up to 63 rows of zero padding per layer), the bias in float.
+/// up to 63 rows of zero padding per layer and, for AMX, up to 31 zero inputs per row), the
+/// bias in float.
 template <class Storage>
 class PackedLinear {
     static_assert(is_narrow_storage_v<Storage>, "GATTN_PACKED_LINEAR_STORAGE_MUST_BE_BFLOAT16_OR_HALF");
@@ -139,8 +302,9 @@ public:
                           LinearBackend backend = LinearBackend::Default) {
         constexpr const char* fn = "gattn::PackedLinear";
         if (weight.rows() == 0 || weight.cols() == 0)
-            detail::throw_invalid(fn, "weight", "must have out_features, in_features >= 1, got " +
-                                                    detail::shape_string({weight.rows(), weight.cols()}));
+            detail::throw_invalid(fn, "weight",
+                                  "must have out_features, in_features >= 1, got " +
+                                      detail::shape_string({weight.rows(), weight.cols()}));
         if (bias.size() != 0 && bias.size() != weight.rows())
             detail::throw_shape(fn, "bias", "[0] or " + detail::shape_string({weight.rows()}),
                                 detail::shape_string({bias.size()}));
@@ -154,16 +318,23 @@ public:
             m_rows = weight;
             return;
         }
-        // Panels of 64 outputs, [⌈in/2⌉][64] pairs each; outputs past m_out are zero.
+        // Panels of 64 outputs, [⌈in/2⌉][64] pairs each (AMX: [⌈in/32⌉·16][64]); outputs and
+        // pairs past the weights' are zero.
         const Index pairs = (m_in + 1) / 2, panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
-        m_packed.setZero(panels * pairs, detail::kLinearPanel);
+        m_pair_rows = pairs;
+#if defined(GATTN_HAS_AMX_KERNEL)
+        if (m_kernel == Bf16Kernel::Amx)
+            m_pair_rows = (pairs + detail::kAmxPairs - 1) / detail::kAmxPairs * detail::kAmxPairs;
+#endif
+        m_packed.setZero(panels * m_pair_rows, detail::kLinearPanel);
         for (Index o = 0; o < m_out; ++o) {
-            std::uint32_t* col = m_packed.data() + (o / detail::kLinearPanel) * pairs * detail::kLinearPanel +
+            std::uint32_t* col = m_packed.data() + (o / detail::kLinearPanel) * m_pair_rows * detail::kLinearPanel +
                                  o % detail::kLinearPanel;
             const Storage* w = weight.data() + o * weight.outerStride();
             for (Index p = 0; p < pairs; ++p)
-                col[p * detail::kLinearPanel] = std::uint32_t(kernel::bits16(w[2 * p])) |
-                                                (2 * p + 1 < m_in ? std::uint32_t(kernel::bits16(w[2 * p + 1])) << 16 : 0u);
+                col[p * detail::kLinearPanel] =
+                    std::uint32_t(kernel::bits16(w[2 * p])) |
+                    (2 * p + 1 < m_in ? std::uint32_t(kernel::bits16(w[2 * p + 1])) << 16 : 0u);
         }
     }
 
@@ -198,7 +369,8 @@ public:
         static_assert(std::is_same_v<Y, float> || std::is_same_v<Y, Storage>, "out: float or the storage type");
         constexpr const char* fn = "gattn::PackedLinear::forward";
         if (x.cols() != m_in)
-            detail::throw_shape(fn, "x", "[R, " + std::to_string(m_in) + "]", detail::shape_string({x.rows(), x.cols()}));
+            detail::throw_shape(fn, "x", "[R, " + std::to_string(m_in) + "]",
+                                detail::shape_string({x.rows(), x.cols()}));
         detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), m_out);
         if (detail::overlaps_any(x.data(), detail::span_of(x), out.data(), detail::span_of(out)))
             detail::throw_invalid(fn, "out", "must not share memory with x");
@@ -220,6 +392,8 @@ public:
             forward_onednn(x, y, ldy);
         else if (m_kernel == Bf16Kernel::WidenedFloat)
             forward_widened(x, y, ldy);
+        else if (m_kernel == Bf16Kernel::Amx && compiled_with_amx())
+            forward_amx(x, y, ldy);
         else
             forward_pairs(x, y, ldy);
         if constexpr (!std::is_same_v<Y, float>)
@@ -294,7 +468,8 @@ private:
             ldx = x.outerStride();
         } else {
             if (caller.x_wide.size() < rows * m_in) caller.x_wide.resize(rows, m_in);
-            for (Index r = 0; r < rows; ++r) kernel::widen_row(x.data() + r * x.outerStride(), caller.x_wide.data() + r * m_in, m_in);
+            for (Index r = 0; r < rows; ++r)
+                kernel::widen_row(x.data() + r * x.outerStride(), caller.x_wide.data() + r * m_in, m_in);
             xf = caller.x_wide.data();
             ldx = m_in;
         }
@@ -310,7 +485,8 @@ private:
             const Index o = k * detail::kLinearPanel, n = std::min(detail::kLinearPanel, m_out - o);
             auto& s = detail::PackedLinearScratch::for_this_thread();
             if (s.panel.size() < detail::kLinearPanel * m_in) s.panel.resize(detail::kLinearPanel, m_in);
-            for (Index j = 0; j < n; ++j) kernel::widen_row(m_rows.data() + (o + j) * m_in, s.panel.data() + j * m_in, m_in);
+            for (Index j = 0; j < n; ++j)
+                kernel::widen_row(m_rows.data() + (o + j) * m_in, s.panel.data() + j * m_in, m_in);
             const ConstMap wk(s.panel.data(), n, m_in, Eigen::OuterStride<>(m_in));
             Map yk(y + o, rows, n, Eigen::OuterStride<>(ldy));
             // A few rows (decoding): one matrix-vector product per row, so that a row's result
@@ -333,20 +509,14 @@ private:
         if (static_cast<Index>(caller.x_pairs.size()) < rows * pairs)
             caller.x_pairs.resize(static_cast<std::size_t>(rows * pairs));
         std::uint32_t* xp = caller.x_pairs.data();
-        for (Index r = 0; r < rows; ++r) {
-            const X* xr = x.data() + r * x.outerStride();
-            for (Index p = 0; p < pairs; ++p) {
-                const bfloat16 lo(xr[2 * p]), hi(2 * p + 1 < m_in ? bfloat16(xr[2 * p + 1]) : bfloat16(0.0f));
-                xp[r * pairs + p] = std::uint32_t(kernel::bits16(lo)) | (std::uint32_t(kernel::bits16(hi)) << 16);
-            }
-        }
+        for (Index r = 0; r < rows; ++r) detail::linear_pack_x(x.data() + r * x.outerStride(), m_in, xp + r * pairs);
         const float* bias = m_bias.size() ? m_bias.data() : nullptr;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (panels > 1 && rows * m_out * m_in >= (Index(1) << 20))
 #endif
         for (Index k = 0; k < panels; ++k) {
             const Index o = k * detail::kLinearPanel, n = std::min(detail::kLinearPanel, m_out - o);
-            const std::uint32_t* panel = m_packed.data() + k * pairs * detail::kLinearPanel;
+            const std::uint32_t* panel = m_packed.data() + k * m_pair_rows * detail::kLinearPanel;
             for (Index r0 = 0; r0 < rows; r0 += 6) {
                 const int tile = static_cast<int>(std::min<Index>(6, rows - r0));
                 kernel::with_constant<7>(tile, [&](auto count) {
@@ -362,14 +532,83 @@ private:
 #endif
     }
 
+    template <class X>
+    void forward_amx(ConstMatrixRef<X> x, float* y, Index ldy) const {
+#if defined(GATTN_HAS_AMX_KERNEL)
+        using detail::kAmxPairs;
+        using detail::kAmxRows;
+        using detail::kLinearPanel;
+        const Index rows = x.rows(), pairs = (m_in + 1) / 2, kblocks = m_pair_rows / kAmxPairs;
+        const Index panels = (m_out + kLinearPanel - 1) / kLinearPanel;
+        // x as bf16 pairs, rounded once when it is float, in whole tiles: rows padded with zero
+        // rows to a multiple of 16, pairs with zero pairs to m_pair_rows; the row stride is 16
+        // pairs (64 bytes) longer, so that a tile's rows do not all fall in one L1 set.
+        const Index lda = m_pair_rows + kAmxPairs, padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+        auto& caller = detail::PackedLinearScratch::for_this_thread();
+        if (static_cast<Index>(caller.x_pairs.size()) < padded_rows * lda)
+            caller.x_pairs.resize(static_cast<std::size_t>(padded_rows * lda));
+        std::uint32_t* xp = caller.x_pairs.data();
+        for (Index r = 0; r < rows; ++r) {
+            std::uint32_t* dst = xp + r * lda;
+            detail::linear_pack_x(x.data() + r * x.outerStride(), m_in, dst);
+            std::fill(dst + pairs, dst + lda, 0u);
+        }
+        std::fill(xp + rows * lda, xp + padded_rows * lda, 0u);
+        const float* bias = m_bias.size() ? m_bias.data() : nullptr;
+#ifdef _OPENMP
+#pragma omp parallel if (panels > 1 && rows * m_out * m_in >= (Index(1) << 20))
+#endif
+        {
+            detail::linear_amx_configure();
+            alignas(64) float c[2 * kAmxRows * kLinearPanel];
+            // Chunks of rows outside, so that a chunk's x pairs stay in L2 while the panels
+            // pass; inside, blocks of 32 rows × 32 outputs, and a last block of up to 16 rows
+            // × 64 outputs.
+            for (Index c0 = 0; c0 < rows; c0 += kAmxChunkRows) {
+                const Index c1 = std::min(rows, c0 + kAmxChunkRows);
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+                for (Index k = 0; k < panels; ++k) {
+                    const Index o = k * kLinearPanel, n = std::min(kLinearPanel, m_out - o);
+                    const std::uint32_t* panel = m_packed.data() + k * m_pair_rows * kLinearPanel;
+                    const float* b = bias ? bias + o : nullptr;
+                    Index r0 = c0;
+                    for (; c1 - r0 > kAmxRows; r0 += 2 * kAmxRows) {
+                        const Index m = std::min(2 * kAmxRows, c1 - r0);
+                        for (Index h = 0; h < n; h += 32) {
+                            detail::linear_amx_block(xp + r0 * lda, lda, panel + h, kblocks, c);
+                            detail::linear_amx_store(c, 32, m, b ? b + h : nullptr, y + r0 * ldy + o + h, ldy,
+                                                     std::min<Index>(32, n - h));
+                        }
+                    }
+                    if (r0 < c1) {
+                        detail::linear_amx_row_tile(xp + r0 * lda, lda, panel, kblocks, c);
+                        detail::linear_amx_store(c, kLinearPanel, c1 - r0, b, y + r0 * ldy + o, ldy, n);
+                    }
+                }
+            }
+            // Back to the init tile state: the OS then saves no tile data when it switches
+            // this thread out.
+            _tile_release();
+        }
+#else
+        (void)x, (void)y, (void)ldy;
+#endif
+    }
+
+    /// Rows of x per chunk of the AMX kernel (its x pairs: 1 MiB at in_features 2048).
+    static constexpr Index kAmxChunkRows = 256;
+
     Index m_in = 0, m_out = 0;
+    Index m_pair_rows = 0;  // pair rows per panel: ⌈in/2⌉, rounded up to 16 for AMX
     LinearBackend m_backend = LinearBackend::HeaderOnly;
     Bf16Kernel m_kernel = Bf16Kernel::WidenedFloat;
     std::string m_why_not_onednn, m_onednn_name;
 #if defined(GATTN_WITH_ONEDNN)
     detail::OneDnnLinear m_onednn;
 #endif
-    Eigen::Matrix<std::uint32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_packed;  // AVX512-BF16 panels
+    Eigen::Matrix<std::uint32_t, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor> m_packed;  // AMX, AVX512-BF16 panels
     RowMatrix<Storage> m_rows;  // widened kernel: the weights as given
     Vector<float> m_bias;
 };
