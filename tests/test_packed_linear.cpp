@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 // PackedLinear (16-bit weights packed for this CPU's kernel) against y = x·wᵀ + b computed in
-// double from the same rounded weights: x rounded to bf16 where the AVX512-BF16 kernel rounds
-// it, exact float x on the widened path. Odd sizes, bias or none, strided x, 16-bit outputs,
-// fp16 weights, thread-count invariance, argument checks, resident bytes; every header-only
-// kernel this CPU runs and, in builds with GATTN_WITH_ONEDNN, the oneDNN backend.
+// double from the same rounded weights: x rounded to bf16 where the AMX and AVX512-BF16 kernels
+// round it, exact float x on the widened path. Odd sizes (rows, inputs and outputs off the
+// tiles' multiples), bias or none, strided x, 16-bit outputs, fp16 weights, thread-count
+// invariance, a row's result independent of the rows beside it, argument checks, resident
+// bytes; every header-only kernel this CPU runs and, in builds with GATTN_WITH_ONEDNN, the
+// oneDNN backend.
 
 #include <gtest/gtest.h>
 
@@ -50,7 +52,8 @@ std::vector<Choice> runnable() {
     return cs;
 }
 
-/// Whether lin rounds float x to bf16 (the AVX512-BF16 kernel and oneDNN) or widens its weights.
+/// Whether lin rounds float x to bf16 (the AMX and AVX512-BF16 kernels, oneDNN) or widens its
+/// weights.
 template <class S>
 bool rounds_x(const gattn::PackedLinear<S>& lin) {
     return lin.backend() == gattn::LinearBackend::OneDnn || lin.kernel() != Bf16Kernel::WidenedFloat;
@@ -76,8 +79,9 @@ double tolerance(Index in) { return 4e-7 * double(in) + 1e-6; }
 template <class S>
 void check_shapes(Choice c) {
     KernelLimit limit(c.limit);
-    for (Index rows : {1, 5, 6, 13})
-        for (Index in : {1, 7, 64, 301})
+    // Rows: AVX512-BF16 tiles of 6, AMX tiles of 16 (blocks of 32); inputs: AMX k steps of 32.
+    for (Index rows : {1, 5, 6, 13, 17, 33})
+        for (Index in : {1, 7, 40, 64, 100, 301})
             for (Index out : {1, 63, 64, 130})
                 for (bool with_bias : {false, true}) {
                     const std::string label = "rows " + std::to_string(rows) + " in " + std::to_string(in) + " out " +
@@ -155,6 +159,61 @@ TEST(PackedLinear, ThreadCountDoesNotChangeResults) {
     omp_set_num_threads(saved);
 #else
     GTEST_SKIP() << "built without OpenMP";
+#endif
+}
+
+/// Up to kLinearGemvRows rows (decoding a batch), a row's result does not depend on the rows
+/// beside it: each row alone gives the same bits as in the batch. The AMX kernel keeps this at
+/// every row count (rows past 256 cross its row chunks).
+TEST(PackedLinear, RowResultDoesNotDependOnOtherRows) {
+    const Index in = 100, out = 150;
+    const gattn::RowMatrix<bfloat16> w = random_matrix(out, in, 9).cast<bfloat16>();
+    const gattn::Vector<float> b = random_matrix(out, 1, 10).cast<float>();
+    for (Choice c : runnable()) {
+        if (c.backend == gattn::LinearBackend::OneDnn) continue;  // oneDNN blocks by row count
+        KernelLimit limit(c.limit);
+        const gattn::PackedLinear<bfloat16> lin(w, b, c.backend);
+        const bool amx = lin.kernel() == Bf16Kernel::Amx;
+        for (Index rows : {Index(2), Index(7), gattn::detail::kLinearGemvRows, Index(40), Index(300)}) {
+            if (rows > gattn::detail::kLinearGemvRows && !amx) continue;
+            const gattn::RowMatrix<float> x = random_matrix(rows, in, 11 + std::uint64_t(rows)).cast<float>();
+            gattn::RowMatrix<float> y(rows, out), y1(1, out);
+            lin.forward<float, float>(x, y);
+            for (Index r = 0; r < rows; ++r) {
+                lin.forward<float, float>(x.row(r), y1);
+                ASSERT_TRUE(y1.row(0) == y.row(r)) << lin.describe() << " rows " << rows << " row " << r;
+            }
+        }
+    }
+}
+
+/// Where bf16_kernel() is AMX, PackedLinear runs and reports the AMX kernel, and its result is
+/// bitwise the same on 1, 2 and 3 threads for few and many rows, with input and output counts
+/// off the tiles' multiples.
+TEST(PackedLinear, AmxKernelIsReportedAndThreadCountInvariant) {
+    if (gattn::bf16_kernel().kernel != Bf16Kernel::Amx) GTEST_SKIP() << gattn::describe(gattn::bf16_kernel());
+    const Index in = 1000, out = 650;
+    const gattn::RowMatrix<bfloat16> w = random_matrix(out, in, 12).cast<bfloat16>();
+    const gattn::Vector<float> b = random_matrix(out, 1, 13).cast<float>();
+    const gattn::PackedLinear<bfloat16> lin(w, b, gattn::LinearBackend::HeaderOnly);
+    EXPECT_EQ(lin.kernel(), Bf16Kernel::Amx);
+    EXPECT_EQ(lin.describe(), "AMX");
+#ifdef _OPENMP
+    const int saved = omp_get_max_threads();
+    for (Index rows : {1, 17, 300}) {
+        const gattn::RowMatrix<float> x = random_matrix(rows, in, 14).cast<float>();
+        const auto ref = reference(x, w.cast<float>().cast<double>(), b, true);
+        std::vector<gattn::RowMatrix<float>> ys;
+        for (int threads : {1, 2, 3}) {
+            omp_set_num_threads(threads);
+            gattn::RowMatrix<float> y(rows, out);
+            lin.forward<float, float>(x, y);
+            ys.push_back(y);
+        }
+        gattn_test::expect_close(ys[0], ref, tolerance(in), 0.0, "AMX rows " + std::to_string(rows));
+        EXPECT_TRUE(ys[0] == ys[1] && ys[0] == ys[2]) << "rows " << rows;
+    }
+    omp_set_num_threads(saved);
 #endif
 }
 
