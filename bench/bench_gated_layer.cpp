@@ -6,10 +6,12 @@
 // The gate's two parts alone: its projection GEMM and the fused activation-and-multiply pass;
 // BM_GateCostPaired runs the ungated layer, the gated layer and the projection in turn.
 // BM_DecodeStep: one decoding step of each variant against a KV cache of 1k or 4k tokens.
-// BM_ProjectionBf16: the layer's fused input projection (Q, K, V and gate: 2048 -> 4608) as
-// Eigen's float GEMM, gattn's header-only bf16 PackedLinear and, when oneDNN is installed
-// (found by CMake), oneDNN's bf16 matmul, in turn within every iteration. BM_LayerBf16VsFloat:
-// the layer in float and bf16 (and bf16 with oneDNN's projections in GATTN_WITH_ONEDNN builds).
+// BM_ProjectionBf16: the layer's fused input projection (Q, K, V and gate: 2048 -> 4608) and
+// its output projection (2048 -> 2048) as Eigen's float GEMM, gattn's header-only bf16
+// PackedLinear (its fastest kernel here and, where that is AMX, also the AVX512-BF16 one) and,
+// when oneDNN is installed (found by CMake), oneDNN's bf16 matmul, in turn within every
+// iteration. BM_LayerBf16VsFloat: the layer in float and bf16 (and bf16 with oneDNN's
+// projections in GATTN_WITH_ONEDNN builds).
 // Threads: OMP_NUM_THREADS (one core: OMP_NUM_THREADS=1).
 //
 // Run: build/bench/bench/bench_gated_layer --benchmark_counters_tabular=true
@@ -110,9 +112,9 @@ void BM_FusedGatePass(benchmark::State& state) {
 #pragma omp parallel for schedule(static)
 #endif
         for (gattn::Index r = 0; r < seq_len; ++r)
-            gattn::apply_gate(gattn::GateActivation::Sigmoid, gattn::GateCombine::Multiplicative,
-                              u.data() + r * width, z.data() + r * width, static_cast<const float*>(nullptr),
-                              static_cast<float*>(nullptr), static_cast<std::size_t>(width));
+            gattn::apply_gate(gattn::GateActivation::Sigmoid, gattn::GateCombine::Multiplicative, u.data() + r * width,
+                              z.data() + r * width, static_cast<const float*>(nullptr), static_cast<float*>(nullptr),
+                              static_cast<std::size_t>(width));
         benchmark::DoNotOptimize(u.data());
         benchmark::ClobberMemory();
     }
@@ -168,27 +170,37 @@ struct OneDnnMatmul {
 };
 #endif
 
-/// The layer's fused input projection (D = 2048 -> Q 2048 + gate 2048 + K 256 + V 256) for
-/// seq_len rows: Eigen's float GEMM (gattn's float layers), gattn's bf16 PackedLinear (float x
-/// rounded to bf16 inside the call) and, when built with oneDNN, oneDNN's bf16 matmul (x given
-/// in bf16), in turn within every iteration. Counters: GFLOP/s of each, bf16_vs_float =
-/// float time / PackedLinear time, bf16_vs_onednn = oneDNN time / PackedLinear time.
+/// A projection of the layer (D = 2048 -> `width`: 4608 for the fused input projection, Q 2048
+/// + gate 2048 + K 256 + V 256; 2048 for the output projection) for `rows` rows: Eigen's float
+/// GEMM (gattn's float layers), gattn's bf16 PackedLinear with its fastest kernel here (float x
+/// rounded to bf16 inside the call), the same with its AVX512-BF16 kernel when the fastest is
+/// AMX, and, when built with oneDNN, oneDNN's bf16 matmul (x given in bf16), in turn within
+/// every iteration. Counters: GFLOP/s of each; bf16_vs_float = float time / PackedLinear time,
+/// bf16_vs_onednn = oneDNN time / PackedLinear time, bf16_vs_avx512bf16 = AVX512-BF16 kernel
+/// time / PackedLinear time. The label names the kernels in that order.
 void BM_ProjectionBf16(benchmark::State& state) {
     using Clock = std::chrono::steady_clock;
-    const gattn::Index rows = state.range(0), d_model = 2048, width = 4608;
+    const gattn::Index rows = state.range(0), d_model = 2048, width = state.range(1);
     const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(rows, d_model);
     const gattn::RowMatrix<float> w = gattn::RowMatrix<float>::Random(width, d_model) * 0.02f;
     const gattn::RowMatrix<gattn::bfloat16> w16 = w.cast<gattn::bfloat16>(), x16 = x.cast<gattn::bfloat16>();
     const gattn::Vector<float> no_bias;
     const gattn::PackedLinear<gattn::bfloat16> packed(w16, no_bias, gattn::LinearBackend::HeaderOnly);
-    gattn::RowMatrix<float> y_float(rows, width), y_bf16(rows, width), y_onednn(rows, width);
+    std::optional<gattn::PackedLinear<gattn::bfloat16>> packed_avx;
+    if (packed.kernel() == gattn::Bf16Kernel::Amx) {
+        gattn::set_bf16_kernel_limit(gattn::Bf16Kernel::Avx512Bf16);
+        packed_avx.emplace(w16, no_bias, gattn::LinearBackend::HeaderOnly);
+        gattn::set_bf16_kernel_limit(gattn::Bf16Kernel::Amx);
+    }
+    gattn::RowMatrix<float> y_float(rows, width), y_bf16(rows, width), y_avx(rows, width), y_onednn(rows, width);
+    std::string label = packed.describe();
+    if (packed_avx) label = gattn::kernel_name(packed.kernel()) + std::string(" | ") + packed_avx->describe();
 #if defined(GATTN_BENCH_ONEDNN)
     OneDnnMatmul onednn(x16, w16, y_onednn);
-    state.SetLabel(gattn::kernel_name(packed.kernel()) + std::string(" | oneDNN ") + onednn.implementation);
-#else
-    state.SetLabel(packed.describe());
+    label += " | oneDNN " + onednn.implementation;
 #endif
-    double t_float = 0, t_bf16 = 0, t_onednn = 0;
+    state.SetLabel(label);
+    double t_float = 0, t_bf16 = 0, t_avx = 0, t_onednn = 0;
     for (auto _ : state) {
         const auto t0 = Clock::now();
         gattn::detail::linear<float>(x, w, no_bias, y_float);
@@ -197,19 +209,27 @@ void BM_ProjectionBf16(benchmark::State& state) {
         packed.forward<float, float>(x, y_bf16);
         benchmark::ClobberMemory();
         const auto t2 = Clock::now();
+        if (packed_avx) packed_avx->forward<float, float>(x, y_avx);
+        benchmark::ClobberMemory();
+        const auto t3 = Clock::now();
 #if defined(GATTN_BENCH_ONEDNN)
         onednn.run();
         benchmark::ClobberMemory();
 #endif
-        const auto t3 = Clock::now();
+        const auto t4 = Clock::now();
         t_float += std::chrono::duration<double>(t1 - t0).count();
         t_bf16 += std::chrono::duration<double>(t2 - t1).count();
-        t_onednn += std::chrono::duration<double>(t3 - t2).count();
+        t_avx += std::chrono::duration<double>(t3 - t2).count();
+        t_onednn += std::chrono::duration<double>(t4 - t3).count();
     }
     const double flops = 2.0 * double(rows) * double(d_model) * double(width) * double(state.iterations());
     state.counters["float_GFLOP/s"] = flops / t_float / 1e9;
     state.counters["bf16_GFLOP/s"] = flops / t_bf16 / 1e9;
     state.counters["bf16_vs_float"] = t_float / t_bf16;
+    if (packed_avx) {
+        state.counters["avx512bf16_GFLOP/s"] = flops / t_avx / 1e9;
+        state.counters["bf16_vs_avx512bf16"] = t_avx / t_bf16;
+    }
 #if defined(GATTN_BENCH_ONEDNN)
     state.counters["onednn_GFLOP/s"] = flops / t_onednn / 1e9;
     state.counters["bf16_vs_onednn"] = t_onednn / t_bf16;
@@ -320,7 +340,8 @@ void BM_DecodeStep(benchmark::State& state, Variant v) {
     const gattn::GatedMultiHeadAttention<float> layer(config, gattn::make_random_weights<float>(config, 1));
     auto cache = layer.make_cache(batch, cached + 1);
     const gattn::Index kv = config.num_kv_heads * config.head_dim;
-    cache.append(gattn::RowMatrix<float>::Random(batch * cached, kv), gattn::RowMatrix<float>::Random(batch * cached, kv),
+    cache.append(gattn::RowMatrix<float>::Random(batch * cached, kv),
+                 gattn::RowMatrix<float>::Random(batch * cached, kv),
                  std::vector<gattn::Index>(static_cast<std::size_t>(batch), cached));
     const std::vector<gattn::Index> lengths = cache.lengths();
     const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(batch, config.d_model);
@@ -371,11 +392,8 @@ const bool registered = [] {
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
     benchmark::RegisterBenchmark("BM_ProjectionBf16", BM_ProjectionBf16)
-        ->Arg(1)
-        ->Arg(16)
-        ->Arg(512)
-        ->Arg(2048)
-        ->ArgNames({"rows"})
+        ->ArgsProduct({{1, 16, 512, 2048}, {4608, 2048}})
+        ->ArgNames({"rows", "width"})
         ->MinTime(1.0)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
