@@ -20,9 +20,9 @@
 ///    padding and not stored. Every row count runs on AMX: a row's products and their order
 ///    do not depend on the block it falls in, so a row's result never depends on the other
 ///    rows. At 1–2 rows (decoding; the weights stream from L3 or memory) AMX ran at 0.7–1.1×
-///    the AVX512-BF16 kernel's speed, at 8 rows 1.2–1.4×, at 16 rows 2–2.4×, from 64 rows 2–5×
-///    (2048 → 256, 2048 and 4608, one thread); sending 1–2 rows to AVX512-BF16 would make a
-///    row decoded alone differ from the same row decoded in a batch.
+///    the AVX512-BF16 kernel's speed, at 8 rows 1.2–1.4×, at 16 rows 1.9–2.4×, from 64 rows
+///    2–5× (2048 → 256, 2048 and 4608, one thread); sending 1–2 rows to AVX512-BF16 would make
+///    a row decoded alone differ from the same row decoded in a batch.
 ///  - AVX512-BF16, bf16 weights: the weights are packed as pairs of inputs in panels of 64
 ///    outputs, [⌈in/2⌉][64] pairs per panel (the same bytes as the bf16 weights); x is rounded
 ///    to bf16 (nearest even) when it is float, and each output is Σ over input pairs of
@@ -35,7 +35,7 @@
 /// Each kernel computes each output on one thread in a fixed order: the result does not depend
 /// on the thread count, and, up to kLinearGemvRows rows (decoding a batch; AMX: at any row
 /// count), a row's result does not depend on the other rows. AMX and AVX512-BF16 sum the same
-/// products in different orders, so their results differ in the last bits.
+/// products in different orders and roundings, so their results differ in the last bits.
 ///
 /// Optional backend: with GATTN_WITH_ONEDNN defined and libdnnl linked (CMake
 /// -DGATTN_WITH_ONEDNN=ON), bf16 weights go to oneDNN's matmul by default (AMX where oneDNN
