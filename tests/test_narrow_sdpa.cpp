@@ -327,13 +327,13 @@ TEST(NarrowSdpa, StridedViewsMatchContiguous) {
     }
 }
 
-/// Logits that jump by more and by less than the tile kernel's lazy-rescaling margin (8 in
-/// base 2, 5.5 nats) from one 64-key block to the next, up and down: every kernel matches the
-/// float64 reference. Query all ones, key j all c_j, so the logit of key j is 8·c_j; d_k = 72
+/// Logits that jump up and down by several nats from one 64-key block to the next (the AMX
+/// kernel rescales O in vectors, outside the tiles, only when a lane's max moves): every kernel
+/// matches the float64 reference. Query all ones, key j all c_j, so the logit of key j is 8·c_j; d_k = 72
 /// and d_v = 40 also exercise the tiles' feature tails.
 TEST(NarrowSdpa, LogitJumpsBetweenKeyBlocks) {
     const Index N = 64 * 5 + 17, Nq = 70, dk = 72, dv = 40;
-    // Nats: a jump of 10 (rescaled), equal, down, up by 1 (kept: P up to e), a partial block.
+    // Nats: a jump of 10, equal, down, up by 1, a partial block.
     const double block_level[6] = {0.0, 10.0, 10.0, 4.0, 11.0, 2.0};
     Mat q = Mat::Constant(Nq, dk, 1.0), key(N, dk);
     for (Index j = 0; j < N; ++j) {

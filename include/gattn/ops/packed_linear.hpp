@@ -166,25 +166,9 @@ inline constexpr Index kAmxRows = 16;
 /// L1 stall (2048 → 4608, one thread: 1.5–2× as fast at 16 and 64 rows, up to 1.4× at 2048).
 inline constexpr Index kAmxPrefetchSteps = 2;
 
-/// LDTILECFG's 64-byte operand, palette 1.
-struct alignas(64) AmxTileConfig {
-    std::uint8_t palette = 1, start_row = 0;
-    std::uint8_t reserved[14] = {};
-    std::uint16_t colsb[16] = {};
-    std::uint8_t rows[16] = {};
-};
-
-/// PackedLinear's tiles, all 16 rows of 64 bytes: C in 0–3 (16 rows × 16 floats), then A (16
-/// rows × 16 x pairs) and B (16 pair rows × 16 outputs) in 4–7 (linear_amx_block: A in 4–5, B
-/// in 6–7; linear_amx_row_tile: A in 4, B in 5–7).
-inline void linear_amx_configure() noexcept {
-    AmxTileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+/// PackedLinear's tiles, all 16 rows of 64 bytes (kernel::bf16::amx::Tiles configures them):
+/// C in 0–3 (16 rows × 16 floats), then A (16 rows × 16 x pairs) and B (16 pair rows × 16
+/// outputs) in 4–7 (linear_amx_block: A in 4–5, B in 6–7; linear_amx_row_tile: A in 4, B in 5–7).
 
 /// Prefetches `lines` cache lines, `stride` uint32 apart, from p into L1.
 inline void linear_amx_prefetch(const std::uint32_t* p, Index stride, int lines) noexcept {
@@ -194,7 +178,7 @@ inline void linear_amx_prefetch(const std::uint32_t* p, Index stride, int lines)
 /// Two row tiles × two column tiles: c[32][32] (row stride 32 floats) = Σ over kblocks blocks
 /// of 16 pairs, in order, of TDPBF16PS products of x pairs at a (32 rows, row stride lda
 /// pairs) and 32 outputs of a panel at b (row stride kLinearPanel pairs). Needs
-/// linear_amx_configure() on this thread.
+/// the tiles configured on this thread (kernel::bf16::amx::Tiles).
 inline void linear_amx_block(const std::uint32_t* a, Index lda, const std::uint32_t* b, Index kblocks,
                              float* c) noexcept {
     constexpr int kStrideB = static_cast<int>(kLinearPanel * sizeof(std::uint32_t)), kStrideC = 32 * sizeof(float);
@@ -231,7 +215,7 @@ inline void linear_amx_block(const std::uint32_t* a, Index lda, const std::uint3
 /// 16 pairs, in order, of TDPBF16PS products of x pairs at a (16 rows, row stride lda pairs)
 /// and the panel at b, whose rows are read whole and in order (for few rows, when the weights
 /// stream from memory). Each output sees the same products in the same order as in
-/// linear_amx_block. Needs linear_amx_configure() on this thread.
+/// linear_amx_block. Needs the tiles configured on this thread (kernel::bf16::amx::Tiles).
 inline void linear_amx_row_tile(const std::uint32_t* a, Index lda, const std::uint32_t* b, Index kblocks,
                                 float* c) noexcept {
     constexpr int kStrideB = static_cast<int>(kLinearPanel * sizeof(std::uint32_t)), kStrideC = 64 * sizeof(float);
@@ -559,7 +543,7 @@ private:
 #pragma omp parallel if (panels > 1 && rows * m_out * m_in >= (Index(1) << 20))
 #endif
         {
-            detail::linear_amx_configure();
+            const kernel::bf16::amx::Tiles tiles;  // released at the end of the block
             alignas(64) float c[2 * kAmxRows * kLinearPanel];
             // Chunks of rows outside, so that a chunk's x pairs stay in L2 while the panels
             // pass; inside, blocks of 32 rows × 32 outputs, and a last block of up to 16 rows
@@ -588,9 +572,6 @@ private:
                     }
                 }
             }
-            // Back to the init tile state: the OS then saves no tile data when it switches
-            // this thread out.
-            _tile_release();
         }
 #else
         (void)x, (void)y, (void)ldy;
