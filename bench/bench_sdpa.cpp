@@ -35,7 +35,6 @@
 #include <gattn/gattn.hpp>
 #include <gattn/simd/cpu.hpp>
 
-
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -61,7 +60,9 @@ double attention_flops(double nq, double nk, double d, bool causal) {
 struct Inputs {
     Matrix q, k, v, out;
     Inputs(gattn::Index nq, gattn::Index nk, gattn::Index d)
-        : q(Matrix::Random(nq, kHeads * d)), k(Matrix::Random(nk, kHeads * d)), v(Matrix::Random(nk, kHeads * d)),
+        : q(Matrix::Random(nq, kHeads * d)),
+          k(Matrix::Random(nk, kHeads * d)),
+          v(Matrix::Random(nk, kHeads * d)),
           out(nq, kHeads * d) {}
 };
 
@@ -137,7 +138,8 @@ void BM_EigenCarefulSdpa(benchmark::State& state) {
         benchmark::DoNotOptimize(in.out.data());
         benchmark::ClobberMemory();
     }
-    state.counters["FLOP/s"] = benchmark::Counter(attention_flops(n, n, d, causal), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["FLOP/s"] =
+        benchmark::Counter(attention_flops(n, n, d, causal), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 /// gattn and the careful Eigen attention in turn within every iteration, one thread, so that
@@ -173,7 +175,9 @@ void BM_GattnVsCareful(benchmark::State& state) {
 /// run), 1 AVX512-BF16 (what a CPU without AMX runs), 2 widened float (a CPU without bf16
 /// instructions).
 gattn::Bf16Kernel kernel_limit(std::int64_t arg) {
-    return arg == 1 ? gattn::Bf16Kernel::Avx512Bf16 : arg == 2 ? gattn::Bf16Kernel::WidenedFloat : gattn::Bf16Kernel::Amx;
+    return arg == 1   ? gattn::Bf16Kernel::Avx512Bf16
+           : arg == 2 ? gattn::Bf16Kernel::WidenedFloat
+                      : gattn::Bf16Kernel::Amx;
 }
 
 /// gattn's float SDPA and its bf16 SDPA in turn within every iteration. Args: N, causal,
@@ -302,7 +306,8 @@ void BM_Bf16Accuracy(benchmark::State& state) {
         if (float_out) {
             gattn::scaled_dot_product_attention<gattn::bfloat16, float>(q, k, v, {1, 1, 1}, got);
         } else {
-            const gattn::RowMatrix<gattn::bfloat16> out = gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, {1, 1, 1});
+            const gattn::RowMatrix<gattn::bfloat16> out =
+                gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, {1, 1, 1});
             got = out.cast<float>();
         }
         gattn::scaled_dot_product_attention<float>(qf, kf, vf, {1, 1, 1}, got_float);
@@ -352,7 +357,8 @@ void BM_EigenTypicalSdpa(benchmark::State& state) {
         benchmark::DoNotOptimize(in.out.data());
         benchmark::ClobberMemory();
     }
-    state.counters["FLOP/s"] = benchmark::Counter(attention_flops(n, n, d, false), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["FLOP/s"] =
+        benchmark::Counter(attention_flops(n, n, d, false), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 /// Eigen GEMM with the same FLOP count as one head of full attention (N×d times d×N, then
@@ -371,7 +377,8 @@ void BM_EigenGemmRoof(benchmark::State& state) {
         benchmark::DoNotOptimize(o.data());
         benchmark::ClobberMemory();
     }
-    state.counters["FLOP/s"] = benchmark::Counter(attention_flops(n, n, d, false), benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["FLOP/s"] =
+        benchmark::Counter(attention_flops(n, n, d, false), benchmark::Counter::kIsIterationInvariantRate);
 }
 
 /// A field of /proc/self/status in MiB (Linux), or −1.
@@ -492,18 +499,77 @@ void variant_args(benchmark::internal::Benchmark* b) {
         }
 }
 
-BENCHMARK(BM_GattnSdpa)->Apply(prefill_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_GattnSdpa)->Name("BM_GattnDecode")->Apply(decode_args)->ArgNames({"Nq", "Nk", "d", "causal", "threads"})->Unit(benchmark::kMicrosecond)->UseRealTime();
+BENCHMARK(BM_GattnSdpa)
+    ->Apply(prefill_args)
+    ->ArgNames({"Nq", "Nk", "d", "causal", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_GattnSdpa)
+    ->Name("BM_GattnDecode")
+    ->Apply(decode_args)
+    ->ArgNames({"Nq", "Nk", "d", "causal", "threads"})
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
 BENCHMARK(BM_GattnLongContext)->Arg(2)->ArgNames({"threads"})->Iterations(1)->Unit(benchmark::kSecond)->UseRealTime();
-BENCHMARK(BM_GattnVsCareful)->Args({512, 128, 0})->Args({512, 128, 1})->Args({2048, 128, 0})->Args({2048, 128, 1})->ArgNames({"N", "d", "causal"})->MinTime(3.0)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Bf16VsFloat)->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}, {0}})->ArgsProduct({{2048}, {0, 1}, {2}, {0}})->ArgsProduct({{2048}, {0, 1}, {1}, {1, 2}})->ArgNames({"N", "causal", "threads", "kernel"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_Bf16DecodeVsFloat)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_DecodeVsEigen)->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})->ArgNames({"Nk", "kv_heads", "threads"})->MinTime(1.0)->Unit(benchmark::kMicrosecond)->UseRealTime();
-BENCHMARK(BM_Bf16Accuracy)->ArgsProduct({{2048, 8192}, {0, 1}, {0, 1}})->ArgNames({"N", "float_out", "kernel"})->Iterations(1)->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_VariantCost)->Apply(variant_args)->ArgNames({"variant", "Nq", "Nk", "d", "causal", "bf16"})->MinTime(2.0)->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_EigenCarefulSdpa)->Apply(baseline_args)->ArgNames({"N", "d", "causal"})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_EigenTypicalSdpa)->Args({512, 128})->Args({2048, 128})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
-BENCHMARK(BM_EigenGemmRoof)->Args({512, 128})->Args({2048, 128})->Args({2048, 64})->Args({2048, 256})->ArgNames({"N", "d"})->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_GattnVsCareful)
+    ->Args({512, 128, 0})
+    ->Args({512, 128, 1})
+    ->Args({2048, 128, 0})
+    ->Args({2048, 128, 1})
+    ->ArgNames({"N", "d", "causal"})
+    ->MinTime(3.0)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Bf16VsFloat)
+    ->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}, {0}})
+    ->ArgsProduct({{2048}, {0, 1}, {2}, {0}})
+    ->ArgsProduct({{2048}, {0, 1}, {1}, {1, 2}})
+    ->ArgNames({"N", "causal", "threads", "kernel"})
+    ->MinTime(2.0)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_Bf16DecodeVsFloat)
+    ->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})
+    ->ArgNames({"Nk", "kv_heads", "threads"})
+    ->MinTime(1.0)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeVsEigen)
+    ->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})
+    ->ArgNames({"Nk", "kv_heads", "threads"})
+    ->MinTime(1.0)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_Bf16Accuracy)
+    ->ArgsProduct({{2048, 8192}, {0, 1}, {0, 1}})
+    ->ArgNames({"N", "float_out", "kernel"})
+    ->Iterations(1)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_VariantCost)
+    ->Apply(variant_args)
+    ->ArgNames({"variant", "Nq", "Nk", "d", "causal", "bf16"})
+    ->MinTime(2.0)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_EigenCarefulSdpa)
+    ->Apply(baseline_args)
+    ->ArgNames({"N", "d", "causal"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_EigenTypicalSdpa)
+    ->Args({512, 128})
+    ->Args({2048, 128})
+    ->ArgNames({"N", "d"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_EigenGemmRoof)
+    ->Args({512, 128})
+    ->Args({2048, 128})
+    ->Args({2048, 64})
+    ->Args({2048, 256})
+    ->ArgNames({"N", "d"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
 
 }  // namespace
 
