@@ -506,6 +506,33 @@ struct Tiles {
     Tiles& operator=(const Tiles&) = delete;
 };
 
+/// One step of a 2 × 2 tile product: tiles 0, 1 += A(a0)·B(b0), A(a0)·B(b1) and, when `two`,
+/// tiles 2, 3 += A(a1)·B(b0), A(a1)·B(b1); A tiles in 4–5, B tiles in 6–7, strides in bytes.
+inline void dot_2x2(const void* a0, const void* a1, Index a_stride, const void* b0, const void* b1, Index b_stride,
+                    bool two) noexcept {
+    _tile_loadd(4, a0, a_stride);
+    _tile_loadd(6, b0, b_stride);
+    _tile_loadd(7, b1, b_stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+        _tile_loadd(5, a1, a_stride);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
+/// Stores tiles 0, 1 at c and c + 16 and, when `two`, tiles 2, 3 at c + next and c + next + 16
+/// (floats; stride in bytes).
+inline void store_2x2(float* c, Index next, Index stride, bool two) noexcept {
+    _tile_stored(0, c, stride);
+    _tile_stored(1, c + 16, stride);
+    if (two) {
+        _tile_stored(2, c + next, stride);
+        _tile_stored(3, c + next + 16, stride);
+    }
+}
+
 /// Sᵀ[kk][·] = Σ K[kk]·Q over the first 32·⌊d_k/32⌋ features (raw dot products, not scaled)
 /// for kk < nk, a multiple of 16. Tiles 0-3: Sᵀ, 2 key tiles × 2 query tiles; 4-5: key rows;
 /// 6-7: query pairs.
@@ -523,24 +550,9 @@ inline void scores(const bfloat16* key, Index key_stride, const std::uint32_t* q
             for (Index f = 0; f < chunks; ++f) {
                 const bfloat16* k = key + kk * key_stride + f * 32;
                 const std::uint32_t* q = qp + f * kTileRows * W + qh * L;
-                _tile_loadd(4, k, kstride);
-                _tile_loadd(6, q, stride);
-                _tile_loadd(7, q + L, stride);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, k + kTileRows * key_stride, kstride);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
+                dot_2x2(k, k + kTileRows * key_stride, kstride, q, q + L, stride, two);
             }
-            float* s = st + kk * W + qh * L;
-            _tile_stored(0, s, stride);
-            _tile_stored(1, s + L, stride);
-            if (two) {
-                _tile_stored(2, s + kTileRows * W, stride);
-                _tile_stored(3, s + kTileRows * W + L, stride);
-            }
+            store_2x2(st + kk * W + qh * L, kTileRows * W, stride, two);
         }
     }
 }
@@ -571,23 +583,9 @@ inline void values(const std::uint32_t* vt, const std::uint32_t* pt, const B* al
             for (int kc = 0; kc < P; kc += kTileRows) {
                 const std::uint32_t* v = vt + f * kTileRows * P + kc;
                 const std::uint32_t* p = pt + kc * W + qh * L;
-                _tile_loadd(4, v, vstride);
-                _tile_loadd(6, p, stride);
-                _tile_loadd(7, p + L, stride);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, v + kTileRows * P, vstride);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
+                dot_2x2(v, v + kTileRows * P, vstride, p, p + L, stride, two);
             }
-            _tile_stored(0, o, stride);
-            _tile_stored(1, o + L, stride);
-            if (two) {
-                _tile_stored(2, o + kTileRows * W, stride);
-                _tile_stored(3, o + kTileRows * W + L, stride);
-            }
+            store_2x2(o, kTileRows * W, stride, two);
         }
     }
 }

@@ -196,19 +196,9 @@ inline void linear_amx_block(const std::uint32_t* a, Index lda, const std::uint3
             linear_amx_prefetch(bk + ahead * kLinearPanel + 16, kLinearPanel, 16);
             linear_amx_prefetch(a + k * kAmxPairs + ahead, lda, 2 * kAmxRows);
         }
-        _tile_loadd(4, a + k * kAmxPairs, stride_a);
-        _tile_loadd(6, bk, kStrideB);
-        _tile_loadd(7, bk + 16, kStrideB);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(5, a1 + k * kAmxPairs, stride_a);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        kernel::bf16::amx::dot_2x2(a + k * kAmxPairs, a1 + k * kAmxPairs, stride_a, bk, bk + 16, kStrideB, true);
     }
-    _tile_stored(0, c, kStrideC);
-    _tile_stored(1, c + 16, kStrideC);
-    _tile_stored(2, c + 16 * 32, kStrideC);
-    _tile_stored(3, c + 16 * 32 + 16, kStrideC);
+    kernel::bf16::amx::store_2x2(c, 16 * 32, kStrideC, true);
 }
 
 /// One row tile × a whole panel: c[16][64] (row stride 64 floats) = Σ over kblocks blocks of
