@@ -59,6 +59,21 @@ bool rounds_x(const gattn::PackedLinear<S>& lin) {
     return lin.backend() == gattn::LinearBackend::OneDnn || lin.kernel() != Bf16Kernel::WidenedFloat;
 }
 
+#ifdef _OPENMP
+/// lin's outputs for x on 1, 2 and 3 OpenMP threads (the caller restores the thread count).
+std::vector<gattn::RowMatrix<float>> outputs_on_1_2_3_threads(const gattn::PackedLinear<bfloat16>& lin,
+                                                              const gattn::RowMatrix<float>& x) {
+    std::vector<gattn::RowMatrix<float>> ys;
+    for (int threads : {1, 2, 3}) {
+        omp_set_num_threads(threads);
+        gattn::RowMatrix<float> y(x.rows(), lin.out_features());
+        lin.forward<float, float>(x, y);
+        ys.push_back(y);
+    }
+    return ys;
+}
+#endif
+
 /// y = x·wᵀ + b in double; x rounded to bf16 first when round_x.
 gattn::RowMatrix<double> reference(const gattn::RowMatrix<float>& x, const gattn::RowMatrix<double>& w,
                                    const gattn::Vector<float>& b, bool round_x) {
@@ -146,13 +161,7 @@ TEST(PackedLinear, ThreadCountDoesNotChangeResults) {
         for (Choice c : runnable()) {
             KernelLimit limit(c.limit);
             const gattn::PackedLinear<bfloat16> lin(w, gattn::Vector<float>(), c.backend);
-            std::vector<gattn::RowMatrix<float>> ys;
-            for (int threads : {1, 2, 3}) {
-                omp_set_num_threads(threads);
-                gattn::RowMatrix<float> y(rows, out);
-                lin.forward<float, float>(x, y);
-                ys.push_back(y);
-            }
+            const std::vector<gattn::RowMatrix<float>> ys = outputs_on_1_2_3_threads(lin, x);
             EXPECT_TRUE(ys[0] == ys[1] && ys[0] == ys[2]) << lin.describe() << " rows " << rows;
         }
     }
@@ -203,13 +212,7 @@ TEST(PackedLinear, AmxKernelIsReportedAndThreadCountInvariant) {
     for (Index rows : {1, 17, 300}) {
         const gattn::RowMatrix<float> x = random_matrix(rows, in, 14).cast<float>();
         const auto ref = reference(x, w.cast<float>().cast<double>(), b, true);
-        std::vector<gattn::RowMatrix<float>> ys;
-        for (int threads : {1, 2, 3}) {
-            omp_set_num_threads(threads);
-            gattn::RowMatrix<float> y(rows, out);
-            lin.forward<float, float>(x, y);
-            ys.push_back(y);
-        }
+        const std::vector<gattn::RowMatrix<float>> ys = outputs_on_1_2_3_threads(lin, x);
         gattn_test::expect_close(ys[0], ref, tolerance(in), 0.0, "AMX rows " + std::to_string(rows));
         EXPECT_TRUE(ys[0] == ys[1] && ys[0] == ys[2]) << "rows " << rows;
     }
