@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Builds gattn's tests, examples and benchmarks and runs the test suite with ctest once per
-# flavour. Instruction-set flavours (g++): baseline (the compiler's default, x86-64: SSE2), avx2
-# (-mavx2 -mfma, x86 only) and native (-march=native, e.g. AVX-512), so every SIMD code path is
-# tested. Clang flavours (clang++, Debian's clang 14 and LLVM's OpenMP runtime libomp):
-#   clang  the whole suite, examples and benchmarks with -Wall -Wextra -Werror, Release;
-#   asan   the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (-O1 -g,
-#          assertions on, any report fails the test);
+# flavour, all with -Wall -Wextra -Werror. Instruction-set flavours (g++):
+#   baseline  the compiler's default (x86-64: SSE2), the whole suite;
+#   native    -march=native (e.g. AVX-512), the whole suite, examples and benchmarks;
+#   avx2      -mavx2 -mfma (x86 only), the tests of the SIMD code paths: kernels, SDPA in every
+#             storage type, projections and the shared fault cases (test_kernels, test_sdpa,
+#             test_narrow_sdpa, test_int8_kv, test_packed_linear, test_cases).
+# Clang flavours (clang++, Debian's clang 14 and LLVM's OpenMP runtime libomp):
+#   clang  the whole suite, examples and benchmarks, Release;
+#   asan   the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (-O1 with line
+#          tables for the reports, assertions on, any report fails the test);
 #   tsan   ThreadSanitizer on test_layer, the tests that run threads (std::thread and OpenMP;
 #          libomp's archer tool tells ThreadSanitizer about OpenMP's synchronisation).
 # Backend flavour (g++, -march=native, Debian's libdnnl-dev):
@@ -16,8 +20,12 @@
 #          mpiexec on 2 and 3 ranks, and the examples/mpi programs on 2
 #          (bench_dist is built too).
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
-# JOBS (default: all cores), FLAVOURS (default "baseline avx2 native" on x86-64, else
-# "baseline native"; any of those and "clang asan tsan onednn mpi"), CMAKE_ARGS (extra CMake args).
+# JOBS (default: all cores), FLAVOURS (default "baseline native"; any of those and
+# "avx2 clang asan tsan onednn mpi"), CMAKE_ARGS (extra CMake args).
+# The tests/odr units are built with fixed flags, so of the g++ flavours only baseline builds
+# them (GATTN_BUILD_ODR_TESTS). baseline, native, avx2 and asan run each test executable as one
+# ctest test (GATTN_TESTS_PER_EXECUTABLE; CMAKE_ARGS=-DGATTN_TESTS_PER_EXECUTABLE=OFF gives one
+# ctest test per GoogleTest case).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,9 +34,7 @@ quiet() { grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)|^ +Start +[0-9]+: |T
 
 build="${BUILD_DIR:-build/test}"
 jobs="${JOBS:-$(nproc)}"
-default_flavours="baseline native"
-[ "$(uname -m)" = x86_64 ] && default_flavours="baseline avx2 native"
-flavours="${FLAVOURS:-$default_flavours}"
+flavours="${FLAVOURS:-baseline native}"
 extra_packages=()
 case " $flavours " in *" onednn "*) extra_packages+=(libdnnl-dev) ;; esac
 case " $flavours " in *" mpi "*) extra_packages+=(openmpi-bin libopenmpi-dev) ;; esac
@@ -43,9 +49,22 @@ for flavour in $flavours; do
   ctest_args=()
   run_env=()
   case "$flavour" in
-    baseline) arch="" ;;
-    avx2) arch="-mavx2 -mfma" ;;
-    native) arch="-march=native" ;;
+    baseline)
+      arch=""
+      cmake_args+=(-DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_TESTS_PER_EXECUTABLE=ON)
+      ;;
+    avx2)
+      arch="-mavx2 -mfma"
+      cmake_args+=(-DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF
+                   -DGATTN_TESTS_PER_EXECUTABLE=ON)
+      simd_tests=(test_kernels test_sdpa test_narrow_sdpa test_int8_kv test_packed_linear test_cases)
+      build_args=(--target "${simd_tests[@]}")
+      ctest_args=(-R "^($(IFS='|'; echo "${simd_tests[*]}"))\$")
+      ;;
+    native)
+      arch="-march=native"
+      cmake_args+=(-DGATTN_BUILD_ODR_TESTS=OFF -DGATTN_TESTS_PER_EXECUTABLE=ON)
+      ;;
     onednn)
       arch="-march=native"
       cmake_args+=(-DGATTN_WITH_ONEDNN=ON -DGATTN_BUILD_EXAMPLES=OFF)
@@ -68,9 +87,10 @@ for flavour in $flavours; do
       arch=""
       san="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
       cmake_args=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
-                  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" "-DCMAKE_CXX_FLAGS=$san"
+                  "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" "-DCMAKE_CXX_FLAGS=$san"
                   "-DCMAKE_EXE_LINKER_FLAGS=$san"
-                  -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF)
+                  -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF
+                  -DGATTN_TESTS_PER_EXECUTABLE=ON)
       run_env=(ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1
                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1)
       ;;
