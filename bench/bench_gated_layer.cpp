@@ -24,6 +24,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <gattn/gattn.hpp>
@@ -293,14 +294,20 @@ void BM_LayerBf16VsFloat(benchmark::State& state) {
 /// the gate projection GEMM alone run in turn within every iteration (same state of a shared
 /// machine for all three). Counters in ms per forward, and gated / (ungated + projection): at
 /// most 1 when a gate costs no more than its projection (the gate itself is applied inside
-/// SDPA). Threads: OMP_NUM_THREADS.
+/// SDPA). S: the weights' storage (float, or bf16 with float activations, the projection then
+/// a PackedLinear as the layer's own). Threads: OMP_NUM_THREADS.
+template <class S>
 void BM_GateCostPaired(benchmark::State& state) {
     const gattn::Index seq_len = state.range(0);
     const auto plain_config = realistic_config(GateSpec{});
     const auto gated_config = realistic_config(GateSpec::g1_elementwise());
     const auto gated_weights = gattn::make_random_weights<float>(gated_config, 1);
-    const gattn::GatedMultiHeadAttention<float> plain(plain_config, gattn::make_random_weights<float>(plain_config, 1));
-    const gattn::GatedMultiHeadAttention<float> gated(gated_config, gated_weights);
+    const gattn::GatedMultiHeadAttention<S> plain(plain_config,
+                                                  gattn::make_random_weights<float>(plain_config, 1).cast<S>());
+    const gattn::GatedMultiHeadAttention<S> gated(gated_config, gated_weights.cast<S>());
+    // 16-bit weights: the projection packed as the layer packs it (float: Eigen's GEMM below).
+    std::optional<gattn::PackedLinear<std::conditional_t<std::is_same_v<S, float>, gattn::bfloat16, S>>> gate_proj;
+    if constexpr (!std::is_same_v<S, float>) gate_proj.emplace(gated_weights.gate_proj_weight.template cast<S>());
     const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, plain_config.d_model);
     gattn::RowMatrix<float> out(seq_len, plain_config.d_model), z(seq_len, gated_weights.gate_proj_weight.rows());
     using Clock = std::chrono::steady_clock;
@@ -315,7 +322,10 @@ void BM_GateCostPaired(benchmark::State& state) {
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
         const auto t2 = Clock::now();
-        z.noalias() = x * gated_weights.gate_proj_weight.transpose();
+        if (gate_proj)
+            gate_proj->template forward<float, float>(x, z);
+        else
+            z.noalias() = x * gated_weights.gate_proj_weight.transpose();
         benchmark::DoNotOptimize(z.data());
         benchmark::ClobberMemory();
         const auto t3 = Clock::now();
@@ -328,7 +338,11 @@ void BM_GateCostPaired(benchmark::State& state) {
     state.counters["gated_ms"] = 1e3 * t_gated / n;
     state.counters["projection_ms"] = 1e3 * t_projection / n;
     state.counters["gated/(ungated+proj)"] = t_gated / (t_plain + t_projection);
-    state.SetLabel(gattn::simd::arch_name());
+    std::string label = gattn::simd::arch_name();
+    if (gate_proj)
+        label += std::string(" | SDPA ") + gattn::kernel_name(gattn::bf16_kernel().kernel) + " | " +
+                 gate_proj->describe();
+    state.SetLabel(label);
 }
 
 /// One decoding step (one new token per sequence) of the layer with a KV cache already holding
@@ -377,7 +391,13 @@ const bool registered = [] {
         ->Arg(2048)
         ->Unit(benchmark::kMicrosecond)
         ->UseRealTime();
-    benchmark::RegisterBenchmark("BM_GateCostPaired", BM_GateCostPaired)
+    benchmark::RegisterBenchmark("BM_GateCostPaired", BM_GateCostPaired<float>)
+        ->Arg(512)
+        ->Arg(2048)
+        ->MinTime(3.0)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_GateCostPairedBf16", BM_GateCostPaired<gattn::bfloat16>)
         ->Arg(512)
         ->Arg(2048)
         ->MinTime(3.0)
