@@ -305,9 +305,14 @@ void BM_GateCostPaired(benchmark::State& state) {
     const gattn::GatedMultiHeadAttention<S> plain(plain_config,
                                                   gattn::make_random_weights<float>(plain_config, 1).cast<S>());
     const gattn::GatedMultiHeadAttention<S> gated(gated_config, gated_weights.cast<S>());
-    // 16-bit weights: the projection packed as the layer packs it (float: Eigen's GEMM below).
-    std::optional<gattn::PackedLinear<std::conditional_t<std::is_same_v<S, float>, gattn::bfloat16, S>>> gate_proj;
-    if constexpr (!std::is_same_v<S, float>) gate_proj.emplace(gated_weights.gate_proj_weight.template cast<S>());
+    constexpr bool kFloat = std::is_same_v<S, float>;
+    // The gate projection alone: Eigen's GEMM for float weights, else packed as the layer packs it.
+    const auto gate_proj = [&] {
+        if constexpr (kFloat)
+            return gated_weights.gate_proj_weight.transpose();
+        else
+            return gattn::PackedLinear<S>(gated_weights.gate_proj_weight.template cast<S>());
+    }();
     const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, plain_config.d_model);
     gattn::RowMatrix<float> out(seq_len, plain_config.d_model), z(seq_len, gated_weights.gate_proj_weight.rows());
     using Clock = std::chrono::steady_clock;
@@ -322,10 +327,10 @@ void BM_GateCostPaired(benchmark::State& state) {
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
         const auto t2 = Clock::now();
-        if (gate_proj)
-            gate_proj->template forward<float, float>(x, z);
+        if constexpr (kFloat)
+            z.noalias() = x * gate_proj;
         else
-            z.noalias() = x * gated_weights.gate_proj_weight.transpose();
+            gate_proj.template forward<float, float>(x, z);
         benchmark::DoNotOptimize(z.data());
         benchmark::ClobberMemory();
         const auto t3 = Clock::now();
@@ -339,9 +344,9 @@ void BM_GateCostPaired(benchmark::State& state) {
     state.counters["projection_ms"] = 1e3 * t_projection / n;
     state.counters["gated/(ungated+proj)"] = t_gated / (t_plain + t_projection);
     std::string label = gattn::simd::arch_name();
-    if (gate_proj)
+    if constexpr (!kFloat)
         label += std::string(" | SDPA ") + gattn::kernel_name(gattn::bf16_kernel().kernel) + " | " +
-                 gate_proj->describe();
+                 gate_proj.describe();
     state.SetLabel(label);
 }
 
