@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -367,6 +368,17 @@ inline bool any_skipped(const float (*score)[16], Index nk) noexcept {
 /// times fewer instructions than widening the codes to float FMAs, and no widening to float.
 namespace decode_int8 {
 
+/// acc + VPDPWSSD(a, b), accumulating in place: GCC 12 copies every accumulator of the
+/// intrinsic's loops through other registers and the stack (1.2× the logits' time).
+inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) noexcept {
+#if defined(__GNUC__) && !defined(__clang__)
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+#else
+    return _mm512_dpwssd_epi32(acc, a, b);
+#endif
+}
+
 /// Whether the kernel takes these key head sizes.
 inline constexpr bool takes(Index dk) noexcept { return dk % 32 == 0 && dk <= 4096; }
 
@@ -406,7 +418,7 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
             for (int i = 0; i < 4; ++i) kv[i] = load(kk + i, d);
             for (int r = 0; r < R; ++r) {
                 const __m512i qd = _mm512_loadu_si512(q[r] + d);
-                for (int i = 0; i < 4; ++i) a[r][i] = _mm512_dpwssd_epi32(a[r][i], qd, kv[i]);
+                for (int i = 0; i < 4; ++i) a[r][i] = dpwssd(a[r][i], qd, kv[i]);
             }
         }
         for (int r = 0; r < R; ++r)
@@ -417,9 +429,80 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
             __m512i a = _mm512_setzero_si512();
             if (kk < nk)
                 for (Index d = 0; d < dk; d += 32)
-                    a = _mm512_dpwssd_epi32(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
+                    a = dpwssd(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
             dots[r][kk] = to_float(a, r);
         }
+}
+
+/// Whether the integer value sum (values) takes this value head size.
+inline constexpr bool takes_values(Index dv) noexcept { return dv % 64 == 0; }
+
+/// acc_r += Σ_kk w[r][kk]·codes[kk] for R rows over the keys kk < nk of a block, as
+/// group_values, with integer products: each row's weights are rounded to 16-bit integers
+/// against the block's largest (w ≈ u·c, u = max w / 32767, so each weight is within 2⁻¹⁶ of
+/// that largest one), two keys' codes are interleaved into 16-bit pairs, and VPDPWSSD sums
+/// c·code over each pair into 32-bit lanes, exactly (|Σ| ≤ 16·127·32767 < 2³¹); the lanes
+/// turn into floats once per block, times u. A skipped key (score −∞) gets weight 0, whatever
+/// its scale. Half the instructions of widening the codes to float FMAs. A block with a weight
+/// that is not finite (a NaN logit) takes group_values, so the NaN reaches the row.
+/// Needs dv a multiple of 64 (takes_values).
+template <int R>
+inline void values(const float (*score)[16], const float (*w)[16], Index nk, const std::int8_t* value,
+                   Index value_stride, float* const* acc, Index dv) noexcept {
+    alignas(64) std::int16_t codes[R][16];  // the rounded weights (0 past nk)
+    float unit[R];
+    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int r = 0; r < R; ++r) {
+        const __mmask16 live = _mm512_cmp_ps_mask(_mm512_load_ps(score[r]), neg_inf, _CMP_NEQ_UQ);
+        const __m512 x = _mm512_maskz_mov_ps(live, _mm512_load_ps(w[r]));
+        if (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0 ||
+            _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_GT_OQ) != 0) {
+            group_values<float, R, std::int8_t>(score, w, nk, value, value_stride, acc, dv);
+            return;
+        }
+        const float top = _mm512_reduce_max_ps(x);  // weights are ≥ 0
+        unit[r] = top / 32767.0f;
+        const __m512 rel = top > 0 ? _mm512_div_ps(x, _mm512_set1_ps(top)) : _mm512_setzero_ps();
+        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r]),
+                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(rel, _mm512_set1_ps(32767.0f)))));
+    }
+    const Index pairs = (nk + 1) / 2;
+    for (Index j = 0; j < dv; j += 64) {
+        __m512i a[R][4];
+        for (int r = 0; r < R; ++r)
+            for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_si512();
+        for (Index pr = 0; pr < pairs; ++pr) {
+            const std::int8_t* v0 = value + 2 * pr * value_stride + j;
+            const __m512i x = _mm512_loadu_si512(v0);
+            const __m512i y = 2 * pr + 1 < nk ? _mm512_loadu_si512(v0 + value_stride) : _mm512_setzero_si512();
+            // Per 128-bit lane ℓ, lo pairs features 16ℓ + 0…7 of the two keys, hi 16ℓ + 8…15;
+            // widened, the four registers hold features {0–7, 16–23}, {8–15, 24–31},
+            // {32–39, 48–55} and {40–47, 56–63} of the 64.
+            const __m512i lo = _mm512_unpacklo_epi8(x, y), hi = _mm512_unpackhi_epi8(x, y);
+            const __m512i v[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)),
+                                  _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
+                                  _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
+                                  _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+            for (int r = 0; r < R; ++r) {
+                std::int32_t word;
+                std::memcpy(&word, codes[r] + 2 * pr, sizeof word);
+                const __m512i pp = _mm512_set1_epi32(word);
+                for (int c = 0; c < 4; ++c) a[r][c] = _mm512_dpwssd_epi32(a[r][c], pp, v[c]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const __m512 u = _mm512_set1_ps(unit[r]);
+            // Back to feature order: 256-bit halves of the registers for features 0–15, 16–31, …
+            const __m512i f[4] = {_mm512_shuffle_i64x2(a[r][0], a[r][1], 0x44),
+                                  _mm512_shuffle_i64x2(a[r][0], a[r][1], 0xEE),
+                                  _mm512_shuffle_i64x2(a[r][2], a[r][3], 0x44),
+                                  _mm512_shuffle_i64x2(a[r][2], a[r][3], 0xEE)};
+            for (int c = 0; c < 4; ++c) {
+                float* o = acc[r] + j + 16 * c;
+                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(f[c]), u, _mm512_loadu_ps(o)));
+            }
+        }
+    }
 }
 
 }  // namespace decode_int8
@@ -454,6 +537,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
     const bool int8_dot = kInt8 && decode_int8::takes(dk);
+    const bool int8_values = kInt8 && decode_int8::takes_values(dv);
     thread_local std::vector<std::int16_t> q_codes;  // kept between calls, grown only
     thread_local std::vector<float> q_scales;
     if (int8_dot && q_codes.size() < static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk)) {
@@ -467,6 +551,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                     decode_int8::quantize_query(blks[g].q[t], dk, q_codes.data() + (g * kRowsPerHead + t) * dk);
 #else
     constexpr bool int8_dot = false;
+    constexpr bool int8_values = false;
 #endif
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
     static_assert(!kDot || (std::is_same_v<T, float> && std::is_same_v<KV, bfloat16>), "VDPBF16PS: float, bf16");
@@ -636,6 +721,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             st.l[t] += simd::reduce_sum(pv);
                             if constexpr (kInt8) (pv * B::load_aligned(value_scale)).store_aligned(pv_scaled[r]);
                         }
+                        // The value sum: VDPBF16PS (bf16), VPDPWSSD (int8), or FMAs.
+                        bool values_done = false;
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
                         if constexpr (kDot) {
                             const bfloat16* vb = value + j0 * value_stride;
@@ -644,8 +731,19 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 decode_bf16::values<R>(pw, nk, vb, value_stride, acc, dv);
                             else
                                 decode_bf16::values_skipping<R>(s, pw, nk, vb, value_stride, acc, dv);
-                        } else
+                            values_done = true;
+                        }
 #endif
+#if defined(GATTN_HAS_INT8_DOT_KERNEL)
+                        if constexpr (kInt8) {
+                            if (int8_values) {
+                                decode_int8::values<R>(s, pv_scaled, nk, value + j0 * value_stride, value_stride, acc,
+                                                       dv);
+                                values_done = true;
+                            }
+                        }
+#endif
+                        if (!values_done)
                             group_values<T, R, KV>(s, kInt8 ? pv_scaled : p, nk, value + j0 * value_stride,
                                                    value_stride, acc, dv);
                     }
