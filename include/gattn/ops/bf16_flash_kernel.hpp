@@ -241,8 +241,15 @@ constexpr int Bc = FlashGeometry<float>::kKeys;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(W == C * L, "query block of whole registers");
 
+/// acc + VDPBF16PS(a, b), accumulating in place: GCC 12 copies the intrinsic's accumulators
+/// through other registers (and the stack when they run short) on every step of a loop.
 inline __m512 dp(__m512 acc, __m512i a, __m512i b) noexcept {
+#if defined(__GNUC__) && !defined(__clang__)
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+#else
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: vector casts
+#endif
 }
 
 /// The pair (row[2p], row[2p + 1]) as one 32-bit value; for an odd count n the last pair's

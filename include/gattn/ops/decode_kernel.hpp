@@ -428,8 +428,7 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
         for (int r = 0; r < R; ++r) {
             __m512i a = _mm512_setzero_si512();
             if (kk < nk)
-                for (Index d = 0; d < dk; d += 32)
-                    a = dpwssd(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
+                for (Index d = 0; d < dk; d += 32) a = dpwssd(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
             dots[r][kk] = to_float(a, r);
         }
 }
@@ -487,7 +486,7 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
                 std::int32_t word;
                 std::memcpy(&word, codes[r] + 2 * pr, sizeof word);
                 const __m512i pp = _mm512_set1_epi32(word);
-                for (int c = 0; c < 4; ++c) a[r][c] = _mm512_dpwssd_epi32(a[r][c], pp, v[c]);
+                for (int c = 0; c < 4; ++c) a[r][c] = dpwssd(a[r][c], pp, v[c]);
             }
         }
         for (int r = 0; r < R; ++r) {
