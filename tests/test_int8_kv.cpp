@@ -201,6 +201,27 @@ TEST(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
     for (const Case& c : cases) check_case(c);
 }
 
+TEST(Int8Sdpa, ANaNQueryReachesOnlyItsOwnHead) {
+    // Decoding, d = 64 (the integer value sum where the CPU has it): a NaN in head 1's query
+    // makes its logits NaN; its output must be NaN and every other head's output unchanged.
+    std::mt19937 rng(11);
+    const Index H = 4, Hkv = 2, d = 64, Nk = 700;
+    const RowMatrix<float> q = random_rows(1, H * d, rng, 1.0f);
+    const Int8Matrix k(random_rows(Nk, Hkv * d, rng, 1.0f), Hkv), v(random_rows(Nk, Hkv * d, rng, 1.0f), Hkv);
+    RowMatrix<float> clean(1, H * d), with_nan(1, H * d);
+    gattn::scaled_dot_product_attention(q, k.view(), v.view(), {1, H, Hkv}, clean);
+    RowMatrix<float> q_nan = q;
+    q_nan(0, 1 * d + 5) = std::numeric_limits<float>::quiet_NaN();
+    gattn::scaled_dot_product_attention(q_nan, k.view(), v.view(), {1, H, Hkv}, with_nan);
+    for (Index h = 0; h < H; ++h)
+        for (Index e = 0; e < d; ++e) {
+            if (h == 1)
+                EXPECT_TRUE(std::isnan(with_nan(0, h * d + e))) << "head 1, feature " << e;
+            else
+                EXPECT_EQ(with_nan(0, h * d + e), clean(0, h * d + e)) << "head " << h << ", feature " << e;
+        }
+}
+
 TEST(Int8Sdpa, ScalesAreRequired) {
     Int8Matrix k(RowMatrix<float>::Ones(4, 8), 2), v(RowMatrix<float>::Ones(4, 8), 2);
     RowMatrix<float> q = RowMatrix<float>::Ones(2, 8), out(2, 8);

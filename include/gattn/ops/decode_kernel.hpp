@@ -19,9 +19,11 @@
 /// loaded, or (AVX512-BF16, head sizes multiples of 32) both products run as VDPBF16PS on the
 /// bf16 rows, with P rounded to bf16 (decode_bf16): half the instructions, no widening.
 /// An int8 cache (ops/int8_rows.hpp) is read in place too: each key's scales multiply its logit
-/// and its weight in the value sum. With AVX512-VNNI (head sizes multiples of 32) the logits are
-/// integer products (VPDPWSSD) of the key codes and the query rounded to 16-bit integers
-/// (decode_int8); otherwise, and for the values, the codes are widened to float as they load.
+/// and its weight in the value sum. With AVX512-VNNI the logits (d_k a multiple of 32) are
+/// integer products (VPDPWSSD) of the key codes and the query rounded to 16-bit integers, and
+/// the value sum (d_v a multiple of 64) integer products of the value codes and the weights
+/// rounded to 16-bit integers per block (decode_int8); otherwise the codes are widened to float
+/// as they load.
 
 #include <algorithm>
 #include <cmath>
@@ -383,10 +385,20 @@ inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) noexcept {
 inline constexpr bool takes(Index dk) noexcept { return dk % 32 == 0 && dk <= 4096; }
 
 /// Rounds the dk floats of q (dk a multiple of 32) to 16-bit integer codes, to nearest even;
-/// returns their scale s_q (0 for zeros).
+/// returns their scale s_q (0 for zeros; NaN, with codes 0, when a value is NaN or infinite, so
+/// that the row's logits are NaN as in float).
 inline float quantize_query(const float* q, Index dk, std::int16_t* codes) noexcept {
     __m512 amax = _mm512_setzero_ps();
-    for (Index e = 0; e < dk; e += 16) amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + e)));
+    __mmask16 not_finite = 0;
+    for (Index e = 0; e < dk; e += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(q + e));
+        not_finite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
+        amax = _mm512_max_ps(amax, a);
+    }
+    if (not_finite) {
+        std::memset(codes, 0, static_cast<std::size_t>(dk) * sizeof(std::int16_t));
+        return std::numeric_limits<float>::quiet_NaN();
+    }
     const float m = _mm512_reduce_max_ps(amax);
     const __m512 inv = _mm512_set1_ps(m > 0 ? 32767.0f / m : 0.0f);
     // x·(32767 / max|q|) rounds into [−32767, 32767]; the pack saturates the last ulp.
@@ -442,8 +454,8 @@ inline constexpr bool takes_values(Index dv) noexcept { return dv % 64 == 0; }
 /// that largest one), two keys' codes are interleaved into 16-bit pairs, and VPDPWSSD sums
 /// c·code over each pair into 32-bit lanes, exactly (|Σ| ≤ 16·127·32767 < 2³¹); the lanes
 /// turn into floats once per block, times u. A skipped key (score −∞) gets weight 0, whatever
-/// its scale. Half the instructions of widening the codes to float FMAs. A block with a weight
-/// that is not finite (a NaN logit) takes group_values, so the NaN reaches the row.
+/// its scale. Half the instructions of widening the codes to float FMAs. A row with a weight
+/// that is not finite (a NaN logit) takes group_values, so the NaN reaches it.
 /// Needs dv a multiple of 64 (takes_values).
 template <int R>
 inline void values(const float (*score)[16], const float (*w)[16], Index nk, const std::int8_t* value,
@@ -454,10 +466,12 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
     for (int r = 0; r < R; ++r) {
         const __mmask16 live = _mm512_cmp_ps_mask(_mm512_load_ps(score[r]), neg_inf, _CMP_NEQ_UQ);
         const __m512 x = _mm512_maskz_mov_ps(live, _mm512_load_ps(w[r]));
-        if (_mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q) != 0 ||
-            _mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_GT_OQ) != 0) {
-            group_values<float, R, std::int8_t>(score, w, nk, value, value_stride, acc, dv);
-            return;
+        if (_mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ)) {
+            // Only this row takes the float sum (the others' results do not change).
+            group_values<float, 1, std::int8_t>(score + r, w + r, nk, value, value_stride, acc + r, dv);
+            std::memset(codes[r], 0, sizeof codes[r]);
+            unit[r] = 0;
+            continue;
         }
         const float top = _mm512_reduce_max_ps(x);  // weights are ≥ 0
         unit[r] = top / 32767.0f;
