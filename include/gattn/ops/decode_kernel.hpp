@@ -550,7 +550,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
     const bool int8_dot = kInt8 && decode_int8::takes(dk);
-    const bool int8_values = kInt8 && decode_int8::takes_values(dv);
+    [[maybe_unused]] const bool int8_values = kInt8 && decode_int8::takes_values(dv);
     thread_local std::vector<std::int16_t> q_codes;  // kept between calls, grown only
     thread_local std::vector<float> q_scales;
     if (int8_dot && q_codes.size() < static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk)) {
@@ -564,7 +564,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                     decode_int8::quantize_query(blks[g].q[t], dk, q_codes.data() + (g * kRowsPerHead + t) * dk);
 #else
     constexpr bool int8_dot = false;
-    constexpr bool int8_values = false;
+    [[maybe_unused]] constexpr bool int8_values = false;
 #endif
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
     static_assert(!kDot || (std::is_same_v<T, float> && std::is_same_v<KV, bfloat16>), "VDPBF16PS: float, bf16");
