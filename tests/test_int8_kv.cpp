@@ -2,7 +2,8 @@
 // rows against the float64 reference run on the values the codes stand for (the same bytes,
 // dequantized in double), so the kernels' arithmetic is checked up to float rounding (where the
 // decoding kernel rounds the query to 16-bit integers for VPDPWSSD, the reference takes the
-// same rounded query): decoding
+// same rounded query; its value sum's weights, rounded to 16 bits per block, stay within the
+// tolerance): decoding
 // and prefill shapes, GQA, ragged key lengths, causal and window masks, sinks, softcap and
 // ALiBi, garbage past the key lengths, and thread-count invariance.
 
@@ -202,7 +203,7 @@ TEST(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
 }
 
 TEST(Int8Sdpa, ANaNQueryReachesOnlyItsOwnHead) {
-    // Decoding, d = 64 (the integer value sum where the CPU has it): a NaN in head 1's query
+    // Decoding, d = 64 (the integer value sum where VNNI is compiled in): a NaN in head 1's query
     // makes its logits NaN; its output must be NaN and every other head's output unchanged.
     std::mt19937 rng(11);
     const Index H = 4, Hkv = 2, d = 64, Nk = 700;
@@ -220,6 +221,45 @@ TEST(Int8Sdpa, ANaNQueryReachesOnlyItsOwnHead) {
             else
                 EXPECT_EQ(with_nan(0, h * d + e), clean(0, h * d + e)) << "head " << h << ", feature " << e;
         }
+}
+
+TEST(Int8Sdpa, NegativeAndMixedValueScalesAreHonoured) {
+    // A view's scales are the caller's: value rows with negative scales (all, or some of a
+    // block) must weigh as scale · code. One head, d = 64, 37 keys (a partial last block),
+    // against softmax(q·k / √d)·v computed here in double from the same codes and scales.
+    std::mt19937 rng(23);
+    const Index d = 64, Nk = 37;
+    const RowMatrix<float> q = random_rows(1, d, rng, 1.0f);
+    Int8Matrix k(random_rows(Nk, d, rng, 1.0f), 1), v(random_rows(Nk, d, rng, 1.0f), 1);
+    for (int all_negative = 0; all_negative < 2; ++all_negative) {
+        for (Index j = 0; j < Nk; ++j)
+            v.scales(j, 0) = std::abs(v.scales(j, 0)) * (all_negative || j % 3 == 1 ? -1.0f : 1.0f) * float(1 + j % 4);
+        const Mat kd = k.dequantized(), vd = v.dequantized();
+        std::vector<double> logit(static_cast<std::size_t>(Nk));
+        double top = -std::numeric_limits<double>::infinity();
+        for (Index j = 0; j < Nk; ++j) {
+            double dot = 0;
+            for (Index e = 0; e < d; ++e) dot += double(q(0, e)) * kd(j, e);
+            logit[static_cast<std::size_t>(j)] = dot / std::sqrt(double(d));
+            top = std::max(top, logit[static_cast<std::size_t>(j)]);
+        }
+        std::vector<double> want(static_cast<std::size_t>(d), 0.0);
+        double l = 0;
+        for (Index j = 0; j < Nk; ++j) {
+            const double p = std::exp(logit[static_cast<std::size_t>(j)] - top);
+            l += p;
+            for (Index e = 0; e < d; ++e) want[static_cast<std::size_t>(e)] += p * vd(j, e);
+        }
+        RowMatrix<float> out(1, d);
+        gattn::scaled_dot_product_attention(q, k.view(), v.view(), {1, 1, 1}, out);
+        double worst = 0, largest = 0;
+        for (Index e = 0; e < d; ++e) {
+            worst = std::max(worst, std::abs(double(out(0, e)) - want[static_cast<std::size_t>(e)] / l));
+            largest = std::max(largest, std::abs(want[static_cast<std::size_t>(e)] / l));
+        }
+        // The decoding kernel rounds the query to 16 bits: 1e-4 covers that, a wrong sign does not.
+        EXPECT_LE(worst, 1e-4 * (1 + largest)) << (all_negative ? "all negative" : "mixed signs");
+    }
 }
 
 TEST(Int8Sdpa, ScalesAreRequired) {

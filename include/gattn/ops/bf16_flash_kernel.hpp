@@ -245,7 +245,7 @@ static_assert(W == C * L, "query block of whole registers");
 /// through other registers (and the stack when they run short) on every step of a loop.
 inline __m512 dp(__m512 acc, __m512i a, __m512i b) noexcept {
 #if defined(__GNUC__) && !defined(__clang__)
-    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    __asm__("vdpbf16ps {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b));  // AT&T | Intel syntax
     return acc;
 #else
     return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: vector casts

@@ -374,19 +374,25 @@ namespace decode_int8 {
 /// intrinsic's loops through other registers and the stack (1.2× the logits' time).
 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) noexcept {
 #if defined(__GNUC__) && !defined(__clang__)
-    __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    __asm__("vpdpwssd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b));  // AT&T | Intel syntax
     return acc;
 #else
     return _mm512_dpwssd_epi32(acc, a, b);
 #endif
 }
 
+/// x rounded to the nearest integer, ties to even, whatever the rounding mode.
+inline __m512i round_to_int(__m512 x) noexcept {
+    return _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
 /// Whether the kernel takes these key head sizes.
 inline constexpr bool takes(Index dk) noexcept { return dk % 32 == 0 && dk <= 4096; }
 
 /// Rounds the dk floats of q (dk a multiple of 32) to 16-bit integer codes, to nearest even;
-/// returns their scale s_q (0 for zeros; NaN, with codes 0, when a value is NaN or infinite, so
-/// that the row's logits are NaN as in float).
+/// returns their scale s_q (0 for zeros; NaN, with codes 0, when a value is NaN or infinite:
+/// the row's logits, and so its output, are then NaN). Below max|q| ≈ 4e-34, s_q is subnormal
+/// and the logits lose precision.
 inline float quantize_query(const float* q, Index dk, std::int16_t* codes) noexcept {
     __m512 amax = _mm512_setzero_ps();
     __mmask16 not_finite = 0;
@@ -400,11 +406,14 @@ inline float quantize_query(const float* q, Index dk, std::int16_t* codes) noexc
         return std::numeric_limits<float>::quiet_NaN();
     }
     const float m = _mm512_reduce_max_ps(amax);
-    const __m512 inv = _mm512_set1_ps(m > 0 ? 32767.0f / m : 0.0f);
-    // x·(32767 / max|q|) rounds into [−32767, 32767]; the pack saturates the last ulp.
-    for (Index e = 0; e < dk; e += 16)
+    // (x / max|q|)·32767 rounds into [−32767, 32767] (dividing first: 32767 / max|q| would
+    // overflow for a tiny query); the pack saturates the last ulp.
+    const __m512 top = _mm512_set1_ps(m > 0 ? m : 1.0f);
+    for (Index e = 0; e < dk; e += 16) {
+        const __m512 rel = _mm512_div_ps(_mm512_loadu_ps(q + e), top);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + e),
-                            _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(q + e), inv))));
+                            _mm512_cvtsepi32_epi16(round_to_int(_mm512_mul_ps(rel, _mm512_set1_ps(32767.0f)))));
+    }
     return m / 32767.0f;
 }
 
@@ -450,18 +459,19 @@ inline constexpr bool takes_values(Index dv) noexcept { return dv % 64 == 0; }
 
 /// acc_r += Σ_kk w[r][kk]·codes[kk] for R rows over the keys kk < nk of a block, as
 /// group_values, with integer products: each row's weights are rounded to 16-bit integers
-/// against the block's largest (w ≈ u·c, u = max w / 32767, so each weight is within 2⁻¹⁶ of
-/// that largest one), two keys' codes are interleaved into 16-bit pairs, and VPDPWSSD sums
-/// c·code over each pair into 32-bit lanes, exactly (|Σ| ≤ 16·127·32767 < 2³¹); the lanes
-/// turn into floats once per block, times u. A skipped key (score −∞) gets weight 0, whatever
-/// its scale. Half the instructions of widening the codes to float FMAs. A row with a weight
-/// that is not finite (a NaN logit) takes group_values, so the NaN reaches it.
+/// against the block's largest magnitude (w ≈ u·c, u = max |w| / 32767, ties to even; each
+/// weight's rounding error is at most 2⁻¹⁶·max |w|), two keys' codes are interleaved into
+/// 16-bit pairs, and VPDPWSSD sums c·code over each pair into 32-bit lanes, exactly
+/// (|Σ| ≤ 16·128·32767 < 2³¹); the lanes turn into floats once per block, times u. A skipped
+/// key (score −∞) gets weight 0, whatever its scale. Half the instructions of widening the
+/// codes to float FMAs. A row with a weight that is not finite (a NaN or infinite logit or
+/// value scale) takes group_values alone, so the NaN reaches it and the other rows are unchanged.
 /// Needs dv a multiple of 64 (takes_values).
 template <int R>
 inline void values(const float (*score)[16], const float (*w)[16], Index nk, const std::int8_t* value,
                    Index value_stride, float* const* acc, Index dv) noexcept {
     alignas(64) std::int16_t codes[R][16];  // the rounded weights (0 past nk)
-    float unit[R];
+    float unit[R];                          // max |w| of each row
     const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     for (int r = 0; r < R; ++r) {
         const __mmask16 live = _mm512_cmp_ps_mask(_mm512_load_ps(score[r]), neg_inf, _CMP_NEQ_UQ);
@@ -473,11 +483,12 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
             unit[r] = 0;
             continue;
         }
-        const float top = _mm512_reduce_max_ps(x);  // weights are ≥ 0
-        unit[r] = top / 32767.0f;
+        // A view's value scales may be negative: the codes are signed, against max |w|.
+        const float top = _mm512_reduce_max_ps(_mm512_abs_ps(x));
+        unit[r] = top;
         const __m512 rel = top > 0 ? _mm512_div_ps(x, _mm512_set1_ps(top)) : _mm512_setzero_ps();
         _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r]),
-                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(rel, _mm512_set1_ps(32767.0f)))));
+                           _mm512_cvtsepi32_epi16(round_to_int(_mm512_mul_ps(rel, _mm512_set1_ps(32767.0f)))));
     }
     const Index pairs = (nk + 1) / 2;
     for (Index j = 0; j < dv; j += 64) {
@@ -504,7 +515,8 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
             }
         }
         for (int r = 0; r < R; ++r) {
-            const __m512 u = _mm512_set1_ps(unit[r]);
+            // Σ·(1 / 32767)·max |w| in two steps: max |w| / 32767 would lose bits below 2⁻¹²⁶·32767.
+            const __m512 u = _mm512_set1_ps(unit[r]), inv = _mm512_set1_ps(1.0f / 32767.0f);
             // Back to feature order: 256-bit halves of the registers for features 0–15, 16–31, …
             const __m512i f[4] = {_mm512_shuffle_i64x2(a[r][0], a[r][1], 0x44),
                                   _mm512_shuffle_i64x2(a[r][0], a[r][1], 0xEE),
@@ -512,7 +524,8 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
                                   _mm512_shuffle_i64x2(a[r][2], a[r][3], 0xEE)};
             for (int c = 0; c < 4; ++c) {
                 float* o = acc[r] + j + 16 * c;
-                _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(f[c]), u, _mm512_loadu_ps(o)));
+                _mm512_storeu_ps(o,
+                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(f[c]), inv), u, _mm512_loadu_ps(o)));
             }
         }
     }
