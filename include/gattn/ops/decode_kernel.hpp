@@ -371,7 +371,7 @@ inline bool any_skipped(const float (*score)[16], Index nk) noexcept {
 namespace decode_int8 {
 
 /// acc + VPDPWSSD(a, b), accumulating in place: GCC 12 copies every accumulator of the
-/// intrinsic's loops through other registers and the stack (1.2× the logits' time).
+/// intrinsic's loops through other registers, and the stack, on each step.
 inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) noexcept {
 #if defined(__GNUC__) && !defined(__clang__)
     __asm__("vpdpwssd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b));  // AT&T | Intel syntax
