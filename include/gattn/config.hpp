@@ -5,8 +5,9 @@
 /// Build configuration: C++17 check, assertions and the instruction-set namespace.
 ///
 /// Every function gattn defines lives in an inline namespace named after the instruction set the
-/// translation unit is compiled for (e.g. `gattn::isa_avx512f`; code still writes
-/// `gattn::scaled_dot_product_attention`). Two translation units built with different -m flags
+/// translation unit is compiled for (e.g. `gattn::isa_avx2_fma`, or for AVX-512
+/// `gattn::isa_avx512f_bw_dq_vl_vnni_bf16_amx`, one suffix per extension that gattn's code
+/// tests; code still writes `gattn::scaled_dot_product_attention`). Two translation units built with different -m flags
 /// therefore get different symbols and the linker cannot mix an AVX-512 body into an SSE2 caller
 /// (the ODR problem seen in numpy#25274). Only exception types, enums and plain option structs
 /// stay in `gattn` itself, so that `catch (const gattn::shape_error&)` works across such units.
@@ -21,10 +22,45 @@
 
 #include <cassert>
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define GATTN_ISA_NAMESPACE isa_avx512bf16  // the AVX512-BF16 kernel is compiled in
-#elif defined(__AVX512F__)
-#define GATTN_ISA_NAMESPACE isa_avx512f
+// The namespace's name: the base instruction set, then (AVX-512) one suffix for each extension
+// that gattn's code tests, so that units differing in any of them get separate symbols.
+#define GATTN_ISA_CAT_(a, b) a##b
+#define GATTN_ISA_CAT(a, b) GATTN_ISA_CAT_(a, b)
+#if defined(__AVX512F__)
+#if defined(__AVX512BW__)
+#define GATTN_ISA_BW_ _bw
+#else
+#define GATTN_ISA_BW_
+#endif
+#if defined(__AVX512DQ__)
+#define GATTN_ISA_DQ_ _dq
+#else
+#define GATTN_ISA_DQ_
+#endif
+#if defined(__AVX512VL__)
+#define GATTN_ISA_VL_ _vl
+#else
+#define GATTN_ISA_VL_
+#endif
+#if defined(__AVX512VNNI__)
+#define GATTN_ISA_VNNI_ _vnni  // the int8 decoding kernel (VPDPWSSD)
+#else
+#define GATTN_ISA_VNNI_
+#endif
+#if defined(__AVX512BF16__)
+#define GATTN_ISA_BF16_ _bf16  // the AVX512-BF16 kernels
+#else
+#define GATTN_ISA_BF16_
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define GATTN_ISA_AMX_ _amx  // the AMX kernels
+#else
+#define GATTN_ISA_AMX_
+#endif
+#define GATTN_ISA_AVX512_ \
+    GATTN_ISA_CAT(GATTN_ISA_CAT(GATTN_ISA_CAT(isa_avx512f, GATTN_ISA_BW_), GATTN_ISA_DQ_), GATTN_ISA_VL_)
+#define GATTN_ISA_NAMESPACE \
+    GATTN_ISA_CAT(GATTN_ISA_CAT(GATTN_ISA_CAT(GATTN_ISA_AVX512_, GATTN_ISA_VNNI_), GATTN_ISA_BF16_), GATTN_ISA_AMX_)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define GATTN_ISA_NAMESPACE isa_avx2_fma
 #elif defined(__AVX__)
