@@ -2,8 +2,9 @@
 // Head parallelism under MPI (run with mpirun -np 2 and -np 3): every rank builds the same
 // Qwen3-Next layer, keeps its heads, and checks the summed output of a ragged prefill and of
 // decoding steps against the whole layer in one process, for KV heads split and replicated,
-// gated and ungated, with biases and sinks, double and float, a float and an int8 cache. Bad
-// arguments on one rank make every rank throw the same error and leave every cache as it was.
+// gated and ungated, with biases and sinks, double and float, a float and an int8 cache; and the
+// same for the generic layer with every gate position, layout and granularity. Bad arguments on
+// one rank make every rank throw the same error and leave every cache as it was.
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -155,6 +156,215 @@ TEST(HeadParallel, OneRanksBadInputFailsEveryRankAndChangesNoCache) {
     // The next call works on every rank.
     parallel.forward(x, {0, 1}, cache, out);
     EXPECT_EQ(cache.lengths(), std::vector<Index>{2});
+}
+
+// ---- The generic layer (HeadParallelAttention) ----
+
+gattn::AttentionConfig generic_config(Index H, Index Hkv, gattn::GateSpec gate) {
+    gattn::AttentionConfig c;
+    c.d_model = 40;
+    c.num_heads = H;
+    c.num_kv_heads = Hkv;
+    c.head_dim = 16;
+    c.gate = gate;
+    c.causal = true;
+    return c;
+}
+
+gattn::GateSpec spec(gattn::GatePosition position,
+                     gattn::GateGranularity granularity = gattn::GateGranularity::Elementwise) {
+    gattn::GateSpec g;
+    g.position = position;
+    g.granularity = granularity;
+    return g;
+}
+
+/// Every gate the layer takes, each with some of the layer's other features, so that each
+/// shard's rows are checked: (name, config) for H query and Hkv KV heads.
+std::vector<std::pair<std::string, gattn::AttentionConfig>> generic_cases(Index H, Index Hkv) {
+    using gattn::GateCombine;
+    using gattn::GateGranularity;
+    using gattn::GateLayout;
+    using gattn::GatePosition;
+    using gattn::GateSource;
+    std::vector<std::pair<std::string, gattn::AttentionConfig>> cases;
+    auto add = [&](std::string name, gattn::GateSpec g, auto&& tweak) {
+        gattn::AttentionConfig c = generic_config(H, Hkv, g);
+        tweak(c);
+        cases.emplace_back(std::move(name), c);
+    };
+    auto none = [](gattn::AttentionConfig&) {};
+    add("ungated, q/k norm, RoPE, biases", gattn::GateSpec{}, [](gattn::AttentionConfig& c) {
+        c.qk_norm = gattn::QkNorm::ZeroCentredRmsNorm;
+        c.rotary_dim = 8;
+        c.qkv_bias = c.o_bias = true;
+    });
+    gattn::GateSpec g1 = gattn::GateSpec::g1_elementwise();
+    g1.bias = true;
+    add("G1 elementwise, bias, sinks, softcap", g1, [](gattn::AttentionConfig& c) {
+        c.sinks = true;
+        c.logit_softcap = 5;
+    });
+    add("G1 headwise, SiLU, not causal", gattn::GateSpec::g1_headwise(), [](gattn::AttentionConfig& c) {
+        c.gate.activation = gattn::GateActivation::SiLU;
+        c.causal = false;
+    });
+    add("G1 interleaved in q_proj, biases", gattn::GateSpec::g1_elementwise(GateLayout::PerHeadInterleaved),
+        [](gattn::AttentionConfig& c) { c.qkv_bias = true; });
+    add("G1 headwise grouped by KV head, biases", gattn::GateSpec::g1_headwise(GateLayout::GroupedByKV),
+        [](gattn::AttentionConfig& c) { c.qkv_bias = true; });
+    add("G1 elementwise grouped by KV head", gattn::GateSpec::g1_elementwise(GateLayout::GroupedByKV), none);
+    gattn::GateSpec shared = gattn::GateSpec::g1_elementwise();
+    shared.sharing = gattn::GateSharing::HeadShared;
+    shared.bias = true;
+    add("G1 head-shared, bias", shared, none);
+    gattn::GateSpec additive = gattn::GateSpec::g1_headwise();
+    additive.combine = GateCombine::Additive;
+    add("G1 additive, window", additive, [](gattn::AttentionConfig& c) { c.sliding_window = 4; });
+    gattn::GateSpec query = gattn::GateSpec::g1_headwise();
+    query.source = GateSource::Query;
+    query.bias = true;
+    add("G1 from the query", query, none);
+    gattn::GateSpec theta = gattn::GateSpec::g1_elementwise();
+    theta.source = GateSource::InputIndependent;
+    add("G1 input-independent", theta, none);
+    add("G2 elementwise", spec(GatePosition::G2), none);
+    gattn::GateSpec g2_shared = spec(GatePosition::G2);
+    g2_shared.sharing = gattn::GateSharing::HeadShared;
+    add("G2 head-shared", g2_shared, none);
+    add("G3 headwise, RoPE", spec(GatePosition::G3, GateGranularity::Headwise),
+        [](gattn::AttentionConfig& c) { c.rotary_dim = 16; });
+    add("G4 elementwise, q/k norm", spec(GatePosition::G4),
+        [](gattn::AttentionConfig& c) { c.qk_norm = gattn::QkNorm::RmsNorm; });
+    gattn::GateSpec g5 = spec(GatePosition::G5);
+    g5.bias = true;
+    add("G5, o_proj bias", g5, [](gattn::AttentionConfig& c) { c.o_bias = true; });
+    gattn::GateSpec mix = spec(GatePosition::G5);
+    mix.combine = GateCombine::ResidualMix;
+    add("G5 residual mix, o_proj bias", mix, [](gattn::AttentionConfig& c) { c.o_bias = true; });
+    return cases;
+}
+
+/// A ragged batch without a cache, then the same tokens as a prefill into a cache and three
+/// decoding steps, through the head-parallel layer and through the whole layer.
+template <class S, class Cache = S>
+double generic_worst(const gattn::AttentionConfig& c) {
+    using T = gattn::compute_t<S>;
+    const auto w = gattn::make_random_weights<S>(c, 5);
+    const gattn::GatedMultiHeadAttention<S> whole(c, w);
+    const gattn::HeadParallelAttention<S> parallel(c, w, MPI_COMM_WORLD);
+    std::mt19937 rng(11);
+    const Index N = 7, D = c.d_model;
+    const RowMatrix<T> x = random_rows<T>(2 * N, D, rng, 1.0);
+    gattn::ForwardOptions<T> options;
+    options.key_lengths = {7, 5};
+    RowMatrix<T> want = whole.forward(x, 2, options), got(2 * N, D);
+    parallel.forward(x, 2, got, options);
+    double worst = (got - want).cwiseAbs().maxCoeff();
+
+    auto whole_cache = whole.template make_cache<Cache>(2, 12);
+    auto shard_cache = parallel.template make_cache<Cache>(2, 12);
+    const std::vector<Index> counts{7, 5};
+    whole.forward(x, whole_cache, want, counts);
+    parallel.forward(x, shard_cache, got, counts);
+    worst = std::max(worst, double((got - want).cwiseAbs().maxCoeff()));
+    for (int step = 0; step < 3; ++step) {
+        const RowMatrix<T> xt = random_rows<T>(2, D, rng, 1.0);
+        RowMatrix<T> w1(2, D), g1(2, D);
+        whole.forward(xt, whole_cache, w1);
+        parallel.forward(xt, shard_cache, g1);
+        worst = std::max(worst, double((g1 - w1).cwiseAbs().maxCoeff()));
+    }
+    EXPECT_EQ(shard_cache.tokens_seen(), (std::vector<Index>{10, 8}));
+    EXPECT_EQ(shard_cache.num_kv_heads(), parallel.shard().num_kv_heads);
+    return worst;
+}
+
+TEST(HeadParallelAttention, EveryGateMatchesTheWholeLayerWithKvHeadsSplit) {
+    const Index P = size_of();
+    for (const auto& [name, c] : generic_cases(2 * P, P)) EXPECT_LE(generic_worst<double>(c), 1e-12) << name;
+}
+
+TEST(HeadParallelAttention, EveryGateMatchesTheWholeLayerWithKvHeadsReplicated) {
+    // One KV head read by 2P query heads: each rank holds part of the KV group, so a grouped
+    // q_proj layout is rebuilt for the shard's heads.
+    const Index P = size_of();
+    for (const auto& [name, c] : generic_cases(2 * P, 1)) EXPECT_LE(generic_worst<double>(c), 1e-12) << name;
+}
+
+TEST(HeadParallelAttention, FloatAndInt8CachesMatchTheWholeLayer) {
+    const Index P = size_of();
+    const auto cases = generic_cases(2 * P, P);
+    EXPECT_LE(generic_worst<float>(cases[1].second), 2e-5) << cases[1].first;
+    EXPECT_LE((generic_worst<float, std::int8_t>(cases[1].second)), 2e-5) << cases[1].first;
+    EXPECT_LE((generic_worst<float, std::int8_t>(cases[13].second)), 2e-5) << cases[13].first;  // G3: gated keys
+}
+
+TEST(HeadParallelAttention, APerHeadBiasMaskIsCutToEachRanksHeads) {
+    const Index P = size_of(), H = 2 * P, N = 5;
+    const auto c = generic_config(H, P, gattn::GateSpec::g1_elementwise());
+    const auto w = gattn::make_random_weights<double>(c, 3);
+    const gattn::GatedMultiHeadAttention<double> whole(c, w);
+    const gattn::HeadParallelAttention<double> parallel(c, w, MPI_COMM_WORLD);
+    std::mt19937 rng(4);
+    const RowMatrix<double> x = random_rows<double>(2 * N, c.d_model, rng, 1.0);
+    const RowMatrix<double> bias = random_rows<double>(2 * H * N, N, rng, 2.0);  // [2, H, N, N]
+    gattn::ForwardOptions<double> options;
+    options.bias = {bias.data(), 2, H, N, N};
+    RowMatrix<double> got(2 * N, c.d_model);
+    parallel.forward(x, 2, got, options);
+    EXPECT_LE((got - whole.forward(x, 2, options)).cwiseAbs().maxCoeff(), 1e-12);
+    // Without the mask the output differs: the mask reached every rank's heads.
+    EXPECT_GT((got - whole.forward(x, 2)).cwiseAbs().maxCoeff(), 1e-3);
+}
+
+TEST(HeadParallelAttention, AlibiIsRefused) {
+    auto c = generic_config(2 * size_of(), size_of(), gattn::GateSpec{});
+    c.alibi = true;
+    const auto w = gattn::make_random_weights<double>(c, 1);
+    try {
+        gattn::HeadParallelAttention<double> layer(c, w, MPI_COMM_WORLD);
+        ADD_FAILURE() << "ALiBi accepted";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("config.alibi"), std::string::npos) << e.what();
+    }
+}
+
+TEST(HeadParallelAttention, OneRanksBadInputFailsEveryRankAndRestoresAWindowCache) {
+    const Index P = size_of();
+    auto c = generic_config(2 * P, P, gattn::GateSpec::g1_elementwise());
+    c.sliding_window = 2;
+    const auto w = gattn::make_random_weights<double>(c, 8);
+    const gattn::HeadParallelAttention<double> parallel(c, w, MPI_COMM_WORLD);
+    auto cache = parallel.make_cache(1, 16);  // a window cache of 4 rows
+    ASSERT_EQ(cache.window(), 2);
+    std::mt19937 rng(9);
+    RowMatrix<double> out(3, c.d_model);
+    parallel.forward(random_rows<double>(3, c.d_model, rng, 1.0), cache, out);
+    const RowMatrix<double> keys = cache.key_operand();
+    // Rank 1 alone passes a count above N: the others append (and drop a token) before the
+    // error reaches them, then restore their cache.
+    const RowMatrix<double> x = random_rows<double>(2, c.d_model, rng, 1.0);
+    RowMatrix<double> out2(2, c.d_model);
+    const std::vector<Index> counts = rank_of() == 1 ? std::vector<Index>{3} : std::vector<Index>{2};
+    try {
+        parallel.forward(x, cache, out2, counts);
+        ADD_FAILURE() << "no exception on rank " << rank_of();
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("rank 1 of " + std::to_string(P)), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(cache.tokens_seen(), std::vector<Index>{3});
+    EXPECT_EQ(RowMatrix<double>(cache.key_operand()), keys);
+    // And the next call gives what the whole layer gives.
+    const gattn::GatedMultiHeadAttention<double> whole(c, w);
+    auto whole_cache = whole.make_cache(1, 16);
+    RowMatrix<double> want(3, c.d_model);
+    rng.seed(9);
+    whole.forward(random_rows<double>(3, c.d_model, rng, 1.0), whole_cache, want);
+    RowMatrix<double> w2(2, c.d_model);
+    whole.forward(x, whole_cache, w2);
+    parallel.forward(x, cache, out2);
+    EXPECT_LE((out2 - w2).cwiseAbs().maxCoeff(), 1e-12);
 }
 
 }  // namespace
