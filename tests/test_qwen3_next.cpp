@@ -272,6 +272,32 @@ gattn::Qwen3NextAttentionWeights<double> fixture_weights(gattn::Qwen3NextConfig&
     return gattn::load_qwen3_next_attention_weights<double>(kDir, kLayer, config);
 }
 
+/// A shard read from the checkpoint holds exactly its heads' rows and columns of the whole
+/// layer's tensors, cut here by hand: head h's query and gate rows [2dh, 2d(h + 1)) of q_proj,
+/// KV head g's rows [dg, d(g + 1)) of k_proj and v_proj, and columns [dh, d(h + 1)) of o_proj.
+TEST(Qwen3Next, AShardReadFromTheCheckpointHoldsItsHeadsRows) {
+    gattn::Qwen3NextConfig config;
+    const auto whole = fixture_weights(config);
+    const Index d = config.head_dim;
+    ASSERT_TRUE(config.attn_output_gate);
+    gattn::HeadShard shard;  // query heads 2 and 3, KV head 1 (of 4 and 2)
+    shard.first_head = 2;
+    shard.num_heads = 2;
+    shard.first_kv_head = 1;
+    shard.num_kv_heads = 1;
+    const auto [shard_config, w] = gattn::load_qwen3_next_attention_shard<double>(kDir, kLayer, config, shard);
+    EXPECT_EQ(shard_config.num_attention_heads, 2);
+    EXPECT_EQ(shard_config.num_key_value_heads, 1);
+    EXPECT_EQ(w.q_proj_weight, whole.q_proj_weight.middleRows(2 * 2 * d, 2 * 2 * d));
+    EXPECT_EQ(w.k_proj_weight, whole.k_proj_weight.middleRows(d, d));
+    EXPECT_EQ(w.v_proj_weight, whole.v_proj_weight.middleRows(d, d));
+    EXPECT_EQ(w.o_proj_weight, whole.o_proj_weight.middleCols(2 * d, 2 * d));
+    EXPECT_EQ(w.q_norm_weight, whole.q_norm_weight);
+    EXPECT_EQ(w.k_norm_weight, whole.k_norm_weight);
+    shard.first_kv_head = 2;  // past the config's 2 KV heads
+    EXPECT_THROW((gattn::load_qwen3_next_attention_shard<double>(kDir, kLayer, config, shard)), std::invalid_argument);
+}
+
 double prefill_error(const gattn::Qwen3NextConfig& config, const gattn::Qwen3NextAttentionWeights<double>& w) {
     const gattn::SafetensorsFile cases(kDir + "/cases.safetensors");
     const gattn::Qwen3NextAttention<double> layer(config, w);

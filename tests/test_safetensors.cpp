@@ -118,6 +118,48 @@ TEST(Safetensors, ReadsSixteenBitTensorsAsSixteenBitTypes) {
     EXPECT_EQ(bits(f.values<gattn::bfloat16>("f")), (std::vector<std::uint16_t>{0x3F80, 0x3F82}));
 }
 
+/// block() reads a rectangle of a tensor: element (r, c) of a [4, 5] F32 tensor holding
+/// 10·r + c, and of a BF16 one holding small integers (exact in bf16), whole rows and a column
+/// range; a 1-D tensor reads as one row; a block outside the tensor is refused with its shape.
+TEST(Safetensors, ReadsABlockOfRowsAndColumns) {
+    std::vector<float> f(20);
+    std::vector<std::uint16_t> b(20);
+    for (int r = 0; r < 4; ++r)
+        for (int c = 0; c < 5; ++c) {
+            f[r * 5 + c] = float(10 * r + c);
+            const float v = float(10 * r + c);
+            std::uint32_t u;
+            std::memcpy(&u, &v, 4);
+            b[r * 5 + c] = static_cast<std::uint16_t>(u >> 16);  // exact: the integers fit in 8 bits
+        }
+    const std::string path = write_file("block", {{"f", "F32", {4, 5}, bytes_of(f)},
+                                                  {"b", "BF16", {4, 5}, u16_bytes(b)},
+                                                  {"v", "F64", {3}, bytes_of(std::vector<double>{7, 8, 9})}});
+    const gattn::SafetensorsFile file(path);
+    const gattn::RowMatrix<double> cols = file.block<double>("f", 1, 2, 3, 2);
+    ASSERT_EQ(cols.rows(), 2);
+    ASSERT_EQ(cols.cols(), 2);
+    EXPECT_EQ(cols(0, 0), 13);
+    EXPECT_EQ(cols(0, 1), 14);
+    EXPECT_EQ(cols(1, 0), 23);
+    EXPECT_EQ(cols(1, 1), 24);
+    const gattn::RowMatrix<float> rows = file.block<float>("b", 2, 2, 0, 5);
+    for (int r = 0; r < 2; ++r)
+        for (int c = 0; c < 5; ++c) EXPECT_EQ(rows(r, c), float(10 * (r + 2) + c));
+    const gattn::RowMatrix<double> v = file.block<double>("v", 0, 1, 1, 2);
+    EXPECT_EQ(v(0, 0), 8);
+    EXPECT_EQ(v(0, 1), 9);
+    EXPECT_EQ(file.block<double>("f", 4, 0, 0, 5).size(), 0);
+    try {
+        (void)file.block<double>("f", 3, 2, 0, 5);
+        ADD_FAILURE() << "a block past the last row was read";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("[4, 5]"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW((void)file.block<double>("f", 0, 1, 4, 2), std::invalid_argument);
+    EXPECT_THROW((void)file.block<double>("missing", 0, 1, 0, 1), gattn::io_error);
+}
+
 void expect_io_error(const std::string& path, const std::string& needle) {
     try {
         gattn::SafetensorsFile f(path);

@@ -12,6 +12,7 @@
 #include "gattn/gates/gate_spec.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
+#include "gattn/layers/head_shard.hpp"
 #include "gattn/models/qwen3_next_attention.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/mask.hpp"

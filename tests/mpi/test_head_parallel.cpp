@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "gattn/dist/head_parallel.hpp"
+#include "gattn/io/hf_checkpoint.hpp"
 #include "support/mpi_test.hpp"
 
 namespace {
@@ -156,6 +157,44 @@ TEST(HeadParallel, OneRanksBadInputFailsEveryRankAndChangesNoCache) {
     // The next call works on every rank.
     parallel.forward(x, {0, 1}, cache, out);
     EXPECT_EQ(cache.lengths(), std::vector<Index>{2});
+}
+
+TEST(HeadParallel, EachRankReadsItsShardOfACheckpoint) {
+    // The Qwen3-Next fixture (4 heads, 2 KV heads): its shards read from the file on 2 ranks
+    // equal the whole layer's weights cut in memory, and the layer built from them computes what
+    // the whole layer computes.
+    if (4 % size_of() != 0) GTEST_SKIP() << "4 heads on " << size_of() << " ranks";
+    const std::string dir = std::string(GATTN_TEST_DATA_DIR) + "/qwen3_next";
+    const auto config = gattn::load_qwen3_next_config(dir + "/config.json", 3);
+    const auto whole_weights = gattn::load_qwen3_next_attention_weights<double>(dir, 3, config);
+    const auto shard = gattn::HeadParallelQwen3Next<double>::shard_of(config, MPI_COMM_WORLD);
+    const auto [shard_config, read] = gattn::load_qwen3_next_attention_shard<double>(dir, 3, config, shard);
+    const auto [cut_config, cut] = gattn::shard_qwen3_next(config, whole_weights, shard);
+    EXPECT_EQ(shard_config.num_attention_heads, cut_config.num_attention_heads);
+    read.for_each([&, &cut = cut](const char* name, const auto& t) {
+        cut.for_each([&](const char* other, const auto& u) {
+            if constexpr (std::is_same_v<decltype(t), decltype(u)>) {
+                if (std::string(name) == other) {
+                    EXPECT_TRUE(t == u) << name;
+                }
+            }
+        });
+    });
+    const gattn::HeadParallelQwen3Next<double> parallel(config, shard, read, MPI_COMM_WORLD);
+    const gattn::Qwen3NextAttention<double> whole(config, whole_weights);
+    std::mt19937 rng(3);
+    const RowMatrix<double> x = random_rows<double>(5, config.hidden_size, rng, 1.0);
+    const std::vector<Index> positions{0, 1, 2, 3, 4};
+    auto cache = parallel.make_cache(1, 8);
+    auto whole_cache = whole.make_cache(1, 8);
+    RowMatrix<double> got(5, config.hidden_size), want(5, config.hidden_size);
+    parallel.forward(x, positions, cache, got);
+    whole.forward(x, positions, whole_cache, want);
+    EXPECT_LE((got - want).cwiseAbs().maxCoeff(), 1e-12);
+    // Another rank's shard is refused.
+    gattn::HeadShard other = shard;
+    other.first_head = (shard.first_head + shard.num_heads) % config.num_attention_heads;
+    EXPECT_THROW(gattn::HeadParallelQwen3Next<double>(config, other, read, MPI_COMM_WORLD), std::invalid_argument);
 }
 
 // ---- The generic layer (HeadParallelAttention) ----

@@ -26,42 +26,10 @@
 #include "gattn/dist/ring_attention.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
+#include "gattn/layers/head_shard.hpp"
 #include "gattn/models/qwen3_next_attention.hpp"
 
-namespace gattn {
-
-/// The heads one rank of a head-parallel layer holds (head_shard).
-struct HeadShard {
-    Index first_head = 0;     ///< its first query head
-    Index num_heads = 0;      ///< query heads it holds (H / P)
-    Index first_kv_head = 0;  ///< the first KV head its query heads read
-    Index num_kv_heads = 0;   ///< KV heads it holds (H_kv / P, or 1 replicated)
-};
-
-}  // namespace gattn
-
 GATTN_BEGIN_ISA_NAMESPACE
-
-/// Rank `rank` of `size`'s heads: query heads [rank·H/P, (rank + 1)·H/P), and either KV heads
-/// [rank·H_kv/P, …) when P divides H_kv, or the one KV head its query heads read when H_kv
-/// divides P (replicated on P / H_kv ranks).
-/// \throws std::invalid_argument when P does not divide H, or neither of P and H_kv divides the
-///         other, or the counts are not positive (the message gives H, H_kv and P).
-inline HeadShard head_shard(Index num_heads, Index num_kv_heads, int rank, int size) {
-    const Index H = num_heads, Hkv = num_kv_heads, P = size;
-    const bool split = P > 0 && Hkv > 0 && Hkv % P == 0, replicate = P > 0 && Hkv > 0 && P % Hkv == 0;
-    if (P < 1 || H < 1 || Hkv < 1 || H % Hkv != 0 || H % P != 0 || !(split || replicate) || rank < 0 || rank >= P)
-        gattn::detail::throw_invalid("gattn::head_shard", "size",
-                                     "must divide the " + std::to_string(H) + " query heads and divide or be a " +
-                                         "multiple of the " + std::to_string(Hkv) + " KV heads, got " +
-                                         std::to_string(P) + " ranks (rank " + std::to_string(rank) + ")");
-    HeadShard s;
-    s.num_heads = H / P;
-    s.first_head = rank * s.num_heads;
-    s.num_kv_heads = split ? Hkv / P : 1;
-    s.first_kv_head = split ? rank * s.num_kv_heads : s.first_head / (H / Hkv);
-    return s;
-}
 
 /// The config and weights of one shard of a Qwen3-Next layer (see the file comment): the
 /// shard's heads, q_proj's rows of its query heads (each head's query and gate rows together),
@@ -79,27 +47,30 @@ std::pair<Qwen3NextConfig, Qwen3NextAttentionWeights<Scalar>> shard_qwen3_next(
     w.for_each([&](const char* name, const auto& t) {
         gattn::detail::check_weight_shape(fn, name, t, shapes, "not used by this config");
     });
-    const Index d = c.head_dim, q_stride = c.attn_output_gate ? 2 * d : d;
-    if (s.num_heads < 1 || s.first_head < 0 || s.first_head + s.num_heads > c.num_attention_heads ||
-        s.num_kv_heads < 1 || s.first_kv_head < 0 || s.first_kv_head + s.num_kv_heads > c.num_key_value_heads)
-        gattn::detail::throw_invalid(fn, "shard", "must lie within the config's heads");
-    Qwen3NextConfig sc = c;
-    sc.num_attention_heads = s.num_heads;
-    sc.num_key_value_heads = s.num_kv_heads;
+    const auto [sc, blocks] = qwen3_next_shard(c, s);
+    // Each weight's block of the shard (qwen3_next_shard), or nothing when the config has none.
+    auto cut = [&, &blocks = blocks](const auto& whole, const char* name) {
+        using M = std::decay_t<decltype(whole)>;
+        const auto it = blocks.find(name);
+        if (it == blocks.end()) return M();
+        const WeightBlock& k = it->second;
+        if constexpr (M::ColsAtCompileTime == 1)
+            return k.zero ? M(M::Zero(k.rows)) : M(whole.segment(k.first_row, k.rows));
+        else
+            return k.zero ? M(M::Zero(k.rows, k.cols)) : M(whole.block(k.first_row, k.first_col, k.rows, k.cols));
+    };
     Qwen3NextAttentionWeights<Scalar> sw;
-    sw.q_proj_weight = w.q_proj_weight.middleRows(s.first_head * q_stride, s.num_heads * q_stride);
-    sw.k_proj_weight = w.k_proj_weight.middleRows(s.first_kv_head * d, s.num_kv_heads * d);
-    sw.v_proj_weight = w.v_proj_weight.middleRows(s.first_kv_head * d, s.num_kv_heads * d);
-    sw.o_proj_weight = w.o_proj_weight.middleCols(s.first_head * d, s.num_heads * d);
-    sw.q_norm_weight = w.q_norm_weight;
-    sw.k_norm_weight = w.k_norm_weight;
-    if (c.attention_bias) {
-        sw.q_proj_bias = w.q_proj_bias.segment(s.first_head * q_stride, s.num_heads * q_stride);
-        sw.k_proj_bias = w.k_proj_bias.segment(s.first_kv_head * d, s.num_kv_heads * d);
-        sw.v_proj_bias = w.v_proj_bias.segment(s.first_kv_head * d, s.num_kv_heads * d);
-        sw.o_proj_bias = s.first_head == 0 ? w.o_proj_bias : Vector<Scalar>::Zero(w.o_proj_bias.size());
-    }
-    if (c.attention_sinks) sw.sinks = w.sinks.segment(s.first_head, s.num_heads);
+    sw.q_proj_weight = cut(w.q_proj_weight, "q_proj.weight");
+    sw.k_proj_weight = cut(w.k_proj_weight, "k_proj.weight");
+    sw.v_proj_weight = cut(w.v_proj_weight, "v_proj.weight");
+    sw.o_proj_weight = cut(w.o_proj_weight, "o_proj.weight");
+    sw.q_norm_weight = cut(w.q_norm_weight, "q_norm.weight");
+    sw.k_norm_weight = cut(w.k_norm_weight, "k_norm.weight");
+    sw.q_proj_bias = cut(w.q_proj_bias, "q_proj.bias");
+    sw.k_proj_bias = cut(w.k_proj_bias, "k_proj.bias");
+    sw.v_proj_bias = cut(w.v_proj_bias, "v_proj.bias");
+    sw.o_proj_bias = cut(w.o_proj_bias, "o_proj.bias");
+    sw.sinks = cut(w.sinks, "sinks");
     return {sc, sw};
 }
 
@@ -120,6 +91,36 @@ public:
           m_config(config),
           m_shard(shard_of(config, comm)),
           m_local(local_layer(config, weights, m_shard)) {}
+
+    /// From this rank's shard alone, e.g. as load_qwen3_next_attention_shard read it from a
+    /// checkpoint (each rank reads only its rows):
+    /// \code
+    /// const auto config = gattn::load_qwen3_next_config(dir + "/config.json", layer);
+    /// const auto shard = gattn::HeadParallelQwen3Next<float>::shard_of(config, comm);
+    /// const auto part = gattn::load_qwen3_next_attention_shard<float>(dir, layer, config, shard);
+    /// gattn::HeadParallelQwen3Next<float> attention(config, shard, part.second, comm);
+    /// \endcode
+    /// \param config        the whole layer's config.
+    /// \param shard         this rank's heads: shard_of(config, comm).
+    /// \param shard_weights the shard's weights (shapes of qwen3_next_shard's config).
+    /// \param comm          the ranks that hold the layer's shards.
+    /// \throws std::invalid_argument when shard is not this rank's (shard_of), and what the
+    ///         Qwen3NextAttention constructor throws.
+    HeadParallelQwen3Next(const Qwen3NextConfig& config, const HeadShard& shard,
+                          const Qwen3NextAttentionWeights<Scalar>& shard_weights, MPI_Comm comm)
+        : m_comm(comm),
+          m_config(config),
+          m_shard(checked_shard(config, shard, comm)),
+          m_local(qwen3_next_shard(config, shard).first, shard_weights) {}
+
+    /// The heads rank `rank` of comm holds (head_shard of the config's heads).
+    /// \throws std::invalid_argument as head_shard.
+    static HeadShard shard_of(const Qwen3NextConfig& c, MPI_Comm comm) {
+        int rank = 0, size = 1;
+        MPI_Comm_rank(comm, &rank);
+        MPI_Comm_size(comm, &size);
+        return head_shard(c.num_attention_heads, c.num_key_value_heads, rank, size);
+    }
 
     /// The whole layer's config.
     const Qwen3NextConfig& config() const noexcept { return m_config; }
@@ -172,11 +173,16 @@ public:
     }
 
 private:
-    static HeadShard shard_of(const Qwen3NextConfig& c, MPI_Comm comm) {
-        int rank = 0, size = 1;
-        MPI_Comm_rank(comm, &rank);
-        MPI_Comm_size(comm, &size);
-        return head_shard(c.num_attention_heads, c.num_key_value_heads, rank, size);
+    static HeadShard checked_shard(const Qwen3NextConfig& c, const HeadShard& s, MPI_Comm comm) {
+        const HeadShard mine = shard_of(c, comm);
+        if (s.first_head != mine.first_head || s.num_heads != mine.num_heads || s.first_kv_head != mine.first_kv_head ||
+            s.num_kv_heads != mine.num_kv_heads)
+            gattn::detail::throw_invalid("gattn::HeadParallelQwen3Next", "shard",
+                                         "must be this rank's heads (shard_of): query heads from " +
+                                             std::to_string(mine.first_head) + ", " + std::to_string(mine.num_heads) +
+                                             " of them, got from " + std::to_string(s.first_head) + ", " +
+                                             std::to_string(s.num_heads));
+        return s;
     }
     static Qwen3NextAttention<Scalar> local_layer(const Qwen3NextConfig& c, const Qwen3NextAttentionWeights<Scalar>& w,
                                                   const HeadShard& s) {

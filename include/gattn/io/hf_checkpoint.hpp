@@ -161,20 +161,14 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
     return c;
 }
 
-/// Loads layer `layer`'s attention weights from a checkpoint directory (model.safetensors, or
-/// the shards named by model.safetensors.index.json), trying the prefixes
-/// "model.layers.N.self_attn." and "model.language_model.layers.N.self_attn." (Qwen3.5).
-/// The index is read with load_qwen3_next_config's JSON limits, and its weight_map may only
-/// name files inside `dir` (relative paths without ".."; subdirectories are fine); each file is
-/// opened as a SafetensorsFile, with its limits, once, when a tensor it holds is needed.
-/// \throws io_error for a missing, truncated or malformed file (or a path the system cannot
-///         examine), a weight_map file name that is not a string or leaves `dir`, a missing
-///         tensor or a non-floating-point dtype; shape_error for a wrong shape (for q_proj,
-///         naming the layout its rows fit, see qwen3_next_q_proj_hint).
+namespace detail {
+
+/// load_qwen3_next_attention_weights, or with `blocks` only each tensor's block.
 template <class Scalar>
-Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::string& dir, Index layer,
-                                                                    const Qwen3NextConfig& config) {
-    constexpr const char* fn = "gattn::load_qwen3_next_attention_weights";
+Qwen3NextAttentionWeights<Scalar> load_qwen3_next_blocks(const std::string& dir, Index layer,
+                                                         const Qwen3NextConfig& config,
+                                                         const std::map<std::string, WeightBlock>* blocks,
+                                                         const char* fn) {
     namespace fs = std::filesystem;
     std::map<std::string, std::string> file_of;  // tensor name -> file (sharded checkpoints)
     const fs::path index = fs::path(dir) / "model.safetensors.index.json";
@@ -252,13 +246,57 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
                                   SafetensorsFile::shape_text(info.shape) + why);
             }
             using T = std::decay_t<decltype(*t)>;
-            if constexpr (T::ColsAtCompileTime == 1)
+            constexpr bool kVector = T::ColsAtCompileTime == 1;
+            if (blocks) {
+                const WeightBlock& k = blocks->at(s.name);
+                if (k.zero)
+                    *t = T::Zero(k.rows, kVector ? 1 : k.cols);
+                else if constexpr (kVector)  // a 1-D tensor reads as one row
+                    *t = f->block<Scalar>(full, 0, 1, k.first_row, k.rows).transpose();
+                else
+                    *t = f->block<Scalar>(full, k.first_row, k.rows, k.first_col, k.cols);
+            } else if constexpr (kVector) {
                 *t = f->vector<Scalar>(full);
-            else
+            } else {
                 *t = f->matrix<Scalar>(full);
+            }
         }
     });
     return w;
+}
+
+}  // namespace detail
+
+/// Loads layer `layer`'s attention weights from a checkpoint directory (model.safetensors, or
+/// the shards named by model.safetensors.index.json), trying the prefixes
+/// "model.layers.N.self_attn." and "model.language_model.layers.N.self_attn." (Qwen3.5).
+/// The index is read with load_qwen3_next_config's JSON limits, and its weight_map may only
+/// name files inside `dir` (relative paths without ".."; subdirectories are fine); each file is
+/// opened as a SafetensorsFile, with its limits, once, when a tensor it holds is needed.
+/// \throws io_error for a missing, truncated or malformed file (or a path the system cannot
+///         examine), a weight_map file name that is not a string or leaves `dir`, a missing
+///         tensor or a non-floating-point dtype; shape_error for a wrong shape (for q_proj,
+///         naming the layout its rows fit, see qwen3_next_q_proj_hint).
+template <class Scalar>
+Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::string& dir, Index layer,
+                                                                    const Qwen3NextConfig& config) {
+    return detail::load_qwen3_next_blocks<Scalar>(dir, layer, config, nullptr,
+                                                  "gattn::load_qwen3_next_attention_weights");
+}
+
+/// One shard's config and weights of layer `layer` (qwen3_next_shard: the shard's query heads,
+/// the KV heads they read, their rows of q_proj, k_proj and v_proj and columns of o_proj), read
+/// from the checkpoint as load_qwen3_next_attention_weights reads it, but only the shard's
+/// rows and columns of each tensor (SafetensorsFile::block): each rank of a head-parallel layer
+/// reads its part, never the whole layer. Equal to shard_qwen3_next of the whole weights.
+/// \throws as load_qwen3_next_attention_weights; std::invalid_argument for a shard outside the
+///         config's heads.
+template <class Scalar>
+std::pair<Qwen3NextConfig, Qwen3NextAttentionWeights<Scalar>> load_qwen3_next_attention_shard(
+    const std::string& dir, Index layer, const Qwen3NextConfig& config, const HeadShard& shard) {
+    const auto [shard_config, blocks] = qwen3_next_shard(config, shard);
+    return {shard_config, detail::load_qwen3_next_blocks<Scalar>(dir, layer, config, &blocks,
+                                                                 "gattn::load_qwen3_next_attention_shard")};
 }
 
 /// Loads layer `layer` of a Qwen3-Next / Qwen3.5 checkpoint directory in one call

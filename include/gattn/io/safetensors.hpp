@@ -249,64 +249,43 @@ public:
     template <class Scalar>
     std::vector<Scalar> values(const std::string& name) const {
         const TensorInfo& t = info(name);
-        if (t.dtype != "F32" && t.dtype != "F64" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "I64" &&
-            t.dtype != "I32")
-            fail("tensor '" + name + "' has dtype " + t.dtype + "; only F16, BF16, F32, F64, I32 and I64 convert");
+        check_converts(name, t);
         // The header was checked against the file: the tensor's bytes are in it (end ≤ the data
         // section's size) and hold exactly numel elements, so neither buffer exceeds what the
         // file holds (times sizeof(Scalar) / the dtype's width for the result).
-        const std::size_t n = static_cast<std::size_t>(t.numel());
-        std::vector<unsigned char> raw(static_cast<std::size_t>(t.end - t.begin));
-        std::ifstream in(m_path, std::ios::binary);
-        in.seekg(static_cast<std::streamoff>(m_data_offset + t.begin));
-        in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
-        if (!in) fail("cannot read tensor '" + name + "'");
-        std::vector<Scalar> out(n);
-        const unsigned char* p = raw.data();
-        // A 16-bit tensor read as its own type: the bits as stored (a bf16 checkpoint loads
-        // without widening or rounding; NaN payloads kept).
-        if constexpr (std::is_same_v<Scalar, bfloat16> || std::is_same_v<Scalar, half>) {
-            if (t.dtype == (std::is_same_v<Scalar, bfloat16> ? "BF16" : "F16")) {
-                for (std::size_t i = 0; i < n; ++i) {
-                    const std::uint16_t h = static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
-                    out[i] = Eigen::numext::bit_cast<Scalar>(h);
-                }
-                return out;
-            }
-        }
-        if (t.dtype == "F32") {
-            for (std::size_t i = 0; i < n; ++i) {
-                float f;
-                std::memcpy(&f, p + 4 * i, 4);
-                out[i] = static_cast<Scalar>(f);
-            }
-        } else if (t.dtype == "F64") {
-            for (std::size_t i = 0; i < n; ++i) {
-                double d;
-                std::memcpy(&d, p + 8 * i, 8);
-                out[i] = static_cast<Scalar>(d);
-            }
-        } else if (t.dtype == "F16" || t.dtype == "BF16") {
-            const bool half = t.dtype == "F16";
-            for (std::size_t i = 0; i < n; ++i) {
-                const std::uint16_t h = static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
-                out[i] = static_cast<Scalar>(half ? detail::half_to_float(h) : detail::bf16_to_float(h));
-            }
-        } else {  // I64 or I32: positions, lengths
-            const bool wide = t.dtype == "I64";
-            for (std::size_t i = 0; i < n; ++i) {
-                std::int64_t v64 = 0;
-                if (wide) {
-                    std::memcpy(&v64, p + 8 * i, 8);
-                } else {
-                    std::int32_t v32;
-                    std::memcpy(&v32, p + 4 * i, 4);
-                    v64 = v32;
-                }
-                out[i] = static_cast<Scalar>(v64);
-            }
-        }
+        std::vector<Scalar> out(static_cast<std::size_t>(t.numel()));
+        read_converted(name, t, 0, out.size(), out.data());
         return out;
+    }
+
+    /// Rows [first_row, first_row + rows) and columns [first_col, first_col + cols) of a tensor
+    /// viewed as matrix() does, converted as values() does, reading only those bytes from the
+    /// file (one read per row, or one for whole rows): a rank of a head-parallel layer takes
+    /// its heads' rows or columns of a large projection without reading the rest.
+    /// 	hrows std::invalid_argument when the block does not lie within the tensor (the message
+    ///         gives the tensor's shape); io_error as values().
+    template <class Scalar>
+    RowMatrix<Scalar> block(const std::string& name, Index first_row, Index rows, Index first_col, Index cols) const {
+        const TensorInfo& t = info(name);
+        check_converts(name, t);
+        const Index total_cols = t.shape.empty() ? 1 : t.shape.back(),
+                    total_rows = total_cols ? t.numel() / total_cols : 0;
+        if (first_row < 0 || rows < 0 || first_col < 0 || cols < 0 || first_row > total_rows ||
+            rows > total_rows - first_row || first_col > total_cols || cols > total_cols - first_col)
+            detail::throw_invalid("gattn::SafetensorsFile::block", "block",
+                                  "rows [" + std::to_string(first_row) + ", +" + std::to_string(rows) +
+                                      ") and columns [" + std::to_string(first_col) + ", +" + std::to_string(cols) +
+                                      ") must lie within tensor '" + name + "' of shape [" +
+                                      std::to_string(total_rows) + ", " + std::to_string(total_cols) + "]");
+        RowMatrix<Scalar> m(rows, cols);
+        const auto at = [&](Index r) { return static_cast<std::size_t>((first_row + r) * total_cols + first_col); };
+        if (cols == total_cols) {
+            if (m.size()) read_converted(name, t, at(0), static_cast<std::size_t>(m.size()), m.data());
+        } else {
+            for (Index r = 0; r < rows && cols > 0; ++r)
+                read_converted(name, t, at(r), static_cast<std::size_t>(cols), m.data() + r * cols);
+        }
+        return m;
     }
 
     /// A tensor as a matrix: [shape[0], shape[1]] for 2-D; N-D tensors flatten to
@@ -346,6 +325,71 @@ private:
     [[noreturn]] void fail(const std::string& what) const {
         throw io_error("gattn::SafetensorsFile: " + m_path + ": " + what);
     }
+
+    void check_converts(const std::string& name, const TensorInfo& t) const {
+        if (t.dtype != "F32" && t.dtype != "F64" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "I64" &&
+            t.dtype != "I32")
+            fail("tensor '" + name + "' has dtype " + t.dtype + "; only F16, BF16, F32, F64, I32 and I64 convert");
+    }
+
+    /// Elements [first, first + n) of tensor t (in its row-major order, within it), read from
+    /// the file and converted into out.
+    template <class Scalar>
+    void read_converted(const std::string& name, const TensorInfo& t, std::size_t first, std::size_t n,
+                        Scalar* out) const {
+        const std::size_t width = dtype_bytes(t.dtype);
+        std::vector<unsigned char> raw(n * width);
+        std::ifstream in(m_path, std::ios::binary);
+        in.seekg(static_cast<std::streamoff>(m_data_offset + t.begin + first * width));
+        in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
+        if (!in) fail("cannot read tensor '" + name + "'");
+        const unsigned char* p = raw.data();
+        // A 16-bit tensor read as its own type: the bits as stored (a bf16 checkpoint loads
+        // without widening or rounding; NaN payloads kept).
+        if constexpr (std::is_same_v<Scalar, bfloat16> || std::is_same_v<Scalar, half>) {
+            if (t.dtype == (std::is_same_v<Scalar, bfloat16> ? "BF16" : "F16")) {
+                for (std::size_t i = 0; i < n; ++i) {
+                    const std::uint16_t h = static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
+                    out[i] = Eigen::numext::bit_cast<Scalar>(h);
+                }
+                return;
+            }
+        }
+        if (t.dtype == "F32") {
+            for (std::size_t i = 0; i < n; ++i) {
+                float f;
+                std::memcpy(&f, p + 4 * i, 4);
+                out[i] = static_cast<Scalar>(f);
+            }
+        } else if (t.dtype == "F64") {
+            for (std::size_t i = 0; i < n; ++i) {
+                double d;
+                std::memcpy(&d, p + 8 * i, 8);
+                out[i] = static_cast<Scalar>(d);
+            }
+        } else if (t.dtype == "F16" || t.dtype == "BF16") {
+            const bool half = t.dtype == "F16";
+            for (std::size_t i = 0; i < n; ++i) {
+                const std::uint16_t h = static_cast<std::uint16_t>(p[2 * i] | (p[2 * i + 1] << 8));
+                out[i] = static_cast<Scalar>(half ? detail::half_to_float(h) : detail::bf16_to_float(h));
+            }
+        } else {  // I64 or I32: positions, lengths
+            const bool wide = t.dtype == "I64";
+            for (std::size_t i = 0; i < n; ++i) {
+                std::int64_t v64 = 0;
+                if (wide) {
+                    std::memcpy(&v64, p + 8 * i, 8);
+                } else {
+                    std::int32_t v32;
+                    std::memcpy(&v32, p + 4 * i, 4);
+                    v64 = v32;
+                }
+                out[i] = static_cast<Scalar>(v64);
+            }
+        }
+    }
+
+    static std::size_t dtype_bytes(const std::string& dtype) noexcept { return detail::dtype_bits(dtype) / 8; }
 
     static constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;  // as the reference reader
     static constexpr std::uint64_t kMaxElements = std::uint64_t(1) << 48;

@@ -21,6 +21,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -29,6 +30,7 @@
 #include "gattn/cache/kv_cache.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
+#include "gattn/layers/head_shard.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/packed_linear.hpp"
 #include "gattn/ops/rms_norm.hpp"
@@ -155,6 +157,45 @@ inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& 
     }
     if (c.attention_sinks) s.push_back({"sinks", {H}});
     return s;
+}
+
+/// One shard's part of a Qwen3-Next layer (head parallelism): its config (the shard's heads)
+/// and, per HF weight name the config uses, the block it holds (WeightBlock): q_proj's rows of
+/// its query heads (each head's query and gate rows together), k_proj and v_proj's rows of its
+/// KV heads, o_proj's columns of its query heads, the sinks of its heads, q_norm and k_norm
+/// whole; o_proj's bias only in the shard with first_head 0, zeros elsewhere (the shares are
+/// summed). shard_qwen3_next cuts weights in memory with it, load_qwen3_next_attention_shard
+/// reads the blocks from a checkpoint.
+/// \throws std::invalid_argument for an invalid config (validate_qwen3_next_config) or a shard
+///         outside its heads.
+inline std::pair<Qwen3NextConfig, std::map<std::string, WeightBlock>> qwen3_next_shard(const Qwen3NextConfig& c,
+                                                                                       const HeadShard& s) {
+    constexpr const char* fn = "gattn::qwen3_next_shard";
+    validate_qwen3_next_config(c, fn);
+    if (s.num_heads < 1 || s.first_head < 0 || s.first_head + s.num_heads > c.num_attention_heads ||
+        s.num_kv_heads < 1 || s.first_kv_head < 0 || s.first_kv_head + s.num_kv_heads > c.num_key_value_heads)
+        detail::throw_invalid(fn, "shard", "must lie within the config's heads");
+    const Index d = c.head_dim, q_stride = c.attn_output_gate ? 2 * d : d;
+    std::map<std::string, WeightBlock> blocks;
+    for (const TensorShape& t : qwen3_next_weight_shapes(c))  // whole, unless cut below
+        blocks[t.name] = WeightBlock{0, t.shape[0], 0, t.shape.size() > 1 ? t.shape[1] : 1, false};
+    auto rows = [&](const char* name, Index first, Index count) {
+        auto it = blocks.find(name);
+        if (it != blocks.end()) it->second.first_row = first, it->second.rows = count;
+    };
+    rows("q_proj.weight", s.first_head * q_stride, s.num_heads * q_stride);
+    rows("q_proj.bias", s.first_head * q_stride, s.num_heads * q_stride);
+    for (const char* name : {"k_proj.weight", "v_proj.weight", "k_proj.bias", "v_proj.bias"})
+        rows(name, s.first_kv_head * d, s.num_kv_heads * d);
+    rows("sinks", s.first_head, s.num_heads);
+    WeightBlock& o = blocks.at("o_proj.weight");
+    o.first_col = s.first_head * d;
+    o.cols = s.num_heads * d;
+    if (blocks.count("o_proj.bias")) blocks["o_proj.bias"].zero = s.first_head != 0;
+    Qwen3NextConfig sc = c;
+    sc.num_attention_heads = s.num_heads;
+    sc.num_key_value_heads = s.num_kv_heads;
+    return {sc, blocks};
 }
 
 /// Why a q_proj.weight of `rows` rows does not fit `c`, when the rows match another layout:
