@@ -16,7 +16,8 @@
 #   onednn -DGATTN_WITH_ONEDNN=ON: the tests of bf16 projections, layers and models, with the
 #          bf16 projections on oneDNN's matmul.
 # MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):
-#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention and head-parallel layer under
+#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention, head-parallel layers and sharded-cache
+#          decoding under
 #          mpiexec on 2 and 3 ranks, and the examples/mpi programs on 2
 #          (bench_dist is built too).
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
@@ -76,8 +77,8 @@ for flavour in $flavours; do
       arch="-march=native"
       cmake_args+=(-DGATTN_WITH_MPI=ON)
       # bench_dist is built, not run; the examples run at small sizes.
-      build_args=(--target test_ring_attention test_head_parallel bench_dist ring_prefill head_parallel_decode)
-      ctest_args=(-R "RingAttention|HeadParallel|ExamplesMpi")
+      build_args=(--target test_ring_attention test_head_parallel test_sharded_cache bench_dist ring_prefill head_parallel_decode)
+      ctest_args=(-R "RingAttention|HeadParallel|ShardedCache|ExamplesMpi")
       ;;
     clang)
       arch=""

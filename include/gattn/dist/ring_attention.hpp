@@ -67,6 +67,21 @@ inline void agree_or_throw(const char* fn, const std::string& error, MPI_Comm co
                                 ": " + message);
 }
 
+/// Makes every rank throw the same std::invalid_argument "<fn>: the ranks disagree on <name>
+/// (<lowest> to <highest>)" when any of `values` differs between ranks (the first such name).
+inline void agree_on_values(const char* fn, const std::vector<std::string>& names, const std::vector<double>& values,
+                            MPI_Comm comm) {
+    const int n = static_cast<int>(values.size());
+    std::vector<double> lo(values.size()), hi(values.size());
+    MPI_Allreduce(values.data(), lo.data(), n, MPI_DOUBLE, MPI_MIN, comm);
+    MPI_Allreduce(values.data(), hi.data(), n, MPI_DOUBLE, MPI_MAX, comm);
+    for (std::size_t f = 0; f < values.size(); ++f)
+        if (lo[f] != hi[f])
+            throw std::invalid_argument(std::string(fn) + ": the ranks disagree on " + names[f] + " (" +
+                                        gattn::detail::number_string(lo[f]) + " to " +
+                                        gattn::detail::number_string(hi[f]) + ")");
+}
+
 }  // namespace detail
 
 /// Scaled dot-product attention over sequences split by position across the ranks of `comm`
@@ -142,34 +157,16 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
         error = e.what();
     }
     detail::agree_or_throw(fn, error, comm);
-    // Every rank's shapes and options, as the lowest and highest value over the ranks.
-    double mine[] = {double(query.rows()),
-                     double(query.cols()),
-                     double(key.rows()),
-                     double(key.cols()),
-                     double(value.cols()),
-                     double(heads.batch),
-                     double(heads.num_heads),
-                     double(heads.num_kv_heads),
-                     double(options.mask.causal),
-                     options.scale ? *options.scale : -1.0,
-                     options.logit_softcap ? *options.logit_softcap : -1.0,
-                     double(options.sinks.size()),
-                     double(layout)};
-    constexpr int kFields = int(sizeof(mine) / sizeof(mine[0]));
-    double lo[kFields], hi[kFields];
-    MPI_Allreduce(mine, lo, kFields, MPI_DOUBLE, MPI_MIN, comm);
-    MPI_Allreduce(mine, hi, kFields, MPI_DOUBLE, MPI_MAX, comm);
-    const char* names[] = {"query rows",    "query columns", "key rows",     "key columns", "value columns",
-                           "batch",         "num_heads",     "num_kv_heads", "causal",      "scale",
-                           "logit_softcap", "sinks",         "layout"};
-    for (int f = 0; f < kFields; ++f)
-        if (lo[f] != hi[f]) {
-            error = std::string(fn) + ": the ranks disagree on " + names[f] + " (" +
-                    gattn::detail::number_string(lo[f]) + " to " + gattn::detail::number_string(hi[f]) + ")";
-            break;
-        }
-    if (!error.empty()) throw std::invalid_argument(error);  // the same on every rank
+    // Every rank's shapes and options must agree.
+    gattn::detail::agree_on_values(
+        fn,
+        {"query rows", "query columns", "key rows", "key columns", "value columns", "batch", "num_heads",
+         "num_kv_heads", "causal", "scale", "logit_softcap", "sinks", "layout"},
+        {double(query.rows()), double(query.cols()), double(key.rows()), double(key.cols()), double(value.cols()),
+         double(heads.batch), double(heads.num_heads), double(heads.num_kv_heads), double(options.mask.causal),
+         options.scale ? *options.scale : -1.0, options.logit_softcap ? *options.logit_softcap : -1.0,
+         double(options.sinks.size()), double(layout)},
+        comm);
 
     using T = Scalar;
     const Index B = heads.batch, P = size, nq = B ? query.rows() / B : 0, nk = B ? key.rows() / B : 0;
