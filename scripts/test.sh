@@ -16,9 +16,9 @@
 #   onednn -DGATTN_WITH_ONEDNN=ON: the tests of bf16 projections, layers and models, with the
 #          bf16 projections on oneDNN's matmul.
 # MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):
-#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention, head-parallel layers and sharded-cache
-#          decoding under
-#          mpiexec on 2 and 3 ranks, and the examples/mpi programs on 2
+#   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention, head-parallel layers and
+#          sharded-cache decoding under mpiexec on 2 and 3 ranks, and the examples/mpi
+#          programs on 2
 #          (bench_dist is built too).
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline native"; any of those and

@@ -3,8 +3,11 @@
 // split across the ranks in the zigzag layout (rank r holds chunks r and 2P − 1 − r of 2P), so
 // that every rank does the same work. Each rank makes up its own queries, keys and values
 // (random; in a model they come from the layer's projections of its tokens) and prints its time.
+// Then each rank keeps its keys and values as its slice of the KV cache, and the sequence
+// decodes --decode more tokens against the sharded cache (gattn/dist/sharded_cache.hpp): every
+// rank attends the new token to its slice, the last rank stores the new token's key and value.
 //
-// Run: mpirun -np 2 build/examples/ring_prefill [--tokens 65536]   (--help)
+// Run: mpirun -np 2 build/examples/ring_prefill [--tokens 65536] [--decode 8]   (--help)
 //   as root add --allow-run-as-root; OMP_NUM_THREADS sets each rank's threads. 64k tokens take
 //   about 2.5 GB of memory over two ranks and a few minutes on two cores.
 
@@ -17,6 +20,7 @@
 
 #include <CLI/CLI.hpp>
 #include <gattn/dist/ring_attention.hpp>
+#include <gattn/dist/sharded_cache.hpp>
 #include <gattn/simd/cpu.hpp>
 #include <gattn/version.hpp>
 
@@ -26,8 +30,11 @@ int main(int argc, char** argv) {
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &size);
     CLI::App app{"Causal ring-attention prefill of one long sequence across the MPI ranks (zigzag layout)."};
-    long tokens = 65536, heads = 16, kv_heads = 2, head_dim = 256;
+    long tokens = 65536, heads = 16, kv_heads = 2, head_dim = 256, decode = 8;
     app.add_option("--tokens", tokens, "sequence length; a multiple of 2 × ranks")->capture_default_str();
+    app.add_option("--decode", decode, "tokens decoded after the prefill")
+        ->capture_default_str()
+        ->check(CLI::Range(0L, 1L << 20));
     app.add_option("--heads", heads, "query heads")->capture_default_str();
     app.add_option("--kv-heads", kv_heads, "key/value heads (divides --heads)")->capture_default_str();
     app.add_option("--head-dim", head_dim, "features per head")->capture_default_str();
@@ -66,6 +73,29 @@ int main(int argc, char** argv) {
             std::printf("prefill: %.2f s (slowest rank), %.0f tokens/s; each rank sent %.1f MiB of keys and values\n",
                         seconds, double(tokens) / seconds,
                         double(size - 1) * double(k.size() + v.size()) * sizeof(float) / (1 << 20));
+
+        // Decoding: this rank's keys and values become its slice of the cache (the last rank's
+        // slice grows by each new token). The new token comes after every cached one, so it sees
+        // them all, wherever they sit: no causal mask is needed, nor the slices' positions.
+        gattn::KVCache<float> cache(1, n + decode, kv_heads, head_dim);
+        cache.append(k, v, {n});
+        gattn::SdpaOptions<float> all_keys;
+        Matrix token_out(1, heads * head_dim);
+        MPI_Barrier(MPI_COMM_WORLD);
+        const auto t1 = std::chrono::steady_clock::now();
+        for (long step = 0; step < decode; ++step) {
+            std::srand(1000 + unsigned(step));  // the same new token on every rank
+            const Matrix qt = Matrix::Random(1, heads * head_dim), kt = Matrix::Random(1, kv_heads * head_dim),
+                         vt = Matrix::Random(1, kv_heads * head_dim);
+            if (rank == size - 1) cache.append(kt, vt, {1});
+            gattn::sharded_cache_attention<float>(qt, cache, {0}, {tokens + step}, heads, token_out, all_keys,
+                                                  MPI_COMM_WORLD);
+        }
+        double decode_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+        MPI_Allreduce(MPI_IN_PLACE, &decode_seconds, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+        if (rank == 0 && decode > 0)
+            std::printf("decoding: %ld tokens against the sharded cache, %.2f ms per token (slowest rank)\n", decode,
+                        1e3 * decode_seconds / double(decode));
     } catch (const std::exception& e) {
         std::fprintf(stderr, "ring_prefill: rank %d: %s\n", rank, e.what());
         status = 1;
