@@ -13,6 +13,11 @@
 // parallel_ms (the slowest rank), one_rank_ms, speedup, and MiB_read_per_rank (its weights and
 // cache shard).
 //
+// BM_ShardedCacheDecode/cached: SDPA of one query token (16 heads, 2 KV heads, head_dim 256)
+// against `cached` tokens whose cache is split by position across the ranks
+// (gattn/dist/sharded_cache.hpp), against rank 0 alone over the whole cache: sharded_ms,
+// one_rank_ms, speedup, and MiB_read_per_rank.
+//
 // Run: mpirun -np 2 --oversubscribe build/bench/bench/bench_dist --benchmark_counters_tabular=true
 // (as root add --allow-run-as-root; OMP_NUM_THREADS=1 gives each rank one thread).
 
@@ -28,6 +33,7 @@
 
 #include <gattn/dist/head_parallel.hpp>
 #include <gattn/dist/ring_attention.hpp>
+#include <gattn/dist/sharded_cache.hpp>
 
 #include "bench_support.hpp"
 
@@ -179,6 +185,42 @@ BENCHMARK(BM_HeadParallelDecode)
     ->Arg(32768)
     ->ArgNames({"cached"})
     ->Iterations(20)
+    ->UseManualTime()
+    ->Unit(benchmark::kMillisecond);
+
+/// Args: cached tokens (over all ranks).
+void BM_ShardedCacheDecode(benchmark::State& state) {
+    const int P = size_of();
+    const Index cached = state.range(0), n = cached / P;
+    // This rank's slice of the cache, its own random keys and values; the same query everywhere.
+    gattn::KVCache<float> slice(1, n, kKvHeads, kHeadDim);
+    slice.append(Matrix::Random(n, kKvHeads * kHeadDim), Matrix::Random(n, kKvHeads * kHeadDim), {n});
+    std::vector<gattn::KVCache<float>> whole;  // rank 0's whole cache
+    if (rank_of() == 0) {
+        whole.emplace_back(1, cached, kKvHeads, kHeadDim);
+        whole[0].append(Matrix::Random(cached, kKvHeads * kHeadDim), Matrix::Random(cached, kKvHeads * kHeadDim),
+                        {cached});
+    }
+    std::srand(3);
+    const Matrix q = Matrix::Random(1, kHeads * kHeadDim);
+    Matrix out(1, kHeads * kHeadDim);
+    const gattn::SdpaOptions<float> o;
+    time_against_rank0(
+        state, "sharded",
+        [&] {
+            gattn::sharded_cache_attention<float>(q, slice, {rank_of() * n}, {cached}, kHeads, out, o, MPI_COMM_WORLD);
+        },
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, whole[0].key_operand(), whole[0].value_operand(),
+                                                       {1, kHeads, kKvHeads}, out, o);
+        });
+    state.counters["MiB_read_per_rank"] = double(n * 2 * kKvHeads * kHeadDim) * sizeof(float) / (1 << 20);
+}
+
+BENCHMARK(BM_ShardedCacheDecode)
+    ->Arg(32768)
+    ->ArgNames({"cached"})
+    ->Iterations(50)
     ->UseManualTime()
     ->Unit(benchmark::kMillisecond);
 
