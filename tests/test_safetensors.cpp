@@ -160,6 +160,67 @@ TEST(Safetensors, ReadsABlockOfRowsAndColumns) {
     EXPECT_THROW((void)file.block<double>("missing", 0, 1, 0, 1), gattn::io_error);
 }
 
+/// A shard read block by block from a file equals the shard cut from the whole layer's weights
+/// in memory (shard_attention), for fused layouts re-laid for a shard that holds part of a KV
+/// group, head-shared gates (averaged over every head) and a G5 gate (whole).
+TEST(Safetensors, LoadsAHeadParallelShardAsShardAttentionCutsIt) {
+    auto config = [](gattn::GateSpec g, Index Hkv) {
+        gattn::AttentionConfig c;
+        c.d_model = 24;
+        c.num_heads = 4;
+        c.num_kv_heads = Hkv;
+        c.head_dim = 8;
+        c.qkv_bias = c.o_bias = true;
+        c.sinks = true;
+        c.qk_norm = gattn::QkNorm::RmsNorm;
+        c.gate = g;
+        return c;
+    };
+    gattn::GateSpec shared = gattn::GateSpec::g1_elementwise();
+    shared.sharing = gattn::GateSharing::HeadShared;
+    shared.bias = true;
+    gattn::GateSpec g5;
+    g5.position = gattn::GatePosition::G5;
+    g5.bias = true;
+    gattn::GateSpec query = gattn::GateSpec::g1_headwise();
+    query.source = gattn::GateSource::Query;
+    for (const auto& c : {config(gattn::GateSpec::g1_headwise(gattn::GateLayout::GroupedByKV), 1),
+                          config(gattn::GateSpec::g1_elementwise(gattn::GateLayout::PerHeadInterleaved), 2),
+                          config(shared, 2), config(g5, 2), config(query, 1)}) {
+        const auto whole = gattn::make_random_weights<float>(c, 17);
+        const std::string path = write_file("shard", gattn_test::f32_tensors(whole, "layer."));
+        const gattn::SafetensorsFile file(path);
+        const gattn::HeadShard shard{2, 2, c.num_kv_heads == 1 ? 0 : 1, 1};  // query heads 2, 3
+        const auto [read_config, read] = gattn::load_attention_shard<float>(file, c, shard, "layer.");
+        const auto [cut_config, cut] = gattn::shard_attention(c, whole, shard);
+        EXPECT_EQ(read_config.num_heads, 2);
+        EXPECT_EQ(read_config.gate, cut_config.gate);
+        std::vector<std::string> compared;
+        read.for_each([&, &cut = cut](const char* name, const auto& t) {
+            cut.for_each([&](const char* other, const auto& u) {
+                if constexpr (std::is_same_v<decltype(t), decltype(u)>) {
+                    if (std::string(name) == other) {
+                        EXPECT_TRUE(t == u) << name << " (gate " << gattn::describe(c.gate) << ")";
+                        if (t.size()) compared.push_back(name);
+                    }
+                }
+            });
+        });
+        EXPECT_GE(compared.size(), 10u);
+    }
+    // A missing tensor is named before anything is read.
+    const auto c = config(gattn::GateSpec{}, 2);
+    const std::string path = write_file(
+        "shard_missing", {gattn_test::f32_tensor("layer.q_proj.weight", gattn::RowMatrix<float>::Zero(32, 24))});
+    try {
+        (void)gattn::load_attention_shard<float>(gattn::SafetensorsFile(path), c, gattn::HeadShard{0, 2, 0, 1},
+                                                 "layer.");
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::io_error& e) {
+        EXPECT_NE(std::string(e.what()).find("layer.k_proj.weight"), std::string::npos) << e.what();
+    }
+}
+
 void expect_io_error(const std::string& path, const std::string& needle) {
     try {
         gattn::SafetensorsFile f(path);

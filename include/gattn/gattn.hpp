@@ -11,6 +11,7 @@
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/gates/gate_spec.hpp"
 #include "gattn/layers/attention_config.hpp"
+#include "gattn/layers/attention_shard.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
 #include "gattn/layers/head_shard.hpp"
 #include "gattn/models/qwen3_next_attention.hpp"

@@ -10,13 +10,16 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "gattn/dist/head_parallel.hpp"
 #include "gattn/io/hf_checkpoint.hpp"
+#include "gattn/io/safetensors.hpp"
 #include "support/mpi_test.hpp"
+#include "support/safetensors_writer.hpp"
 
 namespace {
 
@@ -337,6 +340,35 @@ TEST(HeadParallelAttention, FloatAndInt8CachesMatchTheWholeLayer) {
     EXPECT_LE(generic_worst<float>(cases[1].second), 2e-5) << cases[1].first;
     EXPECT_LE((generic_worst<float, std::int8_t>(cases[1].second)), 2e-5) << cases[1].first;
     EXPECT_LE((generic_worst<float, std::int8_t>(cases[13].second)), 2e-5) << cases[13].first;  // G3: gated keys
+}
+
+TEST(HeadParallelAttention, EachRankReadsItsShardOfAFile) {
+    // The whole layer written to a file (one per rank), each rank reading only its shard: the
+    // layer built from the shards computes what the whole layer computes.
+    const Index P = size_of();
+    gattn::GateSpec g5;
+    g5.position = gattn::GatePosition::G5;
+    g5.combine = gattn::GateCombine::ResidualMix;
+    for (const auto& g : {gattn::GateSpec::g1_headwise(gattn::GateLayout::GroupedByKV), g5}) {
+        const auto c = generic_config(2 * P, 1, g);
+        const auto w = gattn::make_random_weights<double>(c, 23);
+        const std::string path = (std::filesystem::temp_directory_path() /
+                                  ("gattn_head_parallel_" + std::to_string(rank_of()) + ".safetensors"))
+                                     .string();
+        gattn_test::write_safetensors(path, gattn_test::f32_tensors(w, "attn."));
+        const gattn::SafetensorsFile file(path);
+        const auto shard = gattn::HeadParallelAttention<double>::shard_of(c, MPI_COMM_WORLD);
+        const auto part = gattn::load_attention_shard<double>(file, c, shard, "attn.");
+        const gattn::HeadParallelAttention<double> parallel(c, shard, part.second, MPI_COMM_WORLD);
+        // The file holds the weights rounded to float: the whole layer reads them from it too.
+        const gattn::GatedMultiHeadAttention<double> whole(c, gattn::load_attention_weights<double>(file, c, "attn."));
+        std::mt19937 rng(2);
+        const RowMatrix<double> x = random_rows<double>(6, c.d_model, rng, 1.0);
+        RowMatrix<double> got(6, c.d_model);
+        parallel.forward(x, 2, got);
+        EXPECT_LE((got - whole.forward(x, 2)).cwiseAbs().maxCoeff(), 1e-12) << gattn::describe(g);
+        std::filesystem::remove(path);
+    }
 }
 
 TEST(HeadParallelAttention, APerHeadBiasMaskIsCutToEachRanksHeads) {

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -36,13 +37,28 @@ inline RawTensor f32_tensor(const std::string& name, const gattn::RowMatrix<floa
 
 /// Writes `tensors` to `path`; header_override replaces the JSON header, truncate_data drops
 /// that many bytes from the end of the data section.
+/// Every non-empty tensor of a weights struct (AttentionWeights, Qwen3NextAttentionWeights) as
+/// F32, named prefix + its HF name; vectors 1-D.
+template <class Weights>
+std::vector<RawTensor> f32_tensors(const Weights& w, const std::string& prefix = "") {
+    std::vector<RawTensor> tensors;
+    w.for_each([&](const char* name, const auto& m) {
+        if (m.size() == 0) return;
+        constexpr bool is_vector = std::decay_t<decltype(m)>::ColsAtCompileTime == 1;
+        tensors.push_back(f32_tensor(prefix + name, gattn::RowMatrix<float>(m.template cast<float>()), is_vector));
+    });
+    return tensors;
+}
+
 inline void write_safetensors(const std::string& path, const std::vector<RawTensor>& tensors,
                               const std::string& header_override = "", std::size_t truncate_data = 0) {
     nlohmann::json h;
     h["__metadata__"] = {{"format", "pt"}};
     std::vector<unsigned char> data;
     for (const auto& t : tensors) {
-        h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
+        h[t.name] = {{"dtype", t.dtype},
+                     {"shape", t.shape},
+                     {"data_offsets", {data.size(), data.size() + t.bytes.size()}}};
         data.insert(data.end(), t.bytes.begin(), t.bytes.end());
     }
     const std::string header = header_override.empty() ? h.dump() : header_override;

@@ -25,6 +25,7 @@
 
 #include "gattn/dist/ring_attention.hpp"
 #include "gattn/gates/gate_apply.hpp"
+#include "gattn/layers/attention_shard.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
 #include "gattn/layers/head_shard.hpp"
 #include "gattn/models/qwen3_next_attention.hpp"
@@ -174,14 +175,7 @@ public:
 
 private:
     static HeadShard checked_shard(const Qwen3NextConfig& c, const HeadShard& s, MPI_Comm comm) {
-        const HeadShard mine = shard_of(c, comm);
-        if (s.first_head != mine.first_head || s.num_heads != mine.num_heads || s.first_kv_head != mine.first_kv_head ||
-            s.num_kv_heads != mine.num_kv_heads)
-            gattn::detail::throw_invalid("gattn::HeadParallelQwen3Next", "shard",
-                                         "must be this rank's heads (shard_of): query heads from " +
-                                             std::to_string(mine.first_head) + ", " + std::to_string(mine.num_heads) +
-                                             " of them, got from " + std::to_string(s.first_head) + ", " +
-                                             std::to_string(s.num_heads));
+        gattn::detail::check_rank_shard("gattn::HeadParallelQwen3Next", shard_of(c, comm), s);
         return s;
     }
     static Qwen3NextAttention<Scalar> local_layer(const Qwen3NextConfig& c, const Qwen3NextAttentionWeights<Scalar>& w,
@@ -195,124 +189,6 @@ private:
     HeadShard m_shard;
     Qwen3NextAttention<Scalar> m_local;
 };
-
-/// The config and weights of one shard of a GatedMultiHeadAttention layer (see the file
-/// comment): the shard's query heads and the KV heads they read; q_proj's rows of its query
-/// heads (with a fused gate, each head's query and gate rows, rearranged into the shard's own
-/// per-head or per-KV-group layout), k_proj and v_proj's rows of its KV heads, o_proj's columns
-/// of its query heads; the gate's rows of its heads (G1, G4) or KV heads (G2, G3), gate_theta
-/// and a query gate's rows of its heads; a head-shared gate's logits, which average over all
-/// heads, from the average of every head's gate rows (equal up to rounding); sinks of its heads,
-/// q_norm and k_norm whole; o_proj's bias only in the shard with first_head 0 (the shares are
-/// summed). A G5 gate is left out of the shard's config: it acts on the summed output
-/// (HeadParallelAttention).
-/// \throws std::invalid_argument for an invalid config (validate_config), ALiBi (its slopes
-///         depend on a head's index among all H heads), or a shard outside the config's heads;
-///         shape_error for weights of the wrong shapes (as the layer's constructor).
-template <class Scalar>
-std::pair<AttentionConfig, AttentionWeights<Scalar>> shard_attention(const AttentionConfig& c,
-                                                                     const AttentionWeights<Scalar>& w,
-                                                                     const HeadShard& s) {
-    constexpr const char* fn = "gattn::shard_attention";
-    validate_config(c, fn);
-    const auto shapes = expected_weight_shapes(c);
-    const std::string unused = "this config (gate " + describe(c.gate) + ") does not use it";
-    w.for_each(
-        [&](const char* name, const auto& t) { gattn::detail::check_weight_shape(fn, name, t, shapes, unused); });
-    if (c.alibi)
-        gattn::detail::throw_invalid(fn, "config.alibi",
-                                     "is not supported across ranks: ALiBi's slope of a head depends on its index "
-                                     "among all num_heads heads");
-    const Index H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
-    if (s.num_heads < 1 || s.first_head < 0 || s.first_head + s.num_heads > H || s.num_kv_heads < 1 ||
-        s.first_kv_head < 0 || s.first_kv_head + s.num_kv_heads > Hkv || s.num_heads % s.num_kv_heads != 0 ||
-        s.first_head / (H / Hkv) < s.first_kv_head ||
-        (s.first_head + s.num_heads - 1) / (H / Hkv) >= s.first_kv_head + s.num_kv_heads)
-        gattn::detail::throw_invalid(fn, "shard",
-                                     "must lie within the config's heads, its query heads reading its KV heads");
-    const GateSpec& g = c.gate;
-    AttentionConfig sc = c;
-    sc.num_heads = s.num_heads;
-    sc.num_kv_heads = s.num_kv_heads;
-    sc.o_bias = c.o_bias && s.first_head == 0;
-    if (g.position == GatePosition::G5) sc.gate = GateSpec{};
-    const GateSpec& sg = sc.gate;
-
-    // Rows [first·width, (first + count)·width) of m, or for a head-shared gate `count` copies of
-    // the mean over all `total` blocks of `width` rows.
-    auto blocks = [&](const auto& m, Index first, Index count, Index width, Index total) {
-        if (g.sharing != GateSharing::HeadShared) return RowMatrix<Scalar>(m.middleRows(first * width, count * width));
-        RowMatrix<double> mean = RowMatrix<double>::Zero(width, m.cols());
-        for (Index h = 0; h < total; ++h) mean += m.middleRows(h * width, width).template cast<double>();
-        mean /= double(total);
-        return RowMatrix<Scalar>(mean.template cast<Scalar>().replicate(count, 1));
-    };
-
-    AttentionWeights<Scalar> sw;
-    const bool input_gate = sg.enabled() && sg.source == GateSource::Input;
-    const bool fused = input_gate && sg.layout != GateLayout::Separate;
-    if (fused) {
-        // Each head's query rows and gw gate rows, from where the whole layout keeps them to
-        // where the shard's layout does (pack() in GatedMultiHeadAttention reads the same way).
-        const Index gw = gate_width(c) / H;
-        auto offsets = [&](Index h, Index heads, Index kv_heads) {
-            const Index group = heads / kv_heads;
-            if (g.layout == GateLayout::PerHeadInterleaved)
-                return std::pair<Index, Index>{h * (dk + gw), h * (dk + gw) + dk};
-            const Index block = (h / group) * group * (dk + gw), local = h % group;
-            return std::pair<Index, Index>{block + local * dk, block + group * dk + local * gw};
-        };
-        sw.q_proj_weight.resize(s.num_heads * (dk + gw), c.d_model);
-        if (c.qkv_bias) sw.q_proj_bias.resize(sw.q_proj_weight.rows());
-        for (Index h = 0; h < s.num_heads; ++h) {
-            const auto [q_src, g_src] = offsets(s.first_head + h, H, Hkv);
-            const auto [q_dst, g_dst] = offsets(h, s.num_heads, s.num_kv_heads);
-            sw.q_proj_weight.middleRows(q_dst, dk) = w.q_proj_weight.middleRows(q_src, dk);
-            sw.q_proj_weight.middleRows(g_dst, gw) = w.q_proj_weight.middleRows(g_src, gw);
-            if (c.qkv_bias) {
-                sw.q_proj_bias.segment(q_dst, dk) = w.q_proj_bias.segment(q_src, dk);
-                sw.q_proj_bias.segment(g_dst, gw) = w.q_proj_bias.segment(g_src, gw);
-            }
-        }
-    } else {
-        sw.q_proj_weight = w.q_proj_weight.middleRows(s.first_head * dk, s.num_heads * dk);
-        if (c.qkv_bias) sw.q_proj_bias = w.q_proj_bias.segment(s.first_head * dk, s.num_heads * dk);
-    }
-    sw.k_proj_weight = w.k_proj_weight.middleRows(s.first_kv_head * dk, s.num_kv_heads * dk);
-    sw.v_proj_weight = w.v_proj_weight.middleRows(s.first_kv_head * dv, s.num_kv_heads * dv);
-    sw.o_proj_weight = w.o_proj_weight.middleCols(s.first_head * dv, s.num_heads * dv);
-    if (c.qkv_bias) {
-        sw.k_proj_bias = w.k_proj_bias.segment(s.first_kv_head * dk, s.num_kv_heads * dk);
-        sw.v_proj_bias = w.v_proj_bias.segment(s.first_kv_head * dv, s.num_kv_heads * dv);
-    }
-    if (sc.o_bias) sw.o_proj_bias = w.o_proj_bias;
-    if (c.sinks) sw.sinks = w.sinks.segment(s.first_head, s.num_heads);
-    sw.q_norm_weight = w.q_norm_weight;
-    sw.k_norm_weight = w.k_norm_weight;
-    if (sg.enabled() && !fused) {
-        if (sg.source == GateSource::Input) {
-            // Gate rows per head: d_v (G1), d_k (G4), per KV head: d_v (G2), d_k (G3); one headwise.
-            const bool elem = sg.granularity == GateGranularity::Elementwise;
-            const bool kv = sg.position == GatePosition::G2 || sg.position == GatePosition::G3;
-            const Index width = !elem                                                                  ? 1
-                                : (sg.position == GatePosition::G1 || sg.position == GatePosition::G2) ? dv
-                                                                                                       : dk;
-            const Index first = kv ? s.first_kv_head : s.first_head, count = kv ? s.num_kv_heads : s.num_heads;
-            sw.gate_proj_weight = blocks(w.gate_proj_weight, first, count, width, kv ? Hkv : H);
-            if (sg.bias) {
-                const RowMatrix<Scalar> b =
-                    blocks(RowMatrix<Scalar>(w.gate_proj_bias), first, count, width, kv ? Hkv : H);
-                sw.gate_proj_bias = Eigen::Map<const Vector<Scalar>>(b.data(), b.size());
-            }
-        } else if (sg.source == GateSource::Query) {
-            sw.gate_proj_weight = w.gate_proj_weight.middleRows(s.first_head, s.num_heads);
-            if (sg.bias) sw.gate_proj_bias = w.gate_proj_bias.segment(s.first_head, s.num_heads);
-        } else {
-            sw.gate_theta = w.gate_theta.middleRows(s.first_head, s.num_heads);
-        }
-    }
-    return {sc, sw};
-}
 
 /// A GatedMultiHeadAttention layer whose heads are split over the ranks of a communicator (see
 /// the file comment and shard_attention): every gate position, layout and granularity; the G5
@@ -328,14 +204,50 @@ public:
     /// \throws std::invalid_argument when the heads cannot be split over comm's ranks
     ///         (head_shard), and what shard_attention and the layer's constructor throw.
     HeadParallelAttention(const AttentionConfig& config, const AttentionWeights<Scalar>& weights, MPI_Comm comm)
+        : HeadParallelAttention(config, shard_of(config, comm),
+                                shard_attention(config, weights, shard_of(config, comm)).second, comm) {}
+
+    /// From this rank's shard alone, e.g. as load_attention_shard read it from a checkpoint
+    /// (each rank reads only its rows and columns):
+    /// \code
+    /// const auto shard = gattn::HeadParallelAttention<float>::shard_of(config, comm);
+    /// const auto part = gattn::load_attention_shard<float>(file, config, shard, prefix);
+    /// gattn::HeadParallelAttention<float> attention(config, shard, part.second, comm);
+    /// \endcode
+    /// \param config        the whole layer's config.
+    /// \param shard         this rank's heads: shard_of(config, comm).
+    /// \param shard_weights the shard's weights, as shard_attention gives them (a G5 gate's
+    ///                      gate_proj whole).
+    /// \param comm          the ranks that hold the layer's shards.
+    /// \throws std::invalid_argument when shard is not this rank's (shard_of) and for ALiBi;
+    ///         shape_error for weights of the wrong shapes (as the layer's constructor).
+    HeadParallelAttention(const AttentionConfig& config, const HeadShard& shard,
+                          const AttentionWeights<Scalar>& shard_weights, MPI_Comm comm)
         : m_comm(comm),
           m_config(config),
-          m_shard(shard_of(config, comm)),
-          m_local(local_layer(config, weights, m_shard)) {
+          m_shard(checked_shard(config, shard, comm)),
+          m_local(gattn::detail::shard_attention_config(config, shard, "gattn::HeadParallelAttention"),
+                  without_g5(config, shard_weights)) {
         const GateSpec& g = config.gate;
-        if (g.position == GatePosition::G5)
-            m_g5 = Projection<Scalar>(weights.gate_proj_weight,
-                                      g.bias ? Vector<T>(weights.gate_proj_bias.template cast<T>()) : Vector<T>());
+        if (g.position == GatePosition::G5) {
+            const auto shapes = expected_weight_shapes(config);
+            constexpr const char* fn = "gattn::HeadParallelAttention";
+            const char* unused = "this config's G5 gate has no bias";
+            gattn::detail::check_weight_shape(fn, "gate_proj.weight", shard_weights.gate_proj_weight, shapes, unused);
+            gattn::detail::check_weight_shape(fn, "gate_proj.bias", shard_weights.gate_proj_bias, shapes, unused);
+            m_g5 =
+                Projection<Scalar>(shard_weights.gate_proj_weight,
+                                   g.bias ? Vector<T>(shard_weights.gate_proj_bias.template cast<T>()) : Vector<T>());
+        }
+    }
+
+    /// The heads rank `rank` of comm holds (head_shard of the config's heads).
+    /// \throws std::invalid_argument as head_shard.
+    static HeadShard shard_of(const AttentionConfig& c, MPI_Comm comm) {
+        int rank = 0, size = 1;
+        MPI_Comm_rank(comm, &rank);
+        MPI_Comm_size(comm, &size);
+        return head_shard(c.num_heads, c.num_kv_heads, rank, size);
     }
 
     /// The whole layer's config.
@@ -416,16 +328,17 @@ public:
     }
 
 private:
-    static HeadShard shard_of(const AttentionConfig& c, MPI_Comm comm) {
-        int rank = 0, size = 1;
-        MPI_Comm_rank(comm, &rank);
-        MPI_Comm_size(comm, &size);
-        return head_shard(c.num_heads, c.num_kv_heads, rank, size);
+    static HeadShard checked_shard(const AttentionConfig& c, const HeadShard& s, MPI_Comm comm) {
+        gattn::detail::check_rank_shard("gattn::HeadParallelAttention", shard_of(c, comm), s);
+        return s;
     }
-    static GatedMultiHeadAttention<Scalar> local_layer(const AttentionConfig& c, const AttentionWeights<Scalar>& w,
-                                                       const HeadShard& s) {
-        const auto [config, weights] = shard_attention(c, w, s);
-        return GatedMultiHeadAttention<Scalar>(config, weights);
+    /// The shard's weights without a G5 gate's, which act after the sum (m_g5).
+    static AttentionWeights<Scalar> without_g5(const AttentionConfig& c, AttentionWeights<Scalar> w) {
+        if (c.gate.position == GatePosition::G5) {
+            w.gate_proj_weight.resize(0, 0);
+            w.gate_proj_bias.resize(0);
+        }
+        return w;
     }
 
     std::string check_out(const ConstMatrixRef<T>& x, const MatrixRef<T>& out) const {

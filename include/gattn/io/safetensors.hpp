@@ -30,6 +30,7 @@
 
 #include "gattn/io/json_input.hpp"
 #include "gattn/layers/attention_config.hpp"
+#include "gattn/layers/attention_shard.hpp"
 #include "gattn/layers/gated_multi_head_attention.hpp"
 #include "gattn/types.hpp"
 
@@ -416,6 +417,21 @@ inline std::string tensors_named(const SafetensorsFile& file, const std::string&
     return "the file has " + held;
 }
 
+/// The full name of the tensor of expected shape `s` under `prefix`. Throws io_error (naming
+/// `fn`) when the file does not have it, shape_error when its shape differs.
+inline std::string checked_tensor(const SafetensorsFile& file, const TensorShape& s, const std::string& prefix,
+                                  const char* fn) {
+    const std::string full = prefix + s.name;
+    if (!file.contains(full))
+        throw io_error(std::string(fn) + ": " + file.path() + ": missing tensor '" + full + "' (prefix '" + prefix +
+                       "'); " + tensors_named(file, s.name));
+    const TensorInfo& t = file.info(full);
+    if (t.shape != s.shape)
+        throw shape_error(std::string(fn) + ": " + full + " must have shape " + SafetensorsFile::shape_text(s.shape) +
+                          ", got " + SafetensorsFile::shape_text(t.shape) + " in " + file.path());
+    return full;
+}
+
 }  // namespace detail
 
 /// Loads every weight a layer with `config` expects (expected_weight_shapes) from `file`, each
@@ -427,21 +443,14 @@ inline std::string tensors_named(const SafetensorsFile& file, const std::string&
 template <class Scalar>
 AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file, const AttentionConfig& config,
                                                 const std::string& prefix = "") {
-    validate_config(config, "gattn::load_attention_weights");
+    constexpr const char* fn = "gattn::load_attention_weights";
+    validate_config(config, fn);
     AttentionWeights<Scalar> w;
     const auto shapes = expected_weight_shapes(config);
     w.for_each([&](const char* name, auto* p) {
         for (const auto& s : shapes) {
             if (s.name != name) continue;
-            const std::string full = prefix + name;
-            if (!file.contains(full))
-                throw io_error("gattn::load_attention_weights: " + file.path() + ": missing tensor '" + full +
-                               "' (prefix '" + prefix + "'); " + detail::tensors_named(file, s.name));
-            const TensorInfo& t = file.info(full);
-            if (t.shape != s.shape)
-                throw shape_error("gattn::load_attention_weights: " + full + " must have shape " +
-                                  SafetensorsFile::shape_text(s.shape) + ", got " +
-                                  SafetensorsFile::shape_text(t.shape) + " in " + file.path());
+            const std::string full = detail::checked_tensor(file, s, prefix, fn);
             using T = std::decay_t<decltype(*p)>;
             if constexpr (T::ColsAtCompileTime == 1)
                 *p = file.vector<Scalar>(full);
@@ -450,6 +459,31 @@ AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file, con
         }
     });
     return w;
+}
+
+/// One head-parallel shard of the layer load_attention_weights would load: its config and
+/// weights as shard_attention (layers/attention_shard.hpp) cuts them from the whole layer's,
+/// but each read from the file as only the shard's rows and columns of each tensor
+/// (SafetensorsFile::block), so that each rank reads its part and never the whole layer (a
+/// head-shared gate's gate_proj and a G5 gate's are read whole).
+/// \throws what load_attention_weights throws (every expected tensor is checked, present and
+///         of its shape, before anything is read), and std::invalid_argument as shard_attention
+///         (ALiBi, a shard outside the config's heads).
+template <class Scalar>
+std::pair<AttentionConfig, AttentionWeights<Scalar>> load_attention_shard(const SafetensorsFile& file,
+                                                                          const AttentionConfig& config,
+                                                                          const HeadShard& shard,
+                                                                          const std::string& prefix = "") {
+    constexpr const char* fn = "gattn::load_attention_shard";
+    validate_config(config, fn);
+    for (const auto& s : expected_weight_shapes(config)) detail::checked_tensor(file, s, prefix, fn);
+    auto read = [&](const std::string& name, Index first_row, Index rows, Index first_col, Index cols) {
+        const std::string full = prefix + name;
+        if (file.info(full).shape.size() == 1)  // a 1-D tensor is one row of the file's view
+            return RowMatrix<Scalar>(file.block<Scalar>(full, 0, 1, first_row, rows).transpose());
+        return file.block<Scalar>(full, first_row, rows, first_col, cols);
+    };
+    return detail::shard_attention_from<Scalar>(config, shard, read, fn);
 }
 
 GATTN_END_ISA_NAMESPACE
