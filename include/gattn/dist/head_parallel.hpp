@@ -8,9 +8,11 @@
 /// v_proj, the gate rows of its heads, and their columns of o_proj, so it computes its heads'
 /// share of the output, o_proj(U_p ⊙ σ(gate_p)); one MPI_Allreduce sums the shares
 /// (Megatron-LM's row-parallel output projection, Shoeybi et al. 2019; vLLM and
-/// xFasterTransformer split attention heads the same way). KV heads are split when P divides H_kv and replicated
-/// otherwise (each rank's query heads then read one KV head), as vLLM does. Each rank's KV
-/// cache holds only its KV heads, so the cache is sharded with the heads.
+/// xFasterTransformer split attention heads the same way). KV heads are split when P divides
+/// H_kv and replicated otherwise (each rank's query heads then read one KV head), as vLLM does.
+/// Each rank's KV cache holds only its KV heads, so the cache is sharded with the heads. A rank
+/// can read its shard alone from a checkpoint (load_attention_shard,
+/// load_qwen3_next_attention_shard).
 ///
 /// Only for programs that link MPI (this header includes <mpi.h>; the rest of gattn never does).
 

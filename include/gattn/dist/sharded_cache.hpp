@@ -108,8 +108,8 @@ void sharded_cache_attention(ConstMatrixRef<Scalar> query, const KVCache<CacheSc
         local.mask.key_lengths = cache.lengths();
         if (options.mask.causal) {
             // Query t of sequence b against this slice's key j: visible iff key_positions[b] + j ≤
-            // query_positions[b] + t, i.e. j ≤ i' = offset + t. Clamped into the range SDPA takes,
-            // which only loses "all visible" (≥ N_k) and "none visible" (≤ −N_q).
+            // query_positions[b] + t, i.e. j ≤ i' = offset + t. Clamping the offset into the range
+            // SDPA takes changes no mask: from N_k on every stored key is visible, up to −N_q none.
             local.mask.query_offsets.resize(static_cast<std::size_t>(B));
             for (Index b = 0; b < B; ++b)
                 local.mask.query_offsets[b] = std::clamp(query_positions[b] - key_positions[b], -n_q, n_k);
