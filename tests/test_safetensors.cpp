@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <new>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -219,6 +220,72 @@ TEST(Safetensors, LoadsAHeadParallelShardAsShardAttentionCutsIt) {
     } catch (const gattn::io_error& e) {
         EXPECT_NE(std::string(e.what()).find("layer.k_proj.weight"), std::string::npos) << e.what();
     }
+}
+
+/// The shards of a layer, each read from a file and run as a GatedMultiHeadAttention of its
+/// own, sum to the whole layer's output (the sum head parallelism computes over MPI): whole KV
+/// groups per shard (8 heads, 4 KV heads, 2 groups a shard) and parts of one group (4 heads,
+/// 1 KV head), for the gate layouts whose rows a shard re-lays or averages.
+TEST(Safetensors, TheShardsOfALayerSumToTheWholeLayer) {
+    using gattn::GatePosition;
+    gattn::GateSpec shared = gattn::GateSpec::g1_elementwise();
+    shared.sharing = gattn::GateSharing::HeadShared;
+    shared.bias = true;
+    gattn::GateSpec query = gattn::GateSpec::g1_headwise();
+    query.source = gattn::GateSource::Query;
+    gattn::GateSpec theta = gattn::GateSpec::g1_elementwise();
+    theta.source = gattn::GateSource::InputIndependent;
+    auto at = [](GatePosition p, gattn::GateGranularity g = gattn::GateGranularity::Elementwise) {
+        gattn::GateSpec s;
+        s.position = p;
+        s.granularity = g;
+        return s;
+    };
+    const std::vector<gattn::GateSpec> gates{gattn::GateSpec::g1_headwise(gattn::GateLayout::GroupedByKV),
+                                             gattn::GateSpec::g1_elementwise(gattn::GateLayout::GroupedByKV),
+                                             gattn::GateSpec::g1_elementwise(gattn::GateLayout::PerHeadInterleaved),
+                                             shared,
+                                             query,
+                                             theta,
+                                             at(GatePosition::G2),
+                                             at(GatePosition::G3, gattn::GateGranularity::Headwise),
+                                             at(GatePosition::G4)};
+    for (const auto& [H, Hkv] : {std::pair<Index, Index>{8, 4}, {4, 1}})
+        for (const auto& g : gates) {
+            gattn::AttentionConfig c;
+            c.d_model = 20;
+            c.num_heads = H;
+            c.num_kv_heads = Hkv;
+            c.head_dim = 8;
+            c.qkv_bias = c.o_bias = true;
+            c.causal = true;
+            c.gate = g;
+            const std::string path =
+                write_file("shards", gattn_test::f32_tensors(gattn::make_random_weights<double>(c, 29)));
+            const gattn::SafetensorsFile file(path);
+            const gattn::GatedMultiHeadAttention<double> whole(c, gattn::load_attention_weights<double>(file, c));
+            std::mt19937 rng(6);
+            std::normal_distribution<double> normal;
+            gattn::RowMatrix<double> x(10, c.d_model);
+            for (Index i = 0; i < x.size(); ++i) x.data()[i] = normal(rng);
+            gattn::RowMatrix<double> sum = gattn::RowMatrix<double>::Zero(10, c.d_model);
+            for (int rank = 0; rank < 2; ++rank) {
+                const gattn::HeadShard shard = gattn::head_shard(H, Hkv, rank, 2);
+                const auto [config, weights] = gattn::load_attention_shard<double>(file, c, shard);
+                sum += gattn::GatedMultiHeadAttention<double>(config, weights).forward(x, 2);
+            }
+            EXPECT_LE((sum - whole.forward(x, 2)).cwiseAbs().maxCoeff(), 1e-12)
+                << H << " heads, " << Hkv << " KV heads, gate " << gattn::describe(g);
+        }
+    // A shard whose query heads would read another KV head than in the whole layer.
+    gattn::AttentionConfig c;
+    c.d_model = 20;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.head_dim = 8;
+    const auto w = gattn::make_random_weights<double>(c, 1);
+    EXPECT_THROW((void)gattn::shard_attention(c, w, gattn::HeadShard{0, 2, 0, 2}), std::invalid_argument);
+    EXPECT_THROW((void)gattn::shard_attention(c, w, gattn::HeadShard{0, 2, 1, 1}), std::invalid_argument);
 }
 
 void expect_io_error(const std::string& path, const std::string& needle) {

@@ -63,6 +63,8 @@
     GATTN_ISA_CAT(GATTN_ISA_CAT(GATTN_ISA_CAT(GATTN_ISA_AVX512_, GATTN_ISA_VNNI_), GATTN_ISA_BF16_), GATTN_ISA_AMX_)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define GATTN_ISA_NAMESPACE isa_avx2_fma
+#elif defined(__AVX2__)
+#define GATTN_ISA_NAMESPACE isa_avx2
 #elif defined(__AVX__)
 #define GATTN_ISA_NAMESPACE isa_avx
 #elif defined(__SSE4_2__)

@@ -151,6 +151,8 @@ public:
     void forward(ConstMatrixRef<T> x, const std::vector<Index>& positions, KVCache<CacheScalar>& cache,
                  MatrixRef<T> out, const std::vector<Index>& counts = {}) const {
         constexpr const char* fn = "gattn::HeadParallelQwen3Next::forward";
+        // The sum below needs the same row count on every rank.
+        gattn::detail::agree_on_values(fn, {"x rows"}, {double(x.rows())}, m_comm);
         RowMatrix<T> partial(x.rows(), m_config.hidden_size);
         const std::vector<Index> before = cache.lengths();
         std::string error;
@@ -273,9 +275,11 @@ public:
     /// ([B|1, H, N|1, N]) is cut to each rank's heads. Every rank passes the same arguments.
     /// \throws on every rank what the whole layer's forward throws when any rank's arguments are
     ///         invalid, as std::invalid_argument (the lowest such rank's message prefixed
-    ///         "rank k of P").
+    ///         "rank k of P"), and std::invalid_argument when the ranks' x rows or batch differ.
     void forward(ConstMatrixRef<T> x, Index batch, MatrixRef<T> out, const ForwardOptions<T>& options = {}) const {
         constexpr const char* fn = "gattn::HeadParallelAttention::forward";
+        // The sum below needs the same row count on every rank.
+        gattn::detail::agree_on_values(fn, {"x rows", "batch"}, {double(x.rows()), double(batch)}, m_comm);
         RowMatrix<T> partial(x.rows(), m_config.d_model);
         std::string error = check_out(x, out);
         if (error.empty()) {
@@ -301,6 +305,7 @@ public:
     void forward(ConstMatrixRef<T> x, KVCache<CacheScalar>& cache, MatrixRef<T> out,
                  const std::vector<Index>& counts = {}) const {
         constexpr const char* fn = "gattn::HeadParallelAttention::forward";
+        gattn::detail::agree_on_values(fn, {"x rows"}, {double(x.rows())}, m_comm);
         RowMatrix<T> partial(x.rows(), m_config.d_model);
         const std::vector<Index> before = cache.lengths();
         // A window cache may drop tokens as it appends, which truncate cannot undo: a copy (2w

@@ -289,8 +289,8 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_attention_weights(const std::s
 /// from the checkpoint as load_qwen3_next_attention_weights reads it, but only the shard's
 /// rows and columns of each tensor (SafetensorsFile::block): each rank of a head-parallel layer
 /// reads its part, never the whole layer. Equal to shard_qwen3_next of the whole weights.
-/// \throws as load_qwen3_next_attention_weights; std::invalid_argument for a shard outside the
-///         config's heads.
+/// \throws as load_qwen3_next_attention_weights; std::invalid_argument for a shard that
+///         head_shard could not give.
 template <class Scalar>
 std::pair<Qwen3NextConfig, Qwen3NextAttentionWeights<Scalar>> load_qwen3_next_attention_shard(
     const std::string& dir, Index layer, const Qwen3NextConfig& config, const HeadShard& shard) {

@@ -255,7 +255,8 @@ public:
         // section's size) and hold exactly numel elements, so neither buffer exceeds what the
         // file holds (times sizeof(Scalar) / the dtype's width for the result).
         std::vector<Scalar> out(static_cast<std::size_t>(t.numel()));
-        read_converted(name, t, 0, out.size(), out.data());
+        std::ifstream in(m_path, std::ios::binary);
+        read_converted(in, name, t, 0, out.size(), out.data());
         return out;
     }
 
@@ -263,7 +264,7 @@ public:
     /// viewed as matrix() does, converted as values() does, reading only those bytes from the
     /// file (one read per row, or one for whole rows): a rank of a head-parallel layer takes
     /// its heads' rows or columns of a large projection without reading the rest.
-    /// 	hrows std::invalid_argument when the block does not lie within the tensor (the message
+    /// \throws std::invalid_argument when the block does not lie within the tensor (the message
     ///         gives the tensor's shape); io_error as values().
     template <class Scalar>
     RowMatrix<Scalar> block(const std::string& name, Index first_row, Index rows, Index first_col, Index cols) const {
@@ -280,11 +281,12 @@ public:
                                       std::to_string(total_rows) + ", " + std::to_string(total_cols) + "]");
         RowMatrix<Scalar> m(rows, cols);
         const auto at = [&](Index r) { return static_cast<std::size_t>((first_row + r) * total_cols + first_col); };
+        std::ifstream in(m_path, std::ios::binary);
         if (cols == total_cols) {
-            if (m.size()) read_converted(name, t, at(0), static_cast<std::size_t>(m.size()), m.data());
+            if (m.size()) read_converted(in, name, t, at(0), static_cast<std::size_t>(m.size()), m.data());
         } else {
             for (Index r = 0; r < rows && cols > 0; ++r)
-                read_converted(name, t, at(r), static_cast<std::size_t>(cols), m.data() + r * cols);
+                read_converted(in, name, t, at(r), static_cast<std::size_t>(cols), m.data() + r * cols);
         }
         return m;
     }
@@ -334,13 +336,12 @@ private:
     }
 
     /// Elements [first, first + n) of tensor t (in its row-major order, within it), read from
-    /// the file and converted into out.
+    /// the file (open in `in`) and converted into out.
     template <class Scalar>
-    void read_converted(const std::string& name, const TensorInfo& t, std::size_t first, std::size_t n,
-                        Scalar* out) const {
+    void read_converted(std::ifstream& in, const std::string& name, const TensorInfo& t, std::size_t first,
+                        std::size_t n, Scalar* out) const {
         const std::size_t width = dtype_bytes(t.dtype);
         std::vector<unsigned char> raw(n * width);
-        std::ifstream in(m_path, std::ios::binary);
         in.seekg(static_cast<std::streamoff>(m_data_offset + t.begin + first * width));
         in.read(reinterpret_cast<char*>(raw.data()), static_cast<std::streamsize>(raw.size()));
         if (!in) fail("cannot read tensor '" + name + "'");
@@ -468,7 +469,7 @@ AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file, con
 /// head-shared gate's gate_proj and a G5 gate's are read whole).
 /// \throws what load_attention_weights throws (every expected tensor is checked, present and
 ///         of its shape, before anything is read), and std::invalid_argument as shard_attention
-///         (ALiBi, a shard outside the config's heads).
+///         (ALiBi, a shard head_shard could not give).
 template <class Scalar>
 std::pair<AttentionConfig, AttentionWeights<Scalar>> load_attention_shard(const SafetensorsFile& file,
                                                                           const AttentionConfig& config,

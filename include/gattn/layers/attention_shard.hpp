@@ -26,12 +26,7 @@ inline AttentionConfig shard_attention_config(const AttentionConfig& c, const He
         throw_invalid(fn, "config.alibi",
                       "is not supported across ranks: ALiBi's slope of a head depends on its index among all "
                       "num_heads heads");
-    const Index H = c.num_heads, Hkv = c.num_kv_heads;
-    if (s.num_heads < 1 || s.first_head < 0 || s.first_head + s.num_heads > H || s.num_kv_heads < 1 ||
-        s.first_kv_head < 0 || s.first_kv_head + s.num_kv_heads > Hkv || s.num_heads % s.num_kv_heads != 0 ||
-        s.first_head / (H / Hkv) < s.first_kv_head ||
-        (s.first_head + s.num_heads - 1) / (H / Hkv) >= s.first_kv_head + s.num_kv_heads)
-        throw_invalid(fn, "shard", "must lie within the config's heads, its query heads reading its KV heads");
+    check_shard_heads(fn, s, c.num_heads, c.num_kv_heads);
     AttentionConfig sc = c;
     sc.num_heads = s.num_heads;
     sc.num_kv_heads = s.num_kv_heads;
@@ -133,12 +128,13 @@ std::pair<AttentionConfig, AttentionWeights<Scalar>> shard_attention_from(const 
 
 /// Throws std::invalid_argument from `fn` when `given` is not `expected`, this rank's shard.
 inline void check_rank_shard(const char* fn, const HeadShard& expected, const HeadShard& given) {
+    auto text = [](const HeadShard& h) {
+        return "query heads from " + std::to_string(h.first_head) + " (" + std::to_string(h.num_heads) +
+               "), KV heads from " + std::to_string(h.first_kv_head) + " (" + std::to_string(h.num_kv_heads) + ")";
+    };
     if (given.first_head != expected.first_head || given.num_heads != expected.num_heads ||
         given.first_kv_head != expected.first_kv_head || given.num_kv_heads != expected.num_kv_heads)
-        throw_invalid(fn, "shard",
-                      "must be this rank's heads (shard_of): query heads from " + std::to_string(expected.first_head) +
-                          ", " + std::to_string(expected.num_heads) + " of them, got from " +
-                          std::to_string(given.first_head) + ", " + std::to_string(given.num_heads));
+        throw_invalid(fn, "shard", "must be this rank's heads (shard_of): " + text(expected) + ", got " + text(given));
 }
 
 }  // namespace detail
@@ -155,7 +151,7 @@ inline void check_rank_shard(const char* fn, const HeadShard& expected, const He
 /// gate_proj comes whole (HeadParallelAttention applies it; drop it to build the shard's
 /// GatedMultiHeadAttention alone).
 /// \throws std::invalid_argument for an invalid config (validate_config), ALiBi (its slopes
-///         depend on a head's index among all H heads), or a shard outside the config's heads;
+///         depend on a head's index among all H heads), or a shard head_shard could not give;
 ///         shape_error for weights of the wrong shapes (as the layer's constructor).
 template <class Scalar>
 std::pair<AttentionConfig, AttentionWeights<Scalar>> shard_attention(const AttentionConfig& c,

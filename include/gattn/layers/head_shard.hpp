@@ -38,6 +38,30 @@ struct WeightBlock {
 
 GATTN_BEGIN_ISA_NAMESPACE
 
+namespace detail {
+
+/// Throws std::invalid_argument from `fn` unless `s` is a shard that head_shard could give for
+/// H query and H_kv KV heads: whole KV groups (G = H / H_kv query heads each) with their KV
+/// heads, or part of one group with its one KV head, so that the shard's query head h reads
+/// its KV head h / (num_heads / num_kv_heads) as in the whole layer.
+inline void check_shard_heads(const char* fn, const HeadShard& s, Index H, Index Hkv) {
+    const Index G = Hkv > 0 ? H / Hkv : 0;
+    const bool inside = s.num_heads >= 1 && s.first_head >= 0 && s.first_head + s.num_heads <= H &&
+                        s.num_kv_heads >= 1 && s.first_kv_head >= 0 && s.first_kv_head + s.num_kv_heads <= Hkv && G > 0;
+    const bool groups = inside && s.num_heads == s.num_kv_heads * G && s.first_head == s.first_kv_head * G;
+    const bool part = inside && s.num_kv_heads == 1 && s.first_head / G == s.first_kv_head &&
+                      (s.first_head + s.num_heads - 1) / G == s.first_kv_head;
+    if (!groups && !part)
+        throw_invalid(fn, "shard",
+                      "must hold whole KV groups with their KV heads, or part of one group with its KV head, "
+                      "within the config's " +
+                          std::to_string(H) + " query and " + std::to_string(Hkv) + " KV heads; got query heads from " +
+                          std::to_string(s.first_head) + " (" + std::to_string(s.num_heads) + ") and KV heads from " +
+                          std::to_string(s.first_kv_head) + " (" + std::to_string(s.num_kv_heads) + ")");
+}
+
+}  // namespace detail
+
 /// Rank `rank` of `size`'s heads: query heads [rank·H/P, (rank + 1)·H/P), and either KV heads
 /// [rank·H_kv/P, …) when P divides H_kv, or the one KV head its query heads read when H_kv
 /// divides P (replicated on P / H_kv ranks).

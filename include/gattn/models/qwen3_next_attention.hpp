@@ -167,14 +167,12 @@ inline std::vector<TensorShape> qwen3_next_weight_shapes(const Qwen3NextConfig& 
 /// summed). shard_qwen3_next cuts weights in memory with it, load_qwen3_next_attention_shard
 /// reads the blocks from a checkpoint.
 /// \throws std::invalid_argument for an invalid config (validate_qwen3_next_config) or a shard
-///         outside its heads.
+///         head_shard could not give (detail::check_shard_heads).
 inline std::pair<Qwen3NextConfig, std::map<std::string, WeightBlock>> qwen3_next_shard(const Qwen3NextConfig& c,
                                                                                        const HeadShard& s) {
     constexpr const char* fn = "gattn::qwen3_next_shard";
     validate_qwen3_next_config(c, fn);
-    if (s.num_heads < 1 || s.first_head < 0 || s.first_head + s.num_heads > c.num_attention_heads ||
-        s.num_kv_heads < 1 || s.first_kv_head < 0 || s.first_kv_head + s.num_kv_heads > c.num_key_value_heads)
-        detail::throw_invalid(fn, "shard", "must lie within the config's heads");
+    detail::check_shard_heads(fn, s, c.num_attention_heads, c.num_key_value_heads);
     const Index d = c.head_dim, q_stride = c.attn_output_gate ? 2 * d : d;
     std::map<std::string, WeightBlock> blocks;
     for (const TensorShape& t : qwen3_next_weight_shapes(c))  // whole, unless cut below
