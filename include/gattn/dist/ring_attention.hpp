@@ -59,6 +59,9 @@ inline void agree_or_throw(const char* fn, const std::string& error, MPI_Comm co
     MPI_Allreduce(MPI_IN_PLACE, &failing, 1, MPI_INT, MPI_MIN, comm);
     if (failing == size) return;
     std::string message = rank == failing ? error : std::string();
+    // A message from `fn` itself already starts with its name: said once, before the rank.
+    const std::string own = std::string(fn) + ": ";
+    if (message.compare(0, own.size(), own) == 0) message.erase(0, own.size());
     int length = static_cast<int>(message.size());
     MPI_Bcast(&length, 1, MPI_INT, failing, comm);
     message.resize(static_cast<std::size_t>(length));
