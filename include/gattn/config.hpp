@@ -78,19 +78,20 @@
 #endif
 
 /// Opens `namespace gattn { inline namespace isa_<name> {`.
-#define GATTN_BEGIN_ISA_NAMESPACE                                                          \
-    namespace gattn {                                                                      \
+#define GATTN_BEGIN_ISA_NAMESPACE \
+    namespace gattn {             \
     inline namespace GATTN_ISA_NAMESPACE {
 /// Closes what GATTN_BEGIN_ISA_NAMESPACE opened.
-#define GATTN_END_ISA_NAMESPACE                                                            \
-    }                                                                                      \
+#define GATTN_END_ISA_NAMESPACE \
+    }                           \
     }
 
 /// Around code that passes Eigen's packet types (vector registers) as template arguments:
 /// g++ warns that their attributes are dropped, which is harmless while the packets stay
 /// inside the function.
 #if defined(__GNUC__) && !defined(__clang__)
-#define GATTN_EIGEN_PACKETS_BEGIN _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wignored-attributes\"")
+#define GATTN_EIGEN_PACKETS_BEGIN \
+    _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wignored-attributes\"")
 #define GATTN_EIGEN_PACKETS_END _Pragma("GCC diagnostic pop")
 #else
 #define GATTN_EIGEN_PACKETS_BEGIN
