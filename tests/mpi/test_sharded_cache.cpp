@@ -9,12 +9,12 @@
 #include <mpi.h>
 
 #include <cstdint>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "gattn/dist/ring_attention.hpp"
 #include "gattn/dist/sharded_cache.hpp"
+#include "support/compare.hpp"
 #include "support/mpi_test.hpp"
 #include "support/reference.hpp"
 
@@ -23,16 +23,9 @@ namespace {
 using gattn::Index;
 using gattn::RowMatrix;
 
+using gattn_test::random_matrix;
 using gattn_test::rank_of;
 using gattn_test::size_of;
-
-template <class S>
-RowMatrix<S> random_rows(Index rows, Index cols, std::mt19937& rng) {
-    std::normal_distribution<double> dist(0.0, 1.0);
-    RowMatrix<S> m(rows, cols);
-    for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<S>(dist(rng));
-    return m;
-}
 
 /// The first position of rank r's slice of a sequence of L tokens: unequal slices,
 /// L·r²/P², so that on 3 ranks rank 0 holds none of a 7-token sequence.
@@ -76,9 +69,8 @@ TEST(ShardedCache, RaggedSlicesMatchTheReferenceOverTheWholeCache) {
     // (their keys already appended to whichever rank holds those positions).
     const Index B = 2, N = 13, H = 4, Hkv = 2, d = 16, Nq = 2;
     const std::vector<Index> L{13, 7};
-    std::mt19937 rng(21);
-    const RowMatrix<double> k = random_rows<double>(B * N, Hkv * d, rng), v = random_rows<double>(B * N, Hkv * d, rng);
-    const RowMatrix<double> q = random_rows<double>(B * Nq, H * d, rng);
+    const RowMatrix<double> k = random_matrix(B * N, Hkv * d, 21), v = random_matrix(B * N, Hkv * d, 22);
+    const RowMatrix<double> q = random_matrix(B * Nq, H * d, 23);
     std::vector<Index> key_positions;
     const auto cache = slice_cache<double>(k, v, L, N, Hkv, d, key_positions);
     const std::vector<Index> query_positions{L[0] - Nq, L[1] - Nq};
@@ -110,9 +102,8 @@ TEST(ShardedCache, RingPrefillThenDecodingMatchesTheReference) {
     // A causal ring prefill of P·4 tokens leaves each rank its block in its cache; three decoding
     // steps then append each new token to the last rank's slice and attend across all slices.
     const Index P = size_of(), r = rank_of(), n = 4, H = 4, Hkv = 2, d = 16, steps = 3, N = P * n + steps;
-    std::mt19937 rng(5);
-    const RowMatrix<double> q = random_rows<double>(N, H * d, rng), k = random_rows<double>(N, Hkv * d, rng),
-                            v = random_rows<double>(N, Hkv * d, rng);
+    const RowMatrix<double> q = random_matrix(N, H * d, 5), k = random_matrix(N, Hkv * d, 6),
+                            v = random_matrix(N, Hkv * d, 7);
     gattn::SdpaOptions<double> options;
     options.mask.causal = true;
     RowMatrix<double> prefill(n, H * d);
@@ -145,9 +136,9 @@ TEST(ShardedCache, Int8SlicesMatchOneProcessesInt8Cache) {
     // Each token's row is quantized alone, so the slices hold the whole cache's codes.
     const Index B = 2, N = 13, H = 4, Hkv = 2, d = 32, Nq = 1;
     const std::vector<Index> L{13, 7};
-    std::mt19937 rng(8);
-    const RowMatrix<float> k = random_rows<float>(B * N, Hkv * d, rng), v = random_rows<float>(B * N, Hkv * d, rng);
-    const RowMatrix<float> q = random_rows<float>(B * Nq, H * d, rng);
+    const RowMatrix<float> k = random_matrix(B * N, Hkv * d, 8).cast<float>(),
+                           v = random_matrix(B * N, Hkv * d, 9).cast<float>();
+    const RowMatrix<float> q = random_matrix(B * Nq, H * d, 10).cast<float>();
     std::vector<Index> key_positions;
     const auto cache = slice_cache<std::int8_t>(k, v, L, N, Hkv, d, key_positions);
     gattn::KVCache<std::int8_t> whole(B, N, Hkv, d, d);

@@ -34,6 +34,50 @@
 
 GATTN_BEGIN_ISA_NAMESPACE
 
+namespace detail {
+
+/// "" when out is [rows, cols], else the message that says so.
+template <class T>
+std::string out_shape_error(const MatrixRef<T>& out, Index rows, Index cols) {
+    if (out.rows() == rows && out.cols() == cols) return {};
+    return "out must have shape " + shape_string({rows, cols}) + ", got " + shape_string({out.rows(), out.cols()});
+}
+
+/// Runs `call` (this rank's share of a layer call) unless `error` already holds an error, then
+/// makes every rank throw when any rank's call threw or had one (agree_or_throw).
+template <class Call>
+void call_on_every_rank(const char* fn, MPI_Comm comm, std::string error, Call&& call) {
+    if (error.empty()) {
+        try {
+            call();
+        } catch (const std::exception& e) {
+            error = e.what();
+        }
+    }
+    agree_or_throw(fn, error, comm);
+}
+
+/// The same for a call that appends to `cache`: when any rank fails, every rank's cache is left
+/// as it was before the call (a window cache, which truncate cannot restore once it has dropped
+/// a token, from a copy of its 2w rows per sequence).
+template <class CacheScalar, class Call>
+void call_on_every_rank(const char* fn, MPI_Comm comm, std::string error, KVCache<CacheScalar>& cache, Call&& call) {
+    const std::vector<Index> before = cache.lengths();
+    std::optional<KVCache<CacheScalar>> saved;
+    if (cache.window() > 0) saved.emplace(cache);
+    try {
+        call_on_every_rank(fn, comm, std::move(error), call);
+    } catch (...) {
+        if (saved)
+            cache = std::move(*saved);
+        else
+            cache.truncate(before);
+        throw;
+    }
+}
+
+}  // namespace detail
+
 /// The config and weights of one shard of a Qwen3-Next layer (see the file comment): the
 /// shard's heads, q_proj's rows of its query heads (each head's query and gate rows together),
 /// k_proj and v_proj's rows of its KV heads, o_proj's columns of its query heads, the sinks of
@@ -154,24 +198,9 @@ public:
         // The sum below needs the same row count on every rank.
         gattn::detail::agree_on_values(fn, {"x rows"}, {double(x.rows())}, m_comm);
         RowMatrix<T> partial(x.rows(), m_config.hidden_size);
-        const std::vector<Index> before = cache.lengths();
-        std::string error;
-        if (out.rows() != x.rows() || out.cols() != m_config.hidden_size)
-            error = "out must have shape " + gattn::detail::shape_string({x.rows(), m_config.hidden_size}) + ", got " +
-                    gattn::detail::shape_string({out.rows(), out.cols()});
-        if (error.empty()) {
-            try {
-                m_local.forward(x, positions, cache, partial, counts);
-            } catch (const std::exception& e) {
-                error = e.what();
-            }
-        }
-        try {
-            gattn::detail::agree_or_throw(fn, error, m_comm);
-        } catch (...) {
-            if (error.empty()) cache.truncate(before);  // this rank appended; the call did not happen
-            throw;
-        }
+        gattn::detail::call_on_every_rank(fn, m_comm,
+                                          gattn::detail::out_shape_error(out, x.rows(), m_config.hidden_size), cache,
+                                          [&] { m_local.forward(x, positions, cache, partial, counts); });
         MPI_Allreduce(MPI_IN_PLACE, partial.data(), static_cast<int>(partial.size()), gattn::detail::mpi_type<T>(),
                       MPI_SUM, m_comm);
         out = partial;
@@ -281,20 +310,15 @@ public:
         // The sum below needs the same row count on every rank.
         gattn::detail::agree_on_values(fn, {"x rows", "batch"}, {double(x.rows()), double(batch)}, m_comm);
         RowMatrix<T> partial(x.rows(), m_config.d_model);
-        std::string error = check_out(x, out);
-        if (error.empty()) {
-            try {
+        gattn::detail::call_on_every_rank(
+            fn, m_comm, gattn::detail::out_shape_error(out, x.rows(), m_config.d_model), [&] {
                 ForwardOptions<T> local = options;
                 std::unique_ptr<bool[]> bool_heads;
                 std::unique_ptr<T[]> bias_heads;
                 local.bool_mask = heads_of(options.bool_mask, "options.bool_mask", bool_heads);
                 local.bias = heads_of(options.bias, "options.bias", bias_heads);
                 m_local.forward(x, batch, partial, local);
-            } catch (const std::exception& e) {
-                error = e.what();
-            }
-        }
-        gattn::detail::agree_or_throw(fn, error, m_comm);
+            });
         finish(x, partial, out);
     }
 
@@ -307,30 +331,8 @@ public:
         constexpr const char* fn = "gattn::HeadParallelAttention::forward";
         gattn::detail::agree_on_values(fn, {"x rows"}, {double(x.rows())}, m_comm);
         RowMatrix<T> partial(x.rows(), m_config.d_model);
-        const std::vector<Index> before = cache.lengths();
-        // A window cache may drop tokens as it appends, which truncate cannot undo: a copy (2w
-        // rows per sequence) restores it.
-        std::optional<KVCache<CacheScalar>> saved;
-        if (cache.window() > 0) saved.emplace(cache);
-        std::string error = check_out(x, out);
-        if (error.empty()) {
-            try {
-                m_local.forward(x, cache, partial, counts);
-            } catch (const std::exception& e) {
-                error = e.what();
-            }
-        }
-        try {
-            gattn::detail::agree_or_throw(fn, error, m_comm);
-        } catch (...) {
-            if (error.empty()) {  // this rank appended; the call did not happen
-                if (saved)
-                    cache = std::move(*saved);
-                else
-                    cache.truncate(before);
-            }
-            throw;
-        }
+        gattn::detail::call_on_every_rank(fn, m_comm, gattn::detail::out_shape_error(out, x.rows(), m_config.d_model),
+                                          cache, [&] { m_local.forward(x, cache, partial, counts); });
         finish(x, partial, out);
     }
 
@@ -346,12 +348,6 @@ private:
             w.gate_proj_bias.resize(0);
         }
         return w;
-    }
-
-    std::string check_out(const ConstMatrixRef<T>& x, const MatrixRef<T>& out) const {
-        if (out.rows() == x.rows() && out.cols() == m_config.d_model) return {};
-        return "out must have shape " + gattn::detail::shape_string({x.rows(), m_config.d_model}) + ", got " +
-               gattn::detail::shape_string({out.rows(), out.cols()});
     }
 
     /// A mask's rows of this rank's heads: the mask itself when it has one head (or none), else

@@ -70,6 +70,22 @@ inline void agree_or_throw(const char* fn, const std::string& error, MPI_Comm co
                                 ": " + message);
 }
 
+/// The name of the first option set that places keys by their index in one call (a sliding
+/// window, per-call lengths or offsets, a boolean mask, a bias, ALiBi), or nullptr: the calls
+/// across ranks see each rank's keys from index 0, so these would be misplaced.
+template <class Scalar>
+const char* positional_option(const SdpaOptions<Scalar>& options) noexcept {
+    const auto& m = options.mask;
+    return m.sliding_window                ? "mask.sliding_window"
+           : !m.key_lengths.empty()        ? "mask.key_lengths"
+           : !m.query_lengths.empty()      ? "mask.query_lengths"
+           : !m.query_offsets.empty()      ? "mask.query_offsets"
+           : !m.bool_mask.empty()          ? "mask.bool_mask"
+           : !m.bias.empty()               ? "mask.bias"
+           : !options.alibi_slopes.empty() ? "alibi_slopes"
+                                           : nullptr;
+}
+
 /// Makes every rank throw the same std::invalid_argument "<fn>: the ranks disagree on <name>
 /// (<lowest> to <highest>)" when any of `values` differs between ranks (the first such name).
 inline void agree_on_values(const char* fn, const std::vector<std::string>& names, const std::vector<double>& values,
@@ -130,15 +146,7 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
         gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), query.rows(),
                                    heads.num_heads * (heads.num_kv_heads ? value.cols() / heads.num_kv_heads : 0));
         const auto& m = options.mask;
-        const char* unsupported = m.sliding_window                ? "mask.sliding_window"
-                                  : !m.key_lengths.empty()        ? "mask.key_lengths"
-                                  : !m.query_lengths.empty()      ? "mask.query_lengths"
-                                  : !m.query_offsets.empty()      ? "mask.query_offsets"
-                                  : !m.bool_mask.empty()          ? "mask.bool_mask"
-                                  : !m.bias.empty()               ? "mask.bias"
-                                  : !options.alibi_slopes.empty() ? "alibi_slopes"
-                                                                  : nullptr;
-        if (unsupported)
+        if (const char* unsupported = detail::positional_option(options))
             gattn::detail::throw_invalid(fn, unsupported, "is not supported across ranks (positions are r·n + j)");
         if ((m.causal || layout == RingLayout::Zigzag) && heads.batch > 0 && query.rows() != key.rows())
             gattn::detail::throw_invalid(fn, "query",

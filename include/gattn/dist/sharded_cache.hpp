@@ -29,7 +29,9 @@
 GATTN_BEGIN_ISA_NAMESPACE
 
 /// Attention of new query tokens to a KV cache whose tokens are split by position across the
-/// ranks of `comm` (see the file comment).
+/// ranks of `comm` (see the file comment): softmax(scale·QKᵀ)V over the union of the slices,
+/// from each slice's partial output and log-sum-exp merged exactly (merge_attention,
+/// FlashDecoding's split-KV reduction).
 ///
 /// \param query [B·N_q, H·d_k]: the same new tokens on every rank; query t of sequence b sits
 ///              at position query_positions[b] + t.
@@ -76,16 +78,7 @@ void sharded_cache_attention(ConstMatrixRef<Scalar> query, const KVCache<CacheSc
     SdpaOptions<Scalar> local = options;
     std::string error;
     try {
-        const auto& m = options.mask;
-        const char* unsupported = m.sliding_window                ? "mask.sliding_window"
-                                  : !m.key_lengths.empty()        ? "mask.key_lengths"
-                                  : !m.query_lengths.empty()      ? "mask.query_lengths"
-                                  : !m.query_offsets.empty()      ? "mask.query_offsets"
-                                  : !m.bool_mask.empty()          ? "mask.bool_mask"
-                                  : !m.bias.empty()               ? "mask.bias"
-                                  : !options.alibi_slopes.empty() ? "alibi_slopes"
-                                                                  : nullptr;
-        if (unsupported)
+        if (const char* unsupported = gattn::detail::positional_option(options))
             gattn::detail::throw_invalid(fn, std::string("options.") + unsupported,
                                          "is not supported across ranks (positions are per slice)");
         for (const auto& [v, name] :

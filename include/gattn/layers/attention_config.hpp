@@ -9,6 +9,7 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gattn/gates/gate_spec.hpp"
@@ -223,6 +224,19 @@ void check_weight_shape(const char* fn, const char* name, const Tensor& t, const
         throw shape_error(std::string(fn) + ": " + name + " must have shape " + expected + ", got " + got +
                           (t.size() == 0 ? " (missing: this config uses it)" : ""));
     }
+}
+
+}  // namespace detail
+
+namespace detail {
+
+/// Where head h's d_k query rows and gw gate rows start in a q_proj with a fused gate, for
+/// heads in KV groups of `group`: per head [query | gate] (PerHeadInterleaved, Qwen3-Next), or
+/// per KV group [queries of its heads | their gates] (GroupedByKV).
+inline std::pair<Index, Index> fused_q_proj_rows(GateLayout layout, Index h, Index group, Index dk, Index gw) {
+    if (layout == GateLayout::PerHeadInterleaved) return {h * (dk + gw), h * (dk + gw) + dk};
+    const Index block = (h / group) * group * (dk + gw), local = h % group;
+    return {block + local * dk, block + group * dk + local * gw};
 }
 
 }  // namespace detail

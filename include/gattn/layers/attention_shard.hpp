@@ -64,20 +64,13 @@ std::pair<AttentionConfig, AttentionWeights<Scalar>> shard_attention_from(const 
     const bool fused = input_gate && sg.layout != GateLayout::Separate;
     if (fused) {
         // Each head's query rows and gw gate rows, from where the whole layout keeps them to
-        // where the shard's layout does (GatedMultiHeadAttention::pack reads them the same way).
+        // where the shard's layout does.
         const Index gw = gate_width(c) / H;
-        auto offsets = [&](Index h, Index heads, Index kv_heads) {
-            const Index group = heads / kv_heads;
-            if (g.layout == GateLayout::PerHeadInterleaved)
-                return std::pair<Index, Index>{h * (dk + gw), h * (dk + gw) + dk};
-            const Index block = (h / group) * group * (dk + gw), local = h % group;
-            return std::pair<Index, Index>{block + local * dk, block + group * dk + local * gw};
-        };
         sw.q_proj_weight.resize(s.num_heads * (dk + gw), D);
         if (c.qkv_bias) sw.q_proj_bias.resize(sw.q_proj_weight.rows());
         for (Index h = 0; h < s.num_heads; ++h) {
-            const auto [q_src, g_src] = offsets(s.first_head + h, H, Hkv);
-            const auto [q_dst, g_dst] = offsets(h, s.num_heads, s.num_kv_heads);
+            const auto [q_src, g_src] = fused_q_proj_rows(g.layout, s.first_head + h, H / Hkv, dk, gw);
+            const auto [q_dst, g_dst] = fused_q_proj_rows(g.layout, h, s.num_heads / s.num_kv_heads, dk, gw);
             sw.q_proj_weight.middleRows(q_dst, dk) = read("q_proj.weight", q_src, dk, 0, D);
             sw.q_proj_weight.middleRows(g_dst, gw) = read("q_proj.weight", g_src, gw, 0, D);
             if (c.qkv_bias) {

@@ -596,15 +596,7 @@ private:
             // Per head, gw_h gate rows (d_v elementwise, 1 headwise) follow or are grouped.
             const Index gwh = gw / H, group = H / Hkv;
             for (Index h = 0; h < H; ++h) {
-                Index q_src, g_src;
-                if (g.layout == GateLayout::PerHeadInterleaved) {
-                    q_src = h * (dk + gwh);
-                    g_src = q_src + dk;
-                } else {  // GroupedByKV: per KV group [queries of its heads | their gates]
-                    const Index block = (h / group) * group * (dk + gwh), local = h % group;
-                    q_src = block + local * dk;
-                    g_src = block + group * dk + local * gwh;
-                }
+                const auto [q_src, g_src] = gattn::detail::fused_q_proj_rows(g.layout, h, group, dk, gwh);
                 w_in.middleRows(h * dk, dk) = w.q_proj_weight.middleRows(q_src, dk);
                 w_gate.middleRows(h * gwh, gwh) = w.q_proj_weight.middleRows(g_src, gwh);
                 if (c.qkv_bias) {
