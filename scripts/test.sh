@@ -4,12 +4,12 @@
 #   baseline  the compiler's default (x86-64: SSE2), the whole suite;
 #   native    -march=native (e.g. AVX-512), the whole suite, examples and benchmarks;
 #   avx2      -mavx2 -mfma (x86 only), the tests of the SIMD code paths: kernels, SDPA in every
-#             storage type, projections and the shared fault cases (test_kernels, test_sdpa,
-#             test_narrow_sdpa, test_int8_kv, test_packed_linear, test_cases).
+#             storage type, projections and the shared fault cases (test_ops).
 # Clang flavours (clang++, Debian's clang 14 and LLVM's OpenMP runtime libomp):
 #   clang  the whole suite, examples and benchmarks, Release;
 #   asan   the whole suite under AddressSanitizer + UndefinedBehaviorSanitizer (-O1 with line
-#          tables for the reports, assertions on, any report fails the test);
+#          tables for the reports, assertions on, any report fails the test), at -mavx2 -mfma
+#          where the CPU has AVX2, so that the AVX2 code paths run sanitized;
 #   tsan   ThreadSanitizer on test_layer, the tests that run threads (std::thread and OpenMP;
 #          libomp's archer tool tells ThreadSanitizer about OpenMP's synchronisation).
 # Backend flavour (g++, -march=native, Debian's libdnnl-dev):
@@ -24,9 +24,11 @@
 # JOBS (default: all cores), FLAVOURS (default "baseline native"; any of those and
 # "avx2 clang asan tsan onednn mpi"), CMAKE_ARGS (extra CMake args).
 # The tests/odr units are built with fixed flags, so of the g++ flavours only baseline builds
-# them (GATTN_BUILD_ODR_TESTS). baseline, native, avx2 and asan run each test executable as one
-# ctest test (GATTN_TESTS_PER_EXECUTABLE; CMAKE_ARGS=-DGATTN_TESTS_PER_EXECUTABLE=OFF gives one
-# ctest test per GoogleTest case).
+# them (GATTN_BUILD_ODR_TESTS). baseline, native, avx2 and asan compile each group of test files
+# as one unit (GATTN_UNITY_TESTS) and run each test executable as 4 ctest tests, one shard of
+# its GoogleTest cases each (GATTN_TESTS_PER_EXECUTABLE; CMAKE_ARGS=-DGATTN_TESTS_PER_EXECUTABLE=OFF
+# gives one ctest test per GoogleTest case). tsan and onednn build single files' executables
+# (GATTN_UNITY_TESTS=OFF).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -58,9 +60,8 @@ for flavour in $flavours; do
       arch="-mavx2 -mfma"
       cmake_args+=(-DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF
                    -DGATTN_TESTS_PER_EXECUTABLE=ON)
-      simd_tests=(test_kernels test_sdpa test_narrow_sdpa test_int8_kv test_packed_linear test_cases)
-      build_args=(--target "${simd_tests[@]}")
-      ctest_args=(-R "^($(IFS='|'; echo "${simd_tests[*]}"))\$")
+      build_args=(--target test_ops)
+      ctest_args=(-R "^test_ops\\.")
       ;;
     native)
       arch="-march=native"
@@ -68,7 +69,7 @@ for flavour in $flavours; do
       ;;
     onednn)
       arch="-march=native"
-      cmake_args+=(-DGATTN_WITH_ONEDNN=ON -DGATTN_BUILD_EXAMPLES=OFF)
+      cmake_args+=(-DGATTN_WITH_ONEDNN=ON -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_UNITY_TESTS=OFF)
       onednn_tests=(test_packed_linear test_gates test_qwen3_next test_tiny_lm)
       build_args=(--target "${onednn_tests[@]}")
       ctest_args=(-R "PackedLinear|Bf16")  # Bf16Layer, GateSpecs.Bf16*, Qwen3NextBf16, TinyLMBf16
@@ -86,6 +87,7 @@ for flavour in $flavours; do
       ;;
     asan)
       arch=""
+      grep -qw avx2 /proc/cpuinfo 2>/dev/null && arch="-mavx2 -mfma"
       san="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
       cmake_args=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
                   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" "-DCMAKE_CXX_FLAGS=$san"
@@ -101,7 +103,7 @@ for flavour in $flavours; do
       cmake_args=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
                   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" "-DCMAKE_CXX_FLAGS=$san"
                   "-DCMAKE_EXE_LINKER_FLAGS=$san"
-                  -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF)
+                  -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_UNITY_TESTS=OFF)
       build_args=(--target test_layer)
       llvm_lib="$(cd "$(clang++ -print-resource-dir)/../.." && pwd)"
       run_env=(TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1:ignore_noninstrumented_modules=1

@@ -57,10 +57,8 @@ struct LayerTol<gattn::bfloat16> {
     static constexpr double atol = 2e-2, rtol = 2e-2, nmse = 1e-4;
 };
 
-template <class S>
-const char* type_label() {
-    return std::is_same_v<S, float> ? "Float" : std::is_same_v<S, double> ? "Double" : "Bf16";
-}
+using gattn_test::ScalarNames;
+using gattn_test::type_label;
 
 // ---------------------------------------------------------------------------------------------
 // Spec naming and the table of valid combinations, written from gate_spec.hpp's documentation.
@@ -683,12 +681,6 @@ TEST(GateParameterCount, ReproducesPaperTable1) {
 template <class S>
 class GateKernels : public ::testing::Test {};
 
-struct ScalarNames {
-    template <class S>
-    static std::string GetName(int) {
-        return type_label<S>();
-    }
-};
 using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(GateKernels, Scalars, ScalarNames);
 

@@ -313,11 +313,12 @@ TEST(Int8Sdpa, ResultsDoNotDependOnTheThreadCount) {
     const RowMatrix<float> q = random_rows(B, H * d, rng, 1.0f);
     const Int8Matrix k(random_rows(B * Nk, Hkv * d, rng, 1.0f), Hkv), v(random_rows(B * Nk, Hkv * d, rng, 1.0f), Hkv);
     RowMatrix<float> one(B, H * d), two(B, H * d);
+    const int saved = omp_get_max_threads();
     omp_set_num_threads(1);
     gattn::scaled_dot_product_attention(q, k.view(), v.view(), {B, H, Hkv}, one);
     omp_set_num_threads(2);
     gattn::scaled_dot_product_attention(q, k.view(), v.view(), {B, H, Hkv}, two);
-    omp_set_num_threads(1);
+    omp_set_num_threads(saved);
     EXPECT_EQ(one, two);
 }
 #endif

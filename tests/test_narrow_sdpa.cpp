@@ -32,6 +32,7 @@
 #include "gattn/ops/sdpa.hpp"
 #include "gattn/simd/cpu.hpp"
 #include "support/compare.hpp"
+#include "support/kernel_limit.hpp"
 #include "support/reference.hpp"
 #include "support/sdpa_cases.hpp"
 
@@ -48,11 +49,7 @@ using gattn_test::RefMasks;
 using gattn_test::rounded;
 using namespace gattn_test::sweep;
 
-/// Restores the bf16 kernel limit when a test ends.
-struct KernelLimit {
-    explicit KernelLimit(Bf16Kernel k) { gattn::set_bf16_kernel_limit(k); }
-    ~KernelLimit() { gattn::set_bf16_kernel_limit(Bf16Kernel::Amx); }
-};
+using gattn_test::KernelLimit;
 
 /// The kernel families this build and CPU can run for bf16 (the fastest first).
 std::vector<Bf16Kernel> runnable_kernels() {

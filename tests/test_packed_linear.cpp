@@ -19,6 +19,7 @@
 
 #include "gattn/ops/packed_linear.hpp"
 #include "support/compare.hpp"
+#include "support/kernel_limit.hpp"
 
 namespace {
 
@@ -28,10 +29,7 @@ using gattn::half;
 using gattn::Index;
 using gattn_test::random_matrix;
 
-struct KernelLimit {
-    explicit KernelLimit(Bf16Kernel k) { gattn::set_bf16_kernel_limit(k); }
-    ~KernelLimit() { gattn::set_bf16_kernel_limit(Bf16Kernel::Amx); }
-};
+using gattn_test::KernelLimit;
 
 /// A backend and kernel limit to construct PackedLinear under.
 struct Choice {

@@ -47,10 +47,8 @@ struct Tol<double> {
     static constexpr double atol = 1e-12, rtol = 1e-11, nmse = 1e-24;
 };
 
-template <class S>
-const char* type_label() {
-    return std::is_same_v<S, float> ? "Float" : "Double";
-}
+using gattn_test::ScalarNames;
+using gattn_test::type_label;
 
 using namespace gattn_test::sweep;  // shapes, mask kinds, mask builders
 
@@ -73,8 +71,7 @@ void run_sweep_case(const Shape& s, MaskKind kind) {
         EXPECT_GE(poisoned, s.Nk) << label;
     }
 
-    const gattn_test::SdpaRefResult ref =
-        gattn_test::sdpa_reference(q, k, v, s.B, s.H, s.Hkv, masks.scale, ref_masks);
+    const gattn_test::SdpaRefResult ref = gattn_test::sdpa_reference(q, k, v, s.B, s.H, s.Hkv, masks.scale, ref_masks);
 
     const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
     std::vector<S> bias_store;
@@ -97,25 +94,19 @@ void run_sweep_case(const Shape& s, MaskKind kind) {
     // The convenience form gives bitwise the same output.
     const gattn::RowMatrix<S> out2 =
         gattn::scaled_dot_product_attention<S>(qs, ks, vs, gattn::HeadLayout{s.B, s.H, s.Hkv}, opt);
-    EXPECT_TRUE(out2 == out)
-        << label << ": convenience form differs from the core form";
+    EXPECT_TRUE(out2 == out) << label << ": convenience form differs from the core form";
 }
 
 class SdpaSweep : public ::testing::TestWithParam<std::tuple<Shape, MaskKind>> {};
 
-TEST_P(SdpaSweep, FloatMatchesReference) {
-    run_sweep_case<float>(std::get<0>(GetParam()), std::get<1>(GetParam()));
-}
-TEST_P(SdpaSweep, DoubleMatchesReference) {
-    run_sweep_case<double>(std::get<0>(GetParam()), std::get<1>(GetParam()));
-}
+TEST_P(SdpaSweep, FloatMatchesReference) { run_sweep_case<float>(std::get<0>(GetParam()), std::get<1>(GetParam())); }
+TEST_P(SdpaSweep, DoubleMatchesReference) { run_sweep_case<double>(std::get<0>(GetParam()), std::get<1>(GetParam())); }
 
-INSTANTIATE_TEST_SUITE_P(
-    ShapesAndMasks, SdpaSweep,
-    ::testing::Combine(::testing::ValuesIn(kShapes), ::testing::ValuesIn(kMaskKinds)),
-    [](const ::testing::TestParamInfo<SdpaSweep::ParamType>& info) {
-        return std::string(std::get<0>(info.param).name) + mask_name(std::get<1>(info.param));
-    });
+INSTANTIATE_TEST_SUITE_P(ShapesAndMasks, SdpaSweep,
+                         ::testing::Combine(::testing::ValuesIn(kShapes), ::testing::ValuesIn(kMaskKinds)),
+                         [](const ::testing::TestParamInfo<SdpaSweep::ParamType>& info) {
+                             return std::string(std::get<0>(info.param).name) + mask_name(std::get<1>(info.param));
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // Focused tests, each for float and double.
@@ -123,12 +114,6 @@ INSTANTIATE_TEST_SUITE_P(
 template <class S>
 class SdpaTyped : public ::testing::Test {};
 
-struct ScalarNames {
-    template <class S>
-    static std::string GetName(int) {
-        return type_label<S>();
-    }
-};
 using Scalars = ::testing::Types<float, double>;
 TYPED_TEST_SUITE(SdpaTyped, Scalars, ScalarNames);
 
@@ -184,8 +169,8 @@ TYPED_TEST(SdpaTyped, LargeOutputsAreStreamedOutIntact) {
         gattn::RowMatrix<S> big = gattn::RowMatrix<S>::Constant(B * Nq, H * dv + 7, S(42));
         Mat expected = ref.out;
         if (with_epilogue) {
-            gattn::detail::sdpa_with_epilogue<S>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, big.middleCols(4, H * dv), opt,
-                                                 {}, [&](Index row, Index h, S* y) {
+            gattn::detail::sdpa_with_epilogue<S>(qs, ks, vs, gattn::HeadLayout{B, H, Hkv}, big.middleCols(4, H * dv),
+                                                 opt, {}, [&](Index row, Index h, S* y) {
                                                      for (Index j = 0; j < dv; ++j) y[j] *= factor(row, h);
                                                  });
             for (Index r = 0; r < B * Nq; ++r)
@@ -220,8 +205,8 @@ TYPED_TEST(SdpaTyped, ScratchKeptBetweenCallsServesAnyShape) {
         const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = vw.cast<S>();
         gattn::SdpaOptions<S> opt;
         opt.mask.causal = true;
-        const auto got = gattn::scaled_dot_product_attention<S>(qs, ks, vs.leftCols(Hkv * c.dv),
-                                                                gattn::HeadLayout{B, H, Hkv}, opt);
+        const auto got =
+            gattn::scaled_dot_product_attention<S>(qs, ks, vs.leftCols(Hkv * c.dv), gattn::HeadLayout{B, H, Hkv}, opt);
         RefMasks rm;
         rm.causal = true;
         const auto ref = gattn_test::sdpa_reference(q, k, vw.leftCols(Hkv * c.dv), B, H, Hkv, {}, rm);
@@ -313,8 +298,7 @@ TYPED_TEST(SdpaTyped, FullyMaskedRowsAreZero) {
     gattn::scaled_dot_product_attention<S>(q, k, v, gattn::HeadLayout{B, H, Hkv}, out, opt, extra);
 
     auto expect_empty = [&](Index b, Index h, Index i) {
-        SCOPED_TRACE("sequence " + std::to_string(b) + " head " + std::to_string(h) + " query " +
-                     std::to_string(i));
+        SCOPED_TRACE("sequence " + std::to_string(b) + " head " + std::to_string(h) + " query " + std::to_string(i));
         const Index row = b * Nq + i;
         for (Index d = 0; d < dv; ++d) EXPECT_EQ(out(row, h * dv + d), S(0));
         EXPECT_EQ(lse(row, h), -std::numeric_limits<S>::infinity());
@@ -422,8 +406,8 @@ TYPED_TEST(SdpaTyped, BiasOfMaskedKeysIsIgnored) {
     std::vector<S> bias(static_cast<std::size_t>(N * N));
     for (Index i = 0; i < N; ++i)
         for (Index j = 0; j < N; ++j)
-            bias[static_cast<std::size_t>(i * N + j)] =
-                j > i || !bm[j] ? poison[(i + j) % 2] : S(0.25) * S((i + 2 * j) % 5);
+            bias[static_cast<std::size_t>(i * N + j)] = j > i || !bm[j] ? poison[(i + j) % 2]
+                                                                        : S(0.25) * S((i + 2 * j) % 5);
     const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
     using T = Tol<S>;
     // Prefill: all N queries, causal + boolean mask + bias.
@@ -452,8 +436,8 @@ TYPED_TEST(SdpaTyped, BiasOfMaskedKeysIsIgnored) {
         gattn::SdpaOptions<S> opt;
         opt.mask.bool_mask = {bm.get(), 1, 1, 1, N};
         opt.mask.bias = {bias.data() + (N - 1) * N, 1, 1, 1, N};
-        const auto got = gattn::scaled_dot_product_attention<S>(qs.bottomRows(1), ks, vs,
-                                                                gattn::HeadLayout{1, H, Hkv}, opt);
+        const auto got =
+            gattn::scaled_dot_product_attention<S>(qs.bottomRows(1), ks, vs, gattn::HeadLayout{1, H, Hkv}, opt);
         RefMasks rm;
         const Index dims[3] = {1, 1, 1};
         expand(bm.get(), dims, 1, H, 1, N, rm.bool_mask);
@@ -514,10 +498,10 @@ TYPED_TEST(SdpaTyped, EmptyBatch) {
 
 struct ValidationFixture {
     static constexpr Index B = 2, Nq = 3, Nk = 5, H = 4, Hkv = 2, dk = 6, dv = 3;
-    gattn::RowMatrix<float> q = random_matrix(B * Nq, H * dk, 7).cast<float>();
-    gattn::RowMatrix<float> k = random_matrix(B * Nk, Hkv * dk, 8).cast<float>();
-    gattn::RowMatrix<float> v = random_matrix(B * Nk, Hkv * dv, 9).cast<float>();
-    gattn::RowMatrix<float> out = gattn::RowMatrix<float>::Constant(B * Nq, H * dv, 42.0f);
+    gattn::RowMatrix<float> q = random_matrix(B * Nq, H* dk, 7).cast<float>();
+    gattn::RowMatrix<float> k = random_matrix(B * Nk, Hkv* dk, 8).cast<float>();
+    gattn::RowMatrix<float> v = random_matrix(B * Nk, Hkv* dv, 9).cast<float>();
+    gattn::RowMatrix<float> out = gattn::RowMatrix<float>::Constant(B * Nq, H* dv, 42.0f);
     gattn::HeadLayout layout{B, H, Hkv};
     gattn::SdpaOptions<float> opt;
 };
@@ -557,7 +541,10 @@ TEST(SdpaValidation, QueryRowsNotMultipleOfBatch) {
     const std::string want = "query must have shape [B*N_q, num_heads*head_dim] = [multiple of 2, " +
                              std::to_string(f.H * f.dk) + "], got [7, " + std::to_string(f.H * f.dk) + "]";
     expect_rejected<gattn::shape_error>(
-        [&] { gattn::scaled_dot_product_attention<float>(q, f.k, f.v, {2, f.H, f.Hkv}, f.out, f.opt); }, want, f.out);
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, f.k, f.v, {2, f.H, f.Hkv}, f.out, f.opt);
+        },
+        want, f.out);
 }
 
 TEST(SdpaValidation, KeyWidthMismatch) {
@@ -585,28 +572,28 @@ TEST(SdpaValidation, KvHeadsMustDivideHeads) {
     ValidationFixture f;
     const gattn::HeadLayout bad{f.B, f.H, 3};
     expect_rejected<std::invalid_argument>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, bad, f.out, f.opt); }, "num_kv_heads",
-        f.out, true);
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, bad, f.out, f.opt); }, "num_kv_heads", f.out,
+        true);
 }
 
 TEST(SdpaValidation, KeyLengthOutOfRange) {
     ValidationFixture f;
     f.opt.mask.key_lengths = {f.Nk, f.Nk + 1};
     expect_rejected<std::invalid_argument>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-        "key_lengths", f.out, true);
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "key_lengths",
+        f.out, true);
     f.opt.mask.key_lengths = {-1, 0};
     expect_rejected<std::invalid_argument>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-        "key_lengths", f.out, true);
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "key_lengths",
+        f.out, true);
 }
 
 TEST(SdpaValidation, KeyLengthsWrongCount) {
     ValidationFixture f;
     f.opt.mask.key_lengths = {f.Nk};
     expect_rejected<gattn::shape_error>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-        "key_lengths", f.out);
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "key_lengths",
+        f.out);
 }
 
 TEST(SdpaValidation, QueryLengthsWrongCount) {
@@ -772,14 +759,17 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
     ValidationFixture f;
     // 3e38 is a finite float, but not times log₂e (the bf16 kernels' base 2); 1e-50 is 0 in float.
-    for (const auto& [cap, shown] : {std::pair<double, const char*>{0.0, "0"}, {-1.0, "-1"},
-                                     {std::numeric_limits<double>::infinity(), "inf"}, {1e300, "1e+300"},
-                                     {3e38, "3e+38"}, {1e-50, "1e-50"}}) {
+    for (const auto& [cap, shown] : {std::pair<double, const char*>{0.0, "0"},
+                                     {-1.0, "-1"},
+                                     {std::numeric_limits<double>::infinity(), "inf"},
+                                     {1e300, "1e+300"},
+                                     {3e38, "3e+38"},
+                                     {1e-50, "1e-50"}}) {
         f.opt.logit_softcap = cap;
         expect_rejected<std::invalid_argument>(
             [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-            std::string("logit_softcap must be > 0 and, times log2(e), finite in the scalar type, got ") + shown,
-            f.out, true);
+            std::string("logit_softcap must be > 0 and, times log2(e), finite in the scalar type, got ") + shown, f.out,
+            true);
     }
     f.opt.logit_softcap.reset();
     f.opt.alibi_slopes = {0.5f, 0.25f};
@@ -896,7 +886,8 @@ TYPED_TEST(SdpaTyped, LogitsOutputAtEachStage) {
             for (Index h = 0; h < H; ++h)
                 for (Index i = 0; i < Nq; ++i)
                     for (Index j = 0; j < Nk; ++j) {
-                        double x = 0.5 * q.row(b * Nq + i).segment(h * d, d).dot(k.row(b * Nk + j).segment(h / 2 * d, d));
+                        double x = 0.5 *
+                                   q.row(b * Nq + i).segment(h * d, d).dot(k.row(b * Nk + j).segment(h / 2 * d, d));
                         if (stage != gattn::LogitStage::Scaled) x = cap * std::tanh(x / cap);
                         if (stage == gattn::LogitStage::Final) {
                             const Index pos = i + Nk - Nq;
@@ -916,8 +907,8 @@ TEST(SdpaValidation, WindowMustBePositive) {
     ValidationFixture f;
     f.opt.mask.sliding_window = 0;
     expect_rejected<std::invalid_argument>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-        "sliding_window", f.out, true);
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "sliding_window",
+        f.out, true);
 }
 
 TEST(SdpaValidation, BoolMaskWrongDims) {
@@ -925,8 +916,7 @@ TEST(SdpaValidation, BoolMaskWrongDims) {
     std::unique_ptr<bool[]> m(new bool[64]());
     f.opt.mask.bool_mask = {m.get(), 1, 3, 1, f.Nk};  // 3 heads: neither 1 nor H
     expect_rejected<gattn::shape_error>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-        "bool_mask", f.out);
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "bool_mask", f.out);
 }
 
 TEST(SdpaValidation, BiasWrongKeyLength) {
@@ -934,16 +924,15 @@ TEST(SdpaValidation, BiasWrongKeyLength) {
     std::vector<float> bias(64, 0.0f);
     f.opt.mask.bias = {bias.data(), 1, 1, 1, f.Nk + 1};
     expect_rejected<gattn::shape_error>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "bias",
-        f.out);
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "bias", f.out);
 }
 
 TEST(SdpaValidation, NonFiniteScale) {
     ValidationFixture f;
     f.opt.scale = std::numeric_limits<double>::quiet_NaN();
     expect_rejected<std::invalid_argument>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "scale",
-        f.out, true);
+        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); }, "scale", f.out,
+        true);
 }
 
 TEST(SdpaValidation, OutputOverlappingInput) {
@@ -976,8 +965,8 @@ TEST(SdpaValidation, OutputBesideInputsInOneWorkspace) {
                                                gattn::HeadLayout{B, H, H}, work.middleCols(3 * w, w), opt);
     RefMasks rm;
     rm.causal = true;
-    const auto ref = gattn_test::sdpa_reference(ws.leftCols(w), ws.middleCols(w, w), ws.middleCols(2 * w, w), B, H,
-                                                H, {}, rm);
+    const auto ref =
+        gattn_test::sdpa_reference(ws.leftCols(w), ws.middleCols(w, w), ws.middleCols(2 * w, w), B, H, H, {}, rm);
     using T = Tol<float>;
     expect_close(work.middleCols(3 * w, w), ref.out, T::atol, T::rtol, "SdpaWorkspace/out", T::nmse);
     EXPECT_TRUE(work.leftCols(3 * w) == ws.leftCols(3 * w).cast<float>()) << "an input was written";
@@ -1001,7 +990,8 @@ TEST(SdpaValidation, OverlapTestAgreesWithSharedElements) {
     auto elements = [&](const View& v) {
         std::vector<bool> used(buf.size(), false);
         for (Index i = 0; i < v.rows(); ++i)
-            for (Index j = 0; j < v.cols(); ++j) used[static_cast<std::size_t>(v.data() + i * v.outerStride() + j - buf.data())] = true;
+            for (Index j = 0; j < v.cols(); ++j)
+                used[static_cast<std::size_t>(v.data() + i * v.outerStride() + j - buf.data())] = true;
         return used;
     };
     int checked = 0, shared = 0;
@@ -1023,9 +1013,9 @@ TEST(SdpaValidation, OverlapTestAgreesWithSharedElements) {
                                     shared += common;
                                     // Equal strides are exact; other strides may only over-report.
                                     if (s == s2) {
-                                        ASSERT_EQ(got, common) << "stride " << s << " a at " << off_a << " ["
-                                                               << rows_a << "x" << cols_a << "], b at " << off_b
-                                                               << " [" << rows_b << "x" << cols_b << "]";
+                                        ASSERT_EQ(got, common)
+                                            << "stride " << s << " a at " << off_a << " [" << rows_a << "x" << cols_a
+                                            << "], b at " << off_b << " [" << rows_b << "x" << cols_b << "]";
                                         ASSERT_EQ(gattn::detail::views_overlap(b, a), common);
                                     } else if (common) {
                                         ASSERT_TRUE(got);
@@ -1083,8 +1073,10 @@ TYPED_TEST(SdpaTyped, HugeBiasLogitsMatchReference) {
                 case 0:  // a mix of everything
                     for (Index j = 0; j < Nk; ++j) {
                         const double x = u(rng);
-                        b[j] = x < 0.05 ? S(1e30) : x < 0.4 ? S(-1e30) : x < 0.5 ? -std::numeric_limits<S>::infinity()
-                                                                                 : S(4 * x - 2);
+                        b[j] = x < 0.05  ? S(1e30)
+                               : x < 0.4 ? S(-1e30)
+                               : x < 0.5 ? -std::numeric_limits<S>::infinity()
+                                         : S(4 * x - 2);
                     }
                     break;
                 case 1:  // only −1e30 and −∞: the −1e30 keys share the weight
@@ -1177,8 +1169,8 @@ TEST(SdpaExtremeValues, DenormalFloatInputsMatchReference) {
         const gattn::RowMatrix<float> v1 = gattn::RowMatrix<float>::Constant(B * Nk, Hkv * sh.dv, 1e-40f);
         ASSERT_EQ(std::fpclassify(q1(0, 0)), FP_SUBNORMAL);
         const auto got1 = gattn::scaled_dot_product_attention<float>(q1, k1, v1, {B, H, Hkv}, opt, extra);
-        const auto ref1 = gattn_test::sdpa_reference(q1.cast<double>(), k1.cast<double>(), v1.cast<double>(), B, H,
-                                                     Hkv, {}, rm);
+        const auto ref1 =
+            gattn_test::sdpa_reference(q1.cast<double>(), k1.cast<double>(), v1.cast<double>(), B, H, Hkv, {}, rm);
         EXPECT_TRUE(got1.allFinite());
         expect_close(got1, ref1.out, atol, 1e-5, "SdpaDenormal/constant out");
         expect_close(lse, ref1.log_sum_exp, 1e-5, 1e-5, "SdpaDenormal/constant lse");
@@ -1190,8 +1182,8 @@ TEST(SdpaExtremeValues, DenormalFloatInputsMatchReference) {
         v2.row(3).setConstant(std::numeric_limits<float>::denorm_min());
         v2.row(4).setConstant(kFltMin / 3);
         const auto got2 = gattn::scaled_dot_product_attention<float>(q2, k2, v2, {B, H, Hkv}, opt, extra);
-        const auto ref2 = gattn_test::sdpa_reference(q2.cast<double>(), k2.cast<double>(), v2.cast<double>(), B, H,
-                                                     Hkv, {}, rm);
+        const auto ref2 =
+            gattn_test::sdpa_reference(q2.cast<double>(), k2.cast<double>(), v2.cast<double>(), B, H, Hkv, {}, rm);
         EXPECT_TRUE(got2.allFinite());
         EXPECT_GT(got2.cwiseAbs().maxCoeff(), 0.0f) << "denormal results were flushed to zero";
         expect_close(got2, ref2.out, atol, 1e-5, "SdpaDenormal/near FLT_MIN out");
@@ -1214,9 +1206,9 @@ TYPED_TEST(SdpaTyped, NonFiniteVisibleKeysReachOnlyTheirQueries) {
         Mat v = rounded<S>(random_matrix(B * Nk, Hkv * sh.dv, 233));
         const bool decoding = Nq == 1;
         const Index nan_key = decoding ? 2060 : 5, nan_value = decoding ? 100 : 20, inf_key = decoding ? 2090 : 12;
-        k(0 * Nk + nan_key, 3) = kNaN;              // sequence 0, KV head 0
-        v(1 * Nk + nan_value, sh.dv + 2) = kNaN;    // sequence 1, KV head 1, element 2
-        k(1 * Nk + inf_key, 1) = kInf;              // sequence 1, KV head 0
+        k(0 * Nk + nan_key, 3) = kNaN;            // sequence 0, KV head 0
+        v(1 * Nk + nan_value, sh.dv + 2) = kNaN;  // sequence 1, KV head 1, element 2
+        k(1 * Nk + inf_key, 1) = kInf;            // sequence 1, KV head 0
         const std::size_t n = static_cast<std::size_t>(B * H * Nq * Nk);
         std::unique_ptr<bool[]> allow(new bool[n]);
         std::mt19937_64 rng(234);
@@ -1330,7 +1322,8 @@ TEST(SdpaHardening, ScaleThatOverflowsFloatIsRejected) {
     using M = gattn::RowMatrix<float>;
     gattn::SdpaOptions<float> opt;
     opt.scale = 1e39;  // finite as a double, +inf as a float
-    EXPECT_THROW(gattn::scaled_dot_product_attention<float>(M::Zero(2, 4), M::Zero(2, 4), M::Zero(2, 4), {1, 1, 1}, opt),
+    EXPECT_THROW(gattn::scaled_dot_product_attention<float>(M::Zero(2, 4), M::Zero(2, 4), M::Zero(2, 4), {1, 1, 1},
+                                                            opt),
                  std::invalid_argument);
 }
 
@@ -1394,13 +1387,14 @@ TEST(SdpaProperty, RandomConfigurationsMatchReference) {
             ref.bias.assign(bias_data.begin(), bias_data.end());
             opt.mask.bias = {bias_data.data(), B, H, Nq, Nk};
         }
-        const auto want = gattn_test::sdpa_reference(q.cast<double>(), k.cast<double>(), v.cast<double>(), B, H, Hkv, {}, ref);
+        const auto want =
+            gattn_test::sdpa_reference(q.cast<double>(), k.cast<double>(), v.cast<double>(), B, H, Hkv, {}, ref);
         const auto got = gattn::scaled_dot_product_attention<float>(q, k, v, {B, H, Hkv}, opt);
         const auto stats = expect_close(got, want.out, 1e-5, 1e-4,
-                                        "trial " + std::to_string(trial) + " B=" + std::to_string(B) + " H=" +
-                                            std::to_string(H) + "/" + std::to_string(Hkv) + " Nq=" + std::to_string(Nq) +
-                                            " Nk=" + std::to_string(Nk) + " dk=" + std::to_string(dk) +
-                                            " dv=" + std::to_string(dv));
+                                        "trial " + std::to_string(trial) + " B=" + std::to_string(B) +
+                                            " H=" + std::to_string(H) + "/" + std::to_string(Hkv) +
+                                            " Nq=" + std::to_string(Nq) + " Nk=" + std::to_string(Nk) +
+                                            " dk=" + std::to_string(dk) + " dv=" + std::to_string(dv));
         failures += stats.failures > 0;
     }
     EXPECT_EQ(failures, 0);

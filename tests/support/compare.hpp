@@ -22,6 +22,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <type_traits>
 
 #include <Eigen/Core>
 
@@ -31,10 +32,10 @@ namespace gattn_test {
 
 /// What one comparison observed.
 struct CloseStats {
-    double max_abs_err = 0.0;    ///< largest |got − ref| over finite pairs
-    double max_excess = 0.0;     ///< largest |got − ref| / (atol + rtol·|ref|)
-    double nmse = 0.0;           ///< Σ(ref − got)² / Σ ref² over finite pairs
-    long failures = 0;           ///< elements outside the tolerance
+    double max_abs_err = 0.0;  ///< largest |got − ref| over finite pairs
+    double max_excess = 0.0;   ///< largest |got − ref| / (atol + rtol·|ref|)
+    double nmse = 0.0;         ///< Σ(ref − got)² / Σ ref² over finite pairs
+    long failures = 0;         ///< elements outside the tolerance
     gattn::Index worst_row = -1;
     gattn::Index worst_col = -1;
 };
@@ -58,11 +59,10 @@ public:
     ~ErrorSummary() {
         const char* env = std::getenv("GATTN_TEST_ERROR_SUMMARY");
         if (!env || !*env || std::string(env) == "0") return;
-        std::fprintf(stderr, "%-40s %8s %14s %14s %14s\n", "label", "checks", "max|err|",
-                     "max err/tol", "max NMSE");
+        std::fprintf(stderr, "%-40s %8s %14s %14s %14s\n", "label", "checks", "max|err|", "max err/tol", "max NMSE");
         for (const auto& [key, e] : m_entries)
-            std::fprintf(stderr, "%-40s %8ld %14.3e %14.3e %14.3e\n", key.c_str(), e.count,
-                         e.max_abs_err, e.max_excess, e.nmse);
+            std::fprintf(stderr, "%-40s %8ld %14.3e %14.3e %14.3e\n", key.c_str(), e.count, e.max_abs_err, e.max_excess,
+                         e.nmse);
     }
 
 private:
@@ -79,14 +79,12 @@ private:
 /// where ref is not NaN fails, as does a NaN in ref where got is finite. Reports at most one
 /// failure per call (count, worst index, values) through ADD_FAILURE.
 template <class GotDerived, class RefDerived>
-CloseStats expect_close(const Eigen::DenseBase<GotDerived>& got,
-                        const Eigen::DenseBase<RefDerived>& ref, double atol, double rtol,
-                        const std::string& label, double nmse_bound = -1.0) {
+CloseStats expect_close(const Eigen::DenseBase<GotDerived>& got, const Eigen::DenseBase<RefDerived>& ref, double atol,
+                        double rtol, const std::string& label, double nmse_bound = -1.0) {
     CloseStats st;
     if (got.rows() != ref.rows() || got.cols() != ref.cols()) {
-        ADD_FAILURE() << label << ": shape [" << got.rows() << ", " << got.cols()
-                      << "] differs from the reference [" << ref.rows() << ", " << ref.cols()
-                      << "]";
+        ADD_FAILURE() << label << ": shape [" << got.rows() << ", " << got.cols() << "] differs from the reference ["
+                      << ref.rows() << ", " << ref.cols() << "]";
         st.failures = 1;
         return st;
     }
@@ -129,12 +127,12 @@ CloseStats expect_close(const Eigen::DenseBase<GotDerived>& got,
     if (st.failures > 0) {
         std::ostringstream msg;
         msg.precision(17);
-        msg << label << ": " << st.failures << " of " << got.size()
-            << " elements exceed atol " << atol << " + rtol " << rtol << " * |ref|";
+        msg << label << ": " << st.failures << " of " << got.size() << " elements exceed atol " << atol << " + rtol "
+            << rtol << " * |ref|";
         if (nan_failures) msg << " (" << nan_failures << " with NaN)";
-        msg << "; worst at (" << st.worst_row << ", " << st.worst_col << "): got " << worst_got
-            << ", ref " << worst_ref << ", |diff| " << std::abs(worst_got - worst_ref)
-            << "; max |diff| over finite " << st.max_abs_err << ", NMSE " << st.nmse;
+        msg << "; worst at (" << st.worst_row << ", " << st.worst_col << "): got " << worst_got << ", ref " << worst_ref
+            << ", |diff| " << std::abs(worst_got - worst_ref) << "; max |diff| over finite " << st.max_abs_err
+            << ", NMSE " << st.nmse;
         ADD_FAILURE() << msg.str();
     }
     if (nmse_bound >= 0 && !(st.nmse <= nmse_bound)) {
@@ -160,8 +158,8 @@ private:
 };
 
 /// [rows, cols] row-major double matrix of U(−1, 1) · scale, deterministic for a seed.
-inline gattn::RowMatrix<double> random_matrix(gattn::Index rows, gattn::Index cols,
-                                              std::uint64_t seed, double scale = 1.0) {
+inline gattn::RowMatrix<double> random_matrix(gattn::Index rows, gattn::Index cols, std::uint64_t seed,
+                                              double scale = 1.0) {
     UniformSource src(seed);
     gattn::RowMatrix<double> m(rows, cols);
     for (gattn::Index r = 0; r < rows; ++r)
@@ -174,5 +172,22 @@ template <class Scalar, class Derived>
 gattn::RowMatrix<double> rounded(const Eigen::MatrixBase<Derived>& m) {
     return m.template cast<Scalar>().template cast<double>();
 }
+
+/// A storage type's name in test labels: Float, Double, Bf16 or Fp16.
+template <class S>
+const char* type_label() {
+    return std::is_same_v<S, float>             ? "Float"
+           : std::is_same_v<S, double>          ? "Double"
+           : std::is_same_v<S, gattn::bfloat16> ? "Bf16"
+                                                : "Fp16";
+}
+
+/// Names the instances of a typed test suite by their type (TYPED_TEST_SUITE's third argument).
+struct ScalarNames {
+    template <class S>
+    static std::string GetName(int) {
+        return type_label<S>();
+    }
+};
 
 }  // namespace gattn_test

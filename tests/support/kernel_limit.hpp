@@ -1,0 +1,20 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Runs a test under a limit on the bf16 kernels (gattn::set_bf16_kernel_limit) and lifts the
+/// limit when the test ends, pass or fail.
+
+#include "gattn/gattn.hpp"
+
+namespace gattn_test {
+
+/// Sets the bf16 kernel limit for its lifetime; restores the default (AMX) when destroyed.
+struct KernelLimit {
+    explicit KernelLimit(gattn::Bf16Kernel k) { gattn::set_bf16_kernel_limit(k); }
+    ~KernelLimit() { gattn::set_bf16_kernel_limit(gattn::Bf16Kernel::Amx); }
+    KernelLimit(const KernelLimit&) = delete;
+    KernelLimit& operator=(const KernelLimit&) = delete;
+};
+
+}  // namespace gattn_test
