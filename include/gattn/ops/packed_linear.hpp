@@ -7,10 +7,14 @@
 /// that will multiply them; accumulation in float.
 ///
 /// Kernels (the same families as SDPA's, gattn::bf16_kernel()):
-///  - AMX, bf16 weights: the AVX512-BF16 kernel's panels with their pair rows padded with zero
-///    pairs to a multiple of 16 (in_features to a multiple of 32): a panel's 16 pair rows × 16
-///    outputs are a TDPBF16PS B tile (VNNI layout, row stride 256 bytes). x is rounded to bf16
-///    as below into a per-thread copy padded with zeros to whole A tiles (16 rows × 16 pairs).
+///  - AMX, bf16 weights: panels of 64 outputs as below, their pair rows padded with zero pairs
+///    to a multiple of 16 (in_features to a multiple of 32) and laid out as TDPBF16PS B tiles
+///    (VNNI layout: 16 pair rows × 16 outputs, 1 KiB, rows of 64 bytes): each group of 16
+///    outputs holds its tiles of every k step (16 pairs) one after the other, so that a tile
+///    load reads 16 consecutive lines and a panel streams from memory as 4 sequential streams
+///    (the hardware prefetchers serve several streams faster than one). x is rounded to bf16 as
+///    below into a per-thread copy padded with zeros to whole A tiles (16 rows × 16 pairs); a
+///    call of fewer than 16 rows configures its A and C tiles with only those rows.
 ///    Each output is the float accumulator of TDPBF16PS products over the k steps of 16 pairs,
 ///    in input order, plus the bias in float. Per thread, one tile configuration per call (C in
 ///    tiles 0–3, x and weights in 4–7), released at the end; rows in chunks of 256 (their x
@@ -22,7 +26,8 @@
 ///    rows. At 1–2 rows (decoding; the weights stream from L3 or memory) AMX ran at 0.7–1.1×
 ///    the AVX512-BF16 kernel's speed, at 8 rows 1.2–1.4×, at 16 rows 1.9–2.4×, from 64 rows
 ///    2–5× (2048 → 256, 2048 and 4608, one thread); sending 1–2 rows to AVX512-BF16 would make
-///    a row decoded alone differ from the same row decoded in a batch.
+///    a row decoded alone differ from the same row decoded in a batch. (Measured before the
+///    tile layout above; see bench_gated_layer's BM_ProjectionBf16 for the present ratios.)
 ///  - AVX512-BF16, bf16 weights: the weights are packed as pairs of inputs in panels of 64
 ///    outputs, [⌈in/2⌉][64] pairs per panel (the same bytes as the bf16 weights); x is rounded
 ///    to bf16 (nearest even) when it is float, and each output is Σ over input pairs of
@@ -162,13 +167,33 @@ inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::ui
 inline constexpr Index kAmxPairs = 16;
 /// Rows of x per AMX tile.
 inline constexpr Index kAmxRows = 16;
+/// uint32 pairs per packed B tile: 16 pair rows × 16 outputs, 1 KiB.
+inline constexpr Index kAmxTile = kAmxPairs * 16;
+/// Offset in an AMX panel of kblocks k steps of pair p of the panel's output j: the panel's 4
+/// groups of 16 outputs one after the other, each its B tiles of k steps 0, 1, 2, ...
+constexpr Index amx_panel_offset(Index p, Index j, Index kblocks) noexcept {
+    return (j / 16) * kblocks * kAmxTile + (p / kAmxPairs) * kAmxTile + (p % kAmxPairs) * 16 + j % 16;
+}
 /// k steps ahead that the AMX kernel prefetches its tiles' lines into L1: tile loads that miss
 /// L1 stall (2048 → 4608, one thread: 1.5–2× as fast at 16 and 64 rows, up to 1.4× at 2048).
 inline constexpr Index kAmxPrefetchSteps = 2;
 
-/// PackedLinear's tiles, all 16 rows of 64 bytes (kernel::bf16::amx::Tiles configures them):
-/// C in 0–3 (16 rows × 16 floats), then A (16 rows × 16 x pairs) and B (16 pair rows × 16
-/// outputs) in 4–7 (linear_amx_block: A in 4–5, B in 6–7; linear_amx_row_tile: A in 4, B in 5–7).
+/// PackedLinear's tiles, rows of 64 bytes: C in 0–3 (16 rows × 16 floats), then A (16 rows ×
+/// 16 x pairs) and B (16 pair rows × 16 outputs) in 4–7 (linear_amx_block: A in 4–5, B in 6–7;
+/// linear_amx_row_tile: A in 4, B in 5–7). Configured for this thread while it lives and
+/// released after; with rows < 16 (a call of fewer rows), C and A hold only those rows.
+class LinearAmxTiles {
+public:
+    explicit LinearAmxTiles(Index rows) noexcept {
+        kernel::bf16::amx::TileConfig config;
+        if (rows < kAmxRows)
+            for (int t = 0; t < 5; ++t) config.rows[t] = static_cast<std::uint8_t>(rows);
+        _tile_loadconfig(&config);
+    }
+    ~LinearAmxTiles() { _tile_release(); }
+    LinearAmxTiles(const LinearAmxTiles&) = delete;
+    LinearAmxTiles& operator=(const LinearAmxTiles&) = delete;
+};
 
 /// Prefetches `lines` cache lines, `stride` uint32 apart, from p into L1.
 inline void linear_amx_prefetch(const std::uint32_t* p, Index stride, int lines) noexcept {
@@ -177,58 +202,59 @@ inline void linear_amx_prefetch(const std::uint32_t* p, Index stride, int lines)
 
 /// Two row tiles × two column tiles: c[32][32] (row stride 32 floats) = Σ over kblocks blocks
 /// of 16 pairs, in order, of TDPBF16PS products of x pairs at a (32 rows, row stride lda
-/// pairs) and 32 outputs of a panel at b (row stride kLinearPanel pairs). Needs
-/// the tiles configured on this thread (kernel::bf16::amx::Tiles).
+/// pairs) and 32 outputs of a panel: the tiles of outputs 0–15 at b and of outputs 16–31 at
+/// b + kblocks · kAmxTile, one per k step. Needs the tiles configured on this thread for 16
+/// rows (LinearAmxTiles).
 inline void linear_amx_block(const std::uint32_t* a, Index lda, const std::uint32_t* b, Index kblocks,
                              float* c) noexcept {
-    constexpr int kStrideB = static_cast<int>(kLinearPanel * sizeof(std::uint32_t)), kStrideC = 32 * sizeof(float);
+    constexpr int kStrideB = 16 * sizeof(std::uint32_t), kStrideC = 32 * sizeof(float);
     const int stride_a = static_cast<int>(lda * static_cast<Index>(sizeof(std::uint32_t)));
     const std::uint32_t* a1 = a + kAmxRows * lda;
+    const std::uint32_t* b1 = b + kblocks * kAmxTile;
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (Index k = 0; k < kblocks; ++k) {
-        const std::uint32_t* bk = b + k * kAmxPairs * kLinearPanel;
         if (k + kAmxPrefetchSteps < kblocks) {
-            const Index ahead = kAmxPrefetchSteps * kAmxPairs;
-            linear_amx_prefetch(bk + ahead * kLinearPanel, kLinearPanel, 16);
-            linear_amx_prefetch(bk + ahead * kLinearPanel + 16, kLinearPanel, 16);
-            linear_amx_prefetch(a + k * kAmxPairs + ahead, lda, 2 * kAmxRows);
+            const Index ahead = (k + kAmxPrefetchSteps) * kAmxTile;
+            linear_amx_prefetch(b + ahead, 16, 16);
+            linear_amx_prefetch(b1 + ahead, 16, 16);
+            linear_amx_prefetch(a + (k + kAmxPrefetchSteps) * kAmxPairs, lda, 2 * kAmxRows);
         }
-        kernel::bf16::amx::dot_2x2(a + k * kAmxPairs, a1 + k * kAmxPairs, stride_a, bk, bk + 16, kStrideB, true);
+        kernel::bf16::amx::dot_2x2(a + k * kAmxPairs, a1 + k * kAmxPairs, stride_a, b + k * kAmxTile, b1 + k * kAmxTile,
+                                   kStrideB, true);
     }
     kernel::bf16::amx::store_2x2(c, 16 * 32, kStrideC, true);
 }
 
-/// One row tile × a whole panel: c[16][64] (row stride 64 floats) = Σ over kblocks blocks of
-/// 16 pairs, in order, of TDPBF16PS products of x pairs at a (16 rows, row stride lda pairs)
-/// and the panel at b, whose rows are read whole and in order (for few rows, when the weights
-/// stream from memory). Each output sees the same products in the same order as in
-/// linear_amx_block. Needs the tiles configured on this thread (kernel::bf16::amx::Tiles).
+/// One row tile × a whole panel: c[16][64] (row stride 64 floats; as many rows as the tiles
+/// are configured with) = Σ over kblocks blocks of 16 pairs, in order, of TDPBF16PS products
+/// of x pairs at a (row stride lda pairs) and the panel at b, read once as 4 sequential
+/// streams, one per group of 16 outputs (for few rows, when the weights stream from memory).
+/// Each output sees the same products in the same order as in linear_amx_block. Needs the
+/// tiles configured on this thread (LinearAmxTiles).
 inline void linear_amx_row_tile(const std::uint32_t* a, Index lda, const std::uint32_t* b, Index kblocks,
                                 float* c) noexcept {
-    constexpr int kStrideB = static_cast<int>(kLinearPanel * sizeof(std::uint32_t)), kStrideC = 64 * sizeof(float);
+    constexpr int kStrideB = 16 * sizeof(std::uint32_t), kStrideC = 64 * sizeof(float);
     const int stride_a = static_cast<int>(lda * static_cast<Index>(sizeof(std::uint32_t)));
+    const Index stream = kblocks * kAmxTile;  // one group of 16 outputs
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (Index k = 0; k < kblocks; ++k) {
-        const std::uint32_t* bk = b + k * kAmxPairs * kLinearPanel;
-        if (k + kAmxPrefetchSteps < kblocks) {
-            const Index ahead = kAmxPrefetchSteps * kAmxPairs;
-            linear_amx_prefetch(bk + ahead * kLinearPanel, 16, 4 * 16);
-            linear_amx_prefetch(a + k * kAmxPairs + ahead, lda, kAmxRows);
-        }
+        const std::uint32_t* bk = b + k * kAmxTile;
+        if (k + kAmxPrefetchSteps < kblocks)
+            for (int t = 0; t < 4; ++t) linear_amx_prefetch(bk + t * stream + kAmxPrefetchSteps * kAmxTile, 16, 16);
         _tile_loadd(4, a + k * kAmxPairs, stride_a);
         _tile_loadd(5, bk, kStrideB);
-        _tile_loadd(6, bk + 16, kStrideB);
-        _tile_loadd(7, bk + 32, kStrideB);
+        _tile_loadd(6, bk + stream, kStrideB);
+        _tile_loadd(7, bk + 2 * stream, kStrideB);
         _tile_dpbf16ps(0, 4, 5);
         _tile_dpbf16ps(1, 4, 6);
         _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, bk + 48, kStrideB);
+        _tile_loadd(5, bk + 3 * stream, kStrideB);
         _tile_dpbf16ps(3, 4, 5);
     }
     _tile_stored(0, c, kStrideC);
@@ -292,8 +318,8 @@ public:
             m_rows = weight;
             return;
         }
-        // Panels of 64 outputs, [⌈in/2⌉][64] pairs each (AMX: [⌈in/32⌉·16][64]); outputs and
-        // pairs past the weights' are zero.
+        // Panels of 64 outputs, [⌈in/2⌉][64] pairs each (AMX: ⌈in/32⌉·16 pairs each, as B tiles,
+        // detail::amx_panel_offset); outputs and pairs past the weights' are zero.
         const Index pairs = (m_in + 1) / 2, panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
         m_pair_rows = pairs;
 #if defined(GATTN_HAS_AMX_KERNEL)
@@ -301,15 +327,24 @@ public:
             m_pair_rows = (pairs + detail::kAmxPairs - 1) / detail::kAmxPairs * detail::kAmxPairs;
 #endif
         m_packed.setZero(panels * m_pair_rows, detail::kLinearPanel);
+        const bool amx = m_kernel == Bf16Kernel::Amx;
         for (Index o = 0; o < m_out; ++o) {
-            std::uint32_t* col = m_packed.data() + (o / detail::kLinearPanel) * m_pair_rows * detail::kLinearPanel +
-                                 o % detail::kLinearPanel;
+            std::uint32_t* panel = m_packed.data() + (o / detail::kLinearPanel) * m_pair_rows * detail::kLinearPanel;
+            const Index j = o % detail::kLinearPanel;
             const Storage* w = weight.data() + o * weight.outerStride();
-            for (Index p = 0; p < pairs; ++p)
-                col[p * detail::kLinearPanel] =
-                    std::uint32_t(kernel::bits16(w[2 * p])) |
-                    (2 * p + 1 < m_in ? std::uint32_t(kernel::bits16(w[2 * p + 1])) << 16 : 0u);
+            for (Index p = 0; p < pairs; ++p) {
+                const std::uint32_t pair = std::uint32_t(kernel::bits16(w[2 * p])) |
+                                           (2 * p + 1 < m_in ? std::uint32_t(kernel::bits16(w[2 * p + 1])) << 16 : 0u);
+#if defined(GATTN_HAS_AMX_KERNEL)
+                if (amx) {
+                    panel[detail::amx_panel_offset(p, j, m_pair_rows / detail::kAmxPairs)] = pair;
+                    continue;
+                }
+#endif
+                panel[p * detail::kLinearPanel + j] = pair;
+            }
         }
+        (void)amx;
     }
 
     /// Inputs per row of x (the weight's columns).
@@ -533,7 +568,7 @@ private:
 #pragma omp parallel if (panels > 1 && rows * m_out * m_in >= (Index(1) << 20))
 #endif
         {
-            const kernel::bf16::amx::Tiles tiles;  // released at the end of the block
+            const detail::LinearAmxTiles tiles(rows);  // released at the end of the block
             alignas(64) float c[2 * kAmxRows * kLinearPanel];
             // Chunks of rows outside, so that a chunk's x pairs stay in L2 while the panels
             // pass; inside, blocks of 32 rows × 32 outputs, and a last block of up to 16 rows
@@ -551,7 +586,8 @@ private:
                     for (; c1 - r0 > kAmxRows; r0 += 2 * kAmxRows) {
                         const Index m = std::min(2 * kAmxRows, c1 - r0);
                         for (Index h = 0; h < n; h += 32) {
-                            detail::linear_amx_block(xp + r0 * lda, lda, panel + h, kblocks, c);
+                            detail::linear_amx_block(xp + r0 * lda, lda, panel + h / 16 * kblocks * detail::kAmxTile,
+                                                     kblocks, c);
                             detail::linear_amx_store(c, 32, m, b ? b + h : nullptr, y + r0 * ldy + o + h, ldy,
                                                      std::min<Index>(32, n - h));
                         }
