@@ -59,7 +59,7 @@ for flavour in $flavours; do
     avx2)
       arch="-mavx2 -mfma"
       cmake_args+=(-DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF
-                   -DGATTN_TESTS_PER_EXECUTABLE=ON)
+                   -DGATTN_TESTS_PER_EXECUTABLE=ON -DGATTN_UNITY_TESTS=ON)
       build_args=(--target test_ops)
       ctest_args=(-R "^test_ops\\.")
       ;;
@@ -124,5 +124,7 @@ for flavour in $flavours; do
              sort -u | paste -sd '|')
     ctest_args=(-R "^($suites)\\.")
   fi
-  env "${run_env[@]}" ctest --test-dir "$build-$flavour" -j "$jobs" --output-on-failure "${ctest_args[@]}" 2>&1 | quiet
+  # --no-tests=error: a filter that selects nothing fails instead of passing.
+  env "${run_env[@]}" ctest --test-dir "$build-$flavour" -j "$jobs" --output-on-failure --no-tests=error \
+    "${ctest_args[@]}" 2>&1 | quiet
 done

@@ -51,8 +51,7 @@ void expect_close(const RowMatrix<Scalar>& got, const RowMatrix<double>& want, c
             const double g = static_cast<double>(got(r, c)), w = want(r, c);
             num += (g - w) * (g - w);
             den += w * w;
-            if (!(std::abs(g - w) <= Tolerance<Scalar>::atol + Tolerance<Scalar>::rtol * std::abs(w)) &&
-                ++bad <= 5)
+            if (!(std::abs(g - w) <= Tolerance<Scalar>::atol + Tolerance<Scalar>::rtol * std::abs(w)) && ++bad <= 5)
                 ADD_FAILURE() << what << " at (" << r << ", " << c << "): got " << g << ", want " << w;
         }
     EXPECT_EQ(bad, 0) << what;
@@ -188,8 +187,8 @@ TEST(LayerForward, GateInSdpaEpilogueEqualsGatePass) {
             const RowMatrix<float> pass = layer.forward(x, sh.B, opt, &trace);
             EXPECT_EQ(fused, pass) << what;
             expect_close<float>(fused,
-                                gattn_test::layer_reference(c, gattn_test::weights_to_double(w), x.cast<double>(),
-                                                            sh.B, sh.key_lengths)
+                                gattn_test::layer_reference(c, gattn_test::weights_to_double(w), x.cast<double>(), sh.B,
+                                                            sh.key_lengths)
                                     .y,
                                 what);
         }
@@ -238,6 +237,7 @@ TEST(Linear, MatchesDoubleOnBothSidesOfTheGemvLimit) {
 
 #ifdef _OPENMP
 TEST(Linear, GemvPathIsBitwiseIndependentOfThreadCount) {
+    const int saved_threads = omp_get_max_threads();
     // 16 rows × 200 outputs × 333 inputs: above the size at which the blocks run in parallel.
     const Index rows = gattn::detail::kLinearGemvRows, in = 333, outputs = 200;
     const RowMatrix<float> w = gattn_test::random_matrix(outputs, in, 51).cast<float>();
@@ -250,7 +250,7 @@ TEST(Linear, GemvPathIsBitwiseIndependentOfThreadCount) {
         gattn::detail::linear<float>(x, w, b, out);
         results.push_back(out);
     }
-    omp_set_num_threads(omp_get_num_procs());
+    omp_set_num_threads(saved_threads);
     EXPECT_EQ(results[0], results[1]);
     EXPECT_EQ(results[0], results[2]);
 }
@@ -258,6 +258,7 @@ TEST(Linear, GemvPathIsBitwiseIndependentOfThreadCount) {
 
 #ifdef _OPENMP
 TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
+    const int saved_threads = omp_get_max_threads();
     // Prefill tiles and decoding's split-KV chunks are cut by shape, never by thread count;
     // more threads only group fewer query tiles per task (these shapes are grouped differently
     // for 1, 2 and 3 threads at every instruction set).
@@ -277,13 +278,14 @@ TEST(SdpaDeterminism, ResultIsBitwiseIndependentOfThreadCount) {
             omp_set_num_threads(threads);
             results.push_back(gattn::scaled_dot_product_attention<float>(q, k, v, {c.B, c.H, c.Hkv}, opt));
         }
-        omp_set_num_threads(omp_get_num_procs());
+        omp_set_num_threads(saved_threads);
         EXPECT_EQ(results[0], results[1]) << "N_q = " << c.nq;
         EXPECT_EQ(results[0], results[2]) << "N_q = " << c.nq;
     }
 }
 
 TEST(LayerDeterminism, GatePassIsBitwiseIndependentOfThreadCount) {
+    const int saved_threads = omp_get_max_threads();
     // 1024 rows × 64 gated values: large enough for the gate pass to run its rows in parallel.
     // Every branch of that pass (elementwise, head-shared mean, headwise, G2 on V, G5 with the
     // residual mix, input-independent, query-sourced) at 1, 2 and 3 threads: outputs and gate
@@ -323,12 +325,13 @@ TEST(LayerDeterminism, GatePassIsBitwiseIndependentOfThreadCount) {
             y.push_back(layer.forward(x, B, {}, &trace));
             scores.push_back(trace.gate_scores);
         }
-        omp_set_num_threads(omp_get_num_procs());
+        omp_set_num_threads(saved_threads);
         EXPECT_EQ(y[0], y[1]) << what;
         EXPECT_EQ(y[0], y[2]) << what;
         EXPECT_EQ(scores[0], scores[1]) << what;
         EXPECT_EQ(scores[0], scores[2]) << what;
-        expect_close<float>(y[0], gattn_test::layer_reference(c, gattn_test::weights_to_double(w), x.cast<double>(), B).y,
+        expect_close<float>(y[0],
+                            gattn_test::layer_reference(c, gattn_test::weights_to_double(w), x.cast<double>(), B).y,
                             what);
     }
 }
@@ -377,7 +380,8 @@ TEST(SdpaMerge, NaNAndUnderflowedWeightsSurviveAsInOneCall) {
     auto shard = [&](Index j, RowMatrix<float>& lse) {
         gattn::SdpaOutputs<float> extra;
         extra.log_sum_exp = &lse;
-        return gattn::scaled_dot_product_attention<float>(q, k.middleRows(j, 1), v.middleRows(j, 1), {1, 1, 1}, opt, extra);
+        return gattn::scaled_dot_product_attention<float>(q, k.middleRows(j, 1), v.middleRows(j, 1), {1, 1, 1}, opt,
+                                                          extra);
     };
     const RowMatrix<float> one_call =
         gattn::scaled_dot_product_attention<float>(q, k.topRows(2), v.topRows(2), {1, 1, 1}, opt);
@@ -393,21 +397,22 @@ TEST(SdpaMerge, NaNAndUnderflowedWeightsSurviveAsInOneCall) {
     RowMatrix<float> lse_nan;
     gattn::SdpaOutputs<float> extra;
     extra.log_sum_exp = &lse_nan;
-    const RowMatrix<float> out_nan =
-        gattn::scaled_dot_product_attention<float>(q, k_nan.middleRows(1, 1), v.middleRows(1, 1), {1, 1, 1}, opt, extra);
+    const RowMatrix<float> out_nan = gattn::scaled_dot_product_attention<float>(q, k_nan.middleRows(1, 1),
+                                                                                v.middleRows(1, 1), {1, 1, 1}, opt,
+                                                                                extra);
     gattn::merge_attention<float>(out_nan, lse_nan, out2, lse2, out, lse);
     EXPECT_TRUE(std::isnan(lse(0, 0))) << lse(0, 0);
     RowMatrix<float> out_again(1, 1), lse_again(1, 1);
     gattn::merge_attention<float>(out, lse, out2, lse2, out_again, lse_again);
-    EXPECT_TRUE(std::isnan(out_again(0, 0)) && std::isnan(lse_again(0, 0))) << out_again(0, 0) << " " << lse_again(0, 0);
+    EXPECT_TRUE(std::isnan(out_again(0, 0)) && std::isnan(lse_again(0, 0)))
+        << out_again(0, 0) << " " << lse_again(0, 0);
 }
 
 TEST(SdpaMerge, ResultsOverlappingTheInputsAreRejected) {
     // out may be out_a (in place) but not rows shifted into it: entries would be read after
     // being overwritten.
     RowMatrix<double> buffer = RowMatrix<double>::Random(5, 4), lse_a = RowMatrix<double>::Random(4, 2),
-                      out_b = RowMatrix<double>::Random(4, 4), lse_b = RowMatrix<double>::Random(4, 2),
-                      lse(4, 2);
+                      out_b = RowMatrix<double>::Random(4, 4), lse_b = RowMatrix<double>::Random(4, 2), lse(4, 2);
     const RowMatrix<double> before = buffer;
     try {
         gattn::merge_attention<double>(buffer.topRows(4), lse_a, out_b, lse_b, buffer.bottomRows(4), lse);
@@ -486,7 +491,8 @@ TEST(LayerForward, TraceHoldingXOutOrBiasIsRejected) {
         layer.forward(x, 2, trace.gate_scores, {}, &trace);
         ADD_FAILURE() << "no exception";
     } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find("trace->gate_scores must not hold x, out or options.bias"), std::string::npos)
+        EXPECT_NE(std::string(e.what()).find("trace->gate_scores must not hold x, out or options.bias"),
+                  std::string::npos)
             << e.what();
     }
     EXPECT_EQ(trace.gate_scores, before);
@@ -508,7 +514,8 @@ TEST(LayerForward, TraceHoldingXOutOrBiasIsRejected) {
         layer.forward(x, 2, out, opt, &trace);
         ADD_FAILURE() << "no exception";
     } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find("trace->probabilities must not hold x, out or options.bias"), std::string::npos)
+        EXPECT_NE(std::string(e.what()).find("trace->probabilities must not hold x, out or options.bias"),
+                  std::string::npos)
             << e.what();
     }
     EXPECT_EQ(trace.probabilities, probabilities);
@@ -547,8 +554,7 @@ TEST(LayerForward, RightPaddedBatchMatchesEachSequenceAlone) {
                                     "sequence " + std::to_string(b) + " alone");
             }
             for (Index i = L; i < N; ++i)
-                expect_close<float>(RowMatrix<float>(y.row(b * N + i)),
-                                    RowMatrix<double>(wd.o_proj_bias.transpose()),
+                expect_close<float>(RowMatrix<float>(y.row(b * N + i)), RowMatrix<double>(wd.o_proj_bias.transpose()),
                                     "padding row " + std::to_string(i) + " of sequence " + std::to_string(b));
         }
     }
@@ -685,8 +691,8 @@ TEST(LayerForward, BadInputThrowsAndLeavesOutputUntouched) {
     std::fill(allow.get(), allow.get() + 256, true);
     std::vector<float> bias(256, 0.0f);
     const std::string mask_shape = "must have shape [1|2, 1|4, 1|3, 3], got ";
-    const gattn::MaskView<bool> bad_bool[] = {{allow.get(), 1, 3, 1, 3}, {allow.get(), 3, 1, 1, 3},
-                                              {allow.get(), 1, 1, 2, 3}, {allow.get(), 1, 1, 1, 4}};
+    const gattn::MaskView<bool> bad_bool[] = {
+        {allow.get(), 1, 3, 1, 3}, {allow.get(), 3, 1, 1, 3}, {allow.get(), 1, 1, 2, 3}, {allow.get(), 1, 1, 1, 4}};
     const char* bad_dims[] = {"[1, 3, 1, 3]", "[3, 1, 1, 3]", "[1, 1, 2, 3]", "[1, 1, 1, 4]"};
     for (int i = 0; i < 4; ++i) {
         gattn::ForwardOptions<float> o;
@@ -707,7 +713,8 @@ TEST(LayerForward, BadInputThrowsAndLeavesOutputUntouched) {
     work.rightCols(17).setConstant(7.0f);
     layer.forward(work.leftCols(16), 2, work.middleCols(16, 16));
     EXPECT_TRUE(work.middleCols(16, 16) == layer.forward(x, 2)) << "out beside x in one matrix";
-    const auto ref = gattn_test::layer_reference(c, gattn_test::weights_to_double(gattn::make_random_weights<float>(c, 1)),
+    const auto ref = gattn_test::layer_reference(c,
+                                                 gattn_test::weights_to_double(gattn::make_random_weights<float>(c, 1)),
                                                  x.cast<double>(), 2);
     expect_close<float>(RowMatrix<float>(work.middleCols(16, 16)), ref.y, "out beside x in one matrix");
     EXPECT_TRUE(work.leftCols(16) == x) << "x was written";
@@ -758,8 +765,8 @@ void check_ragged_decoding() {
         RowMatrix<float> out(1, c.d_model);
         layer.forward(x.row(b), alone, out);
         for (const auto& batch_out : outs)
-            EXPECT_TRUE(batch_out.row(b) == out.row(0)) << "sequence " << b << " of " << lengths[static_cast<std::size_t>(b)]
-                                                        << " cached tokens";
+            EXPECT_TRUE(batch_out.row(b) == out.row(0))
+                << "sequence " << b << " of " << lengths[static_cast<std::size_t>(b)] << " cached tokens";
     }
 }
 
@@ -825,7 +832,7 @@ TEST(WindowCache, KeepsTheWindowsTokensInOrder) {
     append({3, 1});
     EXPECT_EQ(stored(0), std::vector<Index>({0, 1, 2}));
     EXPECT_EQ(cache.lengths_after({2, 0}), std::vector<Index>({4, 1}));  // tokens 1, 2 kept, 3 and 4 added
-    append({2, 0});  // 3 + 2 > 4: tokens 1, 2 move to the front
+    append({2, 0});                                                      // 3 + 2 > 4: tokens 1, 2 move to the front
     EXPECT_EQ(stored(0), std::vector<Index>({1, 2, 3, 4}));
     EXPECT_EQ(stored(1), std::vector<Index>({0}));
     EXPECT_EQ(cache.first_positions(), std::vector<Index>({1, 0}));
@@ -873,8 +880,8 @@ TEST(WindowCache, DecodingEqualsTheFullCache) {
     ASSERT_EQ(window_cache.window(), 4);
     ASSERT_EQ(window_cache.capacity(), 8);
     gattn::KVCache<float> full(2, 128, c.num_kv_heads, c.head_dim);
-    const std::vector<std::vector<Index>> schedule = {{11, 3}, {1, 1}, {1, 0}, {3, 5}, {1, 1}, {7, 2}, {1, 1},
-                                                      {2, 9}, {1, 1}, {1, 1}, {6, 4}, {1, 1}};
+    const std::vector<std::vector<Index>> schedule = {{11, 3}, {1, 1}, {1, 0}, {3, 5}, {1, 1}, {7, 2},
+                                                      {1, 1},  {2, 9}, {1, 1}, {1, 1}, {6, 4}, {1, 1}};
     for (int round = 0; round < 3; ++round)
         for (const auto& counts : schedule) {
             const Index n = *std::max_element(counts.begin(), counts.end());
@@ -891,7 +898,8 @@ TEST(WindowCache, DecodingEqualsTheFullCache) {
                     const RowMatrix<double> want = y_full.row(b * n + t).cast<double>();
                     expect_close<float>(RowMatrix<float>(y_window.row(b * n + t)), want, where);
                     EXPECT_NEAR(trace_window.first_key_attention(b * n + t, 0),
-                                trace_full.first_key_attention(b * n + t, 0), 1e-6) << where;
+                                trace_full.first_key_attention(b * n + t, 0), 1e-6)
+                        << where;
                 }
             EXPECT_EQ(window_cache.tokens_seen(), full.lengths());
             EXPECT_LE(window_cache.capacity(), 3 + 11) << "w − 1 kept + the longest call";
@@ -994,8 +1002,8 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     EXPECT_EQ(twin_cache.owner(), twin.layer_id());
     expect_rejected<invalid_argument>([&] { layer.forward(x, twin_cache, out); }, fn,
                                       {"cache belongs to another layer (made by make_cache of layer " +
-                                           std::to_string(twin.layer_id()) + "; this is layer " +
-                                           std::to_string(layer.layer_id()) + ")"},
+                                       std::to_string(twin.layer_id()) + "; this is layer " +
+                                       std::to_string(layer.layer_id()) + ")"},
                                       out);
     EXPECT_TRUE(twin_cache.lengths() == std::vector<Index>({0, 0}));
     RowMatrix<float> twin_out(2, 16);
@@ -1004,12 +1012,15 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     const gattn::GatedMultiHeadAttention<float> copy = layer;
     EXPECT_EQ(copy.layer_id(), layer.layer_id());
     RowMatrix<float> narrow = RowMatrix<float>::Constant(6, 8, 7.0f);
-    expect_rejected<shape_error>([&] { layer.forward(x, cache, narrow); }, fn, {"out must have shape [6, 16], got [6, 8]"},
-                                 narrow);
+    expect_rejected<shape_error>([&] { layer.forward(x, cache, narrow); }, fn,
+                                 {"out must have shape [6, 16], got [6, 8]"}, narrow);
     expect_rejected<shape_error>([&] { layer.forward(x, cache, out, {3}); }, fn,
                                  {"counts must have shape [2], got [1]"}, out);
-    expect_rejected<invalid_argument>([&] { layer.forward(x, cache, out, {4, 0}); }, fn,
-                                      {"counts[0] must be in [0, 3], got 4"}, out);
+    expect_rejected<invalid_argument>(
+        [&] {
+            layer.forward(x, cache, out, {4, 0});
+        },
+        fn, {"counts[0] must be in [0, 3], got 4"}, out);
     // Each sequence holds 1 of 4 tokens: 3 more fit, 4 do not.
     RowMatrix<float> out8 = RowMatrix<float>::Constant(8, 16, 7.0f);
     expect_rejected<invalid_argument>([&] { layer.forward(RowMatrix<float>::Random(8, 16), cache, out8); }, fn,
@@ -1058,7 +1069,8 @@ TEST(LayerConstruction, RopeAndQkNormSettingsAreChecked) {
     const auto w_ok = gattn::make_random_weights<float>(small_config(), 1);  // head_dim 4
     RowMatrix<float> unused;
     for (const auto& [rotary_dim, theta, message] :
-         {std::tuple<Index, double, std::string>{3, 1e4, "config.rotary_dim must be even and in [0, head_dim = 4], got 3"},
+         {std::tuple<Index, double, std::string>{3, 1e4,
+                                                 "config.rotary_dim must be even and in [0, head_dim = 4], got 3"},
           {6, 1e4, "config.rotary_dim must be even and in [0, head_dim = 4], got 6"},
           {-2, 1e4, "config.rotary_dim must be even"},
           {4, 0.0, "config.rope_theta must be finite and > 0, got 0"}}) {
