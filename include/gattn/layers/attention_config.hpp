@@ -226,10 +226,6 @@ void check_weight_shape(const char* fn, const char* name, const Tensor& t, const
     }
 }
 
-}  // namespace detail
-
-namespace detail {
-
 /// Where head h's d_k query rows and gw gate rows start in a q_proj with a fused gate, for
 /// heads in KV groups of `group`: per head [query | gate] (PerHeadInterleaved, Qwen3-Next), or
 /// per KV group [queries of its heads | their gates] (GroupedByKV).

@@ -162,11 +162,8 @@ inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::ui
 }
 #endif
 
-#if defined(GATTN_HAS_AMX_KERNEL)
 /// Pairs of inputs per AMX k step: a bf16 tile row is 64 bytes, 16 pairs.
 inline constexpr Index kAmxPairs = 16;
-/// Rows of x per AMX tile.
-inline constexpr Index kAmxRows = 16;
 /// uint32 pairs per packed B tile: 16 pair rows × 16 outputs, 1 KiB.
 inline constexpr Index kAmxTile = kAmxPairs * 16;
 /// Offset in an AMX panel of kblocks k steps of pair p of the panel's output j: the panel's 4
@@ -174,6 +171,10 @@ inline constexpr Index kAmxTile = kAmxPairs * 16;
 constexpr Index amx_panel_offset(Index p, Index j, Index kblocks) noexcept {
     return (j / 16) * kblocks * kAmxTile + (p / kAmxPairs) * kAmxTile + (p % kAmxPairs) * 16 + j % 16;
 }
+
+#if defined(GATTN_HAS_AMX_KERNEL)
+/// Rows of x per AMX tile.
+inline constexpr Index kAmxRows = 16;
 /// k steps ahead that the AMX kernel prefetches its tiles' lines into L1: tile loads that miss
 /// L1 stall (2048 → 4608, one thread: 1.5–2× as fast at 16 and 64 rows, up to 1.4× at 2048).
 inline constexpr Index kAmxPrefetchSteps = 2;
@@ -321,30 +322,19 @@ public:
         // Panels of 64 outputs, [⌈in/2⌉][64] pairs each (AMX: ⌈in/32⌉·16 pairs each, as B tiles,
         // detail::amx_panel_offset); outputs and pairs past the weights' are zero.
         const Index pairs = (m_in + 1) / 2, panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
-        m_pair_rows = pairs;
-#if defined(GATTN_HAS_AMX_KERNEL)
-        if (m_kernel == Bf16Kernel::Amx)
-            m_pair_rows = (pairs + detail::kAmxPairs - 1) / detail::kAmxPairs * detail::kAmxPairs;
-#endif
-        m_packed.setZero(panels * m_pair_rows, detail::kLinearPanel);
         const bool amx = m_kernel == Bf16Kernel::Amx;
+        m_pair_rows = amx ? (pairs + detail::kAmxPairs - 1) / detail::kAmxPairs * detail::kAmxPairs : pairs;
+        m_packed.setZero(panels * m_pair_rows, detail::kLinearPanel);
+        const Index kblocks = m_pair_rows / detail::kAmxPairs;
         for (Index o = 0; o < m_out; ++o) {
             std::uint32_t* panel = m_packed.data() + (o / detail::kLinearPanel) * m_pair_rows * detail::kLinearPanel;
             const Index j = o % detail::kLinearPanel;
             const Storage* w = weight.data() + o * weight.outerStride();
-            for (Index p = 0; p < pairs; ++p) {
-                const std::uint32_t pair = std::uint32_t(kernel::bits16(w[2 * p])) |
-                                           (2 * p + 1 < m_in ? std::uint32_t(kernel::bits16(w[2 * p + 1])) << 16 : 0u);
-#if defined(GATTN_HAS_AMX_KERNEL)
-                if (amx) {
-                    panel[detail::amx_panel_offset(p, j, m_pair_rows / detail::kAmxPairs)] = pair;
-                    continue;
-                }
-#endif
-                panel[p * detail::kLinearPanel + j] = pair;
-            }
+            for (Index p = 0; p < pairs; ++p)
+                panel[amx ? detail::amx_panel_offset(p, j, kblocks) : p * detail::kLinearPanel + j] =
+                    std::uint32_t(kernel::bits16(w[2 * p])) |
+                    (2 * p + 1 < m_in ? std::uint32_t(kernel::bits16(w[2 * p + 1])) << 16 : 0u);
         }
-        (void)amx;
     }
 
     /// Inputs per row of x (the weight's columns).
