@@ -7,7 +7,8 @@
 // step's time against the time its bytes take to stream from memory (counter roof_fraction),
 // for one sequence over 1k–32k cached tokens; int8 is the float layer with an int8 KV cache.
 // BM_DecodeAttention/<cache>/... times SDPA alone over the cache (one query token, 16 heads,
-// 2 KV heads, d = 256) for float, bf16 and int8 caches side by side.
+// 2 KV heads, d = 256) for float, bf16 and int8 caches side by side (int8 with its integer
+// products and with the codes widened to float).
 //
 // Run: build/bench/bench/bench_qwen3_next --benchmark_counters_tabular=true
 
@@ -200,10 +201,14 @@ BENCHMARK_TEMPLATE(BM_DecodeRoof, gattn::bfloat16, std::int8_t)
 /// SDPA alone for one decoding step (one query token per sequence, Qwen3-Next's 16 heads, 2 KV
 /// heads, d = 256) over a cache of Cache (float, bf16 or int8) filled with random keys and
 /// values. Args: cached tokens, threads. Counters: step_ms; cache_MiB, the cache's bytes read;
-/// GB/s, those bytes over the step time. Compare the caches within one run.
-template <class Cache>
+/// GB/s, those bytes over the step time. Compare the caches within one run. int8: Limit is the
+/// decoding kernel family allowed (BM_DecodeAttention/int8_widened: the codes widened to float
+/// FMAs); the label names the one that ran.
+template <class Cache, gattn::Int8Kernel Limit = gattn::Int8Kernel::Vnni>
 void BM_DecodeAttention(benchmark::State& state) {
     const gattn::Index n = state.range(0), H = 16, Hkv = 2, d = 256;
+    gattn::set_int8_kernel_limit(Limit);
+    if constexpr (std::is_same_v<Cache, std::int8_t>) state.SetLabel(gattn::kernel_name(gattn::int8_kernel().kernel));
 #ifdef _OPENMP
     omp_set_num_threads(static_cast<int>(state.range(1)));
 #endif
@@ -224,6 +229,7 @@ void BM_DecodeAttention(benchmark::State& state) {
     const double row_bytes = kv_row_bytes<Cache>(Hkv, d);
     state.counters["cache_MiB"] = double(n) * row_bytes / double(1 << 20);
     state.counters["GB/s"] = benchmark::Counter(double(n) * row_bytes, benchmark::Counter::kIsIterationInvariantRate);
+    gattn::set_int8_kernel_limit(gattn::Int8Kernel::Vnni);
 #ifdef _OPENMP
     omp_set_num_threads(1);
 #endif
@@ -239,6 +245,9 @@ void decode_attention_args(benchmark::internal::Benchmark* b) {
 BENCHMARK_TEMPLATE(BM_DecodeAttention, float)->Name("BM_DecodeAttention/float")->Apply(decode_attention_args);
 BENCHMARK_TEMPLATE(BM_DecodeAttention, gattn::bfloat16)->Name("BM_DecodeAttention/bf16")->Apply(decode_attention_args);
 BENCHMARK_TEMPLATE(BM_DecodeAttention, std::int8_t)->Name("BM_DecodeAttention/int8")->Apply(decode_attention_args);
+BENCHMARK_TEMPLATE(BM_DecodeAttention, std::int8_t, gattn::Int8Kernel::WidenedFloat)
+    ->Name("BM_DecodeAttention/int8_widened")
+    ->Apply(decode_attention_args);
 
 }  // namespace
 

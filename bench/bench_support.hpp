@@ -15,12 +15,13 @@
 
 namespace gattn_bench {
 
-/// Adds gattn's version, the instruction sets (compiled for, and the CPU's), the bf16 kernel
-/// and the thread count to the benchmark context that Google Benchmark prints first.
+/// Adds gattn's version, the instruction sets (compiled for, and the CPU's), the bf16 and int8
+/// decoding kernels and the thread count to the benchmark context that Google Benchmark prints first.
 inline void add_gattn_context() {
     benchmark::AddCustomContext("gattn_version", gattn::version());
     benchmark::AddCustomContext("gattn_isa", gattn::describe(gattn::instruction_sets()));
     benchmark::AddCustomContext("gattn_bf16_kernel", gattn::describe(gattn::bf16_kernel()));
+    benchmark::AddCustomContext("gattn_int8_kernel", gattn::describe(gattn::int8_kernel()));
     benchmark::AddCustomContext("gattn_threads", std::to_string(gattn::num_threads()));
 }
 

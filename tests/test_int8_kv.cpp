@@ -3,9 +3,10 @@
 // dequantized in double), so the kernels' arithmetic is checked up to float rounding (where the
 // decoding kernel rounds the query to 16-bit integers for VPDPWSSD, the reference takes the
 // same rounded query; its value sum's weights, rounded to 16 bits per block, stay within the
-// tolerance): decoding
-// and prefill shapes, GQA, ragged key lengths, causal and window masks, sinks, softcap and
-// ALiBi, garbage past the key lengths, and thread-count invariance.
+// tolerance): decoding and prefill shapes, GQA, ragged key lengths, causal and window masks,
+// sinks, softcap and ALiBi, garbage past the key lengths, and thread-count invariance. The
+// SDPA tests run once per decoding kernel family (AVX512-VNNI, widened float) that this build
+// offers.
 
 #include <gtest/gtest.h>
 
@@ -22,6 +23,7 @@
 #endif
 
 #include "gattn/gattn.hpp"
+#include "support/kernel_limit.hpp"
 #include "support/reference.hpp"
 
 namespace {
@@ -146,7 +148,8 @@ void check_case(const Case& c) {
     Mat q_ref = q.cast<double>();
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
     const bool decode = (c.H / c.Hkv) * c.Nq <= gattn::kernel::FlashGeometry<float>::kQueries / 4;
-    if (decode && gattn::kernel::decode_int8::takes(c.dk))
+    if (decode && gattn::int8_kernel().kernel != gattn::Int8Kernel::WidenedFloat &&
+        gattn::kernel::decode_int8::takes(c.dk))
         for (Index r = 0; r < q.rows(); ++r)
             for (Index h = 0; h < c.H; ++h) {
                 std::vector<std::int16_t> codes(static_cast<std::size_t>(c.dk));
@@ -185,7 +188,24 @@ void check_case(const Case& c) {
     }
 }
 
-TEST(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
+/// The int8 SDPA tests, once per decoding kernel family; a family this build or CPU lacks is
+/// skipped (int8_kernel() says why).
+class Int8Sdpa : public ::testing::TestWithParam<gattn::Int8Kernel> {
+protected:
+    void SetUp() override {
+        if (gattn::int8_kernel().kernel != GetParam())
+            GTEST_SKIP() << gattn::kernel_name(GetParam())
+                         << " does not run here: " << gattn::describe(gattn::int8_kernel());
+    }
+    gattn_test::Int8KernelLimit limit{GetParam()};
+};
+
+INSTANTIATE_TEST_SUITE_P(Kernels, Int8Sdpa, ::testing::Values(gattn::Int8Kernel::Vnni, gattn::Int8Kernel::WidenedFloat),
+                         [](const auto& info) {
+                             return std::string(info.param == gattn::Int8Kernel::Vnni ? "Vnni" : "WidenedFloat");
+                         });
+
+TEST_P(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
     const std::vector<Case> cases = {
         // Decoding (one query per sequence): the split-KV kernel reads the codes in place.
         {"decode GQA ragged", 3, 8, 2, 1, 1300, 64, 64, true, std::nullopt, true},
@@ -202,7 +222,20 @@ TEST(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
     for (const Case& c : cases) check_case(c);
 }
 
-TEST(Int8Sdpa, ANaNQueryReachesOnlyItsOwnHead) {
+#ifdef _OPENMP
+TEST_P(Int8Sdpa, ADecodingThreadTakesMoreHeadsAfterLongerHeads) {
+    // One thread decodes 2 KV heads of d = 256, then 4 of d = 128: the same number of query
+    // codes, twice the query scales. Its kept scratch must grow for the scales too (it once grew
+    // only with the codes, and the second call wrote past the scales).
+    const int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    check_case({"decode d=256, 2 KV heads", 1, 16, 2, 1, 300, 256, 256, true});
+    check_case({"decode d=128, 4 KV heads", 1, 32, 4, 1, 300, 128, 128, true});
+    omp_set_num_threads(saved);
+}
+#endif
+
+TEST_P(Int8Sdpa, ANaNQueryReachesOnlyItsOwnHead) {
     // Decoding, d = 64 (the integer value sum where VNNI is compiled in): a NaN in head 1's query
     // makes its logits NaN; its output must be NaN and every other head's output unchanged.
     std::mt19937 rng(11);
@@ -223,7 +256,7 @@ TEST(Int8Sdpa, ANaNQueryReachesOnlyItsOwnHead) {
         }
 }
 
-TEST(Int8Sdpa, NegativeAndMixedValueScalesAreHonoured) {
+TEST_P(Int8Sdpa, NegativeAndMixedValueScalesAreHonoured) {
     // A view's scales are the caller's: value rows with negative scales (all, or some of a
     // block) must weigh as scale · code. One head, d = 64, 37 keys (a partial last block),
     // against the float64 reference on the same codes and scales.
@@ -244,7 +277,7 @@ TEST(Int8Sdpa, NegativeAndMixedValueScalesAreHonoured) {
     }
 }
 
-TEST(Int8Sdpa, ScalesAreRequired) {
+TEST_P(Int8Sdpa, ScalesAreRequired) {
     Int8Matrix k(RowMatrix<float>::Ones(4, 8), 2), v(RowMatrix<float>::Ones(4, 8), 2);
     RowMatrix<float> q = RowMatrix<float>::Ones(2, 8), out(2, 8);
     auto no_scales = k.view();
@@ -258,6 +291,20 @@ TEST(Int8Sdpa, ScalesAreRequired) {
     } catch (const std::invalid_argument& e) {
         EXPECT_NE(std::string(e.what()).find("value.scale_stride"), std::string::npos) << e.what();
     }
+}
+
+TEST(Int8Kernel, SaysWhichKernelRunsAndWhyNoFasterOne) {
+    const gattn::Int8KernelChoice best = gattn::int8_kernel();
+    EXPECT_EQ(best.reason.empty(), best.kernel == gattn::Int8Kernel::Vnni) << gattn::describe(best);
+    {
+        gattn_test::Int8KernelLimit limit(gattn::Int8Kernel::WidenedFloat);
+        const gattn::Int8KernelChoice widened = gattn::int8_kernel();
+        EXPECT_EQ(widened.kernel, gattn::Int8Kernel::WidenedFloat);
+        EXPECT_NE(widened.reason.find("set_int8_kernel_limit"), std::string::npos) << widened.reason;
+        EXPECT_EQ(gattn::describe(widened), "widened float (AVX512-VNNI: excluded by set_int8_kernel_limit)");
+    }
+    EXPECT_EQ(gattn::int8_kernel().kernel, best.kernel) << "the limit is lifted";
+    EXPECT_EQ(best.kernel == gattn::Int8Kernel::WidenedFloat, !gattn::compiled_with_vnni());
 }
 
 TEST(Int8Cache, AppendQuantizesEachRowAndRefusesNonFiniteValues) {
@@ -307,7 +354,7 @@ TEST(Int8Cache, AppendQuantizesEachRowAndRefusesNonFiniteValues) {
 }
 
 #ifdef _OPENMP
-TEST(Int8Sdpa, ResultsDoNotDependOnTheThreadCount) {
+TEST_P(Int8Sdpa, ResultsDoNotDependOnTheThreadCount) {
     std::mt19937 rng(5);
     const Index B = 2, H = 8, Hkv = 2, d = 64, Nk = 3000;
     const RowMatrix<float> q = random_rows(B, H * d, rng, 1.0f);

@@ -541,7 +541,9 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
 /// call reads more than kDecodeFromMemoryBytes of K and V. KV: the type K and V
 /// are stored in (T, or bf16/fp16 widened as they are loaded, or int8 codes); the queries are T.
 /// int8 (KV = std::int8_t, T = float): key row j of head g stands for
-/// scales.key[j·scales.stride + g] times its codes, value rows likewise (ops/int8_rows.hpp).
+/// scales.key[j·scales.stride + g] times its codes, value rows likewise (ops/int8_rows.hpp);
+/// int8_family: Vnni runs the integer products where decode_int8 takes the head sizes,
+/// WidenedFloat widens the codes (set_int8_kernel_limit), chosen once per SDPA call.
 ///
 /// kDot (bf16 cache, AVX512-BF16, decode_bf16::takes(dk, dv)): both products with VDPBF16PS on
 /// the bf16 query rows q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row
@@ -550,7 +552,8 @@ template <class T, class KV = T, bool kDot = false>
 void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin, Index k_end,
                   const KV* key_base, Index key_stride, const KV* value_base, Index value_stride, Index dk, Index dv,
                   T scale, bool from_memory, [[maybe_unused]] const KV* const* q16 = nullptr,
-                  [[maybe_unused]] const Int8Scales& scales = {}) {
+                  [[maybe_unused]] const Int8Scales& scales = {},
+                  [[maybe_unused]] Int8Kernel int8_family = Int8Kernel::Vnni) {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -562,14 +565,17 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // int8 with VNNI: the query rows as 16-bit codes and their scales (decode_int8).
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
-    const bool int8_dot = kInt8 && decode_int8::takes(dk);
-    [[maybe_unused]] const bool int8_values = kInt8 && decode_int8::takes_values(dv);
+    const bool int8_dot = kInt8 && int8_family != Int8Kernel::WidenedFloat && decode_int8::takes(dk);
+    [[maybe_unused]] const bool int8_values = kInt8 && int8_family != Int8Kernel::WidenedFloat &&
+                                              decode_int8::takes_values(dv);
     thread_local std::vector<std::int16_t> q_codes;  // kept between calls, grown only
     thread_local std::vector<float> q_scales;
-    if (int8_dot && q_codes.size() < static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk)) {
+    // Each grown for its own need: codes scale with d_k, scales with the KV heads alone (a
+    // call with more heads and a smaller d_k needs more scales and no more codes).
+    if (int8_dot && q_codes.size() < static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk))
         q_codes.resize(static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk));
+    if (int8_dot && q_scales.size() < static_cast<std::size_t>(num_kv_heads * kRowsPerHead))
         q_scales.resize(static_cast<std::size_t>(num_kv_heads * kRowsPerHead));
-    }
     if constexpr (kInt8)
         for (Index g = 0; g < num_kv_heads && int8_dot; ++g)
             for (int t = 0; t < blks[g].count; ++t)

@@ -522,6 +522,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
     const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
                                                                       : Bf16Kernel::WidenedFloat;
+    // An int8 cache's decoding kernel, chosen once per call (int8_kernel() says why).
+    [[maybe_unused]] const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
     // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32; also under AMX, whose
     // 16-row tiles would sit mostly idle on a decoding step's few queries); else widened.
     [[maybe_unused]] const bool decode_dot = narrow_kernel != Bf16Kernel::WidenedFloat &&
@@ -604,7 +606,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
 #endif
                 kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(), value_seq,
                                                 value.outerStride(), dk, dv, scale, decode_from_memory, nullptr,
-                                                int8_scales(b, 0));
+                                                int8_scales(b, 0), int8_family);
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.

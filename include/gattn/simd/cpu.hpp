@@ -14,6 +14,11 @@
 ///    (ops/bf16_flash_kernel.hpp); needs a translation unit built with AVX512-BF16
 ///    (e.g. -march=native on Zen 4/5, Cooper Lake, Sapphire Rapids) and a CPU that has it.
 ///  - WidenedFloat: inputs widened to float block by block inside the float kernel.
+///
+/// Kernels for decoding against an int8 KV cache (int8_kernel()), fastest first:
+///  - Vnni: both products as exact integer sums (VPDPWSSD) of the codes and 16-bit codes of
+///    the query and the weights; needs a unit built with AVX512-VNNI (and BW).
+///  - WidenedFloat: the codes widened to float FMAs.
 
 #include <cstdint>
 #include <cstdio>
@@ -41,6 +46,19 @@ enum class Bf16Kernel {
     Amx,           ///< AMX tiles (TDPBF16PS)
     Avx512Bf16,    ///< AVX512-BF16 (VDPBF16PS)
     WidenedFloat,  ///< bf16 widened to float inside the float kernel
+};
+
+/// Kernel families for decoding against an int8 KV cache, fastest first.
+enum class Int8Kernel {
+    Vnni,          ///< AVX512-VNNI (VPDPWSSD) for both products
+    WidenedFloat,  ///< codes widened to float FMAs
+};
+
+/// The kernel an int8-cache decoding call will run and, when it is not the fastest, why.
+struct Int8KernelChoice {
+    Int8Kernel kernel = Int8Kernel::WidenedFloat;
+    /// One line per faster kernel that is not used; empty when the fastest runs.
+    std::string reason;
 };
 
 /// The kernel a call will run and, when it is not the fastest family, why.
@@ -100,6 +118,12 @@ inline Bf16Kernel& bf16_kernel_limit() noexcept {
     return limit;
 }
 
+/// The kernel family int8-cache decoding is limited to (set_int8_kernel_limit).
+inline Int8Kernel& int8_kernel_limit() noexcept {
+    static Int8Kernel limit = Int8Kernel::Vnni;
+    return limit;
+}
+
 }  // namespace detail
 
 /// The CPU's features (read once).
@@ -114,6 +138,12 @@ inline const CpuFeatures& cpu_features() noexcept {
 /// synchronised). Default: Amx (no limit).
 inline void set_bf16_kernel_limit(Bf16Kernel slowest_allowed) noexcept {
     detail::bf16_kernel_limit() = slowest_allowed;
+}
+
+/// Limits decoding against an int8 KV cache to `slowest_allowed` or slower families, as
+/// set_bf16_kernel_limit does for bf16. Default: Vnni (no limit).
+inline void set_int8_kernel_limit(Int8Kernel slowest_allowed) noexcept {
+    detail::int8_kernel_limit() = slowest_allowed;
 }
 
 /// Whether this translation unit contains the AVX512-BF16 kernel (built with -march=native on a
@@ -201,6 +231,39 @@ inline Bf16Kernel bf16_kernel_family() noexcept {
 }
 }  // namespace detail
 
+/// Whether this translation unit contains the AVX512-VNNI int8 decoding kernel.
+inline constexpr bool compiled_with_vnni() noexcept {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return true;
+#else
+    return false;
+#endif
+}
+
+namespace detail {
+/// int8_kernel().kernel without the reasons (no allocation): what a decoding call dispatches on.
+inline Int8Kernel int8_kernel_family() noexcept {
+    return int8_kernel_limit() != Int8Kernel::WidenedFloat && compiled_with_vnni() ? Int8Kernel::Vnni
+                                                                                   : Int8Kernel::WidenedFloat;
+}
+}  // namespace detail
+
+/// The kernel family that decoding against an int8 KV cache (few queries per KV head) runs
+/// here, and why no faster one. Head sizes choose too: the VNNI logits need d_k a multiple of
+/// 32 and its value sum d_v a multiple of 64; other sizes widen to float. Prefill (many
+/// queries) always widens the codes to float. May be called from several threads
+/// (set_int8_kernel_limit may not).
+inline Int8KernelChoice int8_kernel() {
+    Int8KernelChoice choice;
+    if (detail::int8_kernel_limit() == Int8Kernel::WidenedFloat)
+        choice.reason = "AVX512-VNNI: excluded by set_int8_kernel_limit";
+    else if (!compiled_with_vnni())
+        choice.reason = "AVX512-VNNI: not compiled with the flags (build with -march=native)";
+    else
+        choice.kernel = Int8Kernel::Vnni;
+    return choice;
+}
+
 /// "AMX", "AVX512-BF16" or "widened float".
 inline const char* kernel_name(Bf16Kernel k) noexcept {
     switch (k) {
@@ -210,8 +273,18 @@ inline const char* kernel_name(Bf16Kernel k) noexcept {
     }
 }
 
+/// "AVX512-VNNI" or "widened float".
+inline const char* kernel_name(Int8Kernel k) noexcept {
+    return k == Int8Kernel::Vnni ? "AVX512-VNNI" : "widened float";
+}
+
 /// One line for logs and benchmark context: "<kernel> (<reasons>)".
 inline std::string describe(const KernelChoice& c) {
+    return std::string(kernel_name(c.kernel)) + (c.reason.empty() ? "" : " (" + c.reason + ")");
+}
+
+/// One line for logs and benchmark context: "<kernel> (<reasons>)".
+inline std::string describe(const Int8KernelChoice& c) {
     return std::string(kernel_name(c.kernel)) + (c.reason.empty() ? "" : " (" + c.reason + ")");
 }
 
