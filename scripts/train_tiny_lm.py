@@ -1,8 +1,9 @@
 #!/usr/bin/python3
 """Train three tiny byte-level language models on fortunes: ungated, gated and with sinks.
 
-The models are identical except for how they let a head attend to nothing: same architecture,
-same seed, same initial values for every tensor they share, same batches in the same order.
+The models are identical except for how they let a head attend to nothing (and, to match the
+gate's parameters, the ungated models' wider MLP): same architecture, same seed, same initial
+values for every tensor they share, same batches in the same order.
 "baseline" uses plain attention; "gated" is Qwen3-Next's full attention (a G1 elementwise
 sigmoid gate fused into q_proj); "sinks" is the baseline with gpt-oss's learned attention sinks
 (one logit per head in each softmax denominator, no value). They are small enough for a C++
@@ -32,9 +33,13 @@ Model (per sequence of N tokens at positions 0..N-1; nn.Linear layout W[out, in]
     s_1..s_n gets the extra logit sinks[h] in its denominator, as gpt-oss's eager attention
     (softmax over [scores | sink], sink column dropped): p_j = e^s_j / (e^sinks[h] + sum e^s_i).
 
+Parameters are matched: the ungated models' SwiGLU MLP is wider by the gate's parameter count
+(H * d * D per layer, 3 * D per unit: intermediate size 384 + 43 = 427 against 384).
+
 Training: normal(0, 0.02) init for every matrix and the embedding, norm weights 0; the gated
-model's query rows are the baseline's, its gate rows come from a second generator; the sinks
-model's sink logits start at 0. AdamW, random 257-byte windows of the training text, float32,
+model's query rows and first 384 MLP units are the baseline's, its gate rows come from a second
+generator and the ungated models' extra 43 units from a third; the sinks model's sink logits
+start at 0. AdamW, random 257-byte windows of the training text, float32,
 one thread per model, the models trained at once in parallel processes.
 
 Exported per model (assets/tiny_lm/{baseline,gated,sinks}/): config.json (Hugging Face key names),
@@ -60,9 +65,10 @@ stored logits and heldout_nll to 1e-10 and produce the same greedy tokens.
 
 Usage:
   scripts/train_tiny_lm.sh                                # same as the next line, deps checked
-  /usr/bin/python3 scripts/train_tiny_lm.py               # train, export, check (15-30 min on 2 cores)
+  /usr/bin/python3 scripts/train_tiny_lm.py               # train, export, check (45-100 min on 2 cores)
   /usr/bin/python3 scripts/train_tiny_lm.py --models sinks  # train one model, keep the others
   /usr/bin/python3 scripts/train_tiny_lm.py --quick       # 20 steps into a temporary directory
+  /usr/bin/python3 scripts/train_tiny_lm.py --references-only  # redo references, logs, README
   /usr/bin/python3 scripts/train_tiny_lm.py --check       # only check the existing files
 """
 
@@ -92,10 +98,11 @@ SPLIT_SEED = 5001   # shuffles the fortunes before the held-out split
 INIT_SEED = 5002    # every tensor both models share
 GATE_SEED = 5003    # the gated model's gate rows of q_proj
 DATA_SEED = 5004    # training windows
+WIDE_SEED = 5005    # the MLP units the ungated models get in place of the gate's parameters
 HELDOUT_FRACTION = 0.05
 SEPARATOR = b"\n%\n"
 
-STEPS = 500
+STEPS = 1500
 QUICK_STEPS = 20
 BATCH = 16
 PEAK_LR = 3e-3
@@ -109,17 +116,24 @@ LOG_EVERY = 50
 
 REFERENCE_WINDOWS = 8
 GENERATE = 64
+SAMPLE = 200  # bytes of greedy continuation the demo prints
 # The reference prompt is the first of these whose 64 greedy choices have a clear top-1 and
-# are not one byte repeated (a tiny model easily falls into "      ...") in every model.
+# are not one byte repeated (a tiny model easily falls into "      ...") in every model, and
+# whose 200-byte greedy samples do not loop (no substring of MAX_REPEAT bytes or more occurs
+# twice).
 PROMPTS = [
     "Q: What is the meaning of life?\nA: ",
     "Q: How many programmers does it take to change a light bulb?\nA: ",
     "A computer is ",
     "Love is ",
     "The best way to ",
+    "Q: Why did the chicken cross the road?\nA: ",
+    "Never trust ",
+    "Life is ",
 ]
 MIN_MARGIN = 1e-3  # float32 rounding cannot flip a greedy choice with this top-1 - top-2 gap
 MIN_DISTINCT = 8   # distinct bytes in each model's continuation
+MAX_REPEAT = 32    # a greedy sample whose longest repeated substring is this long has looped
 TOLERANCE = 1e-10
 MAX_MODEL_BYTES = 4 * 1024 * 1024
 
@@ -147,9 +161,19 @@ BASE_CONFIG = {
 }
 
 
+def matched_intermediate_size():
+    """The ungated models' MLP width: the gated model's, widened by the gate's parameters
+    (H * head_dim * hidden_size per layer, 3 * hidden_size per SwiGLU unit), rounded."""
+    c = BASE_CONFIG
+    gate = c["num_attention_heads"] * c["head_dim"] * c["hidden_size"]
+    return c["intermediate_size"] + round(gate / (3 * c["hidden_size"]))
+
+
 def model_config(name):
     config = dict(BASE_CONFIG)
     config["attn_output_gate"] = name == "gated"
+    if name != "gated":  # matched in parameters to the gated model
+        config["intermediate_size"] = matched_intermediate_size()
     if name == "sinks":
         config["attention_sinks"] = True  # gattn's config key for gpt-oss-style sinks
     return config
@@ -252,11 +276,14 @@ def weight_shapes(dims):
 
 def init_weights(dims):
     """Initial float32 weights. Shared tensors are drawn from INIT_SEED in a fixed order that
-    does not depend on the gate or the sinks; the gate rows come from GATE_SEED and the sink
-    logits are 0, so the models start from the same values everywhere they overlap."""
+    does not depend on the gate or the sinks; the gate rows come from GATE_SEED, the ungated
+    models' extra MLP units from WIDE_SEED, and the sink logits are 0, so the models start
+    from the same values everywhere they overlap."""
     generator = torch.Generator().manual_seed(INIT_SEED)
     gate_generator = torch.Generator().manual_seed(GATE_SEED)
+    wide_generator = torch.Generator().manual_seed(WIDE_SEED)
     H, d, D = dims.H, dims.d, dims.D
+    I0 = BASE_CONFIG["intermediate_size"]
     weights = {}
     for name, shape in weight_shapes(dims).items():
         if len(shape) == 1:
@@ -267,6 +294,15 @@ def init_weights(dims):
                 gate = torch.randn((H * d, D), generator=gate_generator) * INIT_STD
                 query = torch.cat((query.view(H, d, D), gate.view(H, d, D)), dim=1)
             weights[name] = query.reshape(shape).contiguous()
+        elif ".mlp." in name:  # units [0, I0) shared, the rest the ungated models' own
+            unit_axis = 1 if name.endswith("down_proj.weight") else 0
+            shared = list(shape)
+            shared[unit_axis] = I0
+            extra = list(shape)
+            extra[unit_axis] = shape[unit_axis] - I0
+            weights[name] = torch.cat((torch.randn(shared, generator=generator) * INIT_STD,
+                                       torch.randn(extra, generator=wide_generator) * INIT_STD),
+                                      dim=unit_axis).contiguous()
         else:
             weights[name] = torch.randn(shape, generator=generator) * INIT_STD
     return weights
@@ -507,18 +543,33 @@ def train_models(names, steps, out_dir):
 # float64 reference (torch, full recompute)
 # ---------------------------------------------------------------------------
 
+def to_float32(arrays):
+    return {n: torch.from_numpy(np.asarray(a, dtype=np.float32)) for n, a in arrays.items()}
+
+
 def to_float64(arrays):
     return {n: torch.from_numpy(np.asarray(a, dtype=np.float64)) for n, a in arrays.items()}
 
 
-def greedy(w, prompt, dims):
-    """Greedy continuation, recomputing the whole sequence at every step."""
+def greedy(w, prompt, dims, count=GENERATE):
+    """Greedy continuation of count tokens, recomputing the whole sequence at every step."""
     tokens = list(prompt)
     with torch.no_grad():
-        for _ in range(GENERATE):
+        for _ in range(count):
             logits = forward(w, torch.tensor([tokens]), dims)[0, -1]
             tokens.append(int(torch.argmax(logits)))
     return tokens[len(prompt):]
+
+
+def longest_repeat(tokens):
+    """Length of the longest substring that occurs at least twice (overlaps allowed)."""
+    best, n = 0, len(tokens)
+    for shift in range(1, n):  # compare the sequence with itself shifted
+        run = 0
+        for i in range(n - shift):
+            run = run + 1 if tokens[i] == tokens[i + shift] else 0
+            best = max(best, run)
+    return best
 
 
 def top2_margin(logits):
@@ -555,22 +606,29 @@ def reference_metadata(name, prompt_text):
 
 
 def build_references(out_dir, heldout_text):
-    """({name: reference arrays}, prompt, min top-2 margin) for the first prompt of PROMPTS
-    whose greedy choices are clear and varied in every model; failing that, for the prompt
-    with the largest margin."""
+    """({name: reference arrays}, prompt, min top-2 margin, {name: 200-byte sample}) for the
+    first prompt of PROMPTS whose greedy choices are clear and varied and whose samples do not
+    loop in every model; failing that, for the prompt whose samples loop least (shortest
+    longest repeat) among those whose choices are clear and varied, then the largest margin."""
     models = {name: read_safetensors(out_dir / name / "model.safetensors")[1] for name in MODELS}
     candidates = []
     for prompt in PROMPTS:
         refs = {name: reference(models[name], model_config(name), prompt, heldout_text)
                 for name in MODELS}
+        samples = {name: greedy(to_float32(models[name]), list(prompt.encode("utf-8")),
+                                Dims(model_config(name)), SAMPLE)  # as the demo decodes
+                   for name in MODELS}
         margin = min(float(r["min_top2_margin"][0]) for r in refs.values())
         distinct = min(len(set(r["generated_tokens"].tolist())) for r in refs.values())
-        print(f"prompt {prompt!r}: min top-2 margin {margin:.4g}, {distinct} distinct bytes")
-        if margin >= MIN_MARGIN and distinct >= MIN_DISTINCT:
-            return refs, prompt, margin
-        candidates.append((margin, prompt, refs))
-    margin, prompt, refs = max(candidates, key=lambda c: c[0])
-    return refs, prompt, margin
+        repeat = max(longest_repeat(t) for t in samples.values())
+        print(f"prompt {prompt!r}: min top-2 margin {margin:.4g}, {distinct} distinct bytes, "
+              f"longest repeat in the samples {repeat} bytes")
+        if margin >= MIN_MARGIN and distinct >= MIN_DISTINCT and repeat < MAX_REPEAT:
+            return refs, prompt, margin, samples
+        clear = margin >= MIN_MARGIN and distinct >= MIN_DISTINCT
+        candidates.append(((clear, -repeat, margin), prompt, refs, samples))
+    rank, prompt, refs, samples = max(candidates, key=lambda c: c[0])
+    return refs, prompt, rank[2], samples
 
 
 # ---------------------------------------------------------------------------
@@ -732,8 +790,8 @@ def check(out_dir, log=None, refs=None):
 
 
 def check_shared_init():
-    """Every tensor the models share starts equal; the gated query rows are the baseline's and
-    the sink logits start at 0."""
+    """Every tensor the models share starts equal; the gated query rows and MLP units are the
+    baseline's, the sink logits start at 0, and the models match in parameters."""
     base = init_weights(Dims(model_config("baseline")))
     gated = init_weights(Dims(model_config("gated")))
     sinks = init_weights(Dims(model_config("sinks")))
@@ -743,11 +801,17 @@ def check_shared_init():
     assert set(sinks) - set(base) == {f"model.layers.{i}.self_attn.sinks" for i in range(dims.L)}
     for name, tensor in base.items():
         other = gated[name]
+        assert torch.equal(tensor, sinks[name]), f"initial {name} differs between the models"
         if name.endswith("q_proj.weight"):
             other = other.view(H, 2 * d, D)[:, :d].reshape(H * d, D)
+        elif name.endswith("down_proj.weight"):
+            tensor = tensor[:, :other.shape[1]]
+        elif ".mlp." in name:
+            tensor = tensor[:other.shape[0]]
         assert torch.equal(tensor, other), f"initial {name} differs between the models"
-        assert torch.equal(tensor, sinks[name]), f"initial {name} differs between the models"
     assert all(not torch.any(sinks[n]) for n in sinks if n.endswith("sinks"))
+    counts = [sum(t.numel() for t in w.values()) for w in (base, gated)]
+    assert abs(counts[0] - counts[1]) <= 3 * D * dims.L, f"parameters {counts} not matched"
 
 
 def readme(log, prompt, refs):
@@ -764,10 +828,15 @@ def readme(log, prompt, refs):
     samples = "\n".join(
         f"    {name + ':':9s} {bytes(refs[name]['generated_tokens'].tolist()).decode('utf-8', 'replace')!r}"
         for name in MODELS)
+    long_samples = "\n\n".join(
+        f"{name} (longest repeat {log[name]['sample_longest_repeat']} bytes):\n\n    " +
+        log[name]["sample_text"].replace("\n", "\n    ")
+        for name in MODELS)
     return f"""# Tiny byte-level language models: plain attention, the output gate, learned sinks
 
 Three small decoder-only language models trained on the same text, identical except for how a
-head may attend to nothing, so that the paper's gate can be compared with gpt-oss's sinks like
+head may attend to nothing (and the ungated models' MLP, widened to the gated model's parameter
+count), so that the paper's gate can be compared with gpt-oss's sinks like
 for like, and a C++ implementation checked against PyTorch token for token:
 
 - `baseline/`: plain attention (`"attn_output_gate": false`);
@@ -806,7 +875,7 @@ Tokens are bytes: vocabulary 256, token = byte value.
 | hidden size | {c['hidden_size']} |
 | layers | {c['num_hidden_layers']}, all full attention |
 | attention heads / KV heads / head_dim | {c['num_attention_heads']} / {c['num_key_value_heads']} / {c['head_dim']} |
-| MLP | SwiGLU, intermediate size {c['intermediate_size']} |
+| MLP | SwiGLU, intermediate size {c['intermediate_size']} (gated), {matched_intermediate_size()} (baseline, sinks: widened by the gate's parameters) |
 | context | {c['max_position_embeddings']} |
 | RoPE | NeoX, theta {c['rope_theta']:g}, first {rotary} of {c['head_dim']} dims (partial_rotary_factor {c['partial_rotary_factor']}) |
 | norms | zero-centred RMSNorm, eps {c['rms_norm_eps']:g} |
@@ -837,8 +906,9 @@ sinks). sinks: head h's weights are e^s_j / (e^sinks[h] + Σ_i e^s_i) over its v
 
 torch {t['torch']}, float32, one CPU thread per model, the models trained at once (or one at
 a time with `--models`: the weights do not depend on it). Init: normal(0, {INIT_STD}) for the
-embedding and every matrix, norm weights and sink logits 0; the gated model's query rows are
-the baseline's, its gate rows come from a second generator. {t['steps']} steps of
+embedding and every matrix, norm weights and sink logits 0; the gated model's query rows and
+first {c['intermediate_size']} MLP units are the baseline's, its gate rows come from a second
+generator and the ungated models' other MLP units from a third. {t['steps']} steps of
 AdamW (betas {BETAS[0]}, {BETAS[1]}; weight decay {WEIGHT_DECAY} on matrices and the embedding,
 none on norm weights), batches of {t['batch']} random windows of {t['window']} bytes of the
 training text, learning rate {PEAK_LR:g} after {t['warmup_steps']} linear warmup steps, cosine
@@ -876,6 +946,15 @@ a second, NumPy implementation that decodes token by token with a KV cache (agre
 Greedy continuations of the prompt:
 
 {samples}
+
+## Greedy samples of 200 bytes
+
+What `scripts/demo.sh` prints (computed here in float32, which the demo reproduces), with the
+length of the longest substring that occurs twice in each (a model that loops repeats most of
+the sample). The prompt is the first of the script's list whose samples all stay under
+{MAX_REPEAT} bytes and whose 64 reference choices are clear.
+
+{long_samples}
 """
 
 
@@ -887,12 +966,17 @@ def main():
                         help="a short run into a temporary directory, to check the script")
     parser.add_argument("--check", action="store_true",
                         help="only verify the existing files in the output directory")
+    parser.add_argument("--references-only", action="store_true",
+                        help="train nothing: recompute the references, logs and README from the "
+                             "weights in the output directory")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="models to train (default: all); the others must already be in the "
                              "output directory, trained with the same steps, and are kept")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="output directory (default assets/tiny_lm; a temporary one with --quick)")
     args = parser.parse_args()
+    if args.references_only:
+        args.models = []
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="tiny_lm_")) if args.quick else OUT_DIR)
     torch.set_num_threads(1)  # keep float64 reductions in a fixed order
@@ -912,11 +996,12 @@ def main():
                                  f"steps, not {steps}")
             summaries = {name: previous[name] for name in MODELS if name not in args.models}
             for summary in summaries.values():  # recomputed below
-                for key in ("heldout_nll_8_windows_float64", "min_top2_margin", "generated_text"):
+                for key in ("heldout_nll_8_windows_float64", "min_top2_margin", "generated_text",
+                            "sample_text", "sample_longest_repeat"):
                     summary.pop(key, None)
         summaries.update(train_models(args.models, steps, out_dir))
 
-        refs, prompt, margin = build_references(out_dir, heldout_text)
+        refs, prompt, margin, samples = build_references(out_dir, heldout_text)
         if margin < MIN_MARGIN:
             message = f"no prompt gives a top-2 margin of {MIN_MARGIN} in every model"
             if not args.quick:
@@ -940,6 +1025,8 @@ def main():
             log[name]["min_top2_margin"] = round(float(refs[name]["min_top2_margin"][0]), 6)
             log[name]["generated_text"] = bytes(refs[name]["generated_tokens"].tolist()).decode(
                 "utf-8", "replace")
+            log[name]["sample_text"] = bytes(samples[name]).decode("utf-8", "replace")
+            log[name]["sample_longest_repeat"] = longest_repeat(samples[name])
         write_json(out_dir / "training_log.json", log)
         (out_dir / "README.md").write_text(readme(log, prompt, refs))
         check(out_dir, log, refs)

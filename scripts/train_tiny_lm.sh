@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Trains the three tiny byte-level language models (baseline, gated attention, learned sinks) on
-# the Debian fortunes and exports them with float64 references to assets/tiny_lm/ (about 9
-# CPU-minutes per model, trained at once: 15 to 30 minutes on two cores). Arguments go to
+# the Debian fortunes and exports them with float64 references to assets/tiny_lm/ (27 to 55
+# CPU-minutes per model, trained at once: 45 to 100 minutes on two cores). Arguments go to
 # scripts/train_tiny_lm.py, e.g. --quick, --check or --models sinks.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -7,7 +7,8 @@
 // M-Act). Writes F-Attn per layer and head as CSV for scripts/plot_sink.py.
 //
 // Usage: tiny_lm [assets_dir] [csv_out] [prompt]   (--help)
-//   defaults: assets/tiny_lm, tiny_lm_sink.csv, a fixed prompt.
+//   defaults: assets/tiny_lm, tiny_lm_sink.csv, the prompt of the models' reference outputs
+//   (chosen by the training script so that no model's 200-byte greedy sample loops).
 
 #include <chrono>
 #include <cstdio>
@@ -122,12 +123,13 @@ int main(int argc, char** argv) {
         "twin and its twin with learned sinks) through gattn: greedy samples, held-out perplexity,\n"
         "speed, attention-sink statistics."};
     std::string dir = "assets/tiny_lm", csv = "tiny_lm_sink.csv";
-    std::string prompt = "Q: How many programmers does it take to change a light bulb?\nA: ";
+    std::string prompt;
     app.add_option("assets_dir", dir, "directory with baseline/, gated/, sinks/ and heldout.txt")
         ->check(CLI::ExistingDirectory)
         ->capture_default_str();
     app.add_option("csv_out", csv, "where to write first-token attention per layer and head")->capture_default_str();
-    app.add_option("prompt", prompt, "prompt of the greedy samples");
+    app.add_option("prompt", prompt,
+                   "prompt of the greedy samples (default: the one in baseline/reference.safetensors)");
     CLI11_PARSE(app, argc, argv);
     std::printf("gattn %s: %s\n", gattn::version(), gattn::describe(gattn::instruction_sets()).c_str());
     try {
@@ -136,6 +138,13 @@ int main(int argc, char** argv) {
         std::stringstream text;
         text << in.rdbuf();
         const std::string heldout = text.str();
+        if (prompt.empty()) {
+            const gattn::SafetensorsFile reference(dir + "/baseline/reference.safetensors");
+            const auto found = reference.metadata().find("prompt");
+            if (found == reference.metadata().end())
+                throw gattn::io_error(dir + "/baseline/reference.safetensors: no \"prompt\" in its metadata");
+            prompt = found->second;
+        }
 
         std::vector<Report> reports;
         for (const char* name : {"baseline", "gated", "sinks"})
