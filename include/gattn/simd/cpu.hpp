@@ -2,8 +2,9 @@
 #pragma once
 
 /// \file
-/// What the CPU and the operating system offer at run time, and which bf16 kernel an SDPA call
-/// on bf16 inputs runs (and why no faster one): gattn never falls back silently.
+/// What the CPU and the operating system offer at run time, and which kernel an SDPA call on
+/// bf16 inputs, or decoding against an int8 cache, runs (and why no faster one): gattn never
+/// falls back silently.
 ///
 /// Kernels for 16-bit inputs, fastest first:
 ///  - Amx: the AMX tile unit (TDPBF16PS) for the matrix products, AVX512-BF16 around them;
