@@ -952,7 +952,8 @@ Greedy continuations of the prompt:
 What `scripts/demo.sh` prints (computed here in float32, which the demo reproduces), with the
 length of the longest substring that occurs twice in each (a model that loops repeats most of
 the sample). The prompt is the first of the script's list whose samples all stay under
-{MAX_REPEAT} bytes and whose 64 reference choices are clear.
+{MAX_REPEAT} bytes and whose 64 reference choices are clear; when none does, as here, the one
+whose samples loop least among those with clear choices.
 
 {long_samples}
 """
