@@ -828,6 +828,7 @@ def readme(log, prompt, refs):
     samples = "\n".join(
         f"    {name + ':':9s} {bytes(refs[name]['generated_tokens'].tolist()).decode('utf-8', 'replace')!r}"
         for name in MODELS)
+    as_here = ", as here" if max(log[m]["sample_longest_repeat"] for m in MODELS) >= MAX_REPEAT else ""
     long_samples = "\n\n".join(
         f"{name} (longest repeat {log[name]['sample_longest_repeat']} bytes):\n\n    " +
         log[name]["sample_text"].replace("\n", "\n    ")
@@ -952,7 +953,7 @@ Greedy continuations of the prompt:
 What `scripts/demo.sh` prints (computed here in float32, which the demo reproduces), with the
 length of the longest substring that occurs twice in each (a model that loops repeats most of
 the sample). The prompt is the first of the script's list whose samples all stay under
-{MAX_REPEAT} bytes and whose 64 reference choices are clear; when none does, as here, the one
+{MAX_REPEAT} bytes and whose 64 reference choices are clear; when none does{as_here}, the one
 whose samples loop least among those with clear choices.
 
 {long_samples}
