@@ -8,7 +8,7 @@
 //
 // Usage: tiny_lm [assets_dir] [csv_out] [prompt]   (--help)
 //   defaults: assets/tiny_lm, tiny_lm_sink.csv, the prompt of the models' reference outputs
-//   (chosen by the training script so that no model's 200-byte greedy sample loops).
+//   (chosen by the training script as the one whose 200-byte greedy samples loop least).
 
 #include <chrono>
 #include <cstdio>

@@ -565,9 +565,9 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // int8 with VNNI: the query rows as 16-bit codes and their scales (decode_int8).
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
-    const bool int8_dot = kInt8 && int8_family != Int8Kernel::WidenedFloat && decode_int8::takes(dk);
-    [[maybe_unused]] const bool int8_values = kInt8 && int8_family != Int8Kernel::WidenedFloat &&
-                                              decode_int8::takes_values(dv);
+    const bool int8_vnni = kInt8 && int8_family == Int8Kernel::Vnni;
+    const bool int8_dot = int8_vnni && decode_int8::takes(dk);
+    [[maybe_unused]] const bool int8_values = int8_vnni && decode_int8::takes_values(dv);
     thread_local std::vector<std::int16_t> q_codes;  // kept between calls, grown only
     thread_local std::vector<float> q_scales;
     // Each grown for its own need: codes scale with d_k, scales with the KV heads alone (a

@@ -55,20 +55,19 @@ enum class Int8Kernel {
     WidenedFloat,  ///< codes widened to float FMAs
 };
 
-/// The kernel an int8-cache decoding call will run and, when it is not the fastest, why.
-struct Int8KernelChoice {
-    Int8Kernel kernel = Int8Kernel::WidenedFloat;
-    /// One line per faster kernel that is not used; empty when the fastest runs.
-    std::string reason;
-};
-
-/// The kernel a call will run and, when it is not the fastest family, why.
-struct KernelChoice {
-    Bf16Kernel kernel = Bf16Kernel::WidenedFloat;
+/// The kernel of family Kernel (Bf16Kernel, Int8Kernel) a call will run and, when it is not
+/// the fastest, why.
+template <class Kernel>
+struct BasicKernelChoice {
+    Kernel kernel = Kernel::WidenedFloat;
     /// One line per faster kernel that is not used, e.g. "AMX: this CPU has no AMX-BF16";
     /// empty when the fastest family runs.
     std::string reason;
 };
+/// The bf16 SDPA kernel a call will run (bf16_kernel()).
+using KernelChoice = BasicKernelChoice<Bf16Kernel>;
+/// The int8-cache decoding kernel a call will run (int8_kernel()).
+using Int8KernelChoice = BasicKernelChoice<Int8Kernel>;
 
 }  // namespace gattn
 
@@ -253,15 +252,13 @@ inline Int8Kernel int8_kernel_family() noexcept {
 /// here, and why no faster one. Head sizes choose too: the VNNI logits need d_k a multiple of
 /// 32 and its value sum d_v a multiple of 64; other sizes widen to float. Prefill (many
 /// queries) always widens the codes to float. May be called from several threads
-/// (set_int8_kernel_limit may not).
+/// (set_int8_kernel_limit may not). Throws only std::bad_alloc (for the reason's text).
 inline Int8KernelChoice int8_kernel() {
     Int8KernelChoice choice;
-    if (detail::int8_kernel_limit() == Int8Kernel::WidenedFloat)
-        choice.reason = "AVX512-VNNI: excluded by set_int8_kernel_limit";
-    else if (!compiled_with_vnni())
-        choice.reason = "AVX512-VNNI: not compiled with the flags (build with -march=native)";
-    else
-        choice.kernel = Int8Kernel::Vnni;
+    choice.kernel = detail::int8_kernel_family();
+    if (choice.kernel == Int8Kernel::WidenedFloat)
+        choice.reason = compiled_with_vnni() ? "AVX512-VNNI: excluded by set_int8_kernel_limit"
+                                             : "AVX512-VNNI: not compiled with the flags (build with -march=native)";
     return choice;
 }
 
@@ -280,12 +277,8 @@ inline const char* kernel_name(Int8Kernel k) noexcept {
 }
 
 /// One line for logs and benchmark context: "<kernel> (<reasons>)".
-inline std::string describe(const KernelChoice& c) {
-    return std::string(kernel_name(c.kernel)) + (c.reason.empty() ? "" : " (" + c.reason + ")");
-}
-
-/// One line for logs and benchmark context: "<kernel> (<reasons>)".
-inline std::string describe(const Int8KernelChoice& c) {
+template <class Kernel>
+std::string describe(const BasicKernelChoice<Kernel>& c) {
     return std::string(kernel_name(c.kernel)) + (c.reason.empty() ? "" : " (" + c.reason + ")");
 }
 
