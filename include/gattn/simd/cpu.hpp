@@ -78,6 +78,7 @@ struct CpuFeatures {
     bool avx2_fma = false;    ///< AVX2 and FMA, and the OS saves the ymm state
     bool avx512f = false;     ///< AVX-512 Foundation, and the OS saves the zmm state
     bool avx512bf16 = false;  ///< AVX512-BF16 (VDPBF16PS), with the zmm state saved
+    bool avx512vnni = false;  ///< AVX512-VNNI (VPDPWSSD), with the zmm state saved
     bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID), and the OS enables the tile state (XCR0)
 };
 
@@ -102,6 +103,7 @@ inline CpuFeatures read_cpu_features() noexcept {
     __cpuid_count(7, 0, a, b, c, d);
     f.avx2_fma = os_ymm && fma && ((b >> 5) & 1u);
     f.avx512f = os_zmm && ((b >> 16) & 1u);
+    f.avx512vnni = f.avx512f && ((c >> 11) & 1u);
     const bool amx_tile = (d >> 24) & 1u, amx_bf16 = (d >> 22) & 1u;
     const bool os_tiles = ((xcr0 >> 17) & 3u) == 3u;  // XTILECFG, XTILEDATA
     f.amx_bf16 = amx_tile && amx_bf16 && os_tiles;
@@ -256,9 +258,14 @@ inline Int8Kernel int8_kernel_family() noexcept {
 inline Int8KernelChoice int8_kernel() {
     Int8KernelChoice choice;
     choice.kernel = detail::int8_kernel_family();
-    if (choice.kernel == Int8Kernel::WidenedFloat)
-        choice.reason = compiled_with_vnni() ? "AVX512-VNNI: excluded by set_int8_kernel_limit"
-                                             : "AVX512-VNNI: not compiled with the flags (build with -march=native)";
+    if (choice.kernel == Int8Kernel::Vnni) return choice;
+    // The same order as bf16_kernel(): the limit, the CPU, then the build.
+    if (detail::int8_kernel_limit() == Int8Kernel::WidenedFloat)
+        choice.reason = "AVX512-VNNI: excluded by set_int8_kernel_limit";
+    else if (!cpu_features().avx512vnni)
+        choice.reason = "AVX512-VNNI: this CPU has none";
+    else
+        choice.reason = "AVX512-VNNI: not compiled with the flags (build with -march=native)";
     return choice;
 }
 
