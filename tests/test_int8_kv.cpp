@@ -206,6 +206,7 @@ INSTANTIATE_TEST_SUITE_P(Kernels, Int8Sdpa, ::testing::Values(gattn::Int8Kernel:
                          });
 
 TEST_P(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
+    static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(2) * 7000 * 2 * (256 + 256), "from memory");
     const std::vector<Case> cases = {
         // Decoding (one query per sequence): the split-KV kernel reads the codes in place.
         {"decode GQA ragged", 3, 8, 2, 1, 1300, 64, 64, true, std::nullopt, true},
@@ -213,6 +214,8 @@ TEST_P(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
         {"decode Qwen3-Next heads d=256 sinks", 2, 16, 2, 1, 600, 256, 256, true, std::nullopt, true, true},
         {"decode d=20 (a tail past the lanes), window", 2, 2, 1, 1, 90, 20, 12, true, 33},
         {"decode softcap ALiBi", 2, 4, 2, 1, 700, 64, 32, true, std::nullopt, true, false, true, 5.0},
+        // 14 MB of codes: past kDecodeFromMemoryBytes, where the kernel prefetches ahead.
+        {"decode from memory GQA ragged", 2, 8, 2, 1, 7000, 256, 256, true, std::nullopt, true},
         // Prefill: key blocks dequantized into the tile kernel's scratch.
         {"prefill GQA causal ragged", 2, 4, 2, 37, 53, 32, 32, true, std::nullopt, true},
         {"prefill d=128 causal sinks", 1, 8, 2, 130, 260, 128, 128, true, std::nullopt, false, true},
