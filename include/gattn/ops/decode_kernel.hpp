@@ -653,11 +653,10 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // An int8 cache read from memory: prefetch instructions two blocks ahead, a share of the
     // block per query row (1.2–1.3× over the touch loads below at 32k keys, d = 256, 2 KV heads,
     // 1 and 2 threads, AMD Zen 4; float caches ran 1.2× slower this way, bf16 the same).
-    const Index line_bytes = 64, key_line_count = (num_kv_heads * dk * Index(sizeof(KV)) + line_bytes - 1) / line_bytes;
-    SpreadPrefetch<KV> spread{
-        key_base,       key_stride,
-        value_base,     value_stride,
-        key_line_count, key_line_count + (num_kv_heads * dv * Index(sizeof(KV)) + line_bytes - 1) / line_bytes};
+    auto lines = [](Index elems) { return (elems * Index(sizeof(KV)) + 63) / 64; };
+    const Index key_lines = lines(num_kv_heads * dk);
+    SpreadPrefetch<KV> spread{key_base,     key_stride, value_base,
+                              value_stride, key_lines,  key_lines + lines(num_kv_heads * dv)};
     const bool spread_prefetch = kInt8 && from_memory;
     int rows_per_block = 0;
     for (Index g = 0; g < num_kv_heads; ++g) rows_per_block += blks[g].count;
