@@ -67,7 +67,7 @@ struct SpreadPrefetch {
     Index key_stride;
     const KV* value_base;
     Index value_stride;
-    Index key_lines, lines_per_key;  // 64-byte lines of one key's K rows, and of its K and V rows
+    Index key_lines, lines_per_key;  // cache lines of one key's K rows, and of its K and V rows
     Index next = 0, end = 0, line = 0, per_step = 0;
 
     /// Aims at keys [first, last), spread over `steps` calls of step().
@@ -80,9 +80,11 @@ struct SpreadPrefetch {
     /// Prefetches the next `lines` lines (all that are left when lines < 0).
     void step(Index lines) noexcept {
         for (Index e = 0; next < end && (lines < 0 || e < lines); ++e) {
-            const auto* row = line < key_lines ? reinterpret_cast<const char*>(key_base + next * key_stride)
-                                               : reinterpret_cast<const char*>(value_base + next * value_stride);
-            simd::prefetch(row + 64 * (line < key_lines ? line : line - key_lines));
+            constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
+            if (line < key_lines)
+                simd::prefetch(key_base + next * key_stride + line * kLine);
+            else
+                simd::prefetch(value_base + next * value_stride + (line - key_lines) * kLine);
             if (++line == lines_per_key) {
                 line = 0;
                 ++next;
@@ -171,7 +173,7 @@ inline void group_logits(const T* const* q, const KV* key, Index key_stride, Ind
         for (Index d = 0; d < dk_vec; d += L) {
             // Each K and q vector is loaded once into a register (opaque): g++ would otherwise
             // fold the loads into the FMAs, loading each vector once per use, R or 4 times;
-            // one 512-bit load per cycle (AMD Zen 4) then bounds the loop (1.2–1.3× at 512 keys).
+            // one 512-bit load per cycle (AMD Zen 4) then bounds the loop (1.2–1.3× at 4k–32k keys).
             B kv[4];
             for (int i = 0; i < 4; ++i) kv[i] = simd::opaque<T>(load_widened<T>(k + i * key_stride + d));
             for (int r = 0; r < R; ++r) {
@@ -653,7 +655,10 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // An int8 cache read from memory: prefetch instructions two blocks ahead, a share of the
     // block per query row (1.2–1.3× over the touch loads below at 32k keys, d = 256, 2 KV heads,
     // 1 and 2 threads, AMD Zen 4; float caches ran 1.2× slower this way, bf16 the same).
-    auto lines = [](Index elems) { return (elems * Index(sizeof(KV)) + 63) / 64; };
+    auto lines = [](Index elems) {
+        constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
+        return (elems + kLine - 1) / kLine;
+    };
     const Index key_lines = lines(num_kv_heads * dk);
     SpreadPrefetch<KV> spread{key_base,     key_stride, value_base,
                               value_stride, key_lines,  key_lines + lines(num_kv_heads * dv)};
