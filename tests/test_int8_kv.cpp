@@ -112,6 +112,26 @@ RowMatrix<float> random_rows(Index rows, Index cols, std::mt19937& rng, float sp
     return m;
 }
 
+/// The query as the reference takes it: where the decoding kernel's integer products run, each
+/// head's row rounded to 16-bit codes (decode_int8::quantize_query), else the float query.
+Mat query_reference(const RowMatrix<float>& q, Index H, Index Hkv, Index Nq, Index dk) {
+    Mat q_ref = q.cast<double>();
+#if defined(GATTN_HAS_INT8_DOT_KERNEL)
+    const bool decode = (H / Hkv) * Nq <= gattn::kernel::FlashGeometry<float>::kQueries / 4;
+    if (decode && gattn::int8_kernel().kernel != gattn::Int8Kernel::WidenedFloat &&
+        gattn::kernel::decode_int8::takes(dk))
+        for (Index r = 0; r < q.rows(); ++r)
+            for (Index h = 0; h < H; ++h) {
+                std::vector<std::int16_t> codes(static_cast<std::size_t>(dk));
+                const float s = gattn::kernel::decode_int8::quantize_query(q.row(r).data() + h * dk, dk, codes.data());
+                for (Index e = 0; e < dk; ++e) q_ref(r, h * dk + e) = double(s) * double(codes[e]);
+            }
+#else
+    (void)H, (void)Hkv, (void)Nq, (void)dk;
+#endif
+    return q_ref;
+}
+
 void check_case(const Case& c) {
     SCOPED_TRACE(c.name);
     std::mt19937 rng(17);
@@ -144,20 +164,7 @@ void check_case(const Case& c) {
             v.scales.row(b * c.Nk + j).setConstant(std::numeric_limits<float>::quiet_NaN());
         }
 
-    // The decoding kernel's integer products take the query rounded to 16-bit codes per head.
-    Mat q_ref = q.cast<double>();
-#if defined(GATTN_HAS_INT8_DOT_KERNEL)
-    const bool decode = (c.H / c.Hkv) * c.Nq <= gattn::kernel::FlashGeometry<float>::kQueries / 4;
-    if (decode && gattn::int8_kernel().kernel != gattn::Int8Kernel::WidenedFloat &&
-        gattn::kernel::decode_int8::takes(c.dk))
-        for (Index r = 0; r < q.rows(); ++r)
-            for (Index h = 0; h < c.H; ++h) {
-                std::vector<std::int16_t> codes(static_cast<std::size_t>(c.dk));
-                const float s =
-                    gattn::kernel::decode_int8::quantize_query(q.row(r).data() + h * c.dk, c.dk, codes.data());
-                for (Index e = 0; e < c.dk; ++e) q_ref(r, h * c.dk + e) = double(s) * double(codes[e]);
-            }
-#endif
+    const Mat q_ref = query_reference(q, c.H, c.Hkv, c.Nq, c.dk);
     const auto want = gattn_test::sdpa_reference(q_ref, kd, vd, c.B, c.H, c.Hkv, std::nullopt, ref);
     RowMatrix<float> out(c.B * c.Nq, c.H * c.dv), lse;
     gattn::SdpaOutputs<float> extra;
@@ -214,6 +221,8 @@ TEST_P(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
         {"decode Qwen3-Next heads d=256 sinks", 2, 16, 2, 1, 600, 256, 256, true, std::nullopt, true, true},
         {"decode d=20 (a tail past the lanes), window", 2, 2, 1, 1, 90, 20, 12, true, 33},
         {"decode softcap ALiBi", 2, 4, 2, 1, 700, 64, 32, true, std::nullopt, true, false, true, 5.0},
+        // d_k = 576 (as MLA's keys): past 512, the integer lane sums turn into floats before they add.
+        {"decode MQA d=576", 1, 4, 1, 1, 300, 576, 512, true},
         // 14 MB of codes: past kDecodeFromMemoryBytes, where the kernel prefetches ahead.
         {"decode from memory GQA ragged", 2, 8, 2, 1, 7000, 256, 256, true, std::nullopt, true},
         // Prefill: key blocks dequantized into the tile kernel's scratch.
@@ -223,6 +232,24 @@ TEST_P(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
         {"prefill not causal", 1, 2, 2, 40, 300, 16, 16},
     };
     for (const Case& c : cases) check_case(c);
+}
+
+TEST_P(Int8Sdpa, LongKeyHeadsSumPastInt32) {
+    // d_k = 1024, every query value equal (codes 32767) and every key code ±127: each dot
+    // product of the codes, 1024·32767·127 ≈ 4.3e9, is past int32 and must still come out right.
+    const Index dk = 1024, dv = 64, Nk = 40;
+    std::mt19937 rng(5);
+    const RowMatrix<float> q = RowMatrix<float>::Constant(1, 2 * dk, 0.03f);  // 2 heads on 1 KV head
+    RowMatrix<float> key(Nk, dk);
+    for (Index j = 0; j < Nk; ++j) key.row(j).setConstant(j % 3 == 0 ? 0.05f : -0.05f);
+    Int8Matrix k(key, 1), v(random_rows(Nk, dv, rng, 1.0f), 1);
+    const auto want = gattn_test::sdpa_reference(query_reference(q, 2, 1, 1, dk), k.dequantized(), v.dequantized(), 1,
+                                                 2, 1, std::nullopt, {});
+    RowMatrix<float> out(1, 2 * dv);
+    gattn::scaled_dot_product_attention(q, k.view(), v.view(), {1, 2, 1}, out);
+    EXPECT_LE((out.cast<double>() - want.out).cwiseAbs().maxCoeff(), 2e-5 * (1 + want.out.cwiseAbs().maxCoeff()));
+    // The two kinds of keys get different weights: the logits ±1024·0.03·0.05 / 32.
+    EXPECT_GT((want.out.leftCols(dv) - v.dequantized().colwise().mean()).cwiseAbs().maxCoeff(), 1e-3);
 }
 
 #ifdef _OPENMP

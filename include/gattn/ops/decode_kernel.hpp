@@ -457,18 +457,36 @@ inline float quantize_query(const float* q, Index dk, std::int16_t* codes) noexc
     return m / 32767.0f;
 }
 
-/// dots[r][kk] = s_q[r] · (lane sums of Σ_d q_r[d]·key[kk][d]) for R rows and the keys kk < nk
-/// of the block (registers for kk in [nk, 16) are 0), as group_logits computes them in float.
+/// Register whose lane i is the sum of the 32-bit lanes of rows[i] (16 registers): the
+/// butterfly of simd::reduce_sum_rows on integers, exact while no sum leaves int32.
+inline __m512i reduce_rows(const __m512i* rows) noexcept {
+    __m512i a[8], b[4], c[2];
+    for (int j = 0; j < 8; ++j)
+        a[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(rows[2 * j], rows[2 * j + 1]),
+                                _mm512_unpackhi_epi32(rows[2 * j], rows[2 * j + 1]));
+    for (int k = 0; k < 4; ++k)
+        b[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]),
+                                _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
+    for (int k = 0; k < 2; ++k)
+        c[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                _mm512_shuffle_i32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/// logits[r] lane kk = s_q[r] · Σ_d q_r[d]·key[kk][d] for R rows and the keys kk < nk of the
+/// block (lanes kk ≥ nk are 0): the dot products reduced across lanes, as reduce_sum_rows
+/// does for group_logits' registers. Up to d_k = 512 a whole dot product fits int32
+/// (|Σ| ≤ 512·32767·128 < 2³¹), so the lanes add as integers and turn into floats once per
+/// row; beyond, each lane's partial sum turns into a float first.
 template <int R>
 inline void logits(const std::int16_t* const* q, const float* q_scale, const std::int8_t* key, Index key_stride,
-                   Index nk, Index dk, simd::Batch<float> (*dots)[16]) noexcept {
+                   Index nk, Index dk, simd::Batch<float>* logits) noexcept {
     using B = simd::Batch<float>;
     auto load = [&](Index kk, Index d) {
         return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + kk * key_stride + d)));
     };
-    auto to_float = [&](__m512i a, int r) {
-        return B(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(q_scale[r])));
-    };
+    __m512i dots[R][16];
     Index kk = 0;
     for (; kk + 4 <= nk; kk += 4) {
         __m512i a[R][4];
@@ -483,15 +501,25 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
             }
         }
         for (int r = 0; r < R; ++r)
-            for (int i = 0; i < 4; ++i) dots[r][kk + i] = to_float(a[r][i], r);
+            for (int i = 0; i < 4; ++i) dots[r][kk + i] = a[r][i];
     }
     for (; kk < 16; ++kk)
         for (int r = 0; r < R; ++r) {
             __m512i a = _mm512_setzero_si512();
             if (kk < nk)
                 for (Index d = 0; d < dk; d += 32) a = dpwssd(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
-            dots[r][kk] = to_float(a, r);
+            dots[r][kk] = a;
         }
+    for (int r = 0; r < R; ++r) {
+        const B s(q_scale[r]);
+        if (dk <= 512) {
+            logits[r] = B(_mm512_cvtepi32_ps(reduce_rows(dots[r]))) * s;
+        } else {
+            B lanes[16];
+            for (int i = 0; i < 16; ++i) lanes[i] = B(_mm512_cvtepi32_ps(dots[r][i]));
+            logits[r] = simd::reduce_sum_rows<float>(lanes) * s;
+        }
+    }
 }
 
 /// Whether the integer value sum (values) takes this value head size.
@@ -633,7 +661,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
 #endif
     const Index dk_vec = kDot || int8_dot ? dk : dk / L * L;
     alignas(64) T s[kDecodeRows][L], p[kDecodeRows][L];  // logits (−∞: skipped) and weights
-    B dots[kDecodeRows][L];
+    B dots[kDecodeRows][L], row_logits[kDecodeRows];
     const bool capped = blks[0].softcap > T(0);  // one softcap per call
     const T inv_cap = capped ? T(1) / blks[0].softcap : T(0);
     alignas(64) T lane_index[L];
@@ -713,8 +741,9 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                 with_constant<kDecodeRows + 1>(rows, [&](auto rows_constant) {
                     constexpr int R = decltype(rows_constant)::value;
                     if constexpr (R > 0) {
-                        // The logits' dot products: VDPBF16PS (bf16), VPDPWSSD (int8), or FMAs.
-                        bool products_done = false;
+                        // The logits' dot products: VDPBF16PS (bf16), VPDPWSSD (int8, reduced
+                        // across lanes into row_logits), or FMAs.
+                        bool products_done = false, reduced = false;
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
                         if constexpr (kDot) {
                             decode_bf16::logits<R>(q16 + g * FlashGeometry<T>::kQueries + t0, key + j0 * key_stride,
@@ -728,8 +757,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 const std::int16_t* qc[R];
                                 for (int r = 0; r < R; ++r) qc[r] = q_codes.data() + (g * kRowsPerHead + t0 + r) * dk;
                                 decode_int8::logits<R>(qc, q_scales.data() + g * kRowsPerHead + t0,
-                                                       key + j0 * key_stride, key_stride, nk, dk, dots);
-                                products_done = true;
+                                                       key + j0 * key_stride, key_stride, nk, dk, row_logits);
+                                products_done = reduced = true;
                             }
                         }
 #endif
@@ -749,7 +778,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 std::fill(sr, sr + L, kNegInf);
                                 continue;
                             }
-                            (simd::reduce_sum_rows<T>(dots[r]) * B(scale)).store_aligned(sr);
+                            ((reduced ? row_logits[r] : simd::reduce_sum_rows<T>(dots[r])) * B(scale))
+                                .store_aligned(sr);
                             if (dk_vec < dk)
                                 for (Index kk = 0; kk < nk; ++kk) {
                                     const KV* k = key + (j0 + kk) * key_stride;
