@@ -378,7 +378,11 @@ TEST(Int8Cache, AppendQuantizesEachRowAndRefusesNonFiniteValues) {
         cache.append(RowMatrix<float>::Ones(2, 6), bad, {1, 1});
         ADD_FAILURE() << "no exception";
     } catch (const std::invalid_argument& e) {
-        EXPECT_NE(std::string(e.what()).find("v row 1, column 4 is nan"), std::string::npos) << e.what();
+        // Row 1 is sequence 1's first new token; column 4 is KV head 1's feature 1 (d = 3).
+        EXPECT_NE(std::string(e.what()).find(
+                      "v row 1 (sequence 1, new token 0), column 4 (KV head 1, feature 1) is nan"),
+                  std::string::npos)
+            << e.what();
     }
     EXPECT_EQ(cache.lengths(), (std::vector<Index>{2, 1}));
     EXPECT_EQ(cache.keys(), codes_before);

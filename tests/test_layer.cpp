@@ -1002,8 +1002,9 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     EXPECT_EQ(twin_cache.owner(), twin.layer_id());
     expect_rejected<invalid_argument>([&] { layer.forward(x, twin_cache, out); }, fn,
                                       {"cache belongs to another layer (made by make_cache of layer " +
-                                       std::to_string(twin.layer_id()) + "; this is layer " +
-                                       std::to_string(layer.layer_id()) + ")"},
+                                           std::to_string(twin.layer_id()) + "; this is layer " +
+                                           std::to_string(layer.layer_id()) + ";",
+                                       "layer_id() numbers layers in the order they are constructed"},
                                       out);
     EXPECT_TRUE(twin_cache.lengths() == std::vector<Index>({0, 0}));
     RowMatrix<float> twin_out(2, 16);
@@ -1029,6 +1030,15 @@ TEST(LayerDecode, BadInputThrowsAndLeavesCacheAndOutputUntouched) {
     expect_rejected<shape_error>([&] { layer.forward(x, other, out); }, fn,
                                  {"cache must hold this layer's heads (num_kv_heads 2, head_dim 4, value_head_dim 4), "
                                   "got num_kv_heads 2, head_dim 5, value_head_dim 5"},
+                                 out);
+    // A cache made by a layer of other heads: the heads are named, whoever made the cache.
+    auto mha = c;
+    mha.num_kv_heads = 4;
+    const gattn::GatedMultiHeadAttention<float> mha_layer(mha, gattn::make_random_weights<float>(mha, 3));
+    auto mha_cache = mha_layer.make_cache(2, 4);
+    expect_rejected<shape_error>([&] { layer.forward(x, mha_cache, out); }, fn,
+                                 {"cache must hold this layer's heads (num_kv_heads 2, head_dim 4, value_head_dim 4), "
+                                  "got num_kv_heads 4, head_dim 4, value_head_dim 4"},
                                  out);
     gattn::KVCache<float> same_widths(2, 4, 1, 8);  // 1 KV head of 8: the widths alone match
     expect_rejected<shape_error>([&] { layer.forward(x, same_widths, out); }, fn,

@@ -195,15 +195,21 @@ public:
                 gattn::detail::views_overlap(*view, m_key_scales) ||
                 gattn::detail::views_overlap(*view, m_value_scales))
                 detail::throw_invalid(fn, name, "must not share an element with the cache's keys or values");
-            if constexpr (kInt8)  // int8 codes stand for finite values only
+            if constexpr (kInt8) {  // int8 codes stand for finite values only
+                const Index d = view == &k ? m_head_dim : m_value_head_dim;
                 for (Index b = 0; b < B; ++b)
                     for (Index r = b * n; r < b * n + counts[b]; ++r)
                         for (Index c = 0; c < view->cols(); ++c)
                             if (!std::isfinite((*view)(r, c)))
-                                detail::throw_invalid(fn, name,
-                                                      "row " + std::to_string(r) + ", column " + std::to_string(c) +
-                                                          " is " + std::to_string((*view)(r, c)) +
-                                                          ": an int8 cache stores finite values only");
+                                detail::throw_invalid(
+                                    fn, name,
+                                    "row " + std::to_string(r) + " (sequence " + std::to_string(b) + ", new token " +
+                                        std::to_string(r - b * n) + "), column " + std::to_string(c) + " (KV head " +
+                                        std::to_string(c / d) + ", feature " + std::to_string(c % d) + ") is " +
+                                        std::to_string((*view)(r, c)) +
+                                        ": an int8 cache stores finite values only (a layer appends the keys and "
+                                        "values it projects: a NaN or infinity in its input or weights ends here)");
+            }
         }
         if (m_window > 0) make_room(counts);
         for (Index b = 0; b < B; ++b) {
@@ -453,16 +459,18 @@ std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCa
         return "num_kv_heads " + std::to_string(h) + ", head_dim " + std::to_string(d) + ", value_head_dim " +
                std::to_string(dv);
     };
-    if (cache.owner() != 0 && cache.owner() != layer)
-        throw_invalid(fn, "cache",
-                      "belongs to another layer (made by make_cache of layer " + std::to_string(cache.owner()) +
-                          "; this is layer " + std::to_string(layer) +
-                          "): every layer needs its own cache, made by its make_cache");
+    // Heads first: a cache of other heads is a shape_error whoever made it.
     if (cache.num_kv_heads() != num_kv_heads || cache.head_dim() != head_dim ||
         cache.value_head_dim() != value_head_dim)
         throw shape_error(std::string(fn) + ": cache must hold this layer's heads (" +
                           heads(num_kv_heads, head_dim, value_head_dim) + "), got " +
                           heads(cache.num_kv_heads(), cache.head_dim(), cache.value_head_dim()));
+    if (cache.owner() != 0 && cache.owner() != layer)
+        throw_invalid(fn, "cache",
+                      "belongs to another layer (made by make_cache of layer " + std::to_string(cache.owner()) +
+                          "; this is layer " + std::to_string(layer) +
+                          "; layer_id() numbers layers in the order they are constructed): every layer needs its "
+                          "own cache, made by its make_cache");
     if (cache.window() != 0 && cache.window() != window)
         throw_invalid(fn, "cache",
                       "keeps only a window of " + std::to_string(cache.window()) + " tokens; this layer's window is " +
