@@ -431,32 +431,75 @@ inline __m512i round_to_int(__m512 x) noexcept {
 /// Whether the kernel takes these key head sizes.
 inline constexpr bool takes(Index dk) noexcept { return dk % 32 == 0 && dk <= 4096; }
 
-/// Rounds the dk floats of q (dk a multiple of 32) to 16-bit integer codes, to nearest even;
-/// returns their scale s_q (0 for zeros; NaN, with codes 0, when a value is NaN or infinite:
-/// the row's logits, and so its output, are then NaN). Below max|q| ≈ 4e-34, s_q is subnormal
-/// and the logits lose precision.
-inline float quantize_query(const float* q, Index dk, std::int16_t* codes) noexcept {
-    __m512 amax = _mm512_setzero_ps();
-    __mmask16 not_finite = 0;
-    for (Index e = 0; e < dk; e += 16) {
-        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(q + e));
-        not_finite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
-        amax = _mm512_max_ps(amax, a);
-    }
-    if (not_finite) {
-        std::memset(codes, 0, static_cast<std::size_t>(dk) * sizeof(std::int16_t));
-        return std::numeric_limits<float>::quiet_NaN();
-    }
-    const float m = _mm512_reduce_max_ps(amax);
-    // (x / max|q|)·32767 rounds into [−32767, 32767] (dividing first: 32767 / max|q| would
-    // overflow for a tiny query); the pack saturates the last ulp.
-    const __m512 top = _mm512_set1_ps(m > 0 ? m : 1.0f);
-    for (Index e = 0; e < dk; e += 16) {
-        const __m512 rel = _mm512_div_ps(_mm512_loadu_ps(q + e), top);
+/// A query row as the integer logits take it: q ≈ scale·codes + residual_scale·residual.
+struct QueryScales {
+    float scale = 0;           ///< max|q| / 32767; NaN when q holds a NaN or infinity
+    float residual_scale = 0;  ///< 0 when the row has no residual codes
+};
+
+/// A row whose largest magnitude is more than this many times its mean magnitude (an outlier
+/// feature, as massive activations give) also gets residual codes: with one scale for the
+/// row, its typical features would keep 10 bits or fewer.
+inline constexpr float kQueryOutlierRatio = 32.0f;
+
+/// Rounds n floats (n a multiple of 16) to 16-bit integer codes against max|x| = top > 0, to
+/// nearest even; returns Σ |x / top|.
+inline float round_to_codes(const float* x, Index n, float top, std::int16_t* codes) noexcept {
+    // (x / max|x|)·32767 rounds into [−32767, 32767] (dividing first: 32767 / max|x| would
+    // overflow for a tiny row); the pack saturates the last ulp.
+    const __m512 t = _mm512_set1_ps(top);
+    __m512 sum = _mm512_setzero_ps();
+    for (Index e = 0; e < n; e += 16) {
+        const __m512 rel = _mm512_div_ps(_mm512_loadu_ps(x + e), t);
+        sum = _mm512_add_ps(sum, _mm512_abs_ps(rel));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + e),
                             _mm512_cvtsepi32_epi16(round_to_int(_mm512_mul_ps(rel, _mm512_set1_ps(32767.0f)))));
     }
-    return m / 32767.0f;
+    return _mm512_reduce_add_ps(sum);
+}
+
+/// Rounds the dk floats of q (dk a multiple of 32) to 16-bit integer codes, to nearest even,
+/// with scale max|q| / 32767 (a relative 2⁻¹⁶ of the row's largest value); a row with an outlier
+/// (kQueryOutlierRatio) also gets the rounding error r = q − scale·codes as 16-bit residual codes
+/// of their own scale (the logits then take a second integer pass; the query is then kept to a
+/// relative 2⁻³¹ of its largest value), else residual codes 0 and residual_scale 0. A row with a
+/// NaN or infinity gets codes 0 and scale NaN (its logits, and so its output, are then NaN).
+/// Below max|q| ≈ 4e-34 the scale is subnormal and the logits lose precision.
+inline QueryScales quantize_query(const float* q, Index dk, std::int16_t* codes, std::int16_t* residual) noexcept {
+    const auto bytes = static_cast<std::size_t>(dk) * sizeof(std::int16_t);
+    auto max_abs = [dk](const float* x, __mmask16& not_finite) {
+        __m512 amax = _mm512_setzero_ps();
+        for (Index e = 0; e < dk; e += 16) {
+            const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + e));
+            not_finite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
+            amax = _mm512_max_ps(amax, a);
+        }
+        return _mm512_reduce_max_ps(amax);
+    };
+    __mmask16 not_finite = 0;
+    const float m = max_abs(q, not_finite);
+    std::memset(residual, 0, bytes);
+    if (not_finite) {
+        std::memset(codes, 0, bytes);
+        return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
+    }
+    if (!(m > 0)) {
+        std::memset(codes, 0, bytes);
+        return {};
+    }
+    const float sum = round_to_codes(q, dk, m, codes);
+    const QueryScales scales{m / 32767.0f, 0.0f};
+    // max|q| > ratio · mean|q| ⇔ Σ |q / max|q|| < d_k / ratio.
+    if (!(sum * kQueryOutlierRatio < static_cast<float>(dk))) return scales;
+    alignas(64) float r[16];
+    float r_max = 0;
+    for (Index e = 0; e < dk; ++e) r_max = std::max(r_max, std::abs(q[e] - scales.scale * float(codes[e])));
+    if (!(r_max > 0)) return scales;
+    for (Index e = 0; e < dk; e += 16) {
+        for (Index i = 0; i < 16; ++i) r[i] = q[e + i] - scales.scale * float(codes[e + i]);
+        round_to_codes(r, 16, r_max, residual + e);
+    }
+    return {scales.scale, r_max / 32767.0f};
 }
 
 /// Register whose lane i is the sum of the 32-bit lanes of rows[i] (16 registers): the
@@ -640,19 +683,28 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     const bool int8_vnni = kInt8 && int8_family == Int8Kernel::Vnni;
     const bool int8_dot = int8_vnni && decode_int8::takes(dk);
     [[maybe_unused]] const bool int8_values = int8_vnni && decode_int8::takes_values(dv);
+    // Row i = g·kRowsPerHead + t: codes at i·d_k, residual codes at (rows + i)·d_k; scale at i,
+    // residual scale at rows + i.
+    const Index q_rows = num_kv_heads * kRowsPerHead;
     thread_local std::vector<std::int16_t> q_codes;  // kept between calls, grown only
     thread_local std::vector<float> q_scales;
     // Each grown for its own need: codes scale with d_k, scales with the KV heads alone (a
     // call with more heads and a smaller d_k needs more scales and no more codes).
-    if (int8_dot && q_codes.size() < static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk))
-        q_codes.resize(static_cast<std::size_t>(num_kv_heads * kRowsPerHead * dk));
-    if (int8_dot && q_scales.size() < static_cast<std::size_t>(num_kv_heads * kRowsPerHead))
-        q_scales.resize(static_cast<std::size_t>(num_kv_heads * kRowsPerHead));
+    if (int8_dot && q_codes.size() < static_cast<std::size_t>(2 * q_rows * dk))
+        q_codes.resize(static_cast<std::size_t>(2 * q_rows * dk));
+    if (int8_dot && q_scales.size() < static_cast<std::size_t>(2 * q_rows))
+        q_scales.resize(static_cast<std::size_t>(2 * q_rows));
+    bool any_residual = false;  // some row has residual codes (a second integer pass)
     if constexpr (kInt8)
         for (Index g = 0; g < num_kv_heads && int8_dot; ++g)
-            for (int t = 0; t < blks[g].count; ++t)
-                q_scales[g * kRowsPerHead + t] =
-                    decode_int8::quantize_query(blks[g].q[t], dk, q_codes.data() + (g * kRowsPerHead + t) * dk);
+            for (int t = 0; t < blks[g].count; ++t) {
+                const Index i = g * kRowsPerHead + t;
+                const auto qs = decode_int8::quantize_query(blks[g].q[t], dk, q_codes.data() + i * dk,
+                                                            q_codes.data() + (q_rows + i) * dk);
+                q_scales[static_cast<std::size_t>(i)] = qs.scale;
+                q_scales[static_cast<std::size_t>(q_rows + i)] = qs.residual_scale;
+                any_residual = any_residual || qs.residual_scale != 0;
+            }
 #else
     constexpr bool int8_dot = false;
     [[maybe_unused]] constexpr bool int8_values = false;
@@ -770,6 +822,15 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 decode_int8::logits<R>(qc, q_scales.data() + g * kRowsPerHead + t0,
                                                        key + j0 * key_stride, key_stride, nk, dk, row_logits,
                                                        prefetch_in_kernels ? &spread : nullptr);
+                                const float* rs = q_scales.data() + q_rows + g * kRowsPerHead + t0;
+                                if (any_residual && std::any_of(rs, rs + R, [](float x) { return x != 0; })) {
+                                    // The residual codes' pass (K is in L1); 0 for rows without.
+                                    for (int r = 0; r < R; ++r) qc[r] += q_rows * dk;
+                                    B residual_logits[R];
+                                    decode_int8::logits<R>(qc, rs, key + j0 * key_stride, key_stride, nk, dk,
+                                                           residual_logits, nullptr);
+                                    for (int r = 0; r < R; ++r) row_logits[r] += residual_logits[r];
+                                }
                                 products_done = reduced = true;
                             }
                         }

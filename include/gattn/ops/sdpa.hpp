@@ -653,6 +653,13 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     // alone would lose log n).
     std::vector<T> logits(static_cast<std::size_t>(Nk));
     std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(kNarrow || kInt8 ? dk : 0);
+    // Decoding an int8 cache with integer logits: the query as the kernel took it (16-bit codes
+    // and residual codes), so that the probabilities agree with the output and log-sum-exp.
+#if defined(GATTN_HAS_INT8_DOT_KERNEL)
+    const bool rounded_query = kInt8 && decode && int8_family == Int8Kernel::Vnni && kernel::decode_int8::takes(dk);
+    std::vector<std::int16_t> q_codes(rounded_query ? 2 * static_cast<std::size_t>(dk) : 0);
+#endif
+    std::vector<T> q_rounded(kInt8 ? static_cast<std::size_t>(dk) : 0);
     // q·k for key row j of sequence b, KV head g.
     auto dot = [&](const Scalar* a, Index b, Index j, Index g) -> T {
         const KVElem* b2 = key.data() + (b * Nk + j) * key.outerStride() + g * dk;
@@ -674,6 +681,15 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
+#if defined(GATTN_HAS_INT8_DOT_KERNEL)
+                if constexpr (kInt8)
+                    if (rounded_query) {
+                        const auto qs = kernel::decode_int8::quantize_query(q, dk, q_codes.data(), q_codes.data() + dk);
+                        for (Index e = 0; e < dk; ++e)
+                            q_rounded[e] = qs.scale * T(q_codes[e]) + qs.residual_scale * T(q_codes[dk + e]);
+                        q = q_rounded.data();
+                    }
+#endif
                 const Index g = h / group;
                 const Index prow = (b * H + h) * Nq + i;
                 T* lg = extra.logits ? extra.logits->data() + prow * Nk : nullptr;
