@@ -467,17 +467,14 @@ inline float round_to_codes(const float* x, Index n, float top, std::int16_t* co
 /// Below max|q| ≈ 4e-34 the scale is subnormal and the logits lose precision.
 inline QueryScales quantize_query(const float* q, Index dk, std::int16_t* codes, std::int16_t* residual) noexcept {
     const auto bytes = static_cast<std::size_t>(dk) * sizeof(std::int16_t);
-    auto max_abs = [dk](const float* x, __mmask16& not_finite) {
-        __m512 amax = _mm512_setzero_ps();
-        for (Index e = 0; e < dk; e += 16) {
-            const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + e));
-            not_finite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
-            amax = _mm512_max_ps(amax, a);
-        }
-        return _mm512_reduce_max_ps(amax);
-    };
+    __m512 amax = _mm512_setzero_ps();
     __mmask16 not_finite = 0;
-    const float m = max_abs(q, not_finite);
+    for (Index e = 0; e < dk; e += 16) {
+        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(q + e));
+        not_finite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
+        amax = _mm512_max_ps(amax, a);
+    }
+    const float m = _mm512_reduce_max_ps(amax);
     std::memset(residual, 0, bytes);
     if (not_finite) {
         std::memset(codes, 0, bytes);
@@ -502,6 +499,13 @@ inline QueryScales quantize_query(const float* q, Index dk, std::int16_t* codes,
     return {scales.scale, r_max / 32767.0f};
 }
 
+/// The query that quantize_query's codes stand for, in float: out[d] = scale·codes[d] +
+/// residual_scale·residual[d] for d < dk (what the integer logits multiply the keys by).
+inline void dequantize_query(const std::int16_t* codes, const std::int16_t* residual, QueryScales scales, Index dk,
+                             float* out) noexcept {
+    for (Index d = 0; d < dk; ++d) out[d] = scales.scale * float(codes[d]) + scales.residual_scale * float(residual[d]);
+}
+
 /// Register whose lane i is the sum of the 32-bit lanes of rows[i] (16 registers): the
 /// butterfly of simd::reduce_sum_rows on integers, exact while no sum leaves int32.
 inline __m512i reduce_rows(const __m512i* rows) noexcept {
@@ -523,7 +527,8 @@ inline __m512i reduce_rows(const __m512i* rows) noexcept {
 /// block (lanes kk ≥ nk are 0): the dot products reduced across lanes, as reduce_sum_rows
 /// does for group_logits' registers. Up to d_k = 512 a whole dot product fits int32
 /// (|Σ| ≤ 512·32767·128 < 2³¹), so the lanes add as integers and turn into floats once per
-/// row; beyond, each lane's partial sum turns into a float first.
+/// row; beyond, each lane's partial sum turns into a float first. prefetch (may be null):
+/// stepped once per 4 keys (decode_chunk's spread prefetch).
 template <int R>
 inline void logits(const std::int16_t* const* q, const float* q_scale, const std::int8_t* key, Index key_stride,
                    Index nk, Index dk, simd::Batch<float>* logits, SpreadPrefetch<std::int8_t>* prefetch) noexcept {
@@ -580,7 +585,8 @@ inline constexpr bool takes_values(Index dv) noexcept { return dv % 64 == 0; }
 /// key (score −∞) gets weight 0, whatever its scale. Half the instructions of widening the
 /// codes to float FMAs. A row with a weight that is not finite (a NaN or infinite logit or
 /// value scale) takes group_values alone, so the NaN reaches it and the other rows are unchanged.
-/// Needs dv a multiple of 64 (takes_values).
+/// Needs dv a multiple of 64 (takes_values). prefetch (may be null): stepped once per key pair
+/// of each 64-feature pass (decode_chunk's spread prefetch).
 template <int R>
 inline void values(const float (*score)[16], const float (*w)[16], Index nk, const std::int8_t* value,
                    Index value_stride, float* const* acc, Index dv, SpreadPrefetch<std::int8_t>* prefetch) noexcept {

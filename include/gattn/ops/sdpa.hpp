@@ -658,8 +658,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
     const bool rounded_query = kInt8 && decode && int8_family == Int8Kernel::Vnni && kernel::decode_int8::takes(dk);
     std::vector<std::int16_t> q_codes(rounded_query ? 2 * static_cast<std::size_t>(dk) : 0);
+    std::vector<float> q_rounded(rounded_query ? static_cast<std::size_t>(dk) : 0);
 #endif
-    std::vector<T> q_rounded(kInt8 ? static_cast<std::size_t>(dk) : 0);
     // q·k for key row j of sequence b, KV head g.
     auto dot = [&](const Scalar* a, Index b, Index j, Index g) -> T {
         const KVElem* b2 = key.data() + (b * Nk + j) * key.outerStride() + g * dk;
@@ -685,8 +685,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                 if constexpr (kInt8)
                     if (rounded_query) {
                         const auto qs = kernel::decode_int8::quantize_query(q, dk, q_codes.data(), q_codes.data() + dk);
-                        for (Index e = 0; e < dk; ++e)
-                            q_rounded[e] = qs.scale * T(q_codes[e]) + qs.residual_scale * T(q_codes[dk + e]);
+                        kernel::decode_int8::dequantize_query(q_codes.data(), q_codes.data() + dk, qs, dk,
+                                                              q_rounded.data());
                         q = q_rounded.data();
                     }
 #endif
