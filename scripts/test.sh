@@ -2,7 +2,11 @@
 # Builds gattn's tests, examples and benchmarks and runs the test suite with ctest once per
 # flavour, all with -Wall -Wextra -Werror. Instruction-set flavours (g++):
 #   baseline  the compiler's default (x86-64: SSE2), the whole suite;
-#   native    -march=native (e.g. AVX-512), the whole suite, examples and benchmarks;
+#   native    -march=native (e.g. AVX-512), the whole suite and the examples that tests run
+#             (layer_from_pytorch) or the demo does (tiny_lm); the other examples and the
+#             benchmarks, which no test runs, are only compiled with -fsyntax-only
+#             (GATTN_SYNTAX_ONLY_PROGRAMS): every template they use is checked, in a quarter
+#             of the time;
 #   avx2      -mavx2 -mfma (x86 only), the tests of the SIMD code paths: kernels, SDPA in every
 #             storage type, projections and the shared fault cases (test_ops).
 # Clang flavours (clang++, Debian's clang 14 and LLVM's OpenMP runtime libomp):
@@ -13,20 +17,22 @@
 #   tsan   ThreadSanitizer on test_layer, the tests that run threads (std::thread and OpenMP;
 #          libomp's archer tool tells ThreadSanitizer about OpenMP's synchronisation).
 # Backend flavour (g++, -march=native, Debian's libdnnl-dev):
-#   onednn -DGATTN_WITH_ONEDNN=ON: the tests of bf16 projections, layers and models, with the
-#          bf16 projections on oneDNN's matmul.
+#   onednn -DGATTN_WITH_ONEDNN=ON: the backend changes PackedLinear only, so its tests (both
+#          backends against a float64 reference) and Qwen3-Next's bf16 layer against PyTorch,
+#          with the bf16 projections on oneDNN's matmul.
 # MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):
 #   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention, head-parallel layers and
 #          sharded-cache decoding under mpiexec on 2 and 3 ranks, and the examples/mpi
-#          programs on 2
-#          (bench_dist is built too).
+#          programs on 2 (bench_dist is compiled with -fsyntax-only).
+# Each flavour ends with its counts of GoogleTest cases run, passed, failed and skipped
+# (scripts/test_summary.py) and its build and test times.
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline native"; any of those and
 # "avx2 clang asan tsan onednn mpi"), CMAKE_ARGS (extra CMake args).
 # The tests/odr units are built with fixed flags, so of the g++ flavours only baseline builds
 # them (GATTN_BUILD_ODR_TESTS). baseline, native, avx2 and asan compile each group of test files
-# as one unit (GATTN_UNITY_TESTS) and run each test executable as 4 ctest tests, one shard of
-# its GoogleTest cases each (GATTN_TESTS_PER_EXECUTABLE; CMAKE_ARGS=-DGATTN_TESTS_PER_EXECUTABLE=OFF
+# as one unit (GATTN_UNITY_TESTS) and run each test executable as up to 4 ctest tests, one shard
+# of its GoogleTest cases each (GATTN_TESTS_PER_EXECUTABLE; CMAKE_ARGS=-DGATTN_TESTS_PER_EXECUTABLE=OFF
 # gives one ctest test per GoogleTest case). tsan and onednn build single files' executables
 # (GATTN_UNITY_TESTS=OFF).
 set -euo pipefail
@@ -45,6 +51,10 @@ case " $flavours " in
   *" clang "* | *" asan "* | *" tsan "*) scripts/deps.sh clang "${extra_packages[@]}" ;;
   *) scripts/deps.sh test "${extra_packages[@]}" ;;
 esac
+
+# The CMake package test builds its consumers with the default compiler and flags, whatever the
+# flavour: the baseline flavour runs it, native and asan leave it out.
+package_test='^CMakePackage\.'
 
 for flavour in $flavours; do
   cmake_args=(-DCMAKE_BUILD_TYPE=Release)
@@ -65,18 +75,20 @@ for flavour in $flavours; do
       ;;
     native)
       arch="-march=native"
-      cmake_args+=(-DGATTN_BUILD_ODR_TESTS=OFF -DGATTN_TESTS_PER_EXECUTABLE=ON)
+      cmake_args+=(-DGATTN_BUILD_ODR_TESTS=OFF -DGATTN_TESTS_PER_EXECUTABLE=ON -DGATTN_SYNTAX_ONLY_PROGRAMS=ON)
+      ctest_args=(-E "$package_test")
       ;;
     onednn)
       arch="-march=native"
       cmake_args+=(-DGATTN_WITH_ONEDNN=ON -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_UNITY_TESTS=OFF)
-      onednn_tests=(test_packed_linear test_gates test_qwen3_next test_tiny_lm)
-      build_args=(--target "${onednn_tests[@]}")
-      ctest_args=(-R "PackedLinear|Bf16")  # Bf16Layer, GateSpecs.Bf16*, Qwen3NextBf16, TinyLMBf16
+      # The backend changes PackedLinear only: its tests (both backends against the float64
+      # reference), and Qwen3-Next's bf16 layer end to end against PyTorch.
+      build_args=(--target test_packed_linear test_qwen3_next)
+      ctest_args=(-R "PackedLinear|Bf16")  # PackedLinear*, Qwen3NextBf16*
       ;;
     mpi)
       arch="-march=native"
-      cmake_args+=(-DGATTN_WITH_MPI=ON)
+      cmake_args+=(-DGATTN_WITH_MPI=ON -DGATTN_SYNTAX_ONLY_PROGRAMS=ON)
       # bench_dist is built, not run; the examples run at small sizes.
       build_args=(--target test_ring_attention test_head_parallel test_sharded_cache bench_dist ring_prefill head_parallel_decode)
       ctest_args=(-R "RingAttention|HeadParallel|ShardedCache|ExamplesMpi")
@@ -94,6 +106,7 @@ for flavour in $flavours; do
                   "-DCMAKE_EXE_LINKER_FLAGS=$san"
                   -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF
                   -DGATTN_TESTS_PER_EXECUTABLE=ON)
+      ctest_args=(-E "$package_test")
       run_env=(ASAN_OPTIONS=detect_leaks=1:strict_string_checks=1:detect_stack_use_after_return=1
                UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1)
       ;;
@@ -111,6 +124,7 @@ for flavour in $flavours; do
       ;;
     *) echo "unknown flavour $flavour" >&2; exit 2 ;;
   esac
+  flavour_start=$SECONDS
   echo "== $flavour build (GATTN_ARCH_FLAGS='$arch')"
   cmake -S . -B "$build-$flavour" "${cmake_args[@]}" -DGATTN_ARCH_FLAGS="$arch" ${CMAKE_ARGS:-} >/dev/null
   cmake --build "$build-$flavour" -j "$jobs" "${build_args[@]}" 2>&1 | quiet
@@ -124,7 +138,17 @@ for flavour in $flavours; do
              sort -u | paste -sd '|')
     ctest_args=(-R "^($suites)\\.")
   fi
-  # --no-tests=error: a filter that selects nothing fails instead of passing.
+  built=$SECONDS
+  # --no-tests=error: a filter that selects nothing fails instead of passing. The summary counts
+  # GoogleTest cases (tests/CMakeLists.txt: each shard writes its XML report) before the status
+  # of ctest ends the script.
+  results="$build-$flavour/tests/gtest_results"
+  rm -rf "$results" && mkdir -p "$results"
+  status=0
   env "${run_env[@]}" ctest --test-dir "$build-$flavour" -j "$jobs" --output-on-failure --no-tests=error \
-    "${ctest_args[@]}" 2>&1 | quiet
+    --output-junit "$PWD/$build-$flavour/ctest_junit.xml" "${ctest_args[@]}" 2>&1 | quiet || status=$?
+  [ -f "$build-$flavour/ctest_junit.xml" ] &&
+    python3 scripts/test_summary.py "$flavour" "$build-$flavour/ctest_junit.xml" "$results"
+  echo "== $flavour: build $((built - flavour_start)) s, tests $((SECONDS - built)) s"
+  [ "$status" -eq 0 ] || exit "$status"
 done
