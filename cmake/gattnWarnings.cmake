@@ -15,3 +15,17 @@ function(gattn_project_options target)
     endif()
   endif()
 endfunction()
+
+# A program of gattn's that no test runs (a benchmark, an example): an executable, or with
+# GATTN_SYNTAX_ONLY_PROGRAMS only compiled with -fsyntax-only (every template it uses is
+# instantiated and checked, no code is generated), as scripts/test.sh does to keep the test
+# build short. Extra arguments are its source files.
+function(gattn_add_program target)
+  if(GATTN_SYNTAX_ONLY_PROGRAMS)
+    add_library(${target} OBJECT ${ARGN})
+    target_compile_options(${target} PRIVATE -fsyntax-only)
+  else()
+    add_executable(${target} ${ARGN})
+  endif()
+  gattn_project_options(${target})
+endfunction()
