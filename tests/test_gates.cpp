@@ -259,7 +259,14 @@ void run_layer_case(const GateSpec& spec, const LayerShape& sh) {
     SCOPED_TRACE(label + " (" + gattn::describe(spec) + ")");
     const gattn::AttentionConfig c = make_config(spec, sh);
     using A = gattn::compute_t<S>;  // activations
-    const auto w = gattn::make_random_weights<S>(c, 20250509u);
+    auto w = gattn::make_random_weights<S>(c, 20250509u);
+    if (c.qk_norm != gattn::QkNorm::None) {
+        // Gains that differ per feature (make_random_weights gives the models' 1 or 0), so
+        // that a gain applied to the wrong feature, or not at all, shows.
+        const Mat g = gattn_test::random_matrix(2, c.head_dim, 20250512u);
+        w.q_norm_weight = (1.0 + 0.5 * g.row(0).array()).matrix().transpose().cast<S>();
+        w.k_norm_weight = (1.0 + 0.5 * g.row(1).array()).matrix().transpose().cast<S>();
+    }
     const gattn::GatedMultiHeadAttention<S> layer(c, w);
 
     const Mat x = gattn_test::rounded<A>(gattn_test::random_matrix(sh.B * sh.N, sh.D, 4242u));

@@ -126,6 +126,26 @@ TEST(LayerForward, SaturatedGateEqualsUngatedLayer) {
     EXPECT_EQ(z.cwiseAbs().maxCoeff(), 0.0f);
 }
 
+TEST(RandomWeights, NormGainsAreTheModelsInitialValues) {
+    // Qwen3 initialises its q/k RMSNorm gains to ones, Qwen3-Next its zero-centred gains
+    // (y = x̂·(1 + w)) to zeros: both leave each normalised head at RMS 1.
+    gattn::AttentionConfig c = small_config();
+    c.qk_norm = gattn::QkNorm::RmsNorm;
+    auto w = gattn::make_random_weights<float>(c, 11);
+    ASSERT_EQ(w.q_norm_weight.size(), c.head_dim);
+    ASSERT_EQ(w.k_norm_weight.size(), c.head_dim);
+    EXPECT_TRUE((w.q_norm_weight.array() == 1.0f).all());
+    EXPECT_TRUE((w.k_norm_weight.array() == 1.0f).all());
+    c.qk_norm = gattn::QkNorm::ZeroCentredRmsNorm;
+    w = gattn::make_random_weights<float>(c, 11);
+    EXPECT_TRUE((w.q_norm_weight.array() == 0.0f).all());
+    EXPECT_TRUE((w.k_norm_weight.array() == 0.0f).all());
+    // The projections stay nn.Linear's U(±1/√fan_in), and not all one value.
+    const float bound = 1.0f / std::sqrt(float(c.d_model));
+    EXPECT_LE(w.q_proj_weight.cwiseAbs().maxCoeff(), bound);
+    EXPECT_GT(w.q_proj_weight.maxCoeff() - w.q_proj_weight.minCoeff(), bound);
+}
+
 TEST(LayerForward, CoreFormWritesIntoStridedBlock) {
     const auto c = small_config();
     const gattn::GatedMultiHeadAttention<double> layer(c, gattn::make_random_weights<double>(c, 3));

@@ -123,8 +123,12 @@ struct AttentionWeights {
     }
 };
 
-/// Random weights of the right shapes, U(−1/√fan_in, 1/√fan_in) (PyTorch's nn.Linear init),
-/// deterministic for a seed. For benchmarks, tests and examples.
+/// Random weights of the right shapes, deterministic for a seed, for benchmarks, tests and
+/// examples: projections, biases and sinks U(−1/√fan_in, 1/√fan_in) (PyTorch's nn.Linear
+/// initialisation; fan_in = d_model for biases and sinks), gate_theta U(−1, 1), and the q/k
+/// norm gains as the models initialise them: 1 for QkNorm::RmsNorm (Qwen3's nn.Parameter of
+/// ones), 0 for QkNorm::ZeroCentredRmsNorm (Qwen3-Next's zeros, a gain of 1 + 0), so that the
+/// norm leaves each head's query and key at unit RMS.
 /// \throws std::invalid_argument for a config the layer's constructor would refuse.
 template <class Scalar>
 AttentionWeights<Scalar> make_random_weights(const AttentionConfig& config, std::uint64_t seed) {
@@ -141,6 +145,10 @@ AttentionWeights<Scalar> make_random_weights(const AttentionConfig& config, std:
                                                          : double(config.d_model);
             std::uniform_real_distribution<double> u(-1.0 / std::sqrt(fan_in), 1.0 / std::sqrt(fan_in));
             p->resize(rows, p->ColsAtCompileTime == 1 ? 1 : cols);
+            if (s.name == "q_norm.weight" || s.name == "k_norm.weight") {
+                p->setConstant(Scalar(config.qk_norm == QkNorm::ZeroCentredRmsNorm ? 0 : 1));
+                continue;
+            }
             for (Index k = 0; k < p->size(); ++k) p->data()[k] = static_cast<Scalar>(u(rng));
         }
     });
