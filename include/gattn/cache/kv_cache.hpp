@@ -368,7 +368,8 @@ public:
     KVCacheSet() = default;
 
     /// One cache per layer, in the layers' order: layers[i]->make_cache<Scalar>(batch, capacity)
-    /// (Scalar: the layers' storage, or std::int8_t for int8 caches of float-computing layers).
+    /// (Scalar: the layers' storage, std::int8_t for int8 caches of float-computing layers, or
+    /// bf16 or fp16 for 16-bit caches of float layers).
     /// Layer: any layer with make_cache (GatedMultiHeadAttention, Qwen3NextAttention).
     /// \throws as KVCache's constructor.
     template <class Layer>

@@ -201,7 +201,6 @@ class GatedMultiHeadAttention {
     static_assert(std::is_same_v<Activation, compute_t<Scalar>> || std::is_same_v<Activation, Scalar>,
                   "GATTN_ACTIVATION_MUST_BE_THE_COMPUTE_TYPE_OR_THE_STORAGE_TYPE");
     using T = compute_t<Scalar>;
-    static constexpr bool kNarrow = is_narrow_storage_v<Scalar>;
 
 public:
     /// \throws std::invalid_argument for an invalid config (validate_config);
@@ -294,13 +293,15 @@ public:
     /// [batch·capacity, H_kv·d_k] and values [batch·capacity, H_kv·d_v]. A causal layer with a
     /// sliding window w where 2w < capacity gets a window cache instead (KVCache, window w):
     /// 2w rows per sequence that keep the tokens the window still sees, for any number of tokens.
-    /// CacheScalar: the layer's Scalar, or std::int8_t (float compute: Scalar float or 16-bit)
-    /// for an int8 cache (keys and values quantized as they are appended, after a G2 or G3
-    /// gate; ops/int8_rows.hpp).
+    /// CacheScalar: the layer's Scalar; std::int8_t for an int8 cache (float compute: Scalar
+    /// float or 16-bit; keys and values quantized as they are appended, after a G2 or G3 gate;
+    /// ops/int8_rows.hpp); or, for a float layer, gattn::bfloat16 or gattn::half: 16-bit storage
+    /// with float compute, where the layer's attention runs as a bf16 layer's does (Q, K and V
+    /// rounded to the cache's type once, float softmax, accumulation and output).
     /// \throws as the KVCache constructor.
     template <class CacheScalar = Scalar>
     KVCache<CacheScalar> make_cache(Index batch, Index capacity) const {
-        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
+        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_INT8_WITH_FLOAT_COMPUTE_OR_16_BIT_FOR_A_FLOAT_LAYER");
         const Index w = m_config.causal && m_config.sliding_window ? *m_config.sliding_window : 0;
         if (w > 0 && w < capacity - w)  // 2w < capacity
             return KVCache<CacheScalar>(batch, 2 * w, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id, w);
@@ -338,7 +339,7 @@ public:
     template <class CacheScalar>
     void forward(ConstMatrixRef<Activation> x, KVCache<CacheScalar>& cache, MatrixRef<Activation> out,
                  std::vector<Index> counts = {}, ForwardTrace<T>* trace = nullptr) const {
-        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
+        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_INT8_WITH_FLOAT_COMPUTE_OR_16_BIT_FOR_A_FLOAT_LAYER");
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
@@ -362,10 +363,13 @@ public:
     }
 
 private:
-    /// The caches the layer takes: its Scalar, and int8 when it computes in float.
+    /// The caches the layer takes: its Scalar, int8 when it computes in float, and bf16 or fp16
+    /// when Scalar is float.
     template <class CacheScalar>
-    static constexpr bool takes_cache_v = std::is_same_v<CacheScalar, Scalar> ||
-                                          (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>);
+    static constexpr bool takes_cache_v =
+        std::is_same_v<CacheScalar, Scalar> ||
+        (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>) ||
+        (is_narrow_storage_v<CacheScalar> && std::is_same_v<Scalar, float>);
 
     /// Refuses a trace matrix that holds x, out or the bias: the trace's matrices are resized,
     /// which frees their storage.
@@ -477,22 +481,25 @@ private:
             if (g.position == GatePosition::G4) gate_heads(q.data(), q.outerStride(), H, dk, z, nullptr, scores, rows);
         }
 
-        // Q, K and V in the storage type: the projection itself, or (16-bit) rounded from it once.
-        RowMatrix<Scalar> rounded;
-        if constexpr (kNarrow) rounded = proj.template cast<Scalar>();
-        const RowMatrix<Scalar>& qkv = [&]() -> const RowMatrix<Scalar>& {
-            if constexpr (kNarrow)
+        // Q, K and V in the storage type (the layer's, or a float layer's 16-bit cache's): the
+        // projection itself, or (16-bit) rounded from it once.
+        using Store = std::conditional_t<kInt8Cache, Scalar, CacheScalar>;
+        constexpr bool kRound = is_narrow_storage_v<Store>;
+        RowMatrix<Store> rounded;
+        if constexpr (kRound) rounded = proj.template cast<Store>();
+        const RowMatrix<Store>& qkv = [&]() -> const RowMatrix<Store>& {
+            if constexpr (kRound)
                 return rounded;
             else
                 return proj;
         }();
-        const ConstMatrixRef<Scalar> q_s = qkv.middleCols(0, H * dk);
-        const ConstMatrixRef<Scalar> k_s = qkv.middleCols(H * dk, Hkv * dk);
-        const ConstMatrixRef<Scalar> v_s = qkv.middleCols(H * dk + Hkv * dk, Hkv * dv);
+        const ConstMatrixRef<Store> q_s = qkv.middleCols(0, H * dk);
+        const ConstMatrixRef<Store> k_s = qkv.middleCols(H * dk, Hkv * dk);
+        const ConstMatrixRef<Store> v_s = qkv.middleCols(H * dk + Hkv * dk, Hkv * dv);
         // Keys and values: this call's, or the cache's once this call's are appended (an int8
         // cache quantizes the float K and V, and SDPA reads the float Q).
-        using Operand = std::conditional_t<kInt8Cache, Int8Rows, ConstMatrixRef<Scalar>>;
-        using Q = std::conditional_t<kInt8Cache, T, Scalar>;
+        using Operand = std::conditional_t<kInt8Cache, Int8Rows, ConstMatrixRef<Store>>;
+        using Q = std::conditional_t<kInt8Cache, T, Store>;
         if (cache) {
             if constexpr (kInt8Cache)
                 cache->append(k, v, counts);
