@@ -15,6 +15,7 @@
 
 #include "gattn/gates/gate_spec.hpp"
 #include "gattn/ops/logit_limits.hpp"
+#include "gattn/types.hpp"
 
 namespace gattn {
 
@@ -233,6 +234,30 @@ void check_weight_shape(const char* fn, const char* name, const Tensor& t, const
                                                              : shape_string({want->shape[0], want->shape[1]});
         throw shape_error(std::string(fn) + ": " + name + " must have shape " + expected + ", got " + got +
                           (t.size() == 0 ? " (missing: this config uses it)" : ""));
+    }
+}
+
+/// Checks one parameter's values: every element finite, except that a sink may be −∞ (no
+/// sink). A NaN or an infinity in a weight would make every output NaN (or, in an int8 cache,
+/// every append fail), and SDPA refuses a NaN or +∞ sink. Throws std::invalid_argument
+/// "<fn>: <name>[row, col] must be finite, got inf" (a vector's element as <name>[i]) naming the
+/// first such element.
+template <class Tensor>
+void check_weight_values(const char* fn, const char* name, const Tensor& t) {
+    using T = compute_t<typename Tensor::Scalar>;
+    const bool sinks = std::string(name) == "sinks";
+    const auto* p = t.data();
+    for (Index k = 0; k < t.size(); ++k) {
+        const T v = static_cast<T>(p[k]);
+        if (std::isfinite(v) || (sinks && v == -std::numeric_limits<T>::infinity())) continue;
+        // Row-major matrices and vectors alike: element k is row k / cols, column k % cols.
+        const Index cols = Tensor::ColsAtCompileTime == 1 ? 1 : t.cols();
+        const std::string at = Tensor::ColsAtCompileTime == 1
+                                   ? "[" + std::to_string(k) + "]"
+                                   : "[" + std::to_string(k / cols) + ", " + std::to_string(k % cols) + "]";
+        throw_invalid(fn, name + at,
+                      std::string(sinks ? "must be finite or -inf (no sink)" : "must be finite") + ", got " +
+                          number_string(double(v)));
     }
 }
 
