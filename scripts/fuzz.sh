@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds gattn's libFuzzer harnesses with clang (-fsanitize=fuzzer,address,undefined, -O1 -g,
 # assertions on) and fuzzes each for a bounded time from its seed corpus:
-#  - tests/fuzz/fuzz_sdpa.cpp: SDPA against a float64 reference and the gated layer (seeds
-#    tests/fuzz/corpus), built twice, as gattn's kernels are separate code per instruction set:
+#  - tests/fuzz/fuzz_sdpa.cpp: SDPA against a float64 reference, the gated layer, and the layer
+#    decoding through a KV cache with invalid calls among the valid ones (seeds
+#    tests/fuzz/corpus; its decode_* seeds are written by scripts/make_fuzz_seeds.py), built
+#    twice, as gattn's kernels are separate code per instruction set:
 #      baseline  the compiler's default instruction set (x86-64: SSE2);
 #      wide      the widest instruction set of this CPU: -march=native when it has AVX-512F, else
 #                -mavx2 -mfma when it has AVX2 and FMA (skipped otherwise, the baseline run then

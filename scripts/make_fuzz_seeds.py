@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""Writes the seed corpora of gattn's file-reader fuzzers (Python 3 standard library only).
+"""Writes the seed corpora of gattn's file-reader fuzzers and the decoding seeds of fuzz_sdpa
+(Python 3 standard library only).
 
   tests/fuzz/corpus_safetensors/  safetensors files for tests/fuzz/fuzz_safetensors.cpp
   tests/fuzz/corpus_config/       config.json files for tests/fuzz/fuzz_config.cpp
   tests/fuzz/corpus_index/        model.safetensors.index.json files for tests/fuzz/fuzz_index.cpp
+  tests/fuzz/corpus/decode_*      inputs of tests/fuzz/fuzz_sdpa.cpp's decoding mode (a layer
+                                  decoding through a KV cache, with invalid calls among the
+                                  valid ones); the rest of that corpus is fuzz_sdpa's own merge
 
-Each corpus holds valid files and near-valid ones, each a single defect away from valid
+Each reader corpus holds valid files and near-valid ones, each a single defect away from valid
 (truncated, offsets out of range or overlapping, wrong dtypes, huge or negative numbers,
 duplicated names, deep nesting, bad UTF-8, ...). The files are named after what they hold; the
 output is deterministic. Files this script does not write (the inputs of past findings, named
-finding_*) are left as they are. Both corpora are replayed by ctest in the fuzzer build
-(Fuzz.*CorpusReplay) and seed scripts/fuzz.sh.
+finding_*, and fuzz_sdpa's merged inputs) are left as they are. The corpora are replayed by
+ctest in the fuzzer build (Fuzz.*CorpusReplay) and seed scripts/fuzz.sh.
 
 Usage: python3 scripts/make_fuzz_seeds.py [--check]
   --check  fail when a corpus file differs from what the script writes (nothing is written).
@@ -404,11 +408,80 @@ def index_seeds():
     return s
 
 
+# ---------------------------------------------------------------------------------------------
+# fuzz_sdpa's decoding mode (run_decode in tests/fuzz/fuzz_sdpa.cpp reads these bytes in order)
+
+DECODE_MODE = 7  # first byte, modulo 8
+
+
+def decode_input(spec, d_model, heads, kv_index, head_dim, bits, int8, batch, capacity, steps,
+                 window=None, softcap_small=None, zero_centred=None, rotary_half=None, seed=5):
+    """One decoding input. Sizes are given as the harness reads them (in.range(lo, hi) takes
+    lo + byte % (hi - lo + 1)); value_head_dim = head_dim. bits: 1 qkv_bias, 2 o_bias, 4 sinks,
+    8 window, 16 softcap, 32 q/k norm, 64 RoPE, 128 ALiBi. steps: (op, a, b, c) bytes each, op
+    mod 8: 0-3 forward of 1 + a % 4 slots per sequence with counts from b's bit pairs, 4 rollback,
+    5 an invalid call of kind a % 11, 6 an invalid truncation of kind a % 3, 7 clear. The
+    values then come from the harness's generator."""
+    b = [DECODE_MODE, spec, d_model - 1, heads - 1, kv_index, head_dim - 1, 1, bits]
+    if bits & 8:
+        b.append(window - 1)
+    if bits & 16:
+        b.append(1 if softcap_small else 0)
+    if bits & 32:
+        b.append(1 if zero_centred else 0)
+    if bits & 64 and head_dim >= 2:
+        b.append(rotary_half - 1)
+    b += [1 if int8 else 0, batch - 1, capacity - 1, seed, len(steps) - 1]
+    for step in steps:
+        b += list(step)
+    return bytes(b)
+
+
+def decode_seeds():
+    def fwd(n, counts):  # n slots per sequence (1-4), counts of new tokens (0-3 each)
+        assert 1 <= n <= 4 and all(0 <= c <= min(n, 3) for c in counts)
+        return (0, n - 1, sum(c << (2 * i) for i, c in enumerate(counts)), 0)
+
+    bad = lambda kind, n=2, which=0: (5, kind, n - 1, which)
+    bad_truncate = lambda kind, extra=0, which=0: (6, kind, extra, which)
+    rollback = lambda a: (4, a, 0, 0)
+    s = {}
+    # G1 gate with sinks on a float cache: prefill, decode, a rollback, invalid counts, decode.
+    s["decode_float_g1_sinks"] = decode_input(
+        1, 16, 4, 1, 4, 4, False, 2, 12,
+        [fwd(4, [3, 2]), fwd(1, [1, 1]), rollback(3), bad(1), bad(2, 1, 1), bad_truncate(1, 2, 1), fwd(2, [2, 1])])
+    # An int8 cache: a NaN key refused mid-decoding, shapes refused, then more tokens.
+    s["decode_int8_nan_key"] = decode_input(
+        2, 8, 2, 0, 8, 0, True, 2, 16,
+        [fwd(3, [3, 1]), bad(7, 2, 1), bad(3), bad(4), bad(5), fwd(2, [2, 2]), bad(7, 1, 0), fwd(1, [1, 0])])
+    # A window cache (window 2 of 10 rows: 4 rows kept) past its rows: dropped tokens, a
+    # rollback to the minimum, truncations below it refused.
+    s["decode_window_rollback"] = decode_input(
+        3, 12, 2, 1, 4, 8 | 4, False, 2, 10,
+        [fwd(4, [3, 3]), fwd(4, [3, 2]), fwd(2, [2, 2]), rollback(0), bad_truncate(2, 0, 1), bad_truncate(0),
+         fwd(3, [1, 3]), bad(6)], window=2)
+    # Every kind of invalid call between valid ones, float cache without a window.
+    s["decode_invalid_calls"] = decode_input(
+        0, 6, 3, 0, 2, 0, False, 3, 5,
+        [fwd(2, [2, 1, 0]), bad(0), bad(6, 3), bad(8), bad(9), bad(10), bad_truncate(1, 0, 2), fwd(1, [1, 1, 1])])
+    # Softcap, ALiBi, zero-centred q/k norm and RoPE on an int8 cache; clear, then again.
+    s["decode_int8_softcap_alibi_rope"] = decode_input(
+        1, 16, 4, 2, 8, 16 | 32 | 64 | 128 | 1 | 2, True, 1, 20,
+        [fwd(4, [3]), fwd(1, [1]), bad(10), (7, 0, 0, 0), fwd(3, [2]), bad(7, 3, 0), rollback(1), fwd(2, [2])],
+        softcap_small=True, zero_centred=True, rotary_half=2)
+    # The same options on a float cache, against the float64 reference.
+    s["decode_float_softcap_alibi_rope"] = decode_input(
+        5, 16, 4, 1, 8, 16 | 32 | 64 | 128 | 4, False, 2, 20,
+        [fwd(4, [3, 3]), fwd(1, [1, 1]), fwd(2, [0, 2]), bad(1), rollback(2), fwd(3, [3, 1])],
+        softcap_small=False, zero_centred=False, rotary_half=4)
+    return s
+
+
 def main():
     check = "--check" in sys.argv[1:]
     differ = []
     for sub, seeds in (("corpus_safetensors", safetensors_seeds()), ("corpus_config", config_seeds()),
-                       ("corpus_index", index_seeds())):
+                       ("corpus_index", index_seeds()), ("corpus", decode_seeds())):
         d = os.path.join(FUZZ, sub)
         os.makedirs(d, exist_ok=True)
         for name, content in sorted(seeds.items()):

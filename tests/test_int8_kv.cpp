@@ -77,10 +77,87 @@ TEST(Int8Quantization, HandWorkedRows) {
     EXPECT_EQ(int(codes[0]), 127);
     EXPECT_EQ(int(codes[1]), 0);
     EXPECT_FLOAT_EQ(gattn::dequantize_int8(codes[0], scales[0]), std::numeric_limits<float>::max());
+    // The smallest subnormal: amax / 127 rounds to 0, so the scale is raised to 2⁻¹⁴⁹ itself
+    // and the value is exactly code 1.
     const float tiny[2] = {std::numeric_limits<float>::denorm_min(), 0.0f};
     ASSERT_TRUE(gattn::quantize_int8_row(tiny, 1, 2, codes, scales));
-    EXPECT_GE(int(codes[0]), 0);  // the scale underflows; nothing overflows or turns NaN
-    EXPECT_TRUE(std::isfinite(scales[0]));
+    EXPECT_EQ(scales[0], std::numeric_limits<float>::denorm_min());
+    EXPECT_EQ(int(codes[0]), 1);
+    EXPECT_EQ(int(codes[1]), 0);
+}
+
+/// Checks the documented bound of one quantized head row in double (no rounding): every
+/// |x − scale·code| ≤ scale / 2 (slack: the fast path multiplies by a rounded 127 / max|x|),
+/// codes in [−127, 127] with x's sign, 0 for 0, and scale within a step of max|x| / 127.
+void expect_within_half_a_step(const float* x, Index n, const std::int8_t* codes, float scale, double slack,
+                               const std::string& what) {
+    double amax = 0;
+    for (Index e = 0; e < n; ++e) amax = std::max(amax, std::abs(double(x[e])));
+    const double step = std::max(amax / 127 * 1e-6, double(std::numeric_limits<float>::denorm_min()));
+    EXPECT_GE(double(scale) * 127.5, amax) << what;
+    EXPECT_LE(double(scale), amax / 127 + step) << what;
+    for (Index e = 0; e < n; ++e) {
+        const int c = codes[e];
+        EXPECT_LE(std::abs(c), 127) << what << " element " << e;
+        EXPECT_LE(std::abs(double(x[e]) - double(scale) * c), double(scale) / 2 * (1 + slack))
+            << what << " element " << e << ": x " << x[e] << ", code " << c << ", scale " << scale;
+        if (x[e] == 0) {
+            EXPECT_EQ(c, 0) << what << " element " << e;
+        } else if (c != 0) {
+            EXPECT_EQ(c > 0, x[e] > 0) << what << " element " << e;
+        }
+    }
+}
+
+/// A row whose largest magnitude is below about 1.5e-36 has a subnormal scale, and 127 / max|x|
+/// overflows float: {1e-38, 0, −5e-39, 1e-40} once became codes {127, 127, −127, 127} (0 turned
+/// NaN and was clamped). Each value must stay within half a step of its code, zeros 0:
+/// 1e-38 is the maximum (127), 1e-40 is 1.27 steps (1), −5e-39 is −63.5 steps.
+TEST(Int8Quantization, TinyRowsKeepTheErrorBound) {
+    const float x[4] = {1e-38f, 0.0f, -5e-39f, 1e-40f};
+    std::int8_t codes[4];
+    float scale;
+    ASSERT_TRUE(gattn::quantize_int8_row(x, 1, 4, codes, &scale));
+    EXPECT_EQ(int(codes[0]), 127);
+    EXPECT_EQ(int(codes[1]), 0);
+    EXPECT_TRUE(int(codes[2]) == -63 || int(codes[2]) == -64) << int(codes[2]);
+    EXPECT_EQ(int(codes[3]), 1);
+    expect_within_half_a_step(x, 4, codes, scale, 0, "reproducer");
+
+    // Rows of every size from the smallest subnormal to well past the fast path's threshold
+    // (kInt8NormalScaleMax ≈ 1.5e-36): random values, zeros and the row's ±max, 32 per row.
+    std::mt19937 rng(43);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (int e2 = -149; e2 <= -100; ++e2)
+        for (float mantissa : {1.0f, 1.37f, 1.9999f}) {
+            const float amax = std::ldexp(mantissa, e2);
+            float row[32];
+            for (float& v : row) v = u(rng) * amax;
+            row[3] = 0.0f;
+            row[7] = (e2 % 2 ? -1.0f : 1.0f) * amax;
+            row[11] = std::nextafter(amax, 0.0f) / 2;  // half the max: a tie for the rounding
+            std::int8_t c[32];
+            float s;
+            ASSERT_TRUE(gattn::quantize_int8_row(row, 1, 32, c, &s));
+            const bool tiny = amax < gattn::kInt8NormalScaleMax;
+            expect_within_half_a_step(row, 32, c, s, tiny ? 1e-12 : 1e-6,
+                                      "max |x| = " + std::to_string(mantissa) + " * 2^" + std::to_string(e2));
+            // The maximum is code ±127 once the scale has a dozen bits (2^−130 / 127 is 2^12 times
+            // the smallest subnormal); below, the scale is coarser, but the maximum never becomes 0.
+            if (e2 >= -130)
+                EXPECT_EQ(std::abs(int(c[7])), 127) << "2^" << e2;
+            else
+                EXPECT_GE(std::abs(int(c[7])), 1) << "2^" << e2;
+        }
+    // The int8 cache quantizes the rows it appends the same way: tiny keys and values keep the
+    // bound in the cache's codes and scales.
+    gattn::KVCache<std::int8_t> cache(1, 2, 1, 4);
+    RowMatrix<float> k(1, 4);
+    k << x[0], x[1], x[2], x[3];
+    cache.append(k, -k, {1});
+    expect_within_half_a_step(x, 4, cache.keys().data(), cache.key_scales()(0, 0), 0, "cache keys");
+    const float minus_x[4] = {-x[0], -x[1], -x[2], -x[3]};
+    expect_within_half_a_step(minus_x, 4, cache.values().data(), cache.value_scales()(0, 0), 0, "cache values");
 }
 
 TEST(Int8Quantization, NonFiniteValuesAreRefusedAndNothingIsWritten) {

@@ -1110,14 +1110,18 @@ TEST(LayerConstruction, RopeAndQkNormSettingsAreChecked) {
         expect_rejected<std::invalid_argument>([&] { gattn::GatedMultiHeadAttention<float> l(c, w_ok); },
                                                "gattn::GatedMultiHeadAttention", {message}, unused);
     }
-    for (double cap : {-1.0, 1e-50, 3e38}) {  // 1e-50 is 0 in float; 3e38·log₂e overflows it
+    // In float's range [FLT_MIN, FLT_MAX / (2·log₂e)] for every layer: 1e-50 is 0 in float,
+    // 1e-40 subnormal, 1.2e38·log₂e past half the largest float (3e38·log₂e past all of it).
+    for (double cap : {-1.0, 1e-50, 1e-40, 1.2e38, 3e38}) {
         auto c = small_config();
         c.logit_softcap = cap;
         std::ostringstream shown;
         shown << cap;
         expect_rejected<std::invalid_argument>(
             [&] { gattn::GatedMultiHeadAttention<float> l(c, w_ok); }, "gattn::GatedMultiHeadAttention",
-            {"config.logit_softcap must be 0 (none) or > 0 and, times log2(e), finite in float, got " + shown.str()},
+            {"config.logit_softcap must be 0 (none) or in [1.175494e-38, 1.179329e+38] (a normal float whose product "
+             "with log2(e) stays within half the largest float), got " +
+             shown.str()},
             unused);
     }
     auto c = small_config();

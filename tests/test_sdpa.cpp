@@ -758,32 +758,45 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
 
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
     ValidationFixture f;
-    // 3e38 is a finite float, but not times log₂e (the bf16 kernels' base 2); 1e-50 is 0 in float.
+    // A float softcap lies in [FLT_MIN, FLT_MAX / (2·log₂e)]: 1e-40 is subnormal (1/c overflows),
+    // 1.2e38 times log₂e is past half the largest float, 1e-50 is 0 in float.
     for (const auto& [cap, shown] : {std::pair<double, const char*>{0.0, "0"},
                                      {-1.0, "-1"},
                                      {std::numeric_limits<double>::infinity(), "inf"},
+                                     {std::numeric_limits<double>::quiet_NaN(), "nan"},
                                      {1e300, "1e+300"},
                                      {3e38, "3e+38"},
+                                     {1.2e38, "1.2e+38"},
+                                     {1e-40, "1e-40"},
                                      {1e-50, "1e-50"}}) {
         f.opt.logit_softcap = cap;
         expect_rejected<std::invalid_argument>(
             [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-            std::string("logit_softcap must be > 0 and, times log2(e), finite in the scalar type, got ") + shown, f.out,
-            true);
+            std::string("logit_softcap must be in [1.175494e-38, 1.179329e+38] (a normal float whose product with "
+                        "log2(e) stays within half the largest float), got ") +
+                shown,
+            f.out, true);
     }
     f.opt.logit_softcap.reset();
     f.opt.alibi_slopes = {0.5f, 0.25f};
     expect_rejected<gattn::shape_error>(
         [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
         "alibi_slopes must have shape [4], got [2]", f.out);
-    f.opt.alibi_slopes = {0.5f, 0.25f, std::numeric_limits<float>::infinity(), 0.0f};
-    expect_rejected<std::invalid_argument>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-        "alibi_slopes[2] must be finite, also times log2(e), got inf", f.out, true);
-    f.opt.alibi_slopes = {0.5f, -3e38f, 0.0f, 0.0f};
-    expect_rejected<std::invalid_argument>(
-        [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
-        "alibi_slopes[1] must be finite, also times log2(e), got -3e+38", f.out, true);
+    // |slope| ≤ 2^62 in float: NaN, ±∞, ±2e38 and just past 2^62 are refused.
+    const std::string slope_range =
+        "must be in [-4.611686e+18, 4.611686e+18] (the ALiBi term of any distance stays "
+        "within half the largest float), got ";
+    for (const auto& [slope, shown] : {std::pair<float, const char*>{std::numeric_limits<float>::infinity(), "inf"},
+                                       {std::numeric_limits<float>::quiet_NaN(), "nan"},
+                                       {-3e38f, "-3e+38"},
+                                       {-2e38f, "-2e+38"},
+                                       {2e38f, "2e+38"},
+                                       {std::nextafter(std::ldexp(1.0f, 62), 1e30f), "4.611687e+18"}}) {
+        f.opt.alibi_slopes = {0.5f, 0.25f, slope, 0.0f};
+        expect_rejected<std::invalid_argument>(
+            [&] { gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt); },
+            "alibi_slopes[2] " + slope_range + shown, f.out, true);
+    }
     f.opt.alibi_slopes.clear();
     gattn::RowMatrix<float> logits;
     gattn::SdpaOutputs<float> extra;
@@ -851,6 +864,139 @@ TEST(SdpaSoftcap, HandWorked) {
     k << std::numeric_limits<double>::infinity(), -1;  // logits +∞ and −3: capped 3 and −3·tanh 1
     gattn::scaled_dot_product_attention<double>(q, k, v, {1, 1, 1}, out, o);
     EXPECT_NEAR(out(0, 0), 1.0 / (1.0 + std::exp(3.0 + 3.0 * std::tanh(1.0))), 1e-15);
+}
+
+/// Runs SDPA in storage S (compute type compute_t<S>) on double inputs rounded to S; returns the
+/// output and log-sum-exp in double.
+template <class S>
+std::pair<Mat, Mat> run_stored(const Mat& q, const Mat& k, const Mat& v, const gattn::HeadLayout& heads,
+                               const gattn::SdpaOptions<gattn::compute_t<S>>& o) {
+    using T = gattn::compute_t<S>;
+    gattn::RowMatrix<S> out(q.rows(), heads.num_heads * (v.cols() / heads.num_kv_heads));
+    gattn::RowMatrix<T> lse;
+    gattn::SdpaOutputs<T> extra;
+    extra.log_sum_exp = &lse;
+    gattn::scaled_dot_product_attention<S>(q.cast<S>(), k.cast<S>(), v.cast<S>(), heads, out, o, extra);
+    return {out.template cast<T>().template cast<double>(), lse.template cast<double>()};
+}
+
+/// A softcap at the ends of its range, in the decoding and the prefill kernels and in float,
+/// bf16 (base-2 kernels) and double: q = 0 and k = v = 1 over three keys give logits 0, weights
+/// 1/3, output 1 and log-sum-exp log 3, worked by hand. In float, c = 1e-40 once gave NaN (1/c
+/// overflows, and simd::softcap met 0·∞): it is refused, and FLT_MIN, the smallest c taken,
+/// gives the answer; double takes 1e-40. Logits ±√32 and 2√32, far above a tiny c, are capped
+/// to ±c ≈ 0: the weights stay 1/3, and V rows 1, 2, 3 average to 2.
+template <class S>
+void check_softcap_range(Index nq) {
+    using T = gattn::compute_t<S>;
+    SCOPED_TRACE(std::string(gattn_test::type_label<S>()) + ", " + std::to_string(nq) + " queries");
+    const Index d = 32;  // the VDPBF16PS kernels' multiple of 32
+    const Mat q = Mat::Zero(nq, d), k = Mat::Ones(3, d), v = Mat::Ones(3, d);
+    const double low = std::is_same_v<T, double> ? 1e-40 : double(std::numeric_limits<float>::min());
+    for (double cap : {low, 2.5e-38, 1.0, gattn::detail::softcap_max<T>()}) {
+        gattn::SdpaOptions<T> o;
+        o.logit_softcap = cap;
+        const auto [out, lse] = run_stored<S>(q, k, v, {1, 1, 1}, o);
+        for (Index r = 0; r < nq; ++r) {
+            EXPECT_NEAR(lse(r, 0), std::log(3.0), 1e-6) << "c = " << cap << ", row " << r;
+            for (Index e = 0; e < d; ++e) ASSERT_NEAR(out(r, e), 1.0, 1e-6) << "c = " << cap << ", row " << r;
+        }
+    }
+    Mat k2(3, d), v2(3, d);
+    k2.row(0).setConstant(1);
+    k2.row(1).setConstant(-1);
+    k2.row(2).setConstant(2);
+    v2.row(0).setConstant(1);
+    v2.row(1).setConstant(2);
+    v2.row(2).setConstant(3);
+    gattn::SdpaOptions<T> o;
+    o.logit_softcap = low;
+    const auto [out, lse] = run_stored<S>(Mat::Ones(nq, d), k2, v2, {1, 1, 1}, o);
+    for (Index r = 0; r < nq; ++r) {
+        EXPECT_NEAR(lse(r, 0), std::log(3.0), 1e-6) << "row " << r;
+        for (Index e = 0; e < d; ++e) ASSERT_NEAR(out(r, e), 2.0, 1e-2) << "row " << r;  // bf16 rounds 2 to 2
+    }
+    if constexpr (!std::is_same_v<T, double>) {
+        o.logit_softcap = 1e-40;
+        gattn::RowMatrix<S> y = gattn::RowMatrix<S>::Constant(nq, d, S(42.0f));
+        EXPECT_THROW(gattn::scaled_dot_product_attention<S>(q.cast<S>(), k.cast<S>(), v.cast<S>(), {1, 1, 1}, y, o),
+                     std::invalid_argument);
+        EXPECT_TRUE((y.template cast<float>().array() == 42.0f).all()) << "written before validation";
+    }
+}
+
+TEST(SdpaSoftcap, TinyAndHugeCapsInEveryKernel) {
+    for (Index nq : {1, 64}) {  // decoding (keys in lanes), prefill (queries in lanes)
+        check_softcap_range<float>(nq);
+        check_softcap_range<double>(nq);
+        check_softcap_range<gattn::bfloat16>(nq);
+    }
+}
+
+/// Plain float64 ALiBi attention, no mask: for query i of the single sequence at aligned
+/// position offset + i, logit_j = scale·q_i·k_j − m_h·|offset + i − j|, softmax over all keys.
+std::pair<Mat, Mat> alibi_reference(const Mat& q, const Mat& k, const Mat& v, Index H,
+                                    const std::vector<double>& slopes, Index offset) {
+    const Index nq = q.rows(), nk = k.rows(), d = q.cols() / H, dv = v.cols();
+    Mat out = Mat::Zero(nq, H * dv), lse(nq, H);
+    for (Index h = 0; h < H; ++h)
+        for (Index i = 0; i < nq; ++i) {
+            std::vector<double> x(static_cast<std::size_t>(nk));
+            double m = -std::numeric_limits<double>::infinity();
+            for (Index j = 0; j < nk; ++j) {
+                const double dot = q.row(i).segment(h * d, d).dot(k.row(j));
+                x[j] = dot / std::sqrt(double(d)) - slopes[h] * std::abs(double(offset + i - j));
+                m = std::max(m, x[j]);
+            }
+            double sum = 0;
+            for (Index j = 0; j < nk; ++j) sum += std::exp(x[j] - m);
+            for (Index j = 0; j < nk; ++j) out.row(i).segment(h * dv, dv) += std::exp(x[j] - m) / sum * v.row(j);
+            lse(i, h) = m + std::log(sum);
+        }
+    return {out, lse};
+}
+
+/// ALiBi at the ends of its range against the float64 reference above: slopes ±2^62 (the
+/// largest a float call takes; ±2e38 once gave NaN, or rows of −∞ with output 0 and
+/// log-sum-exp −∞, and are now refused), 2 and 64 queries (decoding and prefill kernels), the
+/// queries at the keys' end (bottom-right) or before the first key (offset −2: every distance
+/// ≥ 2), in float, bf16 (base-2 kernels) and double (which takes ±1e200). Distances to the
+/// nearest key (+m) and to the farthest (−m) are unique, so the exact weights are one-hot.
+template <class S>
+void check_alibi_range(Index nq) {
+    using T = gattn::compute_t<S>;
+    const Index nk = 70, H = 2, d = 32;
+    const Mat q = rounded<S>(random_matrix(nq, H * d, 61)), k = rounded<S>(random_matrix(nk, d, 62)),
+              v = rounded<S>(random_matrix(nk, d, 63));
+    const double m = std::is_same_v<T, double> ? 1e200 : std::ldexp(1.0, 62);
+    for (Index offset : {nk - nq, Index(-2)}) {
+        SCOPED_TRACE(std::string(gattn_test::type_label<S>()) + ", " + std::to_string(nq) + " queries, offset " +
+                     std::to_string(offset));
+        gattn::SdpaOptions<T> o;
+        o.alibi_slopes = {T(m), T(-m)};
+        if (offset < 0) o.mask.query_offsets = {offset};
+        const auto [out, lse] = run_stored<S>(q, k, v, {1, H, 1}, o);
+        const auto [want_out, want_lse] = alibi_reference(q, k, v, H, {m, -m}, offset);
+        EXPECT_TRUE(lse.allFinite());
+        expect_close(out, want_out, 1e-5, 1e-5, "ALiBi at the range's end: out");
+        expect_close(lse, want_lse, 1e-5, 1e-5, "ALiBi at the range's end: lse");
+    }
+    if constexpr (!std::is_same_v<T, double>) {
+        gattn::SdpaOptions<T> o;
+        o.alibi_slopes = {T(2e38), T(-2e38)};
+        gattn::RowMatrix<S> y = gattn::RowMatrix<S>::Constant(nq, H * d, S(42.0f));
+        EXPECT_THROW(gattn::scaled_dot_product_attention<S>(q.cast<S>(), k.cast<S>(), v.cast<S>(), {1, H, 1}, y, o),
+                     std::invalid_argument);
+        EXPECT_TRUE((y.template cast<float>().array() == 42.0f).all()) << "written before validation";
+    }
+}
+
+TEST(SdpaAlibi, LargestSlopesMatchFloat64Reference) {
+    for (Index nq : {2, 64}) {
+        check_alibi_range<float>(nq);
+        check_alibi_range<double>(nq);
+        check_alibi_range<gattn::bfloat16>(nq);
+    }
 }
 
 /// The logits output at each stage against logits computed here in double: scaled, then

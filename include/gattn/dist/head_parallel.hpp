@@ -83,8 +83,10 @@ void call_on_every_rank(const char* fn, MPI_Comm comm, std::string error, KVCach
 /// k_proj and v_proj's rows of its KV heads, o_proj's columns of its query heads, the sinks of
 /// its heads, q_norm and k_norm whole; o_proj's bias on the rank with first_head 0 only (the
 /// shares are summed).
-/// \throws std::invalid_argument for an invalid config (validate_qwen3_next_config) or a shard
-///         outside it; shape_error for weights of the wrong shapes.
+/// \throws std::invalid_argument for an invalid config (validate_qwen3_next_config), a shard
+///         outside it, or a weight holding NaN or ±∞ anywhere in the whole layer (a sink may be
+///         −∞, as for the Qwen3NextAttention constructor); shape_error for weights of the wrong
+///         shapes.
 template <class Scalar>
 std::pair<Qwen3NextConfig, Qwen3NextAttentionWeights<Scalar>> shard_qwen3_next(
     const Qwen3NextConfig& c, const Qwen3NextAttentionWeights<Scalar>& w, const HeadShard& s) {
@@ -94,6 +96,8 @@ std::pair<Qwen3NextConfig, Qwen3NextAttentionWeights<Scalar>> shard_qwen3_next(
     w.for_each([&](const char* name, const auto& t) {
         gattn::detail::check_weight_shape(fn, name, t, shapes, "not used by this config");
     });
+    // The whole layer's values, so that every shard (rank) refuses the same weights.
+    w.for_each([&](const char* name, const auto& t) { gattn::detail::check_weight_values(fn, name, t); });
     const auto [sc, blocks] = qwen3_next_shard(c, s);
     // Each weight's block of the shard (qwen3_next_shard), or nothing when the config has none.
     auto cut = [&, &blocks = blocks](const auto& whole, const char* name) {
@@ -252,8 +256,9 @@ public:
     /// \param shard_weights the shard's weights, as shard_attention gives them (a G5 gate's
     ///                      gate_proj whole).
     /// \param comm          the ranks that hold the layer's shards.
-    /// \throws std::invalid_argument when shard is not this rank's (shard_of) and for ALiBi;
-    ///         shape_error for weights of the wrong shapes (as the layer's constructor).
+    /// \throws std::invalid_argument when shard is not this rank's (shard_of), for ALiBi, and
+    ///         for a weight holding NaN or ±∞ (as the layer's constructor; each rank checks its
+    ///         shard); shape_error for weights of the wrong shapes (as the layer's constructor).
     HeadParallelAttention(const AttentionConfig& config, const HeadShard& shard,
                           const AttentionWeights<Scalar>& shard_weights, MPI_Comm comm)
         : m_comm(comm),
@@ -268,6 +273,8 @@ public:
             const char* unused = "this config's G5 gate has no bias";
             gattn::detail::check_weight_shape(fn, "gate_proj.weight", shard_weights.gate_proj_weight, shapes, unused);
             gattn::detail::check_weight_shape(fn, "gate_proj.bias", shard_weights.gate_proj_bias, shapes, unused);
+            gattn::detail::check_weight_values(fn, "gate_proj.weight", shard_weights.gate_proj_weight);
+            gattn::detail::check_weight_values(fn, "gate_proj.bias", shard_weights.gate_proj_bias);
             m_g5 =
                 Projection<Scalar>(shard_weights.gate_proj_weight,
                                    g.bias ? Vector<T>(shard_weights.gate_proj_bias.template cast<T>()) : Vector<T>());

@@ -7,12 +7,15 @@
 /// count (paper arXiv:2505.06708 Table 1, "Added Param").
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "gattn/gates/gate_spec.hpp"
+#include "gattn/ops/logit_limits.hpp"
+#include "gattn/types.hpp"
 
 namespace gattn {
 
@@ -83,8 +86,10 @@ struct TensorShape {
 };
 
 /// Throws std::invalid_argument (naming `function` and the field) when the config is invalid:
-/// sizes < 1, H not divisible by H_kv, window < 1, non-finite scale, a logit_softcap that is
-/// negative, NaN, or not a positive finite float (times log₂e), rotary_dim odd or outside [0, head_dim], rope_theta ≤ 0, rms_norm_eps < 0,
+/// sizes < 1, H not divisible by H_kv, window < 1, non-finite scale, a logit_softcap other
+/// than 0 outside float's range (detail::softcap_min, softcap_max: a normal float whose
+/// product with log₂e stays within half the largest float), rotary_dim odd or outside
+/// [0, head_dim], rope_theta ≤ 0, rms_norm_eps < 0,
 /// invalid gate spec, or a
 /// fused gate layout with d_v ≠ d_k for an elementwise gate.
 inline void validate_config(const AttentionConfig& c, const char* function) {
@@ -119,11 +124,17 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
         detail::throw_invalid(function, "config.sliding_window",
                               "must be >= 1 (it counts the diagonal), got " + std::to_string(*c.sliding_window));
     if (c.scale && !std::isfinite(*c.scale)) detail::throw_invalid(function, "config.scale", "must be finite");
-    // As SDPA will check it in float (the narrowest compute type): > 0 and finite times log₂e.
-    if (!(c.logit_softcap == 0 || (float(c.logit_softcap) > 0 && std::isfinite(float(c.logit_softcap) * 1.44269504f))))
-        detail::throw_invalid(function, "config.logit_softcap",
-                              "must be 0 (none) or > 0 and, times log2(e), finite in float, got " +
-                                  detail::number_string(c.logit_softcap));
+    // In float's range (the narrowest compute type), as SDPA checks it (ops/logit_limits.hpp).
+    if (c.logit_softcap != 0) {
+        const double cap = double(float(c.logit_softcap));
+        if (!(cap >= detail::softcap_min<float>() && cap <= detail::softcap_max<float>()))
+            detail::throw_invalid(function, "config.logit_softcap",
+                                  "must be 0 (none) or in [" + detail::number_string(detail::softcap_min<float>()) +
+                                      ", " + detail::number_string(detail::softcap_max<float>()) +
+                                      "] (a normal float whose product with log2(e) stays within half the "
+                                      "largest float), got " +
+                                      detail::number_string(c.logit_softcap));
+    }
     if (c.rotary_dim < 0 || c.rotary_dim % 2 != 0 || c.rotary_dim > c.head_dim)
         detail::throw_invalid(function, "config.rotary_dim",
                               "must be even and in [0, head_dim = " + std::to_string(c.head_dim) + "], got " +
@@ -223,6 +234,30 @@ void check_weight_shape(const char* fn, const char* name, const Tensor& t, const
                                                              : shape_string({want->shape[0], want->shape[1]});
         throw shape_error(std::string(fn) + ": " + name + " must have shape " + expected + ", got " + got +
                           (t.size() == 0 ? " (missing: this config uses it)" : ""));
+    }
+}
+
+/// Checks one parameter's values: every element finite, except that a sink may be −∞ (no
+/// sink). A NaN or an infinity in a weight would make every output NaN (or, in an int8 cache,
+/// every append fail), and SDPA refuses a NaN or +∞ sink. Throws std::invalid_argument
+/// "<fn>: <name>[row, col] must be finite, got inf" (a vector's element as <name>[i]) naming the
+/// first such element.
+template <class Tensor>
+void check_weight_values(const char* fn, const char* name, const Tensor& t) {
+    using T = compute_t<typename Tensor::Scalar>;
+    const bool sinks = std::string(name) == "sinks";
+    const auto* p = t.data();
+    for (Index k = 0; k < t.size(); ++k) {
+        const T v = static_cast<T>(p[k]);
+        if (std::isfinite(v) || (sinks && v == -std::numeric_limits<T>::infinity())) continue;
+        // Row-major matrices and vectors alike: element k is row k / cols, column k % cols.
+        const Index cols = Tensor::ColsAtCompileTime == 1 ? 1 : t.cols();
+        const std::string at = Tensor::ColsAtCompileTime == 1
+                                   ? "[" + std::to_string(k) + "]"
+                                   : "[" + std::to_string(k / cols) + ", " + std::to_string(k % cols) + "]";
+        throw_invalid(fn, name + at,
+                      std::string(sinks ? "must be finite or -inf (no sink)" : "must be finite") + ", got " +
+                          number_string(double(v)));
     }
 }
 

@@ -144,7 +144,8 @@ inline void check_rank_shard(const char* fn, const HeadShard& expected, const He
 /// gate_proj comes whole (HeadParallelAttention applies it; drop it to build the shard's
 /// GatedMultiHeadAttention alone).
 /// \throws std::invalid_argument for an invalid config (validate_config), ALiBi (its slopes
-///         depend on a head's index among all H heads), or a shard head_shard could not give;
+///         depend on a head's index among all H heads), a shard head_shard could not give, or
+///         a weight holding NaN or ±∞ anywhere in the whole layer (as the layer's constructor);
 ///         shape_error for weights of the wrong shapes (as the layer's constructor).
 template <class Scalar>
 std::pair<AttentionConfig, AttentionWeights<Scalar>> shard_attention(const AttentionConfig& c,
@@ -155,6 +156,8 @@ std::pair<AttentionConfig, AttentionWeights<Scalar>> shard_attention(const Atten
     const auto shapes = expected_weight_shapes(c);
     const std::string unused = "this config (gate " + describe(c.gate) + ") does not use it";
     w.for_each([&](const char* name, const auto& t) { detail::check_weight_shape(fn, name, t, shapes, unused); });
+    // The whole layer's values, so that every shard (rank) refuses the same weights.
+    w.for_each([&](const char* name, const auto& t) { detail::check_weight_values(fn, name, t); });
     auto read = [&](const std::string& name, Index first_row, Index rows, Index first_col, Index cols) {
         RowMatrix<Scalar> block;
         w.for_each([&](const char* n, const auto& t) {

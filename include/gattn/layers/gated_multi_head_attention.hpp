@@ -203,9 +203,13 @@ class GatedMultiHeadAttention {
     using T = compute_t<Scalar>;
 
 public:
-    /// \throws std::invalid_argument for an invalid config (validate_config);
-    ///         shape_error when a weight is missing, has the wrong shape, or is given although
-    ///         the config does not use it (message names the HF parameter).
+    /// Everything forward would refuse about the config and the weights is refused here: the
+    /// calls then only check their own arguments.
+    /// \throws std::invalid_argument for an invalid config (validate_config, and the scale,
+    ///         softcap and ALiBi slopes in the compute type as SDPA takes them), and for a weight
+    ///         holding NaN or ±∞ (a sink may be −∞, no sink; the message names the HF parameter
+    ///         and the element); shape_error when a weight is missing, has the wrong shape, or is
+    ///         given although the config does not use it (message names the HF parameter).
     GatedMultiHeadAttention(const AttentionConfig& config, const AttentionWeights<Scalar>& weights) : m_config(config) {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention";
         gattn::detail::warn_once_if_slow_build();
@@ -214,7 +218,9 @@ public:
         const std::string unused = "this config (gate " + describe(config.gate) + ") does not use it";
         weights.for_each(
             [&](const char* name, const auto& t) { gattn::detail::check_weight_shape(fn, name, t, shapes, unused); });
+        weights.for_each([&](const char* name, const auto& t) { gattn::detail::check_weight_values(fn, name, t); });
         pack(weights);
+        gattn::detail::validate_sdpa_options(fn, sdpa_options(), config.num_heads);
     }
 
     /// The configuration the layer was built with.
@@ -334,8 +340,10 @@ public:
     ///         not this layer's; std::invalid_argument for a cache made by another layer's
     ///         make_cache or keeping another window, a count outside [0, N], a sequence
     ///         that would exceed the cache's capacity, out overlapping x, x or out sharing an
-    ///         element with the cache's storage, or a trace matrix holding x or out. Nothing is
-    ///         written (cache included) before validation passes.
+    ///         element with the cache's storage, or a trace matrix holding x or out; and, from
+    ///         KVCache::append, for a new token's key or value that is NaN or ±∞ in an int8
+    ///         cache. Nothing is written (cache included) before validation passes, and the
+    ///         cache, out and the trace are as they were when it throws.
     template <class CacheScalar>
     void forward(ConstMatrixRef<Activation> x, KVCache<CacheScalar>& cache, MatrixRef<Activation> out,
                  std::vector<Index> counts = {}, ForwardTrace<T>* trace = nullptr) const {
@@ -400,17 +408,28 @@ private:
 
     /// run() on activations in the compute type: 16-bit x is widened first, and out is rounded
     /// once from the float result.
+    /// The trace is filled in a copy that replaces *trace once the call has succeeded (an int8
+    /// cache may still refuse a NaN key or value after the gate scores are recorded).
     template <class CacheScalar = Scalar>
     void run_activations(ConstMatrixRef<Activation> x, const HeadLayout& layout, MatrixRef<Activation> out,
                          const SdpaOptions<T>& sdpa, ForwardTrace<T>* trace, KVCache<CacheScalar>* cache,
                          const std::vector<Index>& counts, const std::vector<Index>& positions) const {
+        ForwardTrace<T> recorded;
+        if (trace) recorded.record_probabilities = trace->record_probabilities;
+        ForwardTrace<T>* const record = trace ? &recorded : nullptr;
         if constexpr (std::is_same_v<Activation, T>) {
-            run(x, layout, out, sdpa, trace, cache, counts, positions);
+            run(x, layout, out, sdpa, record, cache, counts, positions);
         } else {
             const RowMatrix<T> x_wide = x.template cast<T>();
             RowMatrix<T> y(x.rows(), out.cols());
-            run(x_wide, layout, y, sdpa, trace, cache, counts, positions);
+            run(x_wide, layout, y, sdpa, record, cache, counts, positions);
             out = y.template cast<Activation>();
+        }
+        if (trace) {
+            trace->gate_scores.swap(recorded.gate_scores);
+            trace->first_key_attention.swap(recorded.first_key_attention);
+            trace->probabilities.swap(recorded.probabilities);
+            trace->max_abs_output = recorded.max_abs_output;
         }
     }
 

@@ -81,8 +81,10 @@ inline void validate_qwen3_next_config(const Qwen3NextConfig& c, const char* fn)
     if (r % 2 != 0 || r < 2)
         detail::throw_invalid(fn, "config.partial_rotary_factor",
                               "must give an even rotary_dim in [2, head_dim], got " + std::to_string(r));
-    if (!(c.rope_theta > 0) || !(c.rms_norm_eps >= 0))
-        detail::throw_invalid(fn, "config.rope_theta / rms_norm_eps", "must be positive");
+    if (!(c.rope_theta > 0))
+        detail::throw_invalid(fn, "config.rope_theta", "must be > 0, got " + detail::number_string(c.rope_theta));
+    if (!(c.rms_norm_eps >= 0))
+        detail::throw_invalid(fn, "config.rms_norm_eps", "must be >= 0, got " + detail::number_string(c.rms_norm_eps));
 }
 
 /// Weights of one layer, HF names (model.layers.N.self_attn.*), nn.Linear layout.
@@ -224,12 +226,14 @@ class Qwen3NextAttention {
     using T = compute_t<Scalar>;
 
 public:
-    /// \throws std::invalid_argument for an invalid config; shape_error for a weight of the wrong
-    ///         shape, a bias given while attention_bias is false or sinks while attention_sinks
-    ///         is false (naming the HF parameter,
-    ///         and for q_proj the layout its rows fit, see
-    ///         qwen3_next_q_proj_hint: a headwise gate's H·d + H rows, no gate rows, or gate rows
-    ///         in an ungated config).
+    /// Everything forward would refuse about the config and the weights is refused here: the
+    /// calls then only check their own arguments.
+    /// \throws std::invalid_argument for an invalid config and for a weight holding NaN or ±∞
+    ///         (a sink may be −∞, no sink; the message names the HF parameter and the element);
+    ///         shape_error for a weight of the wrong shape, a bias given while attention_bias is
+    ///         false or sinks while attention_sinks is false (naming the HF parameter, and for
+    ///         q_proj the layout its rows fit, see qwen3_next_q_proj_hint: a headwise gate's
+    ///         H·d + H rows, no gate rows, or gate rows in an ungated config).
     Qwen3NextAttention(const Qwen3NextConfig& config, const Qwen3NextAttentionWeights<Scalar>& w) : m_config(config) {
         constexpr const char* fn = "gattn::Qwen3NextAttention";
         gattn::detail::warn_once_if_slow_build();
@@ -245,6 +249,7 @@ public:
                 throw shape_error(e.what() + qwen3_next_q_proj_hint(config, t.rows()));
             }
         });
+        w.for_each([&](const char* name, const auto& t) { gattn::detail::check_weight_values(fn, name, t); });
         // One input GEMM [Q | gate | K | V]: q_proj's per-head interleaved rows are reordered here.
         const Index D = config.hidden_size, H = config.num_attention_heads, Hkv = config.num_key_value_heads;
         const Index d = config.head_dim, G = gate_width();
@@ -275,6 +280,7 @@ public:
             const Vector<T> sinks = w.sinks.template cast<T>();
             m_sinks.assign(sinks.data(), sinks.data() + sinks.size());
         }
+        gattn::detail::validate_sdpa_options(fn, sdpa_options({}, {}), H);
     }
 
     /// The configuration the layer was built with.
@@ -320,9 +326,13 @@ public:
     /// Prefill of N tokens equals N single-token steps: each token attends, causally, to its
     /// sequence's cached tokens and the new tokens before it (bottom-right alignment per sequence).
     /// \throws shape_error / std::invalid_argument for bad shapes, counts, a cache of other heads,
-    ///         a cache made by another layer's make_cache or a full cache, for out overlapping x, x or out sharing an element with the
-    ///         cache's storage, and for an optional output that holds x or out or is the other
-    ///         optional output; nothing is written (cache included) when it throws.
+    ///         a cache made by another layer's make_cache or a full cache, for out overlapping x,
+    ///         x or out sharing an element with the cache's storage, and for an optional output
+    ///         that holds x or out or is the other optional output; std::invalid_argument from
+    ///         KVCache::append for a new token's key or value that is NaN or ±∞ in an int8
+    ///         cache. Everything, the attention call over the cache as the append will leave it
+    ///         included, is checked before the first write: nothing is written (cache included)
+    ///         when it throws.
     template <class CacheScalar>
     void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& positions, KVCache<CacheScalar>& cache,
                  MatrixRef<Activation> out, std::vector<Index> counts = {}, RowMatrix<T>* gate_scores = nullptr,
@@ -330,8 +340,10 @@ public:
         static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
         constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
         const Qwen3NextConfig& c = m_config;
-        const Index D = c.hidden_size, Hkv = c.num_key_value_heads, d = c.head_dim, rows = x.rows();
-        gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "hidden_size", D, Hkv, d, d, 0, counts);
+        const Index D = c.hidden_size, H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
+        const Index rows = x.rows();
+        std::vector<Index> lengths =
+            gattn::detail::validate_cache_call(fn, m_id, cache, x, out, "hidden_size", D, Hkv, d, d, 0, counts);
         if (static_cast<Index>(positions.size()) != rows)
             gattn::detail::throw_shape(fn, "positions", gattn::detail::shape_string({rows}),
                                        gattn::detail::shape_string({static_cast<Index>(positions.size())}));
@@ -342,12 +354,17 @@ public:
                                       {first_key_probability, "first_key_probability"}})
             if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
                 gattn::detail::throw_invalid(fn, name, "must not hold x or out");
+        // The attention call over the cache as the append leaves it, checked before the append.
+        const SdpaOptions<T> opt = sdpa_options(std::move(lengths), counts);
+        const Index cache_rows = cache.batch() * cache.capacity();
+        gattn::detail::validate_sdpa<T>(fn, rows, H * d, cache_rows, Hkv * d, cache_rows, Hkv * d,
+                                        HeadLayout{cache.batch(), H, Hkv}, opt, "");
         if constexpr (std::is_same_v<Activation, T>) {
-            run(x, positions, cache, out, counts, gate_scores, first_key_probability);
+            run(x, positions, cache, out, counts, opt, gate_scores, first_key_probability);
         } else {  // 16-bit activations: widened on entry, rounded once at the end
             const RowMatrix<T> x_wide = x.template cast<T>();
             RowMatrix<T> y(rows, D);
-            run(x_wide, positions, cache, y, counts, gate_scores, first_key_probability);
+            run(x_wide, positions, cache, y, counts, opt, gate_scores, first_key_probability);
             out = y.template cast<Activation>();
         }
     }
@@ -358,10 +375,24 @@ private:
     static constexpr bool takes_cache_v = std::is_same_v<CacheScalar, Scalar> ||
                                           (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>);
 
-    /// forward's arithmetic on validated arguments, in the compute type.
+    /// SDPA's options: causal, scale 1/√d, the sinks, and the cache's lengths after the call's
+    /// append as key lengths, the counts of new tokens as query lengths.
+    SdpaOptions<T> sdpa_options(std::vector<Index> key_lengths, std::vector<Index> query_lengths) const {
+        SdpaOptions<T> opt;
+        opt.scale = 1.0 / std::sqrt(double(m_config.head_dim));
+        opt.mask.causal = true;
+        opt.mask.key_lengths = std::move(key_lengths);
+        opt.mask.query_lengths = std::move(query_lengths);
+        opt.sinks = m_sinks;
+        return opt;
+    }
+
+    /// forward's arithmetic on validated arguments (opt: sdpa_options, validated), in the
+    /// compute type.
     template <class CacheScalar>
     void run(ConstMatrixRef<T> x, const std::vector<Index>& positions, KVCache<CacheScalar>& cache, MatrixRef<T> out,
-             const std::vector<Index>& counts, RowMatrix<T>* gate_scores, RowMatrix<T>* first_key_probability) const {
+             const std::vector<Index>& counts, const SdpaOptions<T>& opt, RowMatrix<T>* gate_scores,
+             RowMatrix<T>* first_key_probability) const {
         constexpr bool kInt8Cache = std::is_same_v<CacheScalar, std::int8_t>;
         const Qwen3NextConfig& c = m_config;
         const Index H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
@@ -397,12 +428,7 @@ private:
                 return ConstMatrixRef<KV>(proj.middleCols(k0, 2 * Hkv * d));
         }();
         cache.append(kv.leftCols(Hkv * d), kv.rightCols(Hkv * d), counts);
-        SdpaOptions<T> opt;
-        opt.scale = 1.0 / std::sqrt(double(d));
-        opt.mask.causal = true;
-        opt.mask.key_lengths = cache.lengths();
-        opt.mask.query_lengths = counts;
-        opt.sinks = m_sinks;
+        GATTN_DEBUG_ASSERT(opt.mask.key_lengths == cache.lengths());
         SdpaOutputs<T> extra;
         extra.first_key_probability = first_key_probability;
         RowMatrix<T> u(rows, H * d);

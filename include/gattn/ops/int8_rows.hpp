@@ -9,7 +9,8 @@
 /// (row, KV head): element (r, g·d + e) stands for scales[r, g] · codes[r, g·d + e]. Quantization
 /// is symmetric round-to-nearest over each head's d values: scale = max|x| / 127 and
 /// code = round(x / scale) in [−127, 127] (0 with scale 0 for a row of zeros). The error of an
-/// element is at most scale / 2 = max|x| / 254 of its head's row. One scale per head row (not
+/// element is at most scale / 2 = max|x| / 254 of its head's row, down to the smallest
+/// subnormal rows (there the scale is rounded up to keep that bound). One scale per head row (not
 /// per 32 values, as llama.cpp's q8_0) lets the kernels apply it once per key: to the logit
 /// q·k = s_k·(q·codes) and to the weight p·s_v of the value sum, so the codes are only widened,
 /// never scaled, in the decoding kernel; the cost is 4 bytes per head_dim codes (1.6 % at d = 256).
@@ -17,6 +18,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "gattn/config.hpp"
@@ -45,21 +47,52 @@ struct Int8Rows {
     const std::int8_t* data() const noexcept { return codes; }
 };
 
+/// Rows whose largest magnitude is at least this (127 times the smallest normal float, about
+/// 1.5e-36) get a normal scale max|x| / 127 and finite 127 / max|x|: the fast path. Smaller
+/// rows (subnormal scales) take detail::tiny_int8_scale.
+inline constexpr float kInt8NormalScaleMax = 127.0f * std::numeric_limits<float>::min();
+
+namespace detail {
+/// The scale of a row whose largest magnitude amax is below kInt8NormalScaleMax: amax / 127
+/// rounded to a (subnormal) float, then raised by one step of 2⁻¹⁴⁹ where the rounding left it
+/// below amax / 127.5, so that every |x| ≤ amax is within 127.5 scales and its code's error is
+/// at most scale / 2, as for normal rows (a subnormal scale has few significant bits: amax / 127
+/// may round down by up to half a step, or to 0). 0 for amax = 0.
+inline float tiny_int8_scale(float amax) noexcept {
+    float s = static_cast<float>(double(amax) / 127.0);
+    if (double(s) * 127.5 < double(amax)) s = std::nextafter(s, std::numeric_limits<float>::infinity());
+    return s;
+}
+}  // namespace detail
+
 /// Quantizes the `heads` head rows of `width` values of x (at x, x + width, …) to codes and one
-/// scale each (the file's rule). \returns false, writing nothing, when a value is not finite.
+/// scale each (the file's rule; a row below kInt8NormalScaleMax, whose scale is subnormal, is
+/// divided by its scale in double instead, with the scale rounded up where needed: see
+/// detail::tiny_int8_scale). \returns false, writing nothing, when a value is not finite.
 inline bool quantize_int8_row(const float* x, Index heads, Index width, std::int8_t* codes, float* scales) noexcept {
     for (Index e = 0; e < heads * width; ++e)
         if (!std::isfinite(x[e])) return false;
     for (Index g = 0; g < heads; ++g) {
         const float* xg = x + g * width;
+        std::int8_t* cg = codes + g * width;
         float amax = 0;
         for (Index e = 0; e < width; ++e) amax = std::max(amax, std::fabs(xg[e]));
-        scales[g] = amax / 127.0f;
-        // x·(127 / max|x|) rounds to an integer in [−127, 127]; the clamp guards the last ulp.
-        const float inv = amax > 0 ? 127.0f / amax : 0.0f;
-        for (Index e = 0; e < width; ++e) {
-            const float q = std::nearbyint(xg[e] * inv);
-            codes[g * width + e] = static_cast<std::int8_t>(std::max(-127.0f, std::min(127.0f, q)));
+        if (amax >= kInt8NormalScaleMax) {
+            scales[g] = amax / 127.0f;
+            // x·(127 / max|x|) rounds to an integer in [−127, 127]; the clamp guards the last ulp.
+            const float inv = 127.0f / amax;
+            for (Index e = 0; e < width; ++e) {
+                const float q = std::nearbyint(xg[e] * inv);
+                cg[e] = static_cast<std::int8_t>(std::max(-127.0f, std::min(127.0f, q)));
+            }
+        } else {
+            scales[g] = detail::tiny_int8_scale(amax);
+            // Exact in double: x and the scale are floats, x / scale ≤ 127.5 (tiny_int8_scale).
+            const double s = scales[g];
+            for (Index e = 0; e < width; ++e) {
+                const double q = s > 0 ? std::nearbyint(double(xg[e]) / s) : 0.0;
+                cg[e] = static_cast<std::int8_t>(std::max(-127.0, std::min(127.0, q)));
+            }
         }
     }
     return true;

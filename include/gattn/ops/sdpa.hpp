@@ -29,6 +29,7 @@
 #include "gattn/ops/decode_kernel.hpp"
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/ops/int8_rows.hpp"
+#include "gattn/ops/logit_limits.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/types.hpp"
@@ -60,7 +61,9 @@ struct SdpaOptions {
     std::vector<Scalar> sinks;
     /// Logit soft-capping (Gemma 2's attn_logit_softcapping, ONNX Attention's softcap): each
     /// scaled logit ℓ becomes c·tanh(ℓ/c) before ALiBi, the masks and the bias apply. Empty =
-    /// none; c must be finite and > 0 in Scalar. Computed in the kernels by simd::softcap
+    /// none. c must lie in [detail::softcap_min, detail::softcap_max] of Scalar: a normal number
+    /// (1/c finite, c at full precision) whose product with log₂e stays within half Scalar's
+    /// largest value; in float [1.18e-38, 1.18e38]. Computed in the kernels by simd::softcap
     /// (absolute error about one rounding of c; see there).
     std::optional<double> logit_softcap;
     /// ALiBi (Press et al., "Train Short, Test Long", ICLR 2022): [H] slopes m_h, one per
@@ -69,7 +72,9 @@ struct SdpaOptions {
     /// softcap and before the bias; computed in the kernels, no [N_q, N_k] tensor. Composes
     /// with every mask. alibi_slopes(H) gives the standard geometric slopes. Under a causal
     /// mask, BLOOM's form m_h·j gives the same probabilities and outputs (it differs by the
-    /// per-row constant m_h·i', which the log-sum-exp keeps). Slopes must be finite.
+    /// per-row constant m_h·i', which the log-sum-exp keeps). |m_h| ≤ detail::alibi_slope_max
+    /// of Scalar (2^62 ≈ 4.6e18 in float): −m_h·|i' − j| then stays within half Scalar's largest
+    /// value for any distance, so logits stay finite where the exact ones are.
     std::vector<Scalar> alibi_slopes;
 };
 
@@ -124,6 +129,49 @@ std::vector<Scalar> alibi_slopes(Index num_heads) {
 
 namespace detail {
 
+/// Validates the options of an SDPA call that do not depend on its shapes (H query heads):
+/// sinks, logit softcap, ALiBi slopes and scale, in the compute type Scalar (the layers check
+/// theirs at construction with it). Throws shape_error for a count ≠ H, std::invalid_argument
+/// for a value outside its range (see SdpaOptions).
+template <class Scalar>
+inline void validate_sdpa_options(const char* fn, const SdpaOptions<Scalar>& options, Index H) {
+    if (!options.sinks.empty()) {
+        if (static_cast<Index>(options.sinks.size()) != H)
+            throw_shape(fn, "sinks", shape_string({H}), shape_string({static_cast<Index>(options.sinks.size())}));
+        for (std::size_t h = 0; h < options.sinks.size(); ++h)
+            if (std::isnan(options.sinks[h]) || options.sinks[h] == std::numeric_limits<Scalar>::infinity())
+                throw_invalid(fn, "sinks[" + std::to_string(h) + "]",
+                              "must be finite or -inf (no sink), got " + number_string(double(options.sinks[h])));
+    }
+    // Softcap and slopes: what the kernels compute with them stays finite in Scalar, in the
+    // natural units of the float and double kernels and the base 2 of the 16-bit kernels.
+    const std::string type = compute_type_name<Scalar>();
+    if (options.logit_softcap) {
+        const double c = double(static_cast<Scalar>(*options.logit_softcap));
+        if (!(c >= softcap_min<Scalar>() && c <= softcap_max<Scalar>()))
+            throw_invalid(fn, "logit_softcap",
+                          "must be in [" + number_string(softcap_min<Scalar>()) + ", " +
+                              number_string(softcap_max<Scalar>()) + "] (a normal " + type +
+                              " whose product with log2(e) stays within half the largest " + type + "), got " +
+                              number_string(*options.logit_softcap));
+    }
+    if (!options.alibi_slopes.empty()) {
+        if (static_cast<Index>(options.alibi_slopes.size()) != H)
+            throw_shape(fn, "alibi_slopes", shape_string({H}),
+                        shape_string({static_cast<Index>(options.alibi_slopes.size())}));
+        const double limit = alibi_slope_max<Scalar>();
+        for (std::size_t h = 0; h < options.alibi_slopes.size(); ++h)
+            if (!(std::abs(double(options.alibi_slopes[h])) <= limit))
+                throw_invalid(fn, "alibi_slopes[" + std::to_string(h) + "]",
+                              "must be in [-" + number_string(limit) + ", " + number_string(limit) +
+                                  "] (the ALiBi term of any distance stays within half the largest " + type +
+                                  "), got " + number_string(double(options.alibi_slopes[h])));
+    }
+    // The scale is applied in Scalar: it must be finite there, not only as a double.
+    if (options.scale && !std::isfinite(static_cast<Scalar>(*options.scale)))
+        throw_invalid(fn, "scale", "must be finite in " + type + ", got " + number_string(*options.scale));
+}
+
 /// Validates an SDPA call; throws shape_error / std::invalid_argument. Returns {d_k, d_v}.
 template <class Scalar>
 inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index q_cols, Index k_rows, Index k_cols,
@@ -173,32 +221,7 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                               "must be in [0, N_k = " + std::to_string(Nk) + "], got " +
                                   std::to_string(m.key_lengths[b]));
     }
-    if (!options.sinks.empty()) {
-        if (static_cast<Index>(options.sinks.size()) != H)
-            throw_shape(fn, "sinks", shape_string({H}), shape_string({static_cast<Index>(options.sinks.size())}));
-        for (std::size_t h = 0; h < options.sinks.size(); ++h)
-            if (std::isnan(options.sinks[h]) || options.sinks[h] == std::numeric_limits<Scalar>::infinity())
-                throw_invalid(fn, "sinks[" + std::to_string(h) + "]",
-                              "must be finite or -inf (no sink), got " + std::to_string(options.sinks[h]));
-    }
-    // Softcap and slopes must stay finite in base 2 (times log₂e), where the bf16 kernels use them.
-    constexpr double kLog2e = 1.4426950408889634;
-    if (options.logit_softcap) {
-        const Scalar c = static_cast<Scalar>(*options.logit_softcap);
-        if (!(c > 0 && std::isfinite(static_cast<Scalar>(c * Scalar(kLog2e)))))
-            throw_invalid(fn, "logit_softcap",
-                          "must be > 0 and, times log2(e), finite in the scalar type, got " +
-                              number_string(*options.logit_softcap));
-    }
-    if (!options.alibi_slopes.empty()) {
-        if (static_cast<Index>(options.alibi_slopes.size()) != H)
-            throw_shape(fn, "alibi_slopes", shape_string({H}),
-                        shape_string({static_cast<Index>(options.alibi_slopes.size())}));
-        for (std::size_t h = 0; h < options.alibi_slopes.size(); ++h)
-            if (!std::isfinite(static_cast<Scalar>(options.alibi_slopes[h] * Scalar(kLog2e))))
-                throw_invalid(fn, "alibi_slopes[" + std::to_string(h) + "]",
-                              "must be finite, also times log2(e), got " + number_string(options.alibi_slopes[h]));
-    }
+    validate_sdpa_options(fn, options, H);
     if (!m.query_offsets.empty()) {
         if (static_cast<Index>(m.query_offsets.size()) != B)
             throw_shape(fn, mask_prefix + "query_offsets", shape_string({B}),
@@ -231,9 +254,6 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
     };
     check_view(m.bool_mask, mask_prefix + "bool_mask");
     check_view(m.bias, mask_prefix + "bias");
-    // The scale is applied in Scalar: it must be finite there, not only as a double.
-    if (options.scale && !std::isfinite(static_cast<Scalar>(*options.scale)))
-        throw_invalid(fn, "scale", "must be finite in the scalar type, got " + std::to_string(*options.scale));
     return {dk, dv};
 }
 
@@ -753,8 +773,9 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
 /// \throws shape_error when a shape disagrees with the others (message names the argument,
 ///         the expected and the actual shape); std::invalid_argument for a negative batch, bad
 ///         head counts, key lengths outside [0, N_k] or query lengths outside [0, N_q], a
-///         window < 1, a scale not finite in Scalar, out sharing an element with an input or the
-///         bias, or optional outputs that are or hold an input or are one another. Nothing is
+///         window < 1, a scale not finite in Scalar, a sink that is NaN or +∞, a softcap or an
+///         ALiBi slope outside its range (SdpaOptions), out sharing an element with an input or
+///         the bias, or optional outputs that are or hold an input or are one another. Nothing is
 ///         written before validation passes.
 /// Scalar: float, double, or 16-bit storage (gattn::bfloat16, gattn::half) whose options and
 /// optional outputs are float and whose output (Out) is the storage type or float; 16-bit inputs
