@@ -146,6 +146,44 @@ TEST(RandomWeights, NormGainsAreTheModelsInitialValues) {
     EXPECT_GT(w.q_proj_weight.maxCoeff() - w.q_proj_weight.minCoeff(), bound);
 }
 
+TEST(LayerForward, CheckFiniteNamesTheFirstNonFiniteInputAndWritesNothing) {
+    const auto c = small_config();  // D = 16
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 5));
+    RowMatrix<float> x = RowMatrix<float>::Random(12, 16);  // 3 sequences of 4 tokens
+    x(6, 9) = std::numeric_limits<float>::infinity();       // sequence 1, token 2
+    x(7, 1) = std::numeric_limits<float>::quiet_NaN();
+    RowMatrix<float> out = RowMatrix<float>::Constant(12, 16, 7.0f);
+    gattn::ForwardOptions<float> options;
+    // Off by default: IEEE propagation, the infinity's row comes out non-finite.
+    layer.forward(x, 3, out, options);
+    EXPECT_FALSE(out.row(6).allFinite());
+    out.setConstant(7.0f);
+    options.check_finite = true;
+    try {
+        layer.forward(x, 3, out, options);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find("gattn::GatedMultiHeadAttention::forward"), std::string::npos) << m;
+        EXPECT_NE(m.find("row 6 (sequence 1, token 2), feature 9 is inf"), std::string::npos) << m;
+    }
+    EXPECT_TRUE((out.array() == 7.0f).all());
+    // A finite x passes and gives what the unchecked call gives.
+    x(6, 9) = 0.5f;
+    x(7, 1) = -0.25f;
+    options.check_finite = false;
+    const RowMatrix<float> expected = layer.forward(x, 3, options);
+    options.check_finite = true;
+    EXPECT_EQ(layer.forward(x, 3, options), expected);
+    // −∞ in the bias is a mask; NaN is refused.
+    std::vector<float> bias(4 * 4, 0.0f);
+    bias[1] = -std::numeric_limits<float>::infinity();
+    options.bias = {bias.data(), 1, 1, 4, 4};
+    EXPECT_NO_THROW(layer.forward(x, 3, options));
+    bias[5] = std::numeric_limits<float>::quiet_NaN();
+    EXPECT_THROW(layer.forward(x, 3, options), std::invalid_argument);
+}
+
 TEST(LayerForward, CoreFormWritesIntoStridedBlock) {
     const auto c = small_config();
     const gattn::GatedMultiHeadAttention<double> layer(c, gattn::make_random_weights<double>(c, 3));

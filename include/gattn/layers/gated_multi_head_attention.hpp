@@ -50,6 +50,11 @@ struct ForwardOptions {
     /// RoPE position of each token ([B·N], row order), e.g. for a left-padded batch; empty =
     /// its index t within its sequence. Used only with config.rotary_dim > 0.
     std::vector<Index> positions;
+    /// Refuse NaN and ±∞ in x (and NaN in `bias`, where −∞ is a mask) with an error naming
+    /// the row, sequence, token and feature, before anything is written, instead of letting
+    /// them propagate as IEEE arithmetic does. Off by default: it reads x once more. (The
+    /// weights are always checked, at construction.)
+    bool check_finite = false;
 };
 
 }  // namespace gattn
@@ -243,11 +248,13 @@ public:
     /// \param out   [B·N, D], written; must share no element with x (column blocks of one
     ///              matrix are fine).
     /// \param options per-call token counts of a right-padded batch (key_lengths), boolean mask,
-    ///        additive bias ([B|1, H|1, N|1, N]), RoPE positions ([B·N]).
+    ///        additive bias ([B|1, H|1, N|1, N]), RoPE positions ([B·N]), and the opt-in
+    ///        check_finite.
     /// \param trace optional statistics (gate scores, first-key attention, probabilities).
     /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, for x,
-    ///         out or options.positions of the wrong shape, out overlapping x, and a trace matrix
-    ///         that holds x, out or options.bias; nothing is written before validation passes.
+    ///         out or options.positions of the wrong shape, out overlapping x, a trace matrix
+    ///         that holds x, out or options.bias, and (with options.check_finite) a NaN or ±∞
+    ///         in x or a NaN in options.bias; nothing is written before validation passes.
     void forward(ConstMatrixRef<Activation> x, Index batch, MatrixRef<Activation> out,
                  const ForwardOptions<T>& options = {}, ForwardTrace<T>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
@@ -274,6 +281,7 @@ public:
         // Validate the attention call before anything is written.
         gattn::detail::validate_sdpa<T>(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv, HeadLayout{batch, H, Hkv},
                                         sdpa, "options.");
+        if (options.check_finite) check_finite_input(fn, x, batch, options.bias);
         if (!options.positions.empty() && static_cast<Index>(options.positions.size()) != rows)
             gattn::detail::throw_shape(fn, "options.positions", gattn::detail::shape_string({rows}),
                                        gattn::detail::shape_string({static_cast<Index>(options.positions.size())}));
@@ -371,6 +379,27 @@ public:
     }
 
 private:
+    /// ForwardOptions::check_finite: the first NaN or ±∞ of x, or NaN of the bias, is refused.
+    static void check_finite_input(const char* fn, const ConstMatrixRef<Activation>& x, Index batch,
+                                   const MaskView<T>& bias) {
+        const Index n = batch > 0 ? x.rows() / batch : 0;
+        for (Index r = 0; r < x.rows(); ++r)
+            for (Index c = 0; c < x.cols(); ++c)
+                if (!std::isfinite(static_cast<T>(x(r, c))))
+                    gattn::detail::throw_invalid(
+                        fn, "x",
+                        "row " + std::to_string(r) + " (sequence " + std::to_string(r / n) + ", token " +
+                            std::to_string(r % n) + "), feature " + std::to_string(c) + " is " +
+                            gattn::detail::number_string(double(static_cast<T>(x(r, c)))) +
+                            " (ForwardOptions::check_finite: the input must be finite)");
+        const Index bias_size = bias.empty() ? 0 : bias.batch * bias.heads * bias.query_len * bias.key_len;
+        for (Index i = 0; i < bias_size; ++i)
+            if (std::isnan(bias.data[i]))
+                gattn::detail::throw_invalid(fn, "options.bias",
+                                             "element " + std::to_string(i) +
+                                                 " is nan (ForwardOptions::check_finite; -inf masks a key)");
+    }
+
     /// The caches the layer takes: its Scalar, int8 when it computes in float, and bf16 or fp16
     /// when Scalar is float.
     template <class CacheScalar>
