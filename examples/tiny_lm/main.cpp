@@ -21,6 +21,7 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -158,27 +159,27 @@ int main(int argc, char** argv) {
     app.add_option("csv_out", csv, "where to write first-token attention per layer and head")->capture_default_str();
     app.add_option("prompt", prompt,
                    "prompt of the continuations (default: the one in baseline/reference.safetensors)");
-    app.add_option("--temperature", settings.sampling.temperature, "sampling: logits divided by it (0: greedy)")
-        ->check(CLI::NonNegativeNumber)
+    // Ranges are checked below, with the sampler's own messages.
+    app.add_option("--temperature", settings.sampling.temperature, "sampling: logits divided by it, >= 0 (0: greedy)")
         ->capture_default_str();
-    app.add_option("--top-k", settings.sampling.top_k, "sampling: the k most probable bytes stay (0: all)")
-        ->check(CLI::NonNegativeNumber)
+    app.add_option("--top-k", settings.sampling.top_k, "sampling: the k most probable bytes stay, >= 0 (0: all)")
         ->capture_default_str();
     app.add_option("--top-p", settings.sampling.top_p,
-                   "sampling: then the fewest most probable bytes whose probability sums to at least p (1: all)")
-        ->check(CLI::Range(0.0, 1.0))
+                   "sampling: then the fewest most probable bytes whose probability sums to at least p, in (0, 1] "
+                   "(1: all)")
         ->capture_default_str();
     app.add_option("--seed", settings.seed, "seed of the sampling's std::mt19937_64")->capture_default_str();
-    app.add_option("--length", settings.length, "bytes generated per continuation")
-        ->check(CLI::PositiveNumber)
-        ->capture_default_str();
-    app.add_option("--runs", settings.runs, "timed runs per model (speed: their median, min and max)")
-        ->check(CLI::PositiveNumber)
+    app.add_option("--length", settings.length, "bytes generated per continuation, >= 1")->capture_default_str();
+    app.add_option("--runs", settings.runs, "timed runs per model, >= 1 (speed: their median, min and max)")
         ->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     std::printf("gattn %s: %s\n", gattn::version(), gattn::describe(gattn::instruction_sets()).c_str());
     try {
         tiny_lm::validate(settings.sampling);
+        if (settings.length < 1)
+            throw std::invalid_argument("--length: expected >= 1, got " + std::to_string(settings.length));
+        if (settings.runs < 1)
+            throw std::invalid_argument("--runs: expected >= 1, got " + std::to_string(settings.runs));
         std::ifstream in(dir + "/heldout.txt", std::ios::binary);
         if (!in) throw gattn::io_error("cannot open " + dir + "/heldout.txt");
         std::stringstream text;
