@@ -2,22 +2,23 @@
 // The trained models of assets/tiny_lm run through gattn (examples/tiny_lm/tiny_lm.hpp) against
 // what PyTorch computed for them in float64 (reference.safetensors, written by
 // scripts/train_tiny_lm.py): logits of a prompt and its greedy continuation, the greedy tokens
-// themselves (KV-cache decoding in gattn), and the held-out negative log-likelihood.
+// themselves (KV-cache decoding in gattn), and the held-out negative log-likelihood. And the
+// demo's sampler (examples/tiny_lm/sampling.hpp) against hand-worked distributions and draws.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <limits>
+#include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include <gtest/gtest.h>
-
-#include <cmath>
-#include <cstdio>
 
 #include "tiny_lm/tiny_lm.hpp"
 
@@ -188,6 +189,151 @@ TEST(TinyLMStats, ShapesAndRanges) {
             EXPECT_GT(stats.max_abs_hidden[l], 0.0);
         }
     }
+}
+
+// The sampler's distribution, worked by hand. Logits ln 1, ln 2, ln 4 give tokens 0, 1, 2 the
+// weights 1, 2, 4: probabilities 1/7, 2/7, 4/7, ranked 2, 1, 0. Temperature T raises the weights
+// to the power 1/T; top-k keeps the k heaviest and renormalises; top-p then keeps the fewest
+// whose probability (after top-k) sums to at least p.
+using Expected = std::vector<std::pair<int, double>>;
+
+void expect_distribution(const std::vector<double>& logits, const tiny_lm::Sampling& s, const Expected& expected) {
+    SCOPED_TRACE(::testing::Message() << "temperature " << s.temperature << ", top_k " << s.top_k << ", top_p "
+                                      << s.top_p);
+    const std::vector<tiny_lm::Candidate> got = tiny_lm::sampling_distribution(logits, s);
+    ASSERT_EQ(got.size(), expected.size());
+    for (std::size_t i = 0; i < got.size(); ++i) {
+        EXPECT_EQ(got[i].token, expected[i].first) << "rank " << i;
+        EXPECT_NEAR(got[i].probability, expected[i].second, 1e-15) << "rank " << i;
+    }
+}
+
+const std::vector<double> kOneTwoFour = {std::log(1.0), std::log(2.0), std::log(4.0)};
+
+TEST(TinyLMSampling, TemperatureScalesTheLogits) {
+    expect_distribution(kOneTwoFour, {1.0, 0, 1.0}, {{2, 4.0 / 7}, {1, 2.0 / 7}, {0, 1.0 / 7}});
+    // T = 0.5: weights 16, 4, 1.
+    expect_distribution(kOneTwoFour, {0.5, 0, 1.0}, {{2, 16.0 / 21}, {1, 4.0 / 21}, {0, 1.0 / 21}});
+    // T = 2: weights 2, √2, 1.
+    const double z = 3 + std::sqrt(2.0);
+    expect_distribution(kOneTwoFour, {2.0, 0, 1.0}, {{2, 2 / z}, {1, std::sqrt(2.0) / z}, {0, 1 / z}});
+    // T = 0: the arg-max token alone, whatever top-k and top-p say.
+    expect_distribution(kOneTwoFour, {0.0, 2, 0.5}, {{2, 1.0}});
+}
+
+TEST(TinyLMSampling, TopKKeepsTheMostProbable) {
+    expect_distribution(kOneTwoFour, {1.0, 2, 1.0}, {{2, 4.0 / 6}, {1, 2.0 / 6}});
+    expect_distribution(kOneTwoFour, {1.0, 1, 1.0}, {{2, 1.0}});
+    expect_distribution(kOneTwoFour, {1.0, 3, 1.0}, {{2, 4.0 / 7}, {1, 2.0 / 7}, {0, 1.0 / 7}});
+    expect_distribution(kOneTwoFour, {1.0, 100, 1.0}, {{2, 4.0 / 7}, {1, 2.0 / 7}, {0, 1.0 / 7}});
+    // Ties rank by the lower token id: logits 1, 3, 3, 0.
+    expect_distribution({1, 3, 3, 0}, {1.0, 2, 1.0}, {{1, 0.5}, {2, 0.5}});
+    expect_distribution({1, 3, 3, 0}, {1.0, 1, 1.0}, {{1, 1.0}});
+}
+
+TEST(TinyLMSampling, TopPKeepsTheFewestReachingP) {
+    // 4/7 = 0.571 reaches 0.5 alone; 0.6 needs 4/7 + 2/7 = 0.857; 0.9 needs all three.
+    expect_distribution(kOneTwoFour, {1.0, 0, 0.5}, {{2, 1.0}});
+    expect_distribution(kOneTwoFour, {1.0, 0, 0.6}, {{2, 2.0 / 3}, {1, 1.0 / 3}});
+    expect_distribution(kOneTwoFour, {1.0, 0, 0.9}, {{2, 4.0 / 7}, {1, 2.0 / 7}, {0, 1.0 / 7}});
+    // Exactly reaching p is enough: four equal logits give 1/4 each (exactly).
+    expect_distribution({0, 0, 0, 0}, {1.0, 0, 0.5}, {{0, 0.5}, {1, 0.5}});
+    expect_distribution({0, 0, 0, 0}, {1.0, 0, 0.75}, {{0, 1.0 / 3}, {1, 1.0 / 3}, {2, 1.0 / 3}});
+    // Top-p acts on the distribution after top-k: with k = 2, 2/3 reaches 0.6 alone.
+    expect_distribution(kOneTwoFour, {1.0, 2, 0.6}, {{2, 1.0}});
+    // and after the temperature: at T = 0.5, 16/21 = 0.762 reaches 0.7 alone, at T = 1 it takes two.
+    expect_distribution(kOneTwoFour, {0.5, 0, 0.7}, {{2, 1.0}});
+    expect_distribution(kOneTwoFour, {1.0, 0, 0.7}, {{2, 2.0 / 3}, {1, 1.0 / 3}});
+}
+
+TEST(TinyLMSampling, MinusInfinityIsNeverDrawn) {
+    const double inf = std::numeric_limits<double>::infinity();
+    expect_distribution({0, -inf, 0}, {1.0, 0, 1.0}, {{0, 0.5}, {2, 0.5}});
+    expect_distribution({-inf, -inf, 5}, {0.8, 40, 0.95}, {{2, 1.0}});
+}
+
+TEST(TinyLMSampling, DrawPicksTheIntervalHoldingU) {
+    // Token 5 on [0, 0.5), 3 on [0.5, 0.75), 9 on [0.75, 1).
+    const std::vector<tiny_lm::Candidate> c = {{5, 0.5}, {3, 0.25}, {9, 0.25}};
+    EXPECT_EQ(tiny_lm::draw(c, 0.0), 5);
+    EXPECT_EQ(tiny_lm::draw(c, 0.4999), 5);
+    EXPECT_EQ(tiny_lm::draw(c, 0.5), 3);
+    EXPECT_EQ(tiny_lm::draw(c, 0.7499), 3);
+    EXPECT_EQ(tiny_lm::draw(c, 0.75), 9);
+    EXPECT_EQ(tiny_lm::draw(c, std::nextafter(1.0, 0.0)), 9);
+}
+
+TEST(TinyLMSampling, UniformIsTheEnginesTop53BitsTimesTwoToTheMinus53) {
+    // The C++ standard fixes mt19937_64's 10000th output from the default seed,
+    // 9981545732273789042; >> 11 gives 4873801627086811, times 2^-53: 0x1.150b25eb02fdbp-1.
+    std::mt19937_64 engine;
+    engine.discard(9999);
+    EXPECT_EQ(tiny_lm::uniform(engine), 0x1.150b25eb02fdbp-1);
+    // Seeded with 1 (outputs from an independent implementation of the engine): the first,
+    // 2469588189546311528, is below 2^62, so x · 2^-64 would keep bits that x >> 11 drops.
+    std::mt19937_64 seeded(1);
+    EXPECT_EQ(tiny_lm::uniform(seeded), 0x1.122deafddb434p-3);
+    EXPECT_EQ(tiny_lm::uniform(seeded), 0x1.175c928118c7cp-3);
+    EXPECT_EQ(tiny_lm::uniform(seeded), 0x1.ce0b479deb990p-2);
+}
+
+TEST(TinyLMSampling, SeededDrawsAreFixed) {
+    // mt19937_64 seeded with 1, computed by an independent implementation of the engine: the
+    // first twelve uniforms are 0.1339 0.1364 0.4512 0.0210 0.3509 0.9114 0.4708 0.0744 0.5698
+    // 0.6352 0.0895 0.5562; with tokens 2, 1, 0 on [0, 4/7), [4/7, 6/7), [6/7, 1):
+    const std::vector<int> expected = {2, 2, 2, 2, 2, 0, 2, 2, 2, 1, 2, 2};
+    tiny_lm::Sampler sampler({1.0, 0, 1.0}, 1);
+    std::vector<int> got;
+    for (std::size_t i = 0; i < expected.size(); ++i) got.push_back(sampler.next(kOneTwoFour));
+    EXPECT_EQ(got, expected);
+}
+
+TEST(TinyLMSampling, RefusesBadSettingsAndLogits) {
+    const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+    auto refuses = [](const tiny_lm::Sampling& s, const std::string& field) {
+        try {
+            tiny_lm::validate(s);
+            ADD_FAILURE() << field << " accepted";
+        } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("tiny_lm::Sampling: " + field + ": expected"), std::string::npos)
+                << e.what();
+        }
+        EXPECT_THROW(tiny_lm::Sampler(s, 1), std::invalid_argument);
+    };
+    refuses({-0.1, 40, 0.95}, "temperature");
+    refuses({nan, 40, 0.95}, "temperature");
+    refuses({inf, 40, 0.95}, "temperature");
+    refuses({0.8, -1, 0.95}, "top_k");
+    refuses({0.8, 40, 0.0}, "top_p");
+    refuses({0.8, 40, 1.5}, "top_p");
+    refuses({0.8, 40, nan}, "top_p");
+    EXPECT_THROW(tiny_lm::sampling_distribution({}, {}), std::invalid_argument);
+    EXPECT_THROW(tiny_lm::sampling_distribution({0, nan}, {}), std::invalid_argument);
+    EXPECT_THROW(tiny_lm::sampling_distribution({0, inf}, {}), std::invalid_argument);
+    EXPECT_THROW(tiny_lm::sampling_distribution({-inf, -inf}, {}), std::invalid_argument);
+    EXPECT_THROW(tiny_lm::draw({}, 0.5), std::invalid_argument);
+    EXPECT_THROW(tiny_lm::draw({{1, 1.0}}, 1.0), std::invalid_argument);
+    EXPECT_THROW(tiny_lm::draw({{1, 1.0}}, -0.1), std::invalid_argument);
+}
+
+TEST(TinyLMSampling, LongestRepeat) {
+    EXPECT_EQ(tiny_lm::longest_repeat(""), 0u);
+    EXPECT_EQ(tiny_lm::longest_repeat("abcd"), 0u);
+    EXPECT_EQ(tiny_lm::longest_repeat("abab"), 2u);
+    EXPECT_EQ(tiny_lm::longest_repeat("aaaa"), 3u);  // overlapping: "aaa" at 0 and 1
+    EXPECT_EQ(tiny_lm::longest_repeat("the cat the cat"), 7u);
+}
+
+// Sampled generation through the model: a seed gives the same bytes again, and top-k 1 is greedy
+// at any temperature.
+TEST(TinyLMSampling, ModelGeneration) {
+    const tiny_lm::TinyLM<float> model(kAssets + "/gated");
+    const std::vector<int> prompt = tiny_lm::encode("Never trust ");
+    tiny_lm::Sampler a({0.8, 40, 0.95}, 7), b({0.8, 40, 0.95}, 7), top1({1.5, 1, 1.0}, 7);
+    const std::vector<int> first = model.generate(prompt, 48, a);
+    EXPECT_EQ(model.generate(prompt, 48, b), first);
+    EXPECT_EQ(model.generate(prompt, 48, top1), model.generate(prompt, 48));
+    EXPECT_NE(first, model.generate(prompt, 48));  // 48 sampled bytes all equal to the greedy ones: unlikely
 }
 
 }  // namespace

@@ -1,20 +1,27 @@
 // SPDX-License-Identifier: Apache-2.0
 // Runs the three tiny byte-level language models of assets/tiny_lm (a baseline, its G1
 // elementwise sigmoid-gated twin and its twin with gpt-oss's learned attention sinks, trained on
-// Debian's fortunes by scripts/train_tiny_lm.py) through gattn: a greedy sample from each,
-// held-out perplexity, tokens per second, and the paper's attention-sink and gate-sparsity
-// measures per layer (first-token attention F-Attn, mean gate score, largest hidden activation
-// M-Act). Writes F-Attn per layer and head as CSV for scripts/plot_sink.py.
+// Debian's fortunes by scripts/train_tiny_lm.py) through gattn: from each, a continuation
+// sampled with temperature, top-k and top-p from a fixed seed and the greedy one, with the
+// longest substring each repeats; held-out perplexity; tokens per second (median and range of
+// several runs); and the paper's attention-sink and gate-sparsity measures per layer
+// (first-token attention F-Attn, mean gate score, largest hidden activation M-Act). Writes
+// F-Attn per layer and head as CSV for scripts/plot_sink.py.
 //
-// Usage: tiny_lm [assets_dir] [csv_out] [prompt]   (--help)
+// Usage: tiny_lm [assets_dir] [csv_out] [prompt] [--temperature T] [--top-k K] [--top-p P]
+//                [--seed S] [--length N] [--runs R]   (--help)
 //   defaults: assets/tiny_lm, tiny_lm_sink.csv, the prompt of the models' reference outputs
-//   (chosen by the training script as the one whose 200-byte greedy samples loop least).
+//   (chosen by the training script as the one whose 200-byte greedy samples loop least),
+//   temperature 0.8, top-k 40, top-p 0.95 (llama.cpp's defaults), seed 1, 200 bytes, 5 runs.
 
+#include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -27,16 +34,34 @@ namespace {
 using Clock = std::chrono::steady_clock;
 using Scalar = float;
 
+struct Settings {
+    std::string prompt;
+    tiny_lm::Sampling sampling;
+    std::uint64_t seed = 1;
+    gattn::Index length = 200, runs = 5;
+};
+
 struct Report {
-    std::string name, sample;
+    std::string name, greedy, sampled;
     long long parameters = 0;
-    double nll = 0, prefill_tokens_per_s = 0, decode_tokens_per_s = 0;
+    double nll = 0;
+    std::vector<double> prefill_tokens_per_s, decode_tokens_per_s;  // one per run
     gattn::Index windows = 0, window = 0;
     std::vector<std::vector<double>> first_token_attention;  // [layer][head], mean over queries ≥ 1
     std::vector<double> gate_mean, max_abs_hidden;           // per layer
 };
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// "median (min-max)" of the runs' figures.
+std::string spread(std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    const std::size_t n = v.size();
+    const double median = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.0f (%.0f-%.0f)", median, v.front(), v.back());
+    return buf;
+}
 
 // Non-printable bytes as '?'; newlines as "\n" (quoted) or as a new indented line (text).
 std::string printable(const std::string& s, bool quoted) {
@@ -52,7 +77,7 @@ std::string printable(const std::string& s, bool quoted) {
     return out;
 }
 
-Report run(const std::string& dir, const std::string& name, const std::string& heldout, const std::string& prompt) {
+Report run(const std::string& dir, const std::string& name, const std::string& heldout, const Settings& settings) {
     Report rep;
     rep.name = name;
     const tiny_lm::TinyLM<Scalar> model(dir);
@@ -87,17 +112,17 @@ Report run(const std::string& dir, const std::string& name, const std::string& h
         rep.gate_mean[l] = gate_values > 0 ? rep.gate_mean[l] / gate_values : 1.0;  // ungated: gate ≡ 1
     }
 
-    // Speed, best of 3: prefill of `batch` held-out windows in one forward call, and greedy
+    // Speed, each run: prefill of `batch` held-out windows in one forward call, and greedy
     // decoding steps after the prompt (one token per forward call, KV cache; the prompt's
     // prefill and the cache allocation are not timed).
     const std::vector<int> first_windows = tiny_lm::encode(heldout.substr(0, static_cast<std::size_t>(batch * window)));
-    const std::vector<int> prompt_tokens = tiny_lm::encode(prompt);
-    const gattn::Index count = 200;
-    for (int rep_i = 0; rep_i < 3; ++rep_i) {
+    const std::vector<int> prompt_tokens = tiny_lm::encode(settings.prompt);
+    const gattn::Index count = settings.length;
+    for (gattn::Index run_i = 0; run_i < settings.runs; ++run_i) {
         auto caches = model.make_caches(batch, window);
         auto t0 = Clock::now();
         model.forward(first_windows, caches);
-        rep.prefill_tokens_per_s = std::max(rep.prefill_tokens_per_s, double(batch * window) / seconds_since(t0));
+        rep.prefill_tokens_per_s.push_back(double(batch * window) / seconds_since(t0));
 
         caches = model.make_caches(1, static_cast<gattn::Index>(prompt_tokens.size()) + count);
         tiny_lm::Matrix<Scalar> logits = model.forward(prompt_tokens, caches);
@@ -109,9 +134,12 @@ Report run(const std::string& dir, const std::string& name, const std::string& h
             generated.push_back(static_cast<int>(next));
             if (t + 1 < count) logits = model.forward({static_cast<int>(next)}, caches);
         }
-        rep.decode_tokens_per_s = std::max(rep.decode_tokens_per_s, double(count - 1) / seconds_since(t0));
-        rep.sample = tiny_lm::decode(generated);
+        if (count > 1) rep.decode_tokens_per_s.push_back(double(count - 1) / seconds_since(t0));
+        rep.greedy = tiny_lm::decode(generated);
     }
+    // The sampled continuation: every model draws from its own generator seeded alike.
+    tiny_lm::Sampler sampler(settings.sampling, settings.seed);
+    rep.sampled = tiny_lm::decode(model.generate(prompt_tokens, count, sampler));
     return rep;
 }
 
@@ -120,19 +148,38 @@ Report run(const std::string& dir, const std::string& name, const std::string& h
 int main(int argc, char** argv) {
     CLI::App app{
         "Runs the three tiny byte-level language models of assets/tiny_lm (a baseline, its G1-gated\n"
-        "twin and its twin with learned sinks) through gattn: greedy samples, held-out perplexity,\n"
-        "speed, attention-sink statistics."};
+        "twin and its twin with learned sinks) through gattn: sampled and greedy continuations,\n"
+        "held-out perplexity, speed, attention-sink statistics."};
     std::string dir = "assets/tiny_lm", csv = "tiny_lm_sink.csv";
-    std::string prompt;
+    Settings settings;
+    std::string& prompt = settings.prompt;
     app.add_option("assets_dir", dir, "directory with baseline/, gated/, sinks/ and heldout.txt")
         ->check(CLI::ExistingDirectory)
         ->capture_default_str();
     app.add_option("csv_out", csv, "where to write first-token attention per layer and head")->capture_default_str();
     app.add_option("prompt", prompt,
-                   "prompt of the greedy samples (default: the one in baseline/reference.safetensors)");
+                   "prompt of the continuations (default: the one in baseline/reference.safetensors)");
+    // Ranges are checked below, with the sampler's own messages.
+    app.add_option("--temperature", settings.sampling.temperature, "sampling: logits divided by it, >= 0 (0: greedy)")
+        ->capture_default_str();
+    app.add_option("--top-k", settings.sampling.top_k, "sampling: the k most probable bytes stay, >= 0 (0: all)")
+        ->capture_default_str();
+    app.add_option("--top-p", settings.sampling.top_p,
+                   "sampling: then the fewest most probable bytes whose probability sums to at least p, in (0, 1] "
+                   "(1: all)")
+        ->capture_default_str();
+    app.add_option("--seed", settings.seed, "seed of the sampling's std::mt19937_64")->capture_default_str();
+    app.add_option("--length", settings.length, "bytes generated per continuation, >= 1")->capture_default_str();
+    app.add_option("--runs", settings.runs, "timed runs per model, >= 1 (speed: their median, min and max)")
+        ->capture_default_str();
     CLI11_PARSE(app, argc, argv);
     std::printf("gattn %s: %s\n", gattn::version(), gattn::describe(gattn::instruction_sets()).c_str());
     try {
+        tiny_lm::validate(settings.sampling);
+        if (settings.length < 1)
+            throw std::invalid_argument("--length: expected >= 1, got " + std::to_string(settings.length));
+        if (settings.runs < 1)
+            throw std::invalid_argument("--runs: expected >= 1, got " + std::to_string(settings.runs));
         std::ifstream in(dir + "/heldout.txt", std::ios::binary);
         if (!in) throw gattn::io_error("cannot open " + dir + "/heldout.txt");
         std::stringstream text;
@@ -148,25 +195,36 @@ int main(int argc, char** argv) {
 
         std::vector<Report> reports;
         for (const char* name : {"baseline", "gated", "sinks"})
-            reports.push_back(run(dir + "/" + name, name, heldout, prompt));
+            reports.push_back(run(dir + "/" + name, name, heldout, settings));
 
         std::printf(
             "Three byte-level models trained on Debian's fortunes, identical but for the attention's\n"
             "way out of a sink: none, the G1 gate, or a learned sink logit per head (gpt-oss).\n\n");
-        std::printf("Greedy sample, prompt \"%s\":\n", printable(prompt, true).c_str());
-        for (const Report& r : reports)
-            std::printf("[%s]\n    %s\n", r.name.c_str(), printable(r.sample, false).c_str());
+        const tiny_lm::Sampling& s = settings.sampling;
+        std::printf(
+            "Continuations of \"%s\", %lld bytes each: sampled with temperature %g, top-k %lld,\n"
+            "top-p %g from seed %llu (--temperature, --top-k, --top-p, --seed), and greedy (the most\n"
+            "probable byte at each step); \"repeat\": the longest substring that occurs twice.\n",
+            printable(prompt, true).c_str(), static_cast<long long>(settings.length), s.temperature, s.top_k, s.top_p,
+            static_cast<unsigned long long>(settings.seed));
+        for (const Report& r : reports) {
+            std::printf("[%s] sampled, repeat %zu bytes\n    %s\n", r.name.c_str(), tiny_lm::longest_repeat(r.sampled),
+                        printable(r.sampled, false).c_str());
+            std::printf("[%s] greedy, repeat %zu bytes\n    %s\n", r.name.c_str(), tiny_lm::longest_repeat(r.greedy),
+                        printable(r.greedy, false).c_str());
+        }
 
         const long long window = reports[0].window;
         std::printf(
-            "\nHeld-out text: %lld windows of %lld bytes (float, gattn; tokens/s: best of 3, prefill of\n"
-            "8 windows in one call, decoding one token per call after the prompt)\n",
-            static_cast<long long>(reports[0].windows), window);
-        std::printf("%-9s %10s %12s %10s %14s %13s\n", "model", "params", "perplexity", "bits/byte", "prefill tok/s",
+            "\nHeld-out text: %lld windows of %lld bytes (float, gattn). tokens/s: median (min-max) of\n"
+            "%lld runs; prefill of 8 windows in one call, decoding one token per call after the prompt\n",
+            static_cast<long long>(reports[0].windows), window, static_cast<long long>(settings.runs));
+        std::printf("%-9s %8s %11s %10s %22s %20s\n", "model", "params", "perplexity", "bits/byte", "prefill tok/s",
                     "decode tok/s");
         for (const Report& r : reports)
-            std::printf("%-9s %10lld %12.3f %10.3f %14.0f %13.0f\n", r.name.c_str(), r.parameters, std::exp(r.nll),
-                        r.nll / std::log(2.0), r.prefill_tokens_per_s, r.decode_tokens_per_s);
+            std::printf("%-9s %8lld %11.3f %10.3f %22s %20s\n", r.name.c_str(), r.parameters, std::exp(r.nll),
+                        r.nll / std::log(2.0), spread(r.prefill_tokens_per_s).c_str(),
+                        r.decode_tokens_per_s.empty() ? "-" : spread(r.decode_tokens_per_s).c_str());
 
         std::printf(
             "\nAttention sink and sparsity per layer (held-out text; F-Attn: mean attention on the first\n"

@@ -29,6 +29,8 @@
 #include <gattn/gattn.hpp>
 #include <gattn/io/hf_checkpoint.hpp>
 
+#include "sampling.hpp"
+
 namespace tiny_lm {
 
 using gattn::Index;
@@ -141,17 +143,26 @@ public:
     }
 
     /// Greedy decoding: prefills `prompt` into fresh caches, then appends the arg-max token
-    /// `count` times. Returns the generated tokens.
+    /// (the lower id on a tie) `count` times. Returns the generated tokens. Throws
+    /// std::invalid_argument for an empty prompt, or as forward.
     std::vector<int> generate(const std::vector<int>& prompt, Index count) const {
+        Sampler greedy(Sampling{0, 0, 1}, 0);
+        return generate(prompt, count, greedy);
+    }
+
+    /// Sampled decoding: prefills `prompt` into fresh caches, then appends `count` tokens, each
+    /// drawn by `sampler` (sampling.hpp) from the last position's logits. Throws
+    /// std::invalid_argument for an empty prompt, or as forward and Sampler::next.
+    std::vector<int> generate(const std::vector<int>& prompt, Index count, Sampler& sampler) const {
         if (prompt.empty()) throw std::invalid_argument("tiny_lm::generate: prompt: expected at least one token");
         auto caches = make_caches(1, static_cast<Index>(prompt.size()) + count);
         std::vector<int> out;
         Matrix<Scalar> logits = forward(prompt, caches);
+        std::vector<double> last(static_cast<std::size_t>(logits.cols()));
         for (Index t = 0; t < count; ++t) {
-            Index next = 0;
-            logits.row(logits.rows() - 1).maxCoeff(&next);
-            out.push_back(static_cast<int>(next));
-            if (t + 1 < count) logits = forward({static_cast<int>(next)}, caches);
+            for (Index v = 0; v < logits.cols(); ++v) last[v] = static_cast<double>(logits(logits.rows() - 1, v));
+            out.push_back(sampler.next(last));
+            if (t + 1 < count) logits = forward({out.back()}, caches);
         }
         return out;
     }
