@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -161,6 +162,28 @@ TEST(HeadParallel, OneRanksBadInputFailsEveryRankAndChangesNoCache) {
     // The next call works on every rank.
     parallel.forward(x, {0, 1}, cache, out);
     EXPECT_EQ(cache.lengths(), std::vector<Index>{2});
+}
+
+/// A NaN sink of the last rank's head and an infinite weight in another rank's rows: given the
+/// whole layer's weights, every rank checks all of them and refuses alike (a rank that went on
+/// would wait forever for the others in its first call).
+TEST(HeadParallel, NonFiniteWeightsAreRefusedOnEveryRank) {
+    const Index P = size_of();
+    const auto c = config(2 * P, P, true, false, true);
+    auto w = random_weights<double>(c);
+    w.sinks[2 * P - 1] = std::numeric_limits<double>::quiet_NaN();
+    try {
+        gattn::HeadParallelQwen3Next<double> layer(c, w, MPI_COMM_WORLD);
+        ADD_FAILURE() << "a NaN sink accepted on rank " << rank_of();
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("sinks[" + std::to_string(2 * P - 1) + "] must be finite or -inf"),
+                  std::string::npos)
+            << e.what();
+    }
+    w.sinks[2 * P - 1] = -std::numeric_limits<double>::infinity();  // no sink for that head: fine
+    gattn::HeadParallelQwen3Next<double> fine(c, w, MPI_COMM_WORLD);
+    w.k_proj_weight(w.k_proj_weight.rows() - 1, 0) = std::numeric_limits<double>::infinity();
+    EXPECT_THROW(gattn::HeadParallelQwen3Next<double>(c, w, MPI_COMM_WORLD), std::invalid_argument);
 }
 
 TEST(HeadParallel, EachRankReadsItsShardOfACheckpoint) {
