@@ -9,7 +9,10 @@
 //    (AVX2: 256-bit, AVX-512: 512-bit), enough to fill two FMA pipes of 4-cycle latency;
 //  - gemm (when built with OpenBLAS): per head S = Q_h·K_hᵀ, then O_h = S·V_h with cblas_sgemm,
 //    on N/2 query rows for causal attention, so that it does the same FLOPs as gattn.
-// FLOPs count 4·N²·d per head (QKᵀ and PV), half of it for causal attention.
+// FLOPs count 4·N²·d per head (QKᵀ and PV), half of it for causal attention. The three are
+// timed by the thread's CPU time (POSIX CLOCK_THREAD_CPUTIME_ID; all three run on the calling
+// thread), so that time slices given to other programs on a busy machine count for none of
+// them; the benchmark's own time column is wall time.
 // Counters: gattn_GFLOP/s, peak_GFLOP/s, of_peak = gattn / peak, and with OpenBLAS gemm_GFLOP/s,
 // vs_gemm = gattn / gemm and gemm_of_peak. Run with repetitions and read the medians:
 //
@@ -29,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <ctime>
 #include <string>
 
 #include <gattn/gattn.hpp>
@@ -72,6 +76,17 @@ constexpr long kPeakSteps = 1L << 23;
 /// FLOPs of one fma_chains call.
 double peak_flops(long steps) { return double(steps) * kChains * 2.0 * double(gattn::simd::kLanes<float>); }
 
+/// Seconds of CPU time of the calling thread (wall time where POSIX's thread clock is missing).
+double thread_seconds() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+    timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return double(ts.tv_sec) + 1e-9 * double(ts.tv_nsec);
+#else
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+#endif
+}
+
 double attention_flops(double n, double d, bool causal) {
     const double full = 4.0 * n * n * d * kHeads;
     return causal ? full / 2 : full;
@@ -88,7 +103,6 @@ void single_thread() {
 
 /// gattn's SDPA, the FMA peak and OpenBLAS's sgemm in turn within every iteration.
 void BM_FlashVsPeak(benchmark::State& state) {
-    using Clock = std::chrono::steady_clock;
     const gattn::Index n = state.range(0), d = state.range(1);
     const bool causal = state.range(2) != 0;
     single_thread();
@@ -106,14 +120,14 @@ void BM_FlashVsPeak(benchmark::State& state) {
     double t_gattn = 0, t_peak = 0, t_gemm = 0;
     float sink = 0;
     for (auto _ : state) {
-        const auto t0 = Clock::now();
+        const double t0 = thread_seconds();
         gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, kHeads}, out, opt);
         benchmark::DoNotOptimize(out.data());
         benchmark::ClobberMemory();
-        const auto t1 = Clock::now();
+        const double t1 = thread_seconds();
         sink += fma_chains(kPeakSteps);
         benchmark::DoNotOptimize(sink);
-        const auto t2 = Clock::now();
+        const double t2 = thread_seconds();
 #ifdef GATTN_BENCH_OPENBLAS
         for (gattn::Index h = 0; h < kHeads; ++h) {
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, mi, ni, di, 1.0f, q.data() + h * d, ld,
@@ -124,10 +138,10 @@ void BM_FlashVsPeak(benchmark::State& state) {
         benchmark::DoNotOptimize(gemm_out.data());
         benchmark::ClobberMemory();
 #endif
-        const auto t3 = Clock::now();
-        t_gattn += std::chrono::duration<double>(t1 - t0).count();
-        t_peak += std::chrono::duration<double>(t2 - t1).count();
-        t_gemm += std::chrono::duration<double>(t3 - t2).count();
+        const double t3 = thread_seconds();
+        t_gattn += t1 - t0;
+        t_peak += t2 - t1;
+        t_gemm += t3 - t2;
     }
     const double iters = static_cast<double>(state.iterations());
     const double flops = attention_flops(double(n), double(d), causal) * iters;
