@@ -121,13 +121,11 @@ struct FlashGeometry {
     /// (the V rows are copied whenever they are not contiguous). A QK tile reads kRows K rows
     /// at once and prefetches the next tile's kRows: rows 4 KiB apart ([N, H·d] with
     /// H·d = 1024 floats) all fall into one L1 set, and 2·kRows lines overflow an L1 of fewer
-    /// ways (8: AMD Zen 2–4, Intel Skylake and the E-cores). The AVX2 and SSE2 tiers copy them
-    /// whatever the L1 (about 0.5 % of an AVX2 call on Zen 5's 12-way L1); AVX-512
-    /// (2·kRows = 12 lines) copies them where the C library reports fewer than 12 ways, or
-    /// none, and reads them in place on a 12-way L1 (where copying cost 2 % of a call).
+    /// ways: AVX-512 (12 lines) and SSE2 (12) on the 8-way L1s of AMD Zen 2–4 and Intel
+    /// Skylake, or where the C library reports no L1 associativity. Where they fit, the rows
+    /// are read in place (copying cost 2 % of a call on Zen 5's 12-way L1, AVX-512 and AVX2,
+    /// d = 128, N = 2048; 5 % at d = 256).
     static bool copies_keys(Index stride, Index dk) noexcept {
-        if (stride == dk) return false;
-#if defined(__AVX512F__)
         static const bool narrow_l1 = [] {
             long ways = 0;
 #if defined(_SC_LEVEL1_DCACHE_ASSOC)
@@ -135,10 +133,7 @@ struct FlashGeometry {
 #endif
             return ways < 2 * kRows;
         }();
-        return narrow_l1;
-#else
-        return true;
-#endif
+        return stride != dk && narrow_l1;
     }
 };
 
