@@ -81,8 +81,9 @@ struct FlashGeometry {
 #elif defined(__AVX2__) && defined(__FMA__)
     // 4 × 3 = 12 accumulators + 3 query registers + 1 broadcast: all 16 registers, 7 loads per
     // 12 FMAs (6 × 2: 8 per 12), each K and V value used by 24 queries instead of 16, and
-    // d = 64, 128, 256 and Bc split into whole tiles. Measured in bench_flash_peak (AVX2 build,
-    // AMD Zen 5, N = 2048, d = 128, 8 heads, 1 thread), against 6 × 2: see docs/performance.md.
+    // d = 64, 128, 256 and Bc split into whole tiles. Measured against 6 × 2 in
+    // bench_flash_peak (docs/flash_avx2.md): alike on AMD Zen 5 (0.81–0.84 of the FMA peak at
+    // N = 2048, d = 128, 8 heads, 1 thread), built for the 8-way L1s of Zen 2–4 and Skylake.
     static constexpr int kCols = 3;
     static constexpr int kRows = 4;
     // The PV tiles of masked keys keep a skip mask per query register (compare + blend, no
