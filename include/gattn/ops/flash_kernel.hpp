@@ -66,16 +66,33 @@ inline void with_constant(int i, F&& f) {
     }
 }
 
-/// Tile geometry for scalar type T on this instruction set.
+/// Tile geometry for scalar type T on this instruction set. A tile of either product holds
+/// kRows × kCols accumulators; with one register of queries per column and one broadcast K or
+/// V value, it needs kRows·kCols + kCols + 1 registers. Both FMA pipes of a 4-cycle FMA need 8
+/// independent accumulators; a k-step loads kCols query (or P) registers and broadcasts kRows
+/// K (or V) values for kRows·kCols FMAs.
 template <class T>
 struct FlashGeometry {
     static constexpr int kLanes = static_cast<int>(simd::kLanes<T>);
 #if defined(__AVX512F__)
-    static constexpr int kCols = 4;  // registers of queries per tile row
-    static constexpr int kRows = 6;  // 6 × 4 = 24 accumulators of 32 registers
+    static constexpr int kCols = 4;            // registers of queries per tile row
+    static constexpr int kRows = 6;            // 6 × 4 = 24 accumulators of 32 registers
+    static constexpr int kMaskedRows = kRows;  // masked FMAs take a mask register (k0–k7)
+#elif defined(__AVX2__) && defined(__FMA__)
+    // 4 × 3 = 12 accumulators + 3 query registers + 1 broadcast: all 16 registers, 7 loads per
+    // 12 FMAs (6 × 2: 8 per 12), each K and V value used by 24 queries instead of 16, and
+    // d = 64, 128, 256 and Bc split into whole tiles. Measured against 6 × 2 in
+    // bench_flash_peak (docs/flash_avx2.md): alike on AMD Zen 5 (0.81–0.84 of the FMA peak at
+    // N = 2048, d = 128, 8 heads, 1 thread), built for the 8-way L1s of Zen 2–4 and Skylake.
+    static constexpr int kCols = 3;
+    static constexpr int kRows = 4;
+    // The PV tiles of masked keys keep a skip mask per query register (compare + blend, no
+    // mask registers in AVX2): 3 rows, 9 accumulators + 3 P + 3 masks + 1 broadcast.
+    static constexpr int kMaskedRows = 3;
 #else
     static constexpr int kCols = 2;
     static constexpr int kRows = 6;  // 6 × 2 = 12 accumulators of 16 registers
+    static constexpr int kMaskedRows = kRows;
 #endif
     static constexpr int kQueries = kCols * kLanes;  // Br: queries per block
     static constexpr int kKeys = 64;                 // Bc: keys per block
@@ -100,6 +117,24 @@ struct FlashGeometry {
             return l2 > 0 ? Index(l2 / 2) : Index(512) << 10;
         }();
         return bytes;
+    }
+    /// Whether flash_attention_blocks copies a key block's K rows that lie `stride` apart
+    /// (the V rows are copied whenever they are not contiguous). A QK tile reads kRows K rows
+    /// at once and prefetches the next tile's kRows: rows 4 KiB apart ([N, H·d] with
+    /// H·d = 1024 floats) all fall into one L1 set, and 2·kRows lines overflow an L1 of fewer
+    /// ways: AVX-512 (12 lines) and SSE2 (12) on the 8-way L1s of AMD Zen 2–4 and Intel
+    /// Skylake, or where the C library reports no L1 associativity. Where they fit, the rows
+    /// are read in place (copying cost 2 % of a call on Zen 5's 12-way L1, AVX-512 and AVX2,
+    /// d = 128, N = 2048; 5 % at d = 256).
+    static bool copies_keys(Index stride, Index dk) noexcept {
+        static const bool narrow_l1 = [] {
+            long ways = 0;
+#if defined(_SC_LEVEL1_DCACHE_ASSOC)
+            ways = sysconf(_SC_LEVEL1_DCACHE_ASSOC);
+#endif
+            return ways < 2 * kRows;
+        }();
+        return stride != dk && narrow_l1;
     }
 };
 
@@ -139,7 +174,7 @@ struct FlashScratch {
     RowMatrix<T> ot[G::kGroupBlocks];   // [d_v, Br]  Oᵀ (unnormalised)
     RowMatrix<T> st;                    // [Bc, Br]   Sᵀ, then Pᵀ
     RowMatrix<T> value_rows;            // [Bc, d_v]  one key block's V rows, copied
-    RowMatrix<T> key_rows;              // [Bc, d_k]  one key block's K rows, dequantized (int8)
+    RowMatrix<T> key_rows;              // [Bc, d_k]  one key block's K rows, copied (or dequantized)
     RowMatrix<T> stage;                 // [Br, d_v]  one block's outputs (OutputWrites::Staged)
     std::vector<FlashBlock<T>> blocks;  // KiBs each: heap, not stack
     /// Whether flash_attention_blocks copies V rows that lie value_stride apart.
@@ -154,14 +189,15 @@ struct FlashScratch {
     void reserve_blocks(Index count) {
         if (static_cast<Index>(blocks.size()) < count) blocks.resize(static_cast<std::size_t>(count));
     }
-    /// Room for groups of up to group_blocks query blocks (and staged outputs; int8: the
-    /// dequantized K and V rows of a key block).
+    /// Room for groups of up to group_blocks query blocks, a key block's K rows (copied when
+    /// FlashGeometry::copies_keys says so, or dequantized) and V rows (copied when they lie
+    /// value_stride apart, or dequantized), and staged outputs.
     void reserve(Index dk, Index dv, int group_blocks, Index value_stride, bool staged, bool int8 = false) {
         auto grow = [](RowMatrix<T>& m, Index rows, Index cols) {
             if (m.size() < rows * cols) m.resize(rows, cols);
         };
         if (copies_values(value_stride, dv) || int8) grow(value_rows, G::kKeys, dv);
-        if (int8) grow(key_rows, G::kKeys, dk);
+        grow(key_rows, G::kKeys, dk);
         if (staged) grow(stage, G::kQueries, dv);
         for (int i = 0; i < group_blocks; ++i) {
             grow(qt[i], dk, G::kQueries);
@@ -620,10 +656,26 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
             });
     }
     for (int c = 0; c < C; ++c) state.l[c] = simd::fma(state.l[c], alpha[c], lsum[c]);
-    if (full)
+    if (full) {
         values_rows<T, G::kRows, false>(value_block, value_stride, st, nk, alpha, ot, dv, nullptr, 0);
-    else
+    } else if constexpr (G::kMaskedRows == G::kRows) {
         values_rows<T, G::kRows, true>(value_block, value_stride, st, nk, alpha, ot, dv, runs, run_count);
+    } else {
+        // Masked tiles have fewer rows here (FlashGeometry::kMaskedRows): the leading keys that
+        // every lane sees (a causal block's keys left of the diagonal) go through the plain
+        // tiles with α, the rest through the masked tiles, which add to the rescaled Oᵀ (α = 1).
+        int plain = 0;
+        while (plain < run_count && runs[plain].first_live == 0 && runs[plain].first_plain == 0) ++plain;
+        const Index plain_keys = plain > 0 ? runs[plain - 1].end : 0;
+        if (plain_keys > 0)
+            values_rows<T, G::kRows, false>(value_block, value_stride, st, plain_keys, alpha, ot, dv, nullptr, 0);
+        if (plain < run_count) {
+            B one[C];
+            for (int c = 0; c < C; ++c) one[c] = B(T(1));
+            values_rows<T, G::kMaskedRows, true>(value_block, value_stride, st, nk, plain_keys > 0 ? one : alpha, ot,
+                                                 dv, runs + plain, run_count - plain);
+        }
+    }
 }
 
 /// Writes a query block's outputs: O = Oᵀᵀ / l (0 for a lane that sees no key) into rows (the
@@ -722,17 +774,23 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
             value_block = value + k0 * value_stride;
             // V rows that are not contiguous ([N, H·d]: H·d apart, 4 KiB at H·d = 1024 floats)
             // are copied together for the group: the 64 rows a PV tile reads for each of its
-            // columns would all fall into one L1 set. K rows are read in place: a QK tile reads 6
-            // of them at a time and prefetches the next 6. Measured, d = 128, N = 2048, 8 heads,
-            // 1 thread: copying K and V against reading both in place, AVX-512 (two 512-bit FMA
-            // pipes) +7 % (d = 256 +7 %, causal +7 %, d = 64 +1 %), AVX2 88 → 94 GFLOP/s;
-            // copying V alone against both: −0.8 to +2.6 %, median +1 % (14 runs over d = 64–256,
-            // causal, N = 512, 2 threads, AVX2), with half the copying. Exact.
+            // columns would all fall into one L1 set. K rows too where a QK tile's rows would
+            // overflow their L1 set (FlashGeometry::copies_keys). Measured, d = 128, N = 2048,
+            // 8 heads, 1 thread: copying K and V against reading both in place, AVX-512 (two
+            // 512-bit FMA pipes) +7 % (d = 256 +7 %, causal +7 %, d = 64 +1 %), AVX2
+            // 88 → 94 GFLOP/s; copying V alone against both: −0.8 to +2.6 %, median +1 % (14 runs
+            // over d = 64–256, causal, N = 512, 2 threads, AVX2), on Zen 5's 12-way L1. Exact.
             if (FlashScratch<T>::copies_values(value_stride, dv)) {
                 for (Index r = 0; r < nk; ++r)
                     std::memcpy(s.value_rows.data() + r * dv, value_block + r * value_stride, sizeof(T) * dv);
                 value_block = s.value_rows.data();
                 vs = dv;
+            }
+            if (G::copies_keys(key_stride, dk)) {
+                for (Index r = 0; r < nk; ++r)
+                    std::memcpy(s.key_rows.data() + r * dk, key_block + r * key_stride, sizeof(T) * dk);
+                key_block = s.key_rows.data();
+                ks = dk;
             }
         }
         for (int i = 0; i < count; ++i)
