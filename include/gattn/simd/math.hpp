@@ -193,7 +193,7 @@ inline Batch<T> sigmoid(const Batch<T>& x) noexcept {
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) return detail::sigmoid_avx512(x);
 #endif
-    return Batch<T>(T(1)) / (Batch<T>(T(1)) + simd::exp<T>(-x));
+    return simd::div<T>(Batch<T>(T(1)), Batch<T>(T(1)) + simd::exp<T>(-x));
 }
 
 /// SiLU(x) = x · σ(x).
@@ -219,7 +219,7 @@ inline Batch<T> softcap(const Batch<T>& x, T cap, T inv_cap) noexcept {
         e = exp2_nonpositive(y * B(-2.0f * detail::kLog2eF));
     else
         e = exp_nonpositive<T>(y * B(T(-2)));
-    const B large = (B(T(1)) - e) / (B(T(1)) + e);
+    const B large = simd::div<T>(B(T(1)) - e, B(T(1)) + e);
     // tanh y = y − y³/3 + 2y⁵/15 − 17y⁷/315 + 62y⁹/2835 − 1382y¹¹/155925 + 21844y¹³/6081075
     //          − 929569y¹⁵/638512875, in y² by Horner.
     const B y2 = y * y;
