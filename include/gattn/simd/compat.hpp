@@ -5,13 +5,15 @@
 /// The few xsimd calls whose names changed between xsimd 8.1 (Debian bookworm) and later
 /// releases (this is the only file that tests XSIMD_VERSION_MAJOR), the fused multiply-adds
 /// xsimd 8.1 lacks on AVX-512 (plain and masked), a correctly rounded float division on ARM64
-/// (div), the compiler's prefetch hint, and a barrier against FMA contraction (opaque).
+/// (div), the bit cast and constant shifts that xsimd 8.1 does not inline on ARM64 (bits_as,
+/// shift_left, shift_right), the compiler's prefetch hint, and a barrier against FMA contraction (opaque).
 
 #include <Eigen/Core>
 #include <xsimd/xsimd.hpp>
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "gattn/config.hpp"
@@ -151,6 +153,42 @@ inline Batch<T> div(const Batch<T>& a, const Batch<T>& b) noexcept {
     if constexpr (std::is_same_v<T, float>) return Batch<T>(vdivq_f32(a, b));
 #endif
     return a / b;
+}
+
+/// The bits of integer register x as a register of T (xsimd::bitwise_cast). xsimd 8.1 on NEON
+/// casts through a table of function pointers, which g++ left as calls in the kernels' exp;
+/// on ARM64 this is the reinterpretation itself (no instruction).
+template <class T, class IntBatch>
+inline Batch<T> bits_as(const IntBatch& x) noexcept {
+#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<typename IntBatch::value_type, std::int32_t>)
+        return Batch<T>(vreinterpretq_f32_s32(x));
+    if constexpr (std::is_same_v<T, double> && std::is_same_v<typename IntBatch::value_type, std::int64_t>)
+        return Batch<T>(vreinterpretq_f64_s64(x));
+#endif
+    return xsimd::bitwise_cast<Batch<T>>(x);
+}
+
+/// Each lane of integer register x shifted left by the constant N. xsimd 8.1 on NEON shifts by
+/// a run-time count, found by comparing it with every possible count; on ARM64 this is one SHL.
+template <int N, class IntBatch>
+inline IntBatch shift_left(const IntBatch& x) noexcept {
+#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>) return IntBatch(vshlq_n_s32(x, N));
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int64_t>) return IntBatch(vshlq_n_s64(x, N));
+#endif
+    return x << N;
+}
+
+/// Each lane of integer register x shifted right (arithmetic) by the constant N: one SSHR on
+/// ARM64, as shift_left.
+template <int N, class IntBatch>
+inline IntBatch shift_right(const IntBatch& x) noexcept {
+#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>) return IntBatch(vshrq_n_s32(x, N));
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int64_t>) return IntBatch(vshrq_n_s64(x, N));
+#endif
+    return x >> N;
 }
 
 /// c − a·b rounded once: fma(−a, b, c) (negation is exact; compilers emit one vfnmadd).

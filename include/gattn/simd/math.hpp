@@ -26,7 +26,7 @@ template <class T, class I>
 inline Batch<T> pow2(const I& n) noexcept {
     constexpr int kMantissaBits = std::numeric_limits<T>::digits - 1;   // 23, 52
     constexpr int kBias = std::numeric_limits<T>::max_exponent - 1;      // 127, 1023
-    return xsimd::bitwise_cast<Batch<T>>((n + I(kBias)) << kMantissaBits);
+    return simd::bits_as<T>(simd::shift_left<kMantissaBits>(n + I(kBias)));
 }
 
 /// p·2^n. NonPositive: n in [min exponent, 0], one normal factor; otherwise two factors, so
@@ -36,7 +36,7 @@ inline Batch<T> times_pow2(const Batch<T>& p, const I& n) noexcept {
     if constexpr (NonPositive) {
         return p * pow2<T>(n);
     } else {
-        const I n1 = n >> 1;
+        const I n1 = simd::shift_right<1>(n);
         return p * pow2<T>(n1) * pow2<T>(n - n1);
     }
 }
