@@ -26,9 +26,9 @@
 #            every kernel and mask test of test_ops and test_layers except (gtest filter
 #            aarch64_skip below): the sweeps' largest shape (N = 250, grouped GQA blocks) in
 #            double, bf16 and fp16 (float keeps it; every mask kind stays at every other
-#            shape); NarrowSdpa.DecodingOverLongCacheMatchesReference (bf16/fp16 decoding
-#            over 24k keys; SdpaTyped.DecodeFromMemoryMatchesReference runs the same path for
-#            float); SdpaProperty (random configurations); the thread-count determinism tests
+#            shape); NarrowSdpa.DecodingOverLongCacheMatchesReference (bf16 decoding over
+#            1500 and 26000 keys; SdpaTyped.DecodeFromMemoryMatchesReference runs the same
+#            path for float, the sweeps bf16 decoding with every mask); SdpaProperty (random configurations); the thread-count determinism tests
 #            SdpaDeterminism.ResultIsBitwiseIndependentOfThreadCount and LayerDeterminism.*;
 #            and test_models, test_io and test_memory (not built).
 # MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):

@@ -238,7 +238,8 @@ inline std::string arm_refusal(const char* what, bool cpu_has) {
 /// one (CPU lacks it, this unit was not compiled with the flags, the limit set by
 /// set_bf16_kernel_limit, Linux refused the AMX tile permission). fp16 inputs always run
 /// WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not). The first
-/// call on a CPU with AMX asks Linux for the tile permission.
+/// call on a CPU with AMX asks Linux for the tile permission. ARM64: WidenedFloat, and the
+/// reason says whether the CPU has the BF16 instructions (no kernel uses them yet).
 inline KernelChoice bf16_kernel() {
     KernelChoice choice;
 #if defined(__aarch64__)
@@ -300,7 +301,8 @@ inline Int8Kernel int8_kernel_family() noexcept {
 /// here, and why no faster one. Head sizes choose too: the VNNI logits need d_k a multiple of
 /// 32 and its value sum d_v a multiple of 64; other sizes widen to float. Prefill (many
 /// queries) always widens the codes to float. May be called from several threads
-/// (set_int8_kernel_limit may not). Throws only std::bad_alloc (for the reason's text).
+/// (set_int8_kernel_limit may not). Throws only std::bad_alloc (for the reason's text). ARM64:
+/// WidenedFloat, and the reason says whether the CPU has SDOT (no kernel uses it yet).
 inline Int8KernelChoice int8_kernel() {
     Int8KernelChoice choice;
     choice.kernel = detail::int8_kernel_family();
@@ -368,7 +370,8 @@ inline const char* sve_name(const CpuFeatures& f) noexcept {
 }
 }  // namespace detail
 
-/// What this unit was compiled for and what the CPU offers (CPUID, read once).
+/// What this unit was compiled for and what the CPU offers (CPUID, or HWCAP on ARM64 Linux;
+/// read once).
 inline InstructionSets instruction_sets() noexcept {
     InstructionSets s;
 #if defined(__aarch64__)
