@@ -20,6 +20,22 @@
 #   onednn -DGATTN_WITH_ONEDNN=ON: the backend changes PackedLinear only, so its tests (both
 #          backends against a float64 reference) and Qwen3-Next's bf16 layer against PyTorch,
 #          with the bf16 projections on oneDNN's matmul.
+# ARM64 flavour (Debian's g++-aarch64-linux-gnu, tests under qemu-user; cmake/aarch64-linux-gnu.cmake):
+#   aarch64  cross build of test_ops and test_layers (GoogleTest built from /usr/src/googletest),
+#            scripts/check_arm_vector.sh on test_ops (the kernels' loops are NEON vector code),
+#            then the tests under QEMU on two CPU models: max (SVE2 at 512 bits, BF16, I8MM, dot
+#            product) and cortex-a57 (NEON only), plus the instruction-set and CPU feature
+#            reports at a second SVE vector length (256 bits). Each model's features are
+#            checked against what QEMU was asked for (GATTN_EXPECT_CPU_FEATURES). Under
+#            emulation the whole suite takes about 10 minutes of CPU per model, so this runs
+#            every kernel and mask test of test_ops and test_layers except (gtest filter
+#            aarch64_skip below): the sweeps' largest shape (N = 250, grouped GQA blocks) in
+#            double, bf16 and fp16 (float keeps it; every mask kind stays at every other
+#            shape); NarrowSdpa.DecodingOverLongCacheMatchesReference (bf16 decoding over
+#            1500 and 26000 keys; SdpaTyped.DecodeFromMemoryMatchesReference runs the same
+#            path for float, the sweeps bf16 decoding with every mask); SdpaProperty (random configurations); the thread-count determinism tests
+#            SdpaDeterminism.ResultIsBitwiseIndependentOfThreadCount and LayerDeterminism.*;
+#            and test_models, test_io and test_memory (not built).
 # MPI flavour (g++, -march=native, Debian's openmpi-bin and libopenmpi-dev):
 #   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention, head-parallel layers and
 #          sharded-cache decoding under mpiexec on 2 and 3 ranks, and the examples/mpi
@@ -28,7 +44,7 @@
 # (scripts/test_summary.py) and its build and test times.
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline native"; any of those and
-# "avx2 clang asan tsan onednn mpi"), CMAKE_ARGS (extra CMake args).
+# "avx2 clang asan tsan onednn mpi aarch64"), CMAKE_ARGS (extra CMake args).
 # The tests/odr units are built with fixed flags, so of the g++ flavours only baseline builds
 # them (GATTN_BUILD_ODR_TESTS). baseline, native, avx2 and asan compile each group of test files
 # as one unit (GATTN_UNITY_TESTS) and run each test executable as up to 4 ctest tests, one shard
@@ -47,6 +63,7 @@ flavours="${FLAVOURS:-baseline native}"
 extra_packages=()
 case " $flavours " in *" onednn "*) extra_packages+=(libdnnl-dev) ;; esac
 case " $flavours " in *" mpi "*) extra_packages+=(openmpi-bin libopenmpi-dev) ;; esac
+case " $flavours " in *" aarch64 "*) extra_packages+=(g++-aarch64-linux-gnu qemu-user googletest) ;; esac
 case " $flavours " in
   *" clang "* | *" asan "* | *" tsan "*) scripts/deps.sh clang "${extra_packages[@]}" ;;
   *) scripts/deps.sh test "${extra_packages[@]}" ;;
@@ -61,6 +78,7 @@ for flavour in $flavours; do
   build_args=()   # empty: every target
   ctest_args=()
   run_env=()
+  qemu_cpus=()  # aarch64: "<QEMU_CPU>|<GATTN_EXPECT_CPU_FEATURES>|<gtest filter>" per ctest run
   case "$flavour" in
     baseline)
       arch=""
@@ -92,6 +110,19 @@ for flavour in $flavours; do
       # bench_dist is built, not run; the examples run at small sizes.
       build_args=(--target test_ring_attention test_head_parallel test_sharded_cache bench_dist ring_prefill head_parallel_decode)
       ctest_args=(-R "RingAttention|HeadParallel|ShardedCache|ExamplesMpi")
+      ;;
+    aarch64)
+      arch=""
+      cmake_args+=(-DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DGATTN_GTEST_SOURCE_DIR=/usr/src/googletest
+                   -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_TESTS_PER_EXECUTABLE=ON)
+      build_args=(--target test_ops test_layers)
+      aarch64_skip="SdpaProperty.*:NarrowSdpa.DecodingOverLongCacheMatchesReference"
+      aarch64_skip+=":ShapesAndMasks/SdpaSweep.DoubleMatchesReference/N250*:ShapesAndMasks/NarrowSweep.*/N250*"
+      aarch64_skip+=":SdpaDeterminism.ResultIsBitwiseIndependentOfThreadCount:LayerDeterminism.*"
+      all_features="asimd asimddp sve sve2 bf16 i8mm"
+      qemu_cpus=("max|$all_features sve_bits=512|-$aarch64_skip"
+                 "cortex-a57|asimd|-$aarch64_skip"
+                 "max,sve-default-vector-length=32|$all_features sve_bits=256|Library.*")
       ;;
     clang)
       arch=""
@@ -137,6 +168,23 @@ for flavour in $flavours; do
              sed -n 's/^\([A-Za-z_][A-Za-z0-9_/]*\)\.\( .*\)\{0,1\}$/\1/p' | sed 's|/[0-9]*$||' |
              sort -u | paste -sd '|')
     ctest_args=(-R "^($suites)\\.")
+  fi
+  if [ "$flavour" = aarch64 ]; then
+    scripts/check_arm_vector.sh "$build-$flavour/tests/test_ops"
+    built=$SECONDS
+    for run in "${qemu_cpus[@]}"; do
+      IFS='|' read -r cpu features filter <<<"$run"
+      echo "== aarch64 tests under qemu-aarch64 -cpu $cpu (gtest filter $filter)"
+      results="$build-$flavour/tests/gtest_results"
+      rm -rf "$results" && mkdir -p "$results"
+      # Passive OpenMP waits: spinning threads are slow to emulate, and ctest runs two tests at once.
+      QEMU_CPU="$cpu" GATTN_EXPECT_CPU_FEATURES="$features" GTEST_FILTER="$filter" OMP_WAIT_POLICY=passive \
+        ctest --test-dir "$build-$flavour" -j "$jobs" --output-on-failure --no-tests=error \
+        --output-junit "$PWD/$build-$flavour/ctest_junit.xml" -R "^test_(ops|layers)\\." 2>&1 | quiet
+      python3 scripts/test_summary.py "aarch64 -cpu $cpu" "$build-$flavour/ctest_junit.xml" "$results"
+    done
+    echo "== $flavour: build $((built - flavour_start)) s, tests $((SECONDS - built)) s"
+    continue
   fi
   built=$SECONDS
   # --no-tests=error: a filter that selects nothing fails instead of passing. The summary counts

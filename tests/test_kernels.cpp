@@ -3,7 +3,10 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -251,6 +254,68 @@ TYPED_TEST(Kernels, ReduceSumRowsPutsRowSumsInOrder) {
     for (std::size_t i = 0; i < L; ++i) EXPECT_EQ(buf[i], static_cast<T>(100 * i * L + L * (L - 1) / 2)) << i;
 }
 
+/// The value of a binary16 bit pattern, decoded from its fields in double.
+double half_value(std::uint16_t bits) {
+    const int exponent = (bits >> 10) & 0x1f, mantissa = bits & 0x3ff;
+    const double sign = (bits >> 15) ? -1.0 : 1.0;
+    if (exponent == 31)
+        return mantissa ? std::numeric_limits<double>::quiet_NaN() : sign * std::numeric_limits<double>::infinity();
+    if (exponent == 0) return sign * std::ldexp(mantissa, -24);
+    return sign * std::ldexp(1024 + mantissa, exponent - 25);
+}
+
+/// Narrow storage read into float registers as the decoding kernels read a cache in place, and
+/// fp16 rows widened as prefill widens them: every bf16 and fp16 bit pattern and every int8
+/// code, in every lane, gives its value (bf16: the bits above 16 zero bits; fp16: decoded from
+/// its fields), bit for bit; NaN stays NaN.
+TEST(KernelsFloat, NarrowValuesWidenExactly) {
+    constexpr std::size_t L = simd::kLanes<float>;
+    auto expect_value = [](float got, double want, const char* what, std::size_t i) {
+        if (std::isnan(want))
+            EXPECT_TRUE(std::isnan(got)) << what << " " << i;
+        else
+            EXPECT_EQ(got, static_cast<float>(want)) << what << " " << i;  // exact in float
+    };
+    std::vector<gattn::bfloat16> b(65536 + L);
+    std::vector<gattn::half> h(65536 + L);
+    for (std::size_t i = 0; i < b.size(); ++i) {
+        b[i] = Eigen::numext::bit_cast<gattn::bfloat16>(static_cast<std::uint16_t>(i));
+        h[i] = Eigen::numext::bit_cast<gattn::half>(static_cast<std::uint16_t>(i));
+    }
+    alignas(64) float lanes[L];
+    for (std::size_t i = 0; i < 65536; ++i) {
+        gattn::kernel::load_widened<float>(b.data() + i).store_aligned(lanes);
+        for (std::size_t l = 0; l < L; ++l) {
+            const std::uint32_t word = static_cast<std::uint32_t>((i + l) & 0xffff) << 16;
+            float want;
+            std::memcpy(&want, &word, 4);
+            expect_value(lanes[l], want, "bf16", i + l);
+        }
+        gattn::kernel::load_widened<float>(h.data() + i).store_aligned(lanes);
+        for (std::size_t l = 0; l < L; ++l) expect_value(lanes[l], half_value((i + l) & 0xffff), "fp16", i + l);
+        if (::testing::Test::HasFailure()) return;
+    }
+    std::vector<std::int8_t> codes(256 + L);
+    for (std::size_t i = 0; i < codes.size(); ++i) codes[i] = static_cast<std::int8_t>(i - 128);
+    for (std::size_t i = 0; i < 256; ++i) {
+        gattn::kernel::load_widened<float>(codes.data() + i).store_aligned(lanes);
+        for (std::size_t l = 0; l < L; ++l)
+            expect_value(lanes[l], static_cast<double>(static_cast<std::int8_t>(i + l - 128)), "int8", i + l);
+    }
+    // Rows of every length up to 19 at every start up to 8, and the whole range at once.
+    std::vector<float> row(65536 + L, -1.0f);
+    for (std::size_t start = 0; start < 8; ++start)
+        for (std::size_t n = 0; n < 20; ++n) {
+            std::fill(row.begin(), row.end(), -1.0f);
+            gattn::kernel::widen_row(h.data() + 31740 + start, row.data(), static_cast<gattn::Index>(n));
+            for (std::size_t i = 0; i < n; ++i) expect_value(row[i], half_value(31740 + start + i), "fp16 row", i);
+            EXPECT_EQ(row[n], -1.0f) << "written past the row, n = " << n;
+        }
+    gattn::kernel::widen_row(h.data(), row.data(), 65536);
+    for (std::size_t i = 0; i < 65536; ++i)
+        expect_value(row[i], half_value(static_cast<std::uint16_t>(i)), "fp16 row", i);
+}
+
 TEST(Kernels, IsaNamespaceMatchesTheCompiledArchitecture) {
     // The library's SIMD symbols live in an inline namespace named after the instruction set.
     const std::string arch = simd::arch_name();
@@ -259,6 +324,8 @@ TEST(Kernels, IsaNamespaceMatchesTheCompiledArchitecture) {
     EXPECT_NE(arch.find("avx512"), std::string::npos) << arch;
 #elif defined(__AVX2__) && defined(__FMA__)
     EXPECT_NE(arch.find("avx2"), std::string::npos) << arch;
+#elif defined(__aarch64__)
+    EXPECT_EQ(arch, "arm64+neon");
 #endif
 }
 

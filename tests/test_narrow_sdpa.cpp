@@ -397,9 +397,17 @@ TEST(NarrowSdpa, BadShapesThrowAndLeaveOutputUntouched) {
     EXPECT_TRUE((out.cast<float>().array() == 2.0f).all());
 }
 
-/// The kernel report follows the CPU, the build and the limit.
+/// The kernel report follows the CPU, the build and the limit. ARM64: bf16 is widened to float,
+/// and the report says whether the CPU has the BF16 instructions that no kernel uses.
 TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
     const gattn::CpuFeatures& f = gattn::cpu_features();
+#if defined(__aarch64__)
+    const gattn::KernelChoice arm = gattn::bf16_kernel();
+    EXPECT_EQ(arm.kernel, Bf16Kernel::WidenedFloat);
+    EXPECT_EQ(gattn::detail::bf16_kernel_family(), Bf16Kernel::WidenedFloat);
+    EXPECT_EQ(arm.reason, f.bf16 ? "BF16 (BFDOT, BFMMLA): this CPU has it, but gattn has no kernel for it"
+                                 : "BF16 (BFDOT, BFMMLA): this CPU has none");
+#else
     const gattn::KernelChoice best = gattn::bf16_kernel();
     if (f.amx_bf16 && gattn::compiled_with_amx() && gattn::detail::amx_tile_permission()) {
         EXPECT_EQ(best.kernel, Bf16Kernel::Amx) << best.reason;
@@ -432,6 +440,7 @@ TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
     EXPECT_NE(widened.reason.find("AVX512-BF16: excluded by set_bf16_kernel_limit"), std::string::npos)
         << widened.reason;
     EXPECT_EQ(gattn::describe(widened).rfind("widened float (", 0), 0u) << gattn::describe(widened);
+#endif
 }
 
 }  // namespace

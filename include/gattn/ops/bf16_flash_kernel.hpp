@@ -53,6 +53,7 @@
 
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/simd/cpu.hpp"
+#include "gattn/simd/neon.hpp"
 #include "gattn/types.hpp"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -85,6 +86,9 @@ inline void widen_row(const S* src, float* dst, Index n) noexcept {
             std::memcpy(dst + i, &w, 4);
         }
     } else {
+#if defined(GATTN_HAS_NEON)
+        if constexpr (std::is_same_v<S, half>) return simd::neon::widen_row(src, dst, n);  // FCVTL
+#endif
         for (Index i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
     }
 }

@@ -37,6 +37,7 @@
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/ops/int8_rows.hpp"
 #include "gattn/simd/math.hpp"
+#include "gattn/simd/neon.hpp"
 #include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
@@ -123,7 +124,8 @@ inline constexpr int kDecodeRows = 2, kDecodeValueRegisters = 8;
 #endif
 
 /// One register of T from L values of type KV at p: a plain load, or 16-bit values or int8
-/// codes widened exactly (the keys and values of a 16-bit or int8 KV cache are read in place).
+/// codes widened exactly (the keys and values of a 16-bit or int8 KV cache are read in place;
+/// ARM64: simd/neon.hpp).
 template <class T, class KV>
 inline simd::Batch<T> load_widened(const KV* p) noexcept {
     using B = simd::Batch<T>;
@@ -138,6 +140,9 @@ inline simd::Batch<T> load_widened(const KV* p) noexcept {
         if constexpr (std::is_same_v<T, float> && sizeof(B) == 32)
             return B(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
 #endif
+#if defined(GATTN_HAS_NEON)
+        if constexpr (std::is_same_v<T, float> && sizeof(B) == 16) return B(simd::neon::widen4(p));
+#endif
         alignas(64) T w[simd::kLanes<T>];
         for (std::size_t i = 0; i < simd::kLanes<T>; ++i) w[i] = static_cast<T>(p[i]);
         return B::load_aligned(w);
@@ -150,6 +155,9 @@ inline simd::Batch<T> load_widened(const KV* p) noexcept {
             else
                 return B(_mm512_cvtph_ps(h));
         }
+#endif
+#if defined(GATTN_HAS_NEON)
+        if constexpr (std::is_same_v<T, float> && sizeof(B) == 16) return B(simd::neon::widen4(p));
 #endif
         alignas(64) T w[simd::kLanes<T>];
         for (std::size_t i = 0; i < simd::kLanes<T>; ++i) w[i] = static_cast<T>(p[i]);

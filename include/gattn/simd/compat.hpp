@@ -4,14 +4,16 @@
 /// \file
 /// The few xsimd calls whose names changed between xsimd 8.1 (Debian bookworm) and later
 /// releases (this is the only file that tests XSIMD_VERSION_MAJOR), the fused multiply-adds
-/// xsimd 8.1 lacks on AVX-512 (plain and masked), the compiler's prefetch hint, and a barrier
-/// against FMA contraction (opaque).
+/// xsimd 8.1 lacks on AVX-512 (plain and masked), a correctly rounded float division on ARM64
+/// (div), the bit cast and constant shifts that xsimd 8.1 does not inline on ARM64 (bits_as,
+/// shift_left, shift_right), the compiler's prefetch hint, and a barrier against FMA contraction (opaque).
 
 #include <Eigen/Core>
 #include <xsimd/xsimd.hpp>
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <type_traits>
 
 #include "gattn/config.hpp"
@@ -143,6 +145,52 @@ inline Batch<T> fma(const Batch<T>& a, const Batch<T>& b, const Batch<T>& c) noe
     return xsimd::fma(a, b, c);
 }
 
+/// a / b correctly rounded. xsimd 8.1 divides float registers on ARM64 by NEON's reciprocal
+/// estimate refined by two Newton steps (up to 2 ulp off); there this is one FDIV, as on x86.
+template <class T>
+inline Batch<T> div(const Batch<T>& a, const Batch<T>& b) noexcept {
+#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
+    if constexpr (std::is_same_v<T, float>) return Batch<T>(vdivq_f32(a, b));
+#endif
+    return a / b;
+}
+
+/// The bits of integer register x as a register of T (xsimd::bitwise_cast). xsimd 8.1 on NEON
+/// casts through a table of function pointers, which g++ left as calls in the kernels' exp;
+/// on ARM64 this is the reinterpretation itself (no instruction).
+template <class T, class IntBatch>
+inline Batch<T> bits_as(const IntBatch& x) noexcept {
+#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<typename IntBatch::value_type, std::int32_t>)
+        return Batch<T>(vreinterpretq_f32_s32(x));
+    if constexpr (std::is_same_v<T, double> && std::is_same_v<typename IntBatch::value_type, std::int64_t>)
+        return Batch<T>(vreinterpretq_f64_s64(x));
+#endif
+    return xsimd::bitwise_cast<Batch<T>>(x);
+}
+
+/// Each lane of integer register x shifted left by the constant N. xsimd 8.1 on NEON shifts by
+/// a run-time count, found by comparing it with every possible count; on ARM64 this is one SHL.
+template <int N, class IntBatch>
+inline IntBatch shift_left(const IntBatch& x) noexcept {
+#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>) return IntBatch(vshlq_n_s32(x, N));
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int64_t>) return IntBatch(vshlq_n_s64(x, N));
+#endif
+    return x << N;
+}
+
+/// Each lane of integer register x shifted right (arithmetic) by the constant N: one SSHR on
+/// ARM64, as shift_left.
+template <int N, class IntBatch>
+inline IntBatch shift_right(const IntBatch& x) noexcept {
+#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>) return IntBatch(vshrq_n_s32(x, N));
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int64_t>) return IntBatch(vshrq_n_s64(x, N));
+#endif
+    return x >> N;
+}
+
 /// c − a·b rounded once: fma(−a, b, c) (negation is exact; compilers emit one vfnmadd).
 template <class T>
 inline Batch<T> fnma(const Batch<T>& a, const Batch<T>& b, const Batch<T>& c) noexcept {
@@ -167,8 +215,8 @@ inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T
 /// Returns x through an empty asm statement: the compiler no longer sees how x was computed,
 /// so it cannot fuse a multiply that produced x with an add that uses it (FMA contraction,
 /// which g++ does by default). An expression's result then does not depend on where it is
-/// inlined or whether it runs in a loop or its tail. Emits no instruction. x86 with g++ or
-/// clang; elsewhere it returns x unchanged.
+/// inlined or whether it runs in a loop or its tail. Emits no instruction. x86 and ARM64 with
+/// g++ or clang; elsewhere it returns x unchanged.
 template <class T>
 inline Batch<T> opaque(const Batch<T>& x) noexcept {
 #if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
@@ -178,6 +226,10 @@ inline Batch<T> opaque(const Batch<T>& x) noexcept {
 #else
     asm("" : "+x"(r));
 #endif
+    return Batch<T>(r);
+#elif (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
+    typename Batch<T>::register_type r = x;
+    asm("" : "+w"(r));  // any FP/SIMD register
     return Batch<T>(r);
 #else
     return x;

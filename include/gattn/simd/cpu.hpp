@@ -20,6 +20,12 @@
 ///  - Vnni: both products as exact integer sums (VPDPWSSD) of the codes and 16-bit codes of
 ///    the query and the weights; needs a unit built with AVX512-VNNI (and BW).
 ///  - WidenedFloat: the codes widened to float FMAs.
+///
+/// ARM64 (AArch64): features come from Linux's HWCAP words (getauxval), the SVE vector length
+/// from prctl(PR_SVE_GET_VL). The float kernels use NEON (128-bit) on every ARM64 CPU: xsimd
+/// 8.1 has no SVE, so a CPU with wider SVE vectors still runs NEON, and instruction_sets() says
+/// so. bf16 and int8 caches are widened to float in NEON registers; bf16_kernel() and
+/// int8_kernel() name the BF16 and dot-product instructions the CPU has that no gattn kernel uses.
 
 #include <cstdint>
 #include <cstdio>
@@ -36,6 +42,12 @@
 #if defined(__linux__)
 #include <sys/syscall.h>
 #include <unistd.h>
+#endif
+
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#include <sys/prctl.h>
+#define GATTN_HAS_AUXV 1
 #endif
 
 #include "gattn/config.hpp"
@@ -73,13 +85,22 @@ using Int8KernelChoice = BasicKernelChoice<Int8Kernel>;
 
 GATTN_BEGIN_ISA_NAMESPACE
 
-/// CPU features that gattn's kernels dispatch on, read once with CPUID and XGETBV.
+/// CPU features that gattn's kernels dispatch on, read once: on x86 with CPUID and XGETBV, on
+/// ARM64 Linux from the HWCAP words (getauxval; names as in /proc/cpuinfo). The other
+/// architecture's fields stay false.
 struct CpuFeatures {
     bool avx2_fma = false;    ///< AVX2 and FMA, and the OS saves the ymm state
     bool avx512f = false;     ///< AVX-512 Foundation, and the OS saves the zmm state
     bool avx512bf16 = false;  ///< AVX512-BF16 (VDPBF16PS), with the zmm state saved
     bool avx512vnni = false;  ///< AVX512-VNNI (VPDPWSSD), with the zmm state saved
     bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID), and the OS enables the tile state (XCR0)
+    bool asimd = false;       ///< ARM64 Advanced SIMD, NEON (HWCAP_ASIMD)
+    bool asimddp = false;     ///< ARM64 dot products of int8 quadruples, SDOT/UDOT (HWCAP_ASIMDDP)
+    bool sve = false;         ///< ARM64 SVE (HWCAP_SVE)
+    bool sve2 = false;        ///< ARM64 SVE2 (HWCAP2_SVE2)
+    bool bf16 = false;        ///< ARM64 BF16: BFDOT, BFMMLA, BFCVT (HWCAP2_BF16)
+    bool i8mm = false;        ///< ARM64 int8 matrix multiply, SMMLA (HWCAP2_I8MM)
+    int sve_bits = 0;         ///< ARM64 SVE vector length of this thread in bits, 0 without SVE
 };
 
 namespace detail {
@@ -109,6 +130,20 @@ inline CpuFeatures read_cpu_features() noexcept {
     f.amx_bf16 = amx_tile && amx_bf16 && os_tiles;
     __cpuid_count(7, 1, a, b, c, d);
     f.avx512bf16 = f.avx512f && ((a >> 5) & 1u);
+#elif defined(GATTN_HAS_AUXV)
+    // Bits of Linux's arch/arm64/include/uapi/asm/hwcap.h (stable ABI).
+    const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
+    f.asimd = (hwcap >> 1) & 1u;
+    f.asimddp = (hwcap >> 20) & 1u;
+    f.sve = (hwcap >> 22) & 1u;
+    f.sve2 = (hwcap2 >> 1) & 1u;
+    f.i8mm = (hwcap2 >> 13) & 1u;
+    f.bf16 = (hwcap2 >> 14) & 1u;
+    if (f.sve) {
+        constexpr int kSveGetVl = 51, kSveVlLenMask = 0xffff;  // PR_SVE_GET_VL, PR_SVE_VL_LEN_MASK
+        const int vl = prctl(kSveGetVl, 0, 0, 0, 0);
+        if (vl > 0) f.sve_bits = (vl & kSveVlLenMask) * 8;
+    }
 #endif
     return f;
 }
@@ -191,17 +226,28 @@ inline const char* amx_refusal() noexcept {
     if (!amx_tile_permission()) return "Linux refused the tile permission (arch_prctl ARCH_REQ_XCOMP_PERM)";
     return "";
 }
+
+/// ARM64: the reason line for instructions `what` that no kernel of gattn uses yet, saying
+/// whether this CPU has them.
+inline std::string arm_refusal(const char* what, bool cpu_has) {
+    return std::string(what) + (cpu_has ? ": this CPU has it, but gattn has no kernel for it" : ": this CPU has none");
+}
 }  // namespace detail
 
 /// The kernel family an SDPA call on bf16 query, key and value runs here, and why no faster
 /// one (CPU lacks it, this unit was not compiled with the flags, the limit set by
 /// set_bf16_kernel_limit, Linux refused the AMX tile permission). fp16 inputs always run
 /// WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not). The first
-/// call on a CPU with AMX asks Linux for the tile permission.
+/// call on a CPU with AMX asks Linux for the tile permission. ARM64: WidenedFloat, and the
+/// reason says whether the CPU has the BF16 instructions (no kernel uses them yet).
 inline KernelChoice bf16_kernel() {
+    KernelChoice choice;
+#if defined(__aarch64__)
+    choice.reason = detail::arm_refusal("BF16 (BFDOT, BFMMLA)", cpu_features().bf16);
+    return choice;
+#else
     const CpuFeatures& f = cpu_features();
     const Bf16Kernel limit = detail::bf16_kernel_limit();
-    KernelChoice choice;
     std::string why;
     auto add = [&](const std::string& line) { why += (why.empty() ? "" : "; ") + line; };
     const std::string amx = detail::amx_refusal();
@@ -221,6 +267,7 @@ inline KernelChoice bf16_kernel() {
     }
     choice.reason = why;
     return choice;
+#endif
 }
 
 namespace detail {
@@ -254,10 +301,14 @@ inline Int8Kernel int8_kernel_family() noexcept {
 /// here, and why no faster one. Head sizes choose too: the VNNI logits need d_k a multiple of
 /// 32 and its value sum d_v a multiple of 64; other sizes widen to float. Prefill (many
 /// queries) always widens the codes to float. May be called from several threads
-/// (set_int8_kernel_limit may not). Throws only std::bad_alloc (for the reason's text).
+/// (set_int8_kernel_limit may not). Throws only std::bad_alloc (for the reason's text). ARM64:
+/// WidenedFloat, and the reason says whether the CPU has SDOT (no kernel uses it yet).
 inline Int8KernelChoice int8_kernel() {
     Int8KernelChoice choice;
     choice.kernel = detail::int8_kernel_family();
+#if defined(__aarch64__)
+    choice.reason = detail::arm_refusal("dot product (SDOT)", cpu_features().asimddp);
+#else
     if (choice.kernel == Int8Kernel::Vnni) return choice;
     // The same order as bf16_kernel(): the limit, the CPU, then the build.
     if (detail::int8_kernel_limit() == Int8Kernel::WidenedFloat)
@@ -266,6 +317,7 @@ inline Int8KernelChoice int8_kernel() {
         choice.reason = "AVX512-VNNI: this CPU has none";
     else
         choice.reason = "AVX512-VNNI: not compiled with the flags (build with -march=native)";
+#endif
     return choice;
 }
 
@@ -291,7 +343,8 @@ std::string describe(const BasicKernelChoice<Kernel>& c) {
 
 /// The vector instruction set gattn's kernels were compiled for in this translation unit and
 /// the widest one the CPU offers, as the kernel families see them ("SSE2", "AVX2+FMA",
-/// "AVX-512"). A build without -march runs the SSE2 kernels everywhere: on an AVX-512 machine
+/// "AVX-512"; on ARM64 "NEON", and the CPU's "NEON", "SVE (256-bit)", "SVE2 (512-bit)", …).
+/// A build without -march runs the SSE2 kernels everywhere: on an AVX-512 machine
 /// (AMD Zen 4) the G1-gated layer (D = 2048, N = 1024, one thread) took 2.4–2.6× as long as
 /// with -march=native.
 struct InstructionSets {
@@ -300,11 +353,35 @@ struct InstructionSets {
     /// The CPU's vectors are at least twice as wide as the build's: expect 2× or more from a
     /// build with -march=native.
     bool slow_build = false;
+    /// Why wider vectors the CPU has go unused whatever the build flags, empty when none do
+    /// (ARM64 with SVE: gattn has no SVE kernels, NEON runs).
+    const char* unused = "";
 };
 
-/// What this unit was compiled for and what the CPU offers (CPUID, read once).
+namespace detail {
+/// "SVE (256-bit)", "SVE2 (512-bit)", … for the CPU's SVE vector length; built once.
+inline const char* sve_name(const CpuFeatures& f) noexcept {
+    static const char* name = [&f] {
+        static char text[32];
+        std::snprintf(text, sizeof text, "%s (%d-bit)", f.sve2 ? "SVE2" : "SVE", f.sve_bits);
+        return text;
+    }();
+    return name;
+}
+}  // namespace detail
+
+/// What this unit was compiled for and what the CPU offers (CPUID, or HWCAP on ARM64 Linux;
+/// read once).
 inline InstructionSets instruction_sets() noexcept {
     InstructionSets s;
+#if defined(__aarch64__)
+    // xsimd 8.1 has NEON only: every build runs the same 128-bit kernels.
+    s.compiled = "NEON";
+    const CpuFeatures& f = cpu_features();
+    s.cpu = f.sve ? detail::sve_name(f) : "NEON";
+    if (f.sve_bits > 128) s.unused = "gattn has no SVE kernels: NEON runs";
+    return s;
+#else
 #if defined(__AVX512F__)
     constexpr int compiled_bits = 512;
     s.compiled = "AVX-512";
@@ -319,12 +396,15 @@ inline InstructionSets instruction_sets() noexcept {
     s.cpu = f.avx512f ? "AVX-512" : f.avx2_fma ? "AVX2+FMA" : "SSE2";
     s.slow_build = cpu_bits >= 2 * compiled_bits;
     return s;
+#endif
 }
 
-/// One line for logs: "compiled for AVX2+FMA, CPU has AVX-512", plus advice when slow_build.
+/// One line for logs: "compiled for AVX2+FMA, CPU has AVX-512", plus advice when slow_build,
+/// or why the CPU's wider vectors go unused.
 inline std::string describe(const InstructionSets& s) {
     std::string line = std::string("compiled for ") + s.compiled + ", CPU has " + s.cpu;
     if (s.slow_build) line += " (build with -march=native for 2x or more)";
+    if (*s.unused) line += std::string(" (") + s.unused + ")";
     return line;
 }
 

@@ -26,7 +26,7 @@ template <class T, class I>
 inline Batch<T> pow2(const I& n) noexcept {
     constexpr int kMantissaBits = std::numeric_limits<T>::digits - 1;   // 23, 52
     constexpr int kBias = std::numeric_limits<T>::max_exponent - 1;      // 127, 1023
-    return xsimd::bitwise_cast<Batch<T>>((n + I(kBias)) << kMantissaBits);
+    return simd::bits_as<T>(simd::shift_left<kMantissaBits>(n + I(kBias)));
 }
 
 /// p·2^n. NonPositive: n in [min exponent, 0], one normal factor; otherwise two factors, so
@@ -36,7 +36,7 @@ inline Batch<T> times_pow2(const Batch<T>& p, const I& n) noexcept {
     if constexpr (NonPositive) {
         return p * pow2<T>(n);
     } else {
-        const I n1 = n >> 1;
+        const I n1 = simd::shift_right<1>(n);
         return p * pow2<T>(n1) * pow2<T>(n - n1);
     }
 }
@@ -193,7 +193,7 @@ inline Batch<T> sigmoid(const Batch<T>& x) noexcept {
 #if defined(__AVX512F__)
     if constexpr (std::is_same_v<T, float>) return detail::sigmoid_avx512(x);
 #endif
-    return Batch<T>(T(1)) / (Batch<T>(T(1)) + simd::exp<T>(-x));
+    return simd::div<T>(Batch<T>(T(1)), Batch<T>(T(1)) + simd::exp<T>(-x));
 }
 
 /// SiLU(x) = x · σ(x).
@@ -219,7 +219,7 @@ inline Batch<T> softcap(const Batch<T>& x, T cap, T inv_cap) noexcept {
         e = exp2_nonpositive(y * B(-2.0f * detail::kLog2eF));
     else
         e = exp_nonpositive<T>(y * B(T(-2)));
-    const B large = (B(T(1)) - e) / (B(T(1)) + e);
+    const B large = simd::div<T>(B(T(1)) - e, B(T(1)) + e);
     // tanh y = y − y³/3 + 2y⁵/15 − 17y⁷/315 + 62y⁹/2835 − 1382y¹¹/155925 + 21844y¹³/6081075
     //          − 929569y¹⁵/638512875, in y² by Horner.
     const B y2 = y * y;

@@ -1,0 +1,63 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// ARM64 NEON: the conversions the kernels' xsimd code has no instruction for, reading narrow
+/// storage (bf16, fp16, int8 codes) into float registers exactly. Empty elsewhere.
+///
+/// The float arithmetic itself is xsimd's NEON (neon64: 128-bit registers, FMLA); this header
+/// adds only the widening loads, each a few instructions: bf16 is the top half of a float
+/// (USHLL #16), fp16 widens with FCVTL (ARMv8.0, no FP16 arithmetic needed), int8 codes
+/// with SXTL, SXTL and SCVTF. Loads are unaligned.
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#include "gattn/config.hpp"
+#include "gattn/types.hpp"
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#include <arm_neon.h>
+#define GATTN_HAS_NEON 1
+#endif
+
+#if defined(GATTN_HAS_NEON)
+GATTN_BEGIN_ISA_NAMESPACE
+namespace simd {
+namespace neon {
+
+/// Four float lanes from four int8 codes at p, exactly.
+inline float32x4_t widen4(const std::int8_t* p) noexcept {
+    std::uint32_t bytes;
+    std::memcpy(&bytes, p, 4);
+    const int16x8_t h = vmovl_s8(vcreate_s8(bytes));
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(h)));
+}
+
+/// Four float lanes from four bf16 values at p, exactly.
+inline float32x4_t widen4(const bfloat16* p) noexcept {
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(p)), 16));
+}
+
+/// Four float lanes from four fp16 values at p, exactly.
+inline float32x4_t widen4(const half* p) noexcept {
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const std::uint16_t*>(p))));
+}
+
+/// dst[i] = float(src[i]) for i < n, exactly: eight lanes at a time, then four, then one.
+inline void widen_row(const half* src, float* dst, std::ptrdiff_t n) noexcept {
+    std::ptrdiff_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const uint16x8_t h = vld1q_u16(reinterpret_cast<const std::uint16_t*>(src + i));
+        vst1q_f32(dst + i, vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))));
+        vst1q_f32(dst + i + 4, vcvt_high_f32_f16(vreinterpretq_f16_u16(h)));
+    }
+    for (; i + 4 <= n; i += 4) vst1q_f32(dst + i, widen4(src + i));
+    for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+}  // namespace neon
+}  // namespace simd
+GATTN_END_ISA_NAMESPACE
+#endif  // GATTN_HAS_NEON
