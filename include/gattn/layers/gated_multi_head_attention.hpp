@@ -315,7 +315,8 @@ public:
     /// \throws as the KVCache constructor.
     template <class CacheScalar = Scalar>
     KVCache<CacheScalar> make_cache(Index batch, Index capacity) const {
-        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_INT8_WITH_FLOAT_COMPUTE_OR_16_BIT_FOR_A_FLOAT_LAYER");
+        static_assert(takes_cache_v<CacheScalar>,
+                      "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_INT8_WITH_FLOAT_COMPUTE_OR_16_BIT_FOR_A_FLOAT_LAYER");
         const Index w = m_config.causal && m_config.sliding_window ? *m_config.sliding_window : 0;
         if (w > 0 && w < capacity - w)  // 2w < capacity
             return KVCache<CacheScalar>(batch, 2 * w, m_config.num_kv_heads, m_config.d_k(), m_config.d_v(), m_id, w);
@@ -355,7 +356,8 @@ public:
     template <class CacheScalar>
     void forward(ConstMatrixRef<Activation> x, KVCache<CacheScalar>& cache, MatrixRef<Activation> out,
                  std::vector<Index> counts = {}, ForwardTrace<T>* trace = nullptr) const {
-        static_assert(takes_cache_v<CacheScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_INT8_WITH_FLOAT_COMPUTE_OR_16_BIT_FOR_A_FLOAT_LAYER");
+        static_assert(takes_cache_v<CacheScalar>,
+                      "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_INT8_WITH_FLOAT_COMPUTE_OR_16_BIT_FOR_A_FLOAT_LAYER");
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
@@ -386,12 +388,12 @@ private:
         for (Index r = 0; r < x.rows(); ++r)
             for (Index c = 0; c < x.cols(); ++c)
                 if (!std::isfinite(static_cast<T>(x(r, c))))
-                    gattn::detail::throw_invalid(
-                        fn, "x",
-                        "row " + std::to_string(r) + " (sequence " + std::to_string(r / n) + ", token " +
-                            std::to_string(r % n) + "), feature " + std::to_string(c) + " is " +
-                            gattn::detail::number_string(double(static_cast<T>(x(r, c)))) +
-                            " (ForwardOptions::check_finite: the input must be finite)");
+                    gattn::detail::throw_invalid(fn, "x",
+                                                 "row " + std::to_string(r) + " (sequence " + std::to_string(r / n) +
+                                                     ", token " + std::to_string(r % n) + "), feature " +
+                                                     std::to_string(c) + " is " +
+                                                     gattn::detail::number_string(double(static_cast<T>(x(r, c)))) +
+                                                     " (ForwardOptions::check_finite: the input must be finite)");
         const Index bias_size = bias.empty() ? 0 : bias.batch * bias.heads * bias.query_len * bias.key_len;
         for (Index i = 0; i < bias_size; ++i)
             if (std::isnan(bias.data[i]))
@@ -403,10 +405,9 @@ private:
     /// The caches the layer takes: its Scalar, int8 when it computes in float, and bf16 or fp16
     /// when Scalar is float.
     template <class CacheScalar>
-    static constexpr bool takes_cache_v =
-        std::is_same_v<CacheScalar, Scalar> ||
-        (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>) ||
-        (is_narrow_storage_v<CacheScalar> && std::is_same_v<Scalar, float>);
+    static constexpr bool takes_cache_v = std::is_same_v<CacheScalar, Scalar> ||
+                                          (std::is_same_v<CacheScalar, std::int8_t> && std::is_same_v<T, float>) ||
+                                          (is_narrow_storage_v<CacheScalar> && std::is_same_v<Scalar, float>);
 
     /// Refuses a trace matrix that holds x, out or the bias: the trace's matrices are resized,
     /// which frees their storage.
