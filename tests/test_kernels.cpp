@@ -196,8 +196,7 @@ TYPED_TEST(Kernels, FusedGateMatchesDoubleAtEveryLengthAndOffset) {
                     for (auto* v : {&y, &z, &x})
                         for (auto& e : *v) e = static_cast<T>(u(rng));
                     const std::vector<T> y0 = y;
-                    gattn::apply_gate(act, comb, y.data() + off, z.data() + off, x.data() + off,
-                                      g.data() + off, n);
+                    gattn::apply_gate(act, comb, y.data() + off, z.data() + off, x.data() + off, g.data() + off, n);
                     for (std::size_t i = off; i < n + off; ++i) {
                         const double s = sigmoid_ref(z[i]);
                         const double gv = act == Act::Sigmoid ? s : act == Act::SiLU ? z[i] * s : 0.5 + 0.5 * s;

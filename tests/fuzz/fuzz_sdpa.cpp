@@ -91,8 +91,8 @@ private:
 struct Case {
     int B = 1, Nq = 1, Nk = 1, H = 1, Hkv = 1, dk = 1, dv = 1;
     bool causal = false;
-    Index window = 0;               // 0 = none
-    std::vector<Index> key_lengths; // empty = none
+    Index window = 0;                // 0 = none
+    std::vector<Index> key_lengths;  // empty = none
     // Boolean mask and bias: [mb, mh, mq, Nk] with each of mb, mh, mq 1 or the full size.
     bool has_bool = false, has_bias = false;
     int bool_b = 1, bool_h = 1, bool_q = 1, bias_b = 1, bias_h = 1, bias_q = 1;
@@ -175,8 +175,8 @@ Reference reference_sdpa(const Case& c, const Matrix& q, const Matrix& k, const 
 }
 
 void describe(const Case& c) {
-    std::fprintf(stderr, "case: B=%d Nq=%d Nk=%d H=%d Hkv=%d dk=%d dv=%d causal=%d window=%ld", c.B, c.Nq, c.Nk,
-                 c.H, c.Hkv, c.dk, c.dv, int(c.causal), long(c.window));
+    std::fprintf(stderr, "case: B=%d Nq=%d Nk=%d H=%d Hkv=%d dk=%d dv=%d causal=%d window=%ld", c.B, c.Nq, c.Nk, c.H,
+                 c.Hkv, c.dk, c.dv, int(c.causal), long(c.window));
     if (!c.key_lengths.empty()) {
         std::fprintf(stderr, " key_lengths=");
         for (Index l : c.key_lengths) std::fprintf(stderr, "%ld,", long(l));
@@ -229,8 +229,7 @@ void fill(M& m, Index cols, Values& values) {
 /// first-key probability with the reference.
 template <class T>
 void check_gattn(const Case& c, const gattn::RowMatrix<T>& q, const gattn::RowMatrix<T>& k,
-                 const gattn::RowMatrix<T>& v, bool want_extra, const Reference& ref, Tolerance tol,
-                 const char* type) {
+                 const gattn::RowMatrix<T>& v, bool want_extra, const Reference& ref, Tolerance tol, const char* type) {
     using M = gattn::RowMatrix<T>;
     const Index B = c.B, Nq = c.Nq, Nk = c.Nk, H = c.H, Hkv = c.Hkv;
     const Index pad = q.cols() - H * c.dk;
@@ -261,7 +260,8 @@ void check_gattn(const Case& c, const gattn::RowMatrix<T>& q, const gattn::RowMa
     std::string what = std::string(type) + " ";
     for (Index r = 0; r < out.rows(); ++r)
         for (Index e = H * c.dv; e < out.cols(); ++e)
-            if (out(r, e) != T(-12345)) fail(c, (what + "out padding column (written)").c_str(), long(r), out(r, e), -12345.0);
+            if (out(r, e) != T(-12345))
+                fail(c, (what + "out padding column (written)").c_str(), long(r), out(r, e), -12345.0);
     compare(c, (what + "out").c_str(), out.data(), B * Nq, H * c.dv, out.outerStride(), ref.out, tol, &ref.mag);
     if (!want_extra) return;
     if (lse.rows() != B * Nq || lse.cols() != H || probs.rows() != B * H * Nq || probs.cols() != Nk ||
@@ -277,7 +277,8 @@ void check_gattn(const Case& c, const gattn::RowMatrix<T>& q, const gattn::RowMa
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
                 const double l = std::abs(ref.lse[std::size_t((b * Nq + i) * H + h)]);
-                const double grow = std::isfinite(l) ? 1.0 + 8.0 * l * std::numeric_limits<T>::epsilon() / tol.rtol : 1.0;
+                const double grow = std::isfinite(l) ? 1.0 + 8.0 * l * std::numeric_limits<T>::epsilon() / tol.rtol
+                                                     : 1.0;
                 for (Index j = 0; j < Nk; ++j) {
                     const std::size_t n = std::size_t(((b * H + h) * Nq + i) * Nk + j);
                     p_size[n] = ref.probs[n] * grow;
@@ -343,7 +344,7 @@ void run_sdpa(Reader& in) {
         c.bias.resize(std::size_t(c.bias_b * c.bias_h * c.bias_q * c.Nk));
         for (auto& x : c.bias) {
             const std::uint8_t b = in.byte();
-            x = b < 24 ? -std::numeric_limits<float>::infinity()
+            x = b < 24   ? -std::numeric_limits<float>::infinity()
                 : b < 28 ? -1e30f
                          : float(int(b) - 142) / 8.0f;  // [−14.25, 14.125]
         }
@@ -373,8 +374,10 @@ void run_sdpa(Reader& in) {
                     for (Index h = g * group; h < (g + 1) * group && !seen; ++h)
                         for (Index i = 0; i < Nq && !seen; ++i) seen = visible(c, b, h, i, j);
                     if (seen) continue;
-                    for (Index e = 0; e < c.dk; ++e) k(b * Nk + j, g * c.dk + e) = std::numeric_limits<float>::quiet_NaN();
-                    for (Index e = 0; e < c.dv; ++e) v(b * Nk + j, g * c.dv + e) = std::numeric_limits<float>::quiet_NaN();
+                    for (Index e = 0; e < c.dk; ++e)
+                        k(b * Nk + j, g * c.dk + e) = std::numeric_limits<float>::quiet_NaN();
+                    for (Index e = 0; e < c.dv; ++e)
+                        v(b * Nk + j, g * c.dv + e) = std::numeric_limits<float>::quiet_NaN();
                 }
     }
 
@@ -434,8 +437,8 @@ void run_layer(Reader& in) {
         if (!std::isfinite(y.data()[n])) {
             std::fprintf(stderr, "layer (gate %s, D=%ld H=%ld Hkv=%ld d=%ld/%ld, B=%d N=%d): output %ld = %g\n",
                          gattn::describe(config.gate).c_str(), long(config.d_model), long(config.num_heads),
-                         long(config.num_kv_heads), long(config.d_k()), long(config.d_v()), batch, tokens,
-                         long(n), double(y.data()[n]));
+                         long(config.num_kv_heads), long(config.d_k()), long(config.d_v()), batch, tokens, long(n),
+                         double(y.data()[n]));
             __builtin_trap();
         }
 }

@@ -24,8 +24,8 @@ namespace detail {
 /// 2^n for integer lanes n in T's normal exponent range, built from the exponent bits.
 template <class T, class I>
 inline Batch<T> pow2(const I& n) noexcept {
-    constexpr int kMantissaBits = std::numeric_limits<T>::digits - 1;   // 23, 52
-    constexpr int kBias = std::numeric_limits<T>::max_exponent - 1;      // 127, 1023
+    constexpr int kMantissaBits = std::numeric_limits<T>::digits - 1;  // 23, 52
+    constexpr int kBias = std::numeric_limits<T>::max_exponent - 1;    // 127, 1023
     return simd::bits_as<T>(simd::shift_left<kMantissaBits>(n + I(kBias)));
 }
 
@@ -82,8 +82,8 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
         using B = Batch<double>;
         using I = xsimd::batch<std::int64_t, Arch>;
         const B lo(-708.3964185322641);  // ln(DBL_MIN)
-        const B hi(710.0);  // just above ln(DBL_MAX): e·2^1024 overflows to +∞
-        B xc = xsimd::max(lo, x);  // NaN flows through (second operand)
+        const B hi(710.0);               // just above ln(DBL_MAX): e·2^1024 overflows to +∞
+        B xc = xsimd::max(lo, x);        // NaN flows through (second operand)
         if constexpr (!NonPositive) xc = xsimd::min(hi, xc);
         const B n = xsimd::nearbyint(xc * B(1.4426950408889634));
         B r = simd::fnma(n, B(6.93145751953125e-1), xc);
@@ -155,7 +155,7 @@ inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
     using B = Batch<float>;
     const B lo(-126.0f);  // 2^−126 = FLT_MIN; below it the result is 0
     // 1 + r·(c₀ + r·(c₁ + … + r·c₅)), Horner's rule with fused multiply-adds.
-    auto poly = [](const B& r, const float (&c)[6]) {
+    auto poly = [](const B& r, const float(&c)[6]) {
         B q(c[5]);
         for (int k = 4; k >= 0; --k) q = simd::fma(q, r, B(c[k]));
         return simd::fma(q, r, B(1.0f));
@@ -303,8 +303,7 @@ inline T dot(const T* a, const T* b, std::size_t n) noexcept {
         acc2 = simd::fma(Batch<T>::load_unaligned(a + i + 2 * L), Batch<T>::load_unaligned(b + i + 2 * L), acc2);
         acc3 = simd::fma(Batch<T>::load_unaligned(a + i + 3 * L), Batch<T>::load_unaligned(b + i + 3 * L), acc3);
     }
-    for (; i + L <= n; i += L)
-        acc0 = simd::fma(Batch<T>::load_unaligned(a + i), Batch<T>::load_unaligned(b + i), acc0);
+    for (; i + L <= n; i += L) acc0 = simd::fma(Batch<T>::load_unaligned(a + i), Batch<T>::load_unaligned(b + i), acc0);
     T sum = reduce_sum((acc0 + acc1) + (acc2 + acc3));
     for (; i < n; ++i) sum += a[i] * b[i];
     return sum;
@@ -317,8 +316,7 @@ inline void axpy(T alpha, const T* x, T* y, std::size_t n) noexcept {
     const Batch<T> a(alpha);
     std::size_t i = 0;
     for (; i + L <= n; i += L)
-        simd::fma(a, Batch<T>::load_unaligned(x + i), Batch<T>::load_unaligned(y + i))
-            .store_unaligned(y + i);
+        simd::fma(a, Batch<T>::load_unaligned(x + i), Batch<T>::load_unaligned(y + i)).store_unaligned(y + i);
     for (; i < n; ++i) y[i] += alpha * x[i];
 }
 
