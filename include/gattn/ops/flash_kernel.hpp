@@ -118,24 +118,26 @@ struct FlashGeometry {
         }();
         return bytes;
     }
-    /// Whether flash_attention_blocks copies a key block's K rows that lie `stride` apart
-    /// (the V rows are copied whenever they are not contiguous). A QK tile reads kRows K rows
-    /// at once and prefetches the next tile's kRows: rows 4 KiB apart ([N, H·d] with
-    /// H·d = 1024 floats) all fall into one L1 set, and 2·kRows lines overflow an L1 of fewer
-    /// ways: AVX-512 (12 lines) and SSE2 (12) on the 8-way L1s of AMD Zen 2–4 and Intel
-    /// Skylake, or where the C library reports no L1 associativity. Where they fit, the rows
-    /// are read in place (copying cost 2 % of a call on Zen 5's 12-way L1, AVX-512 and AVX2,
-    /// d = 128, N = 2048; 5 % at d = 256).
-    static bool copies_keys(Index stride, Index dk) noexcept {
-        static const bool narrow_l1 = [] {
+    /// Whether the L1 cache has fewer ways than the 2·kRows lines that a QK tile's K rows and
+    /// the next tile's take in one set when the rows lie 4 KiB apart ([N, H·d] with
+    /// H·d = 1024 floats): AVX-512 (12 lines) and SSE2 (12) on the 8-way L1s of AMD Zen 2–4 and
+    /// Intel Skylake, or where the C library reports no L1 associativity (glibc's sysconf).
+    static bool narrow_l1() noexcept {
+        static const bool narrow = [] {
             long ways = 0;
 #if defined(_SC_LEVEL1_DCACHE_ASSOC)
             ways = sysconf(_SC_LEVEL1_DCACHE_ASSOC);
 #endif
             return ways < 2 * kRows;
         }();
-        return stride != dk && narrow_l1;
+        return narrow;
     }
+    /// Whether flash_attention_blocks copies a key block's K rows that lie `stride` apart
+    /// together first (the V rows are copied whenever they are not contiguous): where they
+    /// would overflow their L1 set (narrow_l1). Elsewhere they are read in place: copying cost
+    /// 2 % of a call on Zen 5's 12-way L1 (AVX-512, d = 128, N = 2048, 8 heads, 1 thread) and
+    /// about 3 % with AVX2 at d = 256.
+    static bool copies_keys(Index stride, Index dk) noexcept { return stride != dk && narrow_l1(); }
 };
 
 /// Description of one query block: up to Br (head, query) pairs that share KV head g of
@@ -197,7 +199,7 @@ struct FlashScratch {
             if (m.size() < rows * cols) m.resize(rows, cols);
         };
         if (copies_values(value_stride, dv) || int8) grow(value_rows, G::kKeys, dv);
-        grow(key_rows, G::kKeys, dk);
+        if (int8 || G::narrow_l1()) grow(key_rows, G::kKeys, dk);
         if (staged) grow(stage, G::kQueries, dv);
         for (int i = 0; i < group_blocks; ++i) {
             grow(qt[i], dk, G::kQueries);
