@@ -173,12 +173,13 @@ gattn::RowMatrix<double> rounded(const Eigen::MatrixBase<Derived>& m) {
     return m.template cast<Scalar>().template cast<double>();
 }
 
-/// A storage type's name in test labels: Float, Double, Bf16 or Fp16.
+/// A storage type's name in test labels: Float, Double, Bf16, Fp16 or Int8.
 template <class S>
 const char* type_label() {
     return std::is_same_v<S, float>             ? "Float"
            : std::is_same_v<S, double>          ? "Double"
            : std::is_same_v<S, gattn::bfloat16> ? "Bf16"
+           : std::is_same_v<S, std::int8_t>     ? "Int8"
                                                 : "Fp16";
 }
 
