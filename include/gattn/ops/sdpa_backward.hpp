@@ -1,0 +1,400 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The backward pass of scaled dot-product attention (ops/sdpa.hpp): dQ, dK, dV (and the
+/// gradient of learned sinks) from Q, K, V, the forward's output O and log-sum-exp, and dO.
+///
+/// Algorithm: FlashAttention-2's backward (Dao 2023, "FlashAttention-2: Faster Attention with
+/// Better Parallelism and Work Partitioning", Algorithm 2). The N_q × N_k probabilities are
+/// never stored: each tile of 32 queries × 32 keys recomputes its logits ℓ from Q and K with
+/// the forward's options, and its probabilities P = e^(ℓ − lse) from the saved log-sum-exp.
+/// With D_i = Σ_c dO_ic·O_ic (rowsum(dO ⊙ O)),
+///     dP = dO·Vᵀ,   dℓ = P ⊙ (dP − D),   dV = Pᵀ·dO,
+/// and, through the logit's chain (ℓ = cap(scale·q·k) + ALiBi + bias),
+///     dx = dℓ · (1 − (cap(x)/c)²)   (softcap c: d/dx c·tanh(x/c) = 1 − tanh²(x/c); 1 without),
+///     dQ = scale·dx·K,   dK = scale·dxᵀ·Q
+/// (ALiBi and the bias add constants: they change P, not the chain). A learned sink s_h joins
+/// the denominator with no value, so dO·∂O/∂s_h = −P_sink·D with P_sink = e^(s_h − lse):
+///     ∂L/∂s_h = −Σ_(b,i) e^(s_h − lse_(b,i,h))·D_(b,i,h).
+/// The work runs in two passes, so that every gradient element is written by one task in a
+/// fixed order, with no atomics: dQ (and the sink terms) by (sequence, query head, block of 32
+/// queries) over their visible key blocks, then dK and dV by (sequence, KV head, block of 32
+/// keys) over the group's query heads and query blocks (GQA: dK and dV sum over the group).
+/// Results are bitwise the same for any thread count. The passes recompute P twice: 7 tile
+/// products instead of 5, for no partial sums in memory.
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "gattn/ops/sdpa.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace detail {
+
+/// Queries and keys per tile of the backward pass. Eigen runs a product whose destination has at
+/// most 32 rows at compile time on the calling thread (never its own parallel GEMM, whose k
+/// blocking, and so rounding, would depend on the thread count).
+inline constexpr int kBackwardTile = 32;
+
+/// A tile: at most kBackwardTile rows, any columns.
+template <class T>
+using BackwardTile = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor, kBackwardTile, Eigen::Dynamic>;
+
+/// One thread's scratch for the backward tiles.
+template <class T>
+struct BackwardScratch {
+    BackwardTile<T> q, d_out, k, s, dp, acc_a, acc_b;
+    std::vector<T> d, lse, factor_row;
+    std::vector<KeyRange> range;
+    std::vector<unsigned char> seen;
+};
+
+/// What a backward tile needs of the call.
+template <class T>
+struct BackwardCall {
+    const AttentionMask<T>* mask = nullptr;
+    const SdpaOptions<T>* options = nullptr;
+    Index Nq = 0, Nk = 0;
+    T scale = T(1), softcap = T(0);
+};
+
+/// Turns the tile's raw products S = Q·Kᵀ and dP = dO·Vᵀ (rows = queries i0 + t of head h in
+/// sequence b, columns = keys k0 + c) into P (in s) and scale·dx (in dp): the logit as the
+/// forward computes it (scale, softcap, ALiBi, bias), P = e^(ℓ − lse), dℓ = P·(dP − D), times
+/// the softcap's derivative and the scale. Invisible entries and rows marked invalid get 0 by
+/// assignment (never a multiply by 0). When seen is given, seen[c] is set for each key some row
+/// sees.
+template <class T>
+inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch<T>& sc, Index b, Index h, Index i0,
+                                    Index k0, int rows, int cols, unsigned char* seen) {
+    const auto& mask = *call.mask;
+    const auto& options = *call.options;
+    const T slope = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
+    const bool capped = call.softcap > T(0);
+    const T inv_cap = capped ? T(1) / call.softcap : T(0);
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    T* factor = sc.factor_row.data();
+    for (int t = 0; t < rows; ++t) {
+        T* s = sc.s.row(t).data();
+        T* dp = sc.dp.row(t).data();
+        const KeyRange r = sc.range[static_cast<std::size_t>(t)];
+        const Index lo = std::clamp<Index>(r.begin - k0, 0, cols), hi = std::clamp<Index>(r.end - k0, 0, cols);
+        if (lo >= hi) {
+            std::fill(s, s + cols, T(0));
+            std::fill(dp, dp + cols, T(0));
+            continue;
+        }
+        const T lse = sc.lse[static_cast<std::size_t>(t)], d = sc.d[static_cast<std::size_t>(t)];
+        const Index i = i0 + t;
+        const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i) + k0;
+        const T* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i) + k0;
+        const Index position = aligned_position(mask, b, i, call.Nq, call.Nk);
+        // The logit, as the forward's kernels compute it.
+        for (Index c = 0; c < cols; ++c) s[c] *= call.scale;
+        if (capped) {
+            simd::transform(s, s, static_cast<std::size_t>(cols),
+                            [&](const simd::Batch<T>& x) { return simd::softcap<T>(x, call.softcap, inv_cap); });
+            for (Index c = 0; c < cols; ++c) {
+                const T u = s[c] * inv_cap;
+                factor[c] = T(1) - u * u;
+            }
+        }
+        if (slope != T(0))
+            for (Index c = lo; c < hi; ++c) {
+                const Index j = k0 + c;
+                s[c] = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), s[c]);
+            }
+        if (bias_row)
+            for (Index c = lo; c < hi; ++c) s[c] += bias_row[c];
+        for (Index c = lo; c < hi; ++c) s[c] -= lse;
+        simd::transform(s + lo, s + lo, static_cast<std::size_t>(hi - lo),
+                        [](const simd::Batch<T>& x) { return simd::exp<T>(x); });
+        for (Index c = 0; c < lo; ++c) s[c] = dp[c] = T(0);
+        for (Index c = hi; c < cols; ++c) s[c] = dp[c] = T(0);
+        if (capped)
+            for (Index c = lo; c < hi; ++c) dp[c] = s[c] * (dp[c] - d) * factor[c] * call.scale;
+        else
+            for (Index c = lo; c < hi; ++c) dp[c] = s[c] * (dp[c] - d) * call.scale;
+        if (bool_row || bias_row)
+            for (Index c = lo; c < hi; ++c)
+                if ((bool_row && !bool_row[c]) || (bias_row && bias_row[c] == kNegInf)) s[c] = dp[c] = T(0);
+        if (seen)
+            for (Index c = lo; c < hi; ++c)
+                if (!((bool_row && !bool_row[c]) || (bias_row && bias_row[c] == kNegInf))) seen[c] = 1;
+    }
+}
+
+/// Loads a tile's query rows: their key ranges, log-sum-exp, D = rowsum(dO ⊙ O), and copies of
+/// Q and dO with rows that see nothing (padding, empty range, log-sum-exp −∞) set to 0.
+/// Returns the union [begin, end) of the rows' key ranges (empty when no row sees a key).
+template <class T>
+inline KeyRange backward_load_queries(const BackwardCall<T>& call, BackwardScratch<T>& sc, ConstMatrixRef<T> query,
+                                      ConstMatrixRef<T> out, ConstMatrixRef<T> lse, ConstMatrixRef<T> d_out, Index b,
+                                      Index h, Index i0, int rows, Index dk, Index dv) {
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    sc.q.resize(rows, dk);
+    sc.d_out.resize(rows, dv);
+    KeyRange all{call.Nk, 0};
+    for (int t = 0; t < rows; ++t) {
+        const Index i = i0 + t, row = b * call.Nq + i;
+        KeyRange r = visible_key_range(*call.mask, b, i, call.Nq, call.Nk);
+        const T l = lse(row, h);
+        if (l == kNegInf) r = {0, 0};
+        sc.range[static_cast<std::size_t>(t)] = r;
+        sc.lse[static_cast<std::size_t>(t)] = l;
+        if (r.begin >= r.end) {
+            sc.q.row(t).setZero();
+            sc.d_out.row(t).setZero();
+            sc.d[static_cast<std::size_t>(t)] = T(0);
+            continue;
+        }
+        all.begin = std::min(all.begin, r.begin);
+        all.end = std::max(all.end, r.end);
+        sc.q.row(t) = query.row(row).segment(h * dk, dk);
+        sc.d_out.row(t) = d_out.row(row).segment(h * dv, dv);
+        sc.d[static_cast<std::size_t>(t)] = simd::dot(d_out.data() + row * d_out.outerStride() + h * dv,
+                                                      out.data() + row * out.outerStride() + h * dv,
+                                                      static_cast<std::size_t>(dv));
+    }
+    if (all.end <= all.begin) all = {0, 0};
+    return all;
+}
+
+/// Validates a backward call (everything the forward checks, plus the saved tensors, dO and the
+/// gradients); returns {d_k, d_v}.
+template <class T>
+inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, ConstMatrixRef<T> key,
+                                                      ConstMatrixRef<T> value, const HeadLayout& heads,
+                                                      ConstMatrixRef<T> out, ConstMatrixRef<T> log_sum_exp,
+                                                      ConstMatrixRef<T> d_out, const MatrixRef<T>& d_query,
+                                                      const MatrixRef<T>& d_key, const MatrixRef<T>& d_value,
+                                                      const SdpaOptions<T>& options, const std::vector<T>* d_sinks) {
+    constexpr const char* fn = "gattn::scaled_dot_product_attention_backward";
+    const auto dims = validate_sdpa<T>(fn, query.rows(), query.cols(), key.rows(), key.cols(), value.rows(),
+                                       value.cols(), heads, options);
+    const Index dk = dims.first, dv = dims.second;
+    const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
+    const Index Nq = B == 0 ? 0 : query.rows() / B;
+    const Index Nk = B == 0 ? 0 : key.rows() / B;
+    check_shape(fn, "out", out.rows(), out.cols(), B * Nq, H * dv);
+    check_shape(fn, "log_sum_exp", log_sum_exp.rows(), log_sum_exp.cols(), B * Nq, H);
+    check_shape(fn, "d_out", d_out.rows(), d_out.cols(), B * Nq, H * dv);
+    check_shape(fn, "d_query", d_query.rows(), d_query.cols(), B * Nq, H * dk);
+    check_shape(fn, "d_key", d_key.rows(), d_key.cols(), B * Nk, Hkv * dk);
+    check_shape(fn, "d_value", d_value.rows(), d_value.cols(), B * Nk, Hkv * dv);
+    if (d_sinks && options.sinks.empty())
+        throw_invalid(fn, "d_sinks", "must be null when options.sinks is empty (no sinks to differentiate)");
+    if (d_sinks == &options.sinks) throw_invalid(fn, "d_sinks", "must not be options.sinks");
+    const auto& bias = options.mask.bias;
+    auto check_gradient = [&](const MatrixRef<T>& g, const char* name) {
+        if (views_overlap(g, query) || views_overlap(g, key) || views_overlap(g, value) || views_overlap(g, out) ||
+            views_overlap(g, log_sum_exp) || views_overlap(g, d_out) ||
+            (!bias.empty() && overlaps_any(g.data(), span_of(g), bias.data, numel(bias))))
+            throw_invalid(fn, name,
+                          "must not share an element with query, key, value, out, log_sum_exp, d_out or "
+                          "mask.bias");
+    };
+    check_gradient(d_query, "d_query");
+    check_gradient(d_key, "d_key");
+    check_gradient(d_value, "d_value");
+    if (views_overlap(d_query, d_key) || views_overlap(d_query, d_value))
+        throw_invalid(fn, "d_query", "must not share an element with d_key or d_value");
+    if (views_overlap(d_key, d_value)) throw_invalid(fn, "d_key", "must not share an element with d_value");
+    for (Index r = 0; r < d_out.rows(); ++r)
+        for (Index c = 0; c < d_out.cols(); ++c)
+            if (!std::isfinite(d_out(r, c)))
+                throw_invalid(fn, "d_out",
+                              "must be finite, got " + number_string(double(d_out(r, c))) + " at (" +
+                                  std::to_string(r) + ", " + std::to_string(c) + ")");
+    return dims;
+}
+
+}  // namespace detail
+
+/// The backward pass of scaled_dot_product_attention: the gradients of a loss L with respect to
+/// query, key, value (and the sinks) from the upstream gradient d_out = ∂L/∂out.
+///
+/// Algorithm: FlashAttention-2 (Dao 2023), Algorithm 2, without atomics (see the file comment
+/// for the formulas, the softcap's chain 1 − (cap(x)/c)² and the sinks' −Σ e^(s − lse)·D).
+/// Every option of the forward is differentiated: scale, every mask and their compositions,
+/// GQA/MQA (dK and dV sum over each KV head's query heads), d_v ≠ d_k, sinks, logit softcap,
+/// ALiBi. The probabilities are recomputed per 32 × 32 tile from the saved log-sum-exp: extra
+/// memory is a few tiles per thread, plus H·⌈N_q/32⌉·B values when d_sinks is requested.
+///
+/// \param query, key, value, heads as given to the forward call.
+/// \param out          [B·N_q, H·d_v]: the forward's output.
+/// \param log_sum_exp  [B·N_q, H]: the forward's SdpaOutputs::log_sum_exp.
+/// \param d_out        [B·N_q, H·d_v]: ∂L/∂out; every element finite.
+/// \param d_query      [B·N_q, H·d_k], written: ∂L/∂query (0 for rows that see no key).
+/// \param d_key        [B·N_k, H_kv·d_k], written: ∂L/∂key (0 for keys no query sees).
+/// \param d_value      [B·N_k, H_kv·d_v], written: ∂L/∂value.
+/// \param options      the forward call's options.
+/// \param d_sinks      optional [H] output, resized and written: ∂L/∂options.sinks (summed over
+///                     the batch and the queries). Only with sinks.
+/// A key that no query of a 32-query tile sees (a mask hides it from all of them) is not read
+/// into that tile's gradients: NaN in unused cache slots does not leak. Masks and the bias get
+/// no gradient. Non-finite values in query, key, value, out or log_sum_exp propagate.
+/// \throws shape_error when an argument's shape disagrees with the others (what the forward
+///         checks, plus out, log_sum_exp, d_out and the gradients); std::invalid_argument for
+///         what the forward refuses in its options, a d_out element that is NaN or ±∞ (naming
+///         it), a gradient sharing an element with an input, the bias or another gradient, and
+///         d_sinks given without sinks or being options.sinks. Nothing is written before
+///         validation passes.
+/// Scalar: float or double; everything runs in Scalar. Compiled with OpenMP, the work is split
+/// over (sequence, head, query tile) and then (sequence, KV head, key tile) tasks; the
+/// gradients are bitwise the same for any thread count.
+template <class Scalar>
+void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
+                                           ConstMatrixRef<Scalar> value, const HeadLayout& heads,
+                                           ConstMatrixRef<Scalar> out, ConstMatrixRef<Scalar> log_sum_exp,
+                                           ConstMatrixRef<Scalar> d_out, MatrixRef<Scalar> d_query,
+                                           MatrixRef<Scalar> d_key, MatrixRef<Scalar> d_value,
+                                           const SdpaOptions<Scalar>& options = {},
+                                           std::vector<Scalar>* d_sinks = nullptr) {
+    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
+                  "GATTN_BACKWARD_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
+    using T = Scalar;
+    namespace gd = gattn::detail;
+    const auto dims = gd::validate_sdpa_backward<T>(query, key, value, heads, out, log_sum_exp, d_out, d_query, d_key,
+                                                    d_value, options, d_sinks);
+    const Index dk = dims.first, dv = dims.second;
+    const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads, group = H / Hkv;
+    const Index Nq = B == 0 ? 0 : query.rows() / B;
+    const Index Nk = B == 0 ? 0 : key.rows() / B;
+    constexpr Index tile = gd::kBackwardTile;
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+
+    gd::BackwardCall<T> call;
+    call.mask = &options.mask;
+    call.options = &options;
+    call.Nq = Nq;
+    call.Nk = Nk;
+    call.scale = static_cast<T>(options.scale ? *options.scale : 1.0 / std::sqrt(double(dk)));
+    call.softcap = options.logit_softcap ? static_cast<T>(*options.logit_softcap) : T(0);
+
+    const Index q_blocks = (Nq + tile - 1) / tile, k_blocks = (Nk + tile - 1) / tile;
+    // The sink terms of each (sequence, head, query tile), summed in a fixed order at the end.
+    std::vector<T> sink_terms(d_sinks ? static_cast<std::size_t>(B * H * q_blocks) : 0, T(0));
+    const Index tasks_q = B * H * q_blocks, tasks_k = B * Hkv * k_blocks;
+    const bool parallel = B * H * Nq * Nk * (dk + dv) > (Index(1) << 18);
+    (void)parallel;
+
+#ifdef _OPENMP
+#pragma omp parallel if (parallel)
+#endif
+    {
+        gd::BackwardScratch<T> sc;
+        sc.d.resize(tile);
+        sc.lse.resize(tile);
+        sc.factor_row.resize(tile);
+        sc.range.resize(tile);
+        sc.seen.resize(tile);
+        // Pass 1: dQ (and the sink terms) by (sequence, head, query tile), the last tiles first
+        // (under a causal mask they see the most keys).
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (Index task = 0; task < tasks_q; ++task) {
+            const Index qb = q_blocks - 1 - task % q_blocks, h = (task / q_blocks) % H, b = task / (q_blocks * H);
+            const Index g = h / group, i0 = qb * tile;
+            const int rows = static_cast<int>(std::min(tile, Nq - i0));
+            const gd::KeyRange keys =
+                gd::backward_load_queries<T>(call, sc, query, out, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
+            sc.acc_a.setZero(rows, dk);
+            for (Index k0 = (keys.begin / tile) * tile; k0 < keys.end; k0 += tile) {
+                const int cols = static_cast<int>(std::min(tile, Nk - k0));
+                const Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>> kt(
+                    key.data() + (b * Nk + k0) * key.outerStride() + g * dk, cols, dk,
+                    Eigen::OuterStride<>(key.outerStride()));
+                const Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>> vt(
+                    value.data() + (b * Nk + k0) * value.outerStride() + g * dv, cols, dv,
+                    Eigen::OuterStride<>(value.outerStride()));
+                sc.s.resize(rows, cols);
+                sc.dp.resize(rows, cols);
+                sc.s.noalias() = sc.q * kt.transpose();
+                sc.dp.noalias() = sc.d_out * vt.transpose();
+                std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
+                gd::backward_tile_gradients<T>(call, sc, b, h, i0, k0, rows, cols, sc.seen.data());
+                // Keys no row of the tile sees enter as 0 (their rows may hold anything).
+                sc.k = kt;
+                for (int c = 0; c < cols; ++c)
+                    if (!sc.seen[static_cast<std::size_t>(c)]) sc.k.row(c).setZero();
+                sc.acc_a.noalias() += sc.dp * sc.k;
+            }
+            for (int t = 0; t < rows; ++t) d_query.row(b * Nq + i0 + t).segment(h * dk, dk) = sc.acc_a.row(t);
+            if (d_sinks) {
+                const T sink = options.sinks[static_cast<std::size_t>(h)];
+                T sum = 0;
+                if (sink != kNegInf)
+                    for (int t = 0; t < rows; ++t) {
+                        const T l = log_sum_exp(b * Nq + i0 + t, h);
+                        if (l != kNegInf && sc.d[static_cast<std::size_t>(t)] != T(0))
+                            sum -= std::exp(sink - l) * sc.d[static_cast<std::size_t>(t)];
+                    }
+                sink_terms[static_cast<std::size_t>((b * H + h) * q_blocks + qb)] = sum;
+            }
+        }
+        // Pass 2: dK and dV by (sequence, KV head, key tile) over the group's heads and query tiles.
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (Index task = 0; task < tasks_k; ++task) {
+            const Index kb = task % k_blocks, g = (task / k_blocks) % Hkv, b = task / (k_blocks * Hkv);
+            const Index k0 = kb * tile;
+            const int cols = static_cast<int>(std::min(tile, Nk - k0));
+            const Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>> kt(
+                key.data() + (b * Nk + k0) * key.outerStride() + g * dk, cols, dk,
+                Eigen::OuterStride<>(key.outerStride()));
+            const Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>> vt(
+                value.data() + (b * Nk + k0) * value.outerStride() + g * dv, cols, dv,
+                Eigen::OuterStride<>(value.outerStride()));
+            sc.acc_a.setZero(cols, dk);  // dK
+            sc.acc_b.setZero(cols, dv);  // dV
+            for (Index h = g * group; h < (g + 1) * group; ++h)
+                for (Index qb = 0; qb < q_blocks; ++qb) {
+                    const Index i0 = qb * tile;
+                    const int rows = static_cast<int>(std::min(tile, Nq - i0));
+                    // Skip query tiles that see none of these keys (the ranges do not depend on h).
+                    bool any = false;
+                    for (int t = 0; t < rows && !any; ++t) {
+                        const gd::KeyRange r = gd::visible_key_range(options.mask, b, i0 + t, Nq, Nk);
+                        any = r.begin < std::min(r.end, k0 + cols) && std::max(r.begin, k0) < r.end;
+                    }
+                    if (!any) continue;
+                    const gd::KeyRange keys =
+                        gd::backward_load_queries<T>(call, sc, query, out, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
+                    if (!(keys.begin < k0 + cols && k0 < keys.end)) continue;
+                    sc.s.resize(rows, cols);
+                    sc.dp.resize(rows, cols);
+                    sc.s.noalias() = sc.q * kt.transpose();
+                    sc.dp.noalias() = sc.d_out * vt.transpose();
+                    gd::backward_tile_gradients<T>(call, sc, b, h, i0, k0, rows, cols, nullptr);
+                    sc.acc_b.noalias() += sc.s.transpose() * sc.d_out;
+                    sc.acc_a.noalias() += sc.dp.transpose() * sc.q;
+                }
+            for (int c = 0; c < cols; ++c) {
+                d_key.row(b * Nk + k0 + c).segment(g * dk, dk) = sc.acc_a.row(c);
+                d_value.row(b * Nk + k0 + c).segment(g * dv, dv) = sc.acc_b.row(c);
+            }
+        }
+    }
+    if (d_sinks) {
+        d_sinks->assign(static_cast<std::size_t>(H), T(0));
+        for (Index b = 0; b < B; ++b)
+            for (Index h = 0; h < H; ++h)
+                for (Index qb = 0; qb < q_blocks; ++qb)
+                    (*d_sinks)[static_cast<std::size_t>(h)] +=
+                        sink_terms[static_cast<std::size_t>((b * H + h) * q_blocks + qb)];
+    }
+}
+
+GATTN_END_ISA_NAMESPACE
