@@ -486,26 +486,37 @@ TEST(SdpaBackward, EmptyRowsAndKeysGiveZeros) {
     EXPECT_EQ(none.d_sinks[0], 0.0);
 }
 
-// Gradients are bitwise the same on 1 and 2 threads (a shape large enough to run in parallel).
+// Gradients are bitwise the same on 1 and 2 threads, in shapes large enough to run in parallel:
+// one task per (sequence, KV head) on both (4 of them), and one KV head, which one thread runs
+// in one pass and two threads in two (dQ by query tiles, then dK and dV by key tiles).
 TEST(SdpaBackward, BitwiseIndependentOfThreads) {
-    Problem p;
+    if (!gattn::compiled_with_openmp()) GTEST_SKIP() << "built without OpenMP: one thread only";
+    std::vector<Problem> problems(2);
+    Problem& p = problems[0];
     p.B = 2, p.Nq = 150, p.Nk = 190, p.H = 4, p.Hkv = 2, p.dk = 32, p.dv = 24;
     p.causal = true, p.sinks = {0.1, 0.2, 0.3, 0.4};
-    const Data d = make_data(p, 8);
+    Problem& one_kv_head = problems[1];
+    one_kv_head.B = 1, one_kv_head.Nq = 200, one_kv_head.Nk = 230, one_kv_head.H = 2, one_kv_head.Hkv = 1;
+    one_kv_head.dk = 40, one_kv_head.dv = 32, one_kv_head.causal = true, one_kv_head.window = 120;
+    one_kv_head.key_lengths = {220}, one_kv_head.bool_mask = true, one_kv_head.softcap = 5.0;
+    one_kv_head.sinks = {0.5, -1.0};
     const int keep = gattn::num_threads();
-    gattn::set_num_threads(1);
-    const Result<float> one = run_gattn<float>(p, d);
-    gattn::set_num_threads(2);
-    const Result<float> two = run_gattn<float>(p, d);
-    gattn::set_num_threads(keep);
-    if (!gattn::compiled_with_openmp()) GTEST_SKIP() << "built without OpenMP: one thread only";
-    auto same = [](const auto& a, const auto& b) {
-        return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.size())) == 0;
-    };
-    EXPECT_TRUE(same(one.dq, two.dq));
-    EXPECT_TRUE(same(one.dk, two.dk));
-    EXPECT_TRUE(same(one.dv, two.dv));
-    EXPECT_TRUE(one.d_sinks == two.d_sinks);
+    for (const Problem& q : problems) {
+        const Data d = make_data(q, 8);
+        gattn::set_num_threads(1);
+        const Result<float> one = run_gattn<float>(q, d);
+        gattn::set_num_threads(2);
+        const Result<float> two = run_gattn<float>(q, d);
+        gattn::set_num_threads(keep);
+        auto same = [](const auto& a, const auto& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.size())) == 0;
+        };
+        EXPECT_TRUE(same(one.dq, two.dq)) << q.B * q.Hkv << " (sequence, KV head) pairs";
+        EXPECT_TRUE(same(one.dk, two.dk)) << q.B * q.Hkv << " (sequence, KV head) pairs";
+        EXPECT_TRUE(same(one.dv, two.dv)) << q.B * q.Hkv << " (sequence, KV head) pairs";
+        EXPECT_TRUE(one.d_sinks == two.d_sinks);
+        EXPECT_GT(one.dq.cwiseAbs().maxCoeff(), 0.0f);
+    }
 }
 
 // Bad input: the message names the function and the argument; the gradients keep their bytes.

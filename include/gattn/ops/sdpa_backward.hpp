@@ -56,6 +56,8 @@ struct BackwardScratch {
     std::vector<T> d, lse, factor_row;
     std::vector<KeyRange> range;
     std::vector<unsigned char> seen;
+    BackwardScratch()
+        : d(kBackwardTile), lse(kBackwardTile), factor_row(kBackwardTile), range(kBackwardTile), seen(kBackwardTile) {}
 };
 
 /// What a backward tile needs of the call.
@@ -63,8 +65,9 @@ template <class T>
 struct BackwardCall {
     const AttentionMask<T>* mask = nullptr;
     const SdpaOptions<T>* options = nullptr;
-    Index Nq = 0, Nk = 0;
+    Index Nq = 0, Nk = 0, H = 0;
     T scale = T(1), softcap = T(0);
+    const T* row_d = nullptr;  ///< [B·N_q, H]: D = rowsum(dO ⊙ O), 0 for rows that see no key
 };
 
 /// Turns the tile's raw products S = Q·Kᵀ and dP = dO·Vᵀ (rows = queries i0 + t of head h in
@@ -76,12 +79,15 @@ struct BackwardCall {
 template <class T>
 inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch<T>& sc, Index b, Index h, Index i0,
                                     Index k0, int rows, int cols, unsigned char* seen) {
+    using B = simd::Batch<T>;
+    constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     const auto& mask = *call.mask;
     const auto& options = *call.options;
     const T slope = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
     const bool capped = call.softcap > T(0);
     const T inv_cap = capped ? T(1) / call.softcap : T(0);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    const bool plain_logits = !capped && slope == T(0) && mask.bias.empty() && mask.bool_mask.empty();
     T* factor = sc.factor_row.data();
     for (int t = 0; t < rows; ++t) {
         T* s = sc.s.row(t).data();
@@ -94,6 +100,23 @@ inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch
             continue;
         }
         const T lse = sc.lse[static_cast<std::size_t>(t)], d = sc.d[static_cast<std::size_t>(t)];
+        if (plain_logits && lo == 0 && hi == cols) {
+            // The common tile: every key visible, logits scale·q·k. One pass in registers.
+            const B vs(call.scale), vl(lse), vd(d);
+            Index c = 0;
+            for (; c + L <= cols; c += L) {
+                const B p = simd::exp<T>(xsimd::fms(B::load_unaligned(s + c), vs, vl));
+                p.store_unaligned(s + c);
+                ((B::load_unaligned(dp + c) - vd) * p * vs).store_unaligned(dp + c);
+            }
+            for (; c < cols; ++c) {
+                const T p = simd::exp_scalar<T>(s[c] * call.scale - lse);
+                s[c] = p;
+                dp[c] = (dp[c] - d) * p * call.scale;
+            }
+            if (seen) std::fill(seen, seen + cols, static_cast<unsigned char>(1));
+            continue;
+        }
         const Index i = i0 + t;
         const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i) + k0;
         const T* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i) + k0;
@@ -121,9 +144,9 @@ inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch
         for (Index c = 0; c < lo; ++c) s[c] = dp[c] = T(0);
         for (Index c = hi; c < cols; ++c) s[c] = dp[c] = T(0);
         if (capped)
-            for (Index c = lo; c < hi; ++c) dp[c] = s[c] * (dp[c] - d) * factor[c] * call.scale;
+            for (Index c = lo; c < hi; ++c) dp[c] = (dp[c] - d) * s[c] * call.scale * factor[c];
         else
-            for (Index c = lo; c < hi; ++c) dp[c] = s[c] * (dp[c] - d) * call.scale;
+            for (Index c = lo; c < hi; ++c) dp[c] = (dp[c] - d) * s[c] * call.scale;
         if (bool_row || bias_row)
             for (Index c = lo; c < hi; ++c)
                 if ((bool_row && !bool_row[c]) || (bias_row && bias_row[c] == kNegInf)) s[c] = dp[c] = T(0);
@@ -133,17 +156,24 @@ inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch
     }
 }
 
-/// Loads a tile's query rows: their key ranges, log-sum-exp, D = rowsum(dO ⊙ O), and copies of
-/// Q and dO with rows that see nothing (padding, empty range, log-sum-exp −∞) set to 0.
-/// Returns the union [begin, end) of the rows' key ranges (empty when no row sees a key).
+/// A query tile's operands: Q and dO in place, or copies whose rows that see nothing are 0.
 template <class T>
-inline KeyRange backward_load_queries(const BackwardCall<T>& call, BackwardScratch<T>& sc, ConstMatrixRef<T> query,
-                                      ConstMatrixRef<T> out, ConstMatrixRef<T> lse, ConstMatrixRef<T> d_out, Index b,
-                                      Index h, Index i0, int rows, Index dk, Index dv) {
+struct QueryTile {
+    using Map = Eigen::Map<const BackwardTile<T>, 0, Eigen::OuterStride<>>;
+    Map q, d_out;
+    KeyRange keys;  ///< union of the rows' key ranges (empty: no row sees a key)
+};
+
+/// Loads a tile's query rows: their key ranges, log-sum-exp and D, and Q and dO in place, or
+/// as copies with the rows that see nothing (padding, empty range, log-sum-exp −∞) set to 0
+/// when there are such rows.
+template <class T>
+inline QueryTile<T> backward_load_queries(const BackwardCall<T>& call, BackwardScratch<T>& sc, ConstMatrixRef<T> query,
+                                          ConstMatrixRef<T> lse, ConstMatrixRef<T> d_out, Index b, Index h, Index i0,
+                                          int rows, Index dk, Index dv) {
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-    sc.q.resize(rows, dk);
-    sc.d_out.resize(rows, dv);
     KeyRange all{call.Nk, 0};
+    bool copy = false;
     for (int t = 0; t < rows; ++t) {
         const Index i = i0 + t, row = b * call.Nq + i;
         KeyRange r = visible_key_range(*call.mask, b, i, call.Nq, call.Nk);
@@ -151,22 +181,65 @@ inline KeyRange backward_load_queries(const BackwardCall<T>& call, BackwardScrat
         if (l == kNegInf) r = {0, 0};
         sc.range[static_cast<std::size_t>(t)] = r;
         sc.lse[static_cast<std::size_t>(t)] = l;
+        sc.d[static_cast<std::size_t>(t)] = call.row_d[row * call.H + h];
         if (r.begin >= r.end) {
-            sc.q.row(t).setZero();
-            sc.d_out.row(t).setZero();
-            sc.d[static_cast<std::size_t>(t)] = T(0);
+            copy = true;
             continue;
         }
         all.begin = std::min(all.begin, r.begin);
         all.end = std::max(all.end, r.end);
-        sc.q.row(t) = query.row(row).segment(h * dk, dk);
-        sc.d_out.row(t) = d_out.row(row).segment(h * dv, dv);
-        sc.d[static_cast<std::size_t>(t)] = simd::dot(d_out.data() + row * d_out.outerStride() + h * dv,
-                                                      out.data() + row * out.outerStride() + h * dv,
-                                                      static_cast<std::size_t>(dv));
     }
     if (all.end <= all.begin) all = {0, 0};
-    return all;
+    const T* q0 = query.data() + (b * call.Nq + i0) * query.outerStride() + h * dk;
+    const T* o0 = d_out.data() + (b * call.Nq + i0) * d_out.outerStride() + h * dv;
+    using Map = typename QueryTile<T>::Map;
+    if (!copy)
+        return {Map(q0, rows, dk, Eigen::OuterStride<>(query.outerStride())),
+                Map(o0, rows, dv, Eigen::OuterStride<>(d_out.outerStride())), all};
+    sc.q.resize(rows, dk);
+    sc.d_out.resize(rows, dv);
+    for (int t = 0; t < rows; ++t) {
+        const KeyRange r = sc.range[static_cast<std::size_t>(t)];
+        if (r.begin >= r.end) {
+            sc.q.row(t).setZero();
+            sc.d_out.row(t).setZero();
+            sc.d[static_cast<std::size_t>(t)] = T(0);
+        } else {
+            sc.q.row(t) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(q0 + t * query.outerStride(), dk);
+            sc.d_out.row(t) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(o0 + t * d_out.outerStride(), dv);
+        }
+    }
+    return {Map(sc.q.data(), rows, dk, Eigen::OuterStride<>(dk)),
+            Map(sc.d_out.data(), rows, dv, Eigen::OuterStride<>(dv)), all};
+}
+
+/// One (query tile, key tile) step: P and dS of the tile into sc.s and sc.dp, from Q, dO and
+/// the key tile's K and V (in place).
+template <class T, class KMap>
+inline void backward_tile(const BackwardCall<T>& call, BackwardScratch<T>& sc, const QueryTile<T>& qt, const KMap& kt,
+                          const KMap& vt, Index b, Index h, Index i0, Index k0, int rows, int cols,
+                          unsigned char* seen) {
+    sc.s.resize(rows, cols);
+    sc.dp.resize(rows, cols);
+    sc.s.noalias() = qt.q * kt.transpose();
+    sc.dp.noalias() = qt.d_out * vt.transpose();
+    backward_tile_gradients<T>(call, sc, b, h, i0, k0, rows, cols, seen);
+}
+
+/// dQ of a query tile += dS·K over one key tile, with the keys no row of the tile sees entering
+/// as 0 (their rows may hold anything).
+template <class T, class KMap, class Acc>
+inline void backward_add_dq(BackwardScratch<T>& sc, const KMap& kt, int cols, Acc&& acc) {
+    bool all_seen = true;
+    for (int c = 0; c < cols; ++c) all_seen = all_seen && sc.seen[static_cast<std::size_t>(c)];
+    if (all_seen) {
+        acc.noalias() += sc.dp * kt;
+        return;
+    }
+    sc.k = kt;
+    for (int c = 0; c < cols; ++c)
+        if (!sc.seen[static_cast<std::size_t>(c)]) sc.k.row(c).setZero();
+    acc.noalias() += sc.dp * sc.k;
 }
 
 /// Validates a backward call (everything the forward checks, plus the saved tensors, dO and the
@@ -272,91 +345,58 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
     const Index Nk = B == 0 ? 0 : key.rows() / B;
     constexpr Index tile = gd::kBackwardTile;
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    using KMap = Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>>;
+    using DqMap = Eigen::Map<gd::BackwardTile<T>, 0, Eigen::OuterStride<>>;
 
     gd::BackwardCall<T> call;
     call.mask = &options.mask;
     call.options = &options;
     call.Nq = Nq;
     call.Nk = Nk;
+    call.H = H;
     call.scale = static_cast<T>(options.scale ? *options.scale : 1.0 / std::sqrt(double(dk)));
     call.softcap = options.logit_softcap ? static_cast<T>(*options.logit_softcap) : T(0);
 
     const Index q_blocks = (Nq + tile - 1) / tile, k_blocks = (Nk + tile - 1) / tile;
-    // The sink terms of each (sequence, head, query tile), summed in a fixed order at the end.
-    std::vector<T> sink_terms(d_sinks ? static_cast<std::size_t>(B * H * q_blocks) : 0, T(0));
-    const Index tasks_q = B * H * q_blocks, tasks_k = B * Hkv * k_blocks;
-    const bool parallel = B * H * Nq * Nk * (dk + dv) > (Index(1) << 18);
-    (void)parallel;
+    // D = rowsum(dO ⊙ O) per (row, head): FlashAttention-2's preprocessing step, [B·N_q, H].
+    std::vector<T> row_d(static_cast<std::size_t>(B * Nq * H));
+    call.row_d = row_d.data();
+#ifdef _OPENMP
+    const Index threads = omp_get_max_threads();
+#else
+    const Index threads = 1;
+#endif
+    const bool parallel = threads > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18);
+    // With a task per (sequence, KV head) for every thread, one pass: each task owns its heads'
+    // dQ rows and its keys' dK and dV rows. Otherwise two passes (dQ by query tiles, then dK and
+    // dV by key tiles). Both add the same tile products in the same order (dQ over key tiles,
+    // dK and dV over query heads and tiles, ascending), so the choice changes no bit.
+    const bool one_pass = B * Hkv % threads == 0 || B * Hkv >= 4 * threads;
 
 #ifdef _OPENMP
 #pragma omp parallel if (parallel)
 #endif
     {
         gd::BackwardScratch<T> sc;
-        sc.d.resize(tile);
-        sc.lse.resize(tile);
-        sc.factor_row.resize(tile);
-        sc.range.resize(tile);
-        sc.seen.resize(tile);
-        // Pass 1: dQ (and the sink terms) by (sequence, head, query tile), the last tiles first
-        // (under a causal mask they see the most keys).
 #ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(static)
 #endif
-        for (Index task = 0; task < tasks_q; ++task) {
-            const Index qb = q_blocks - 1 - task % q_blocks, h = (task / q_blocks) % H, b = task / (q_blocks * H);
-            const Index g = h / group, i0 = qb * tile;
-            const int rows = static_cast<int>(std::min(tile, Nq - i0));
-            const gd::KeyRange keys =
-                gd::backward_load_queries<T>(call, sc, query, out, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
-            sc.acc_a.setZero(rows, dk);
-            for (Index k0 = (keys.begin / tile) * tile; k0 < keys.end; k0 += tile) {
-                const int cols = static_cast<int>(std::min(tile, Nk - k0));
-                const Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>> kt(
-                    key.data() + (b * Nk + k0) * key.outerStride() + g * dk, cols, dk,
-                    Eigen::OuterStride<>(key.outerStride()));
-                const Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>> vt(
-                    value.data() + (b * Nk + k0) * value.outerStride() + g * dv, cols, dv,
-                    Eigen::OuterStride<>(value.outerStride()));
-                sc.s.resize(rows, cols);
-                sc.dp.resize(rows, cols);
-                sc.s.noalias() = sc.q * kt.transpose();
-                sc.dp.noalias() = sc.d_out * vt.transpose();
-                std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
-                gd::backward_tile_gradients<T>(call, sc, b, h, i0, k0, rows, cols, sc.seen.data());
-                // Keys no row of the tile sees enter as 0 (their rows may hold anything).
-                sc.k = kt;
-                for (int c = 0; c < cols; ++c)
-                    if (!sc.seen[static_cast<std::size_t>(c)]) sc.k.row(c).setZero();
-                sc.acc_a.noalias() += sc.dp * sc.k;
-            }
-            for (int t = 0; t < rows; ++t) d_query.row(b * Nq + i0 + t).segment(h * dk, dk) = sc.acc_a.row(t);
-            if (d_sinks) {
-                const T sink = options.sinks[static_cast<std::size_t>(h)];
-                T sum = 0;
-                if (sink != kNegInf)
-                    for (int t = 0; t < rows; ++t) {
-                        const T l = log_sum_exp(b * Nq + i0 + t, h);
-                        if (l != kNegInf && sc.d[static_cast<std::size_t>(t)] != T(0))
-                            sum -= std::exp(sink - l) * sc.d[static_cast<std::size_t>(t)];
-                    }
-                sink_terms[static_cast<std::size_t>((b * H + h) * q_blocks + qb)] = sum;
-            }
-        }
-        // Pass 2: dK and dV by (sequence, KV head, key tile) over the group's heads and query tiles.
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (Index task = 0; task < tasks_k; ++task) {
-            const Index kb = task % k_blocks, g = (task / k_blocks) % Hkv, b = task / (k_blocks * Hkv);
+        for (Index row = 0; row < B * Nq; ++row)
+            for (Index h = 0; h < H; ++h)
+                row_d[static_cast<std::size_t>(row * H + h)] =
+                    log_sum_exp(row, h) == kNegInf
+                        ? T(0)
+                        : simd::dot(d_out.data() + row * d_out.outerStride() + h * dv,
+                                    out.data() + row * out.outerStride() + h * dv, static_cast<std::size_t>(dv));
+        // dK and dV of key tile kb of KV head g in sequence b over the group's query heads and
+        // tiles; with dq, also each query tile's dQ += dS·K (the one-pass form).
+        auto key_tile = [&](Index b, Index g, Index kb, bool dq) {
             const Index k0 = kb * tile;
             const int cols = static_cast<int>(std::min(tile, Nk - k0));
-            const Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>> kt(
-                key.data() + (b * Nk + k0) * key.outerStride() + g * dk, cols, dk,
-                Eigen::OuterStride<>(key.outerStride()));
-            const Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>> vt(
-                value.data() + (b * Nk + k0) * value.outerStride() + g * dv, cols, dv,
-                Eigen::OuterStride<>(value.outerStride()));
+            const KMap kt(key.data() + (b * Nk + k0) * key.outerStride() + g * dk, cols, dk,
+                          Eigen::OuterStride<>(key.outerStride()));
+            const KMap vt(value.data() + (b * Nk + k0) * value.outerStride() + g * dv, cols, dv,
+                          Eigen::OuterStride<>(value.outerStride()));
             sc.acc_a.setZero(cols, dk);  // dK
             sc.acc_b.setZero(cols, dv);  // dV
             for (Index h = g * group; h < (g + 1) * group; ++h)
@@ -365,35 +405,85 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                     const int rows = static_cast<int>(std::min(tile, Nq - i0));
                     // Skip query tiles that see none of these keys (the ranges do not depend on h).
                     bool any = false;
-                    for (int t = 0; t < rows && !any; ++t) {
+                    for (int t = rows - 1; t >= 0 && !any; --t) {
                         const gd::KeyRange r = gd::visible_key_range(options.mask, b, i0 + t, Nq, Nk);
-                        any = r.begin < std::min(r.end, k0 + cols) && std::max(r.begin, k0) < r.end;
+                        any = std::max(r.begin, k0) < std::min(r.end, k0 + cols);
                     }
                     if (!any) continue;
-                    const gd::KeyRange keys =
-                        gd::backward_load_queries<T>(call, sc, query, out, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
-                    if (!(keys.begin < k0 + cols && k0 < keys.end)) continue;
-                    sc.s.resize(rows, cols);
-                    sc.dp.resize(rows, cols);
-                    sc.s.noalias() = sc.q * kt.transpose();
-                    sc.dp.noalias() = sc.d_out * vt.transpose();
-                    gd::backward_tile_gradients<T>(call, sc, b, h, i0, k0, rows, cols, nullptr);
-                    sc.acc_b.noalias() += sc.s.transpose() * sc.d_out;
-                    sc.acc_a.noalias() += sc.dp.transpose() * sc.q;
+                    const gd::QueryTile<T> qt =
+                        gd::backward_load_queries<T>(call, sc, query, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
+                    if (!(qt.keys.begin < k0 + cols && k0 < qt.keys.end)) continue;
+                    if (dq) std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
+                    gd::backward_tile<T>(call, sc, qt, kt, vt, b, h, i0, k0, rows, cols, dq ? sc.seen.data() : nullptr);
+                    sc.acc_b.noalias() += sc.s.transpose() * qt.d_out;
+                    sc.acc_a.noalias() += sc.dp.transpose() * qt.q;
+                    if (dq)
+                        gd::backward_add_dq<T>(sc, kt, cols,
+                                               DqMap(d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk,
+                                                     rows, dk, Eigen::OuterStride<>(d_query.outerStride())));
                 }
             for (int c = 0; c < cols; ++c) {
                 d_key.row(b * Nk + k0 + c).segment(g * dk, dk) = sc.acc_a.row(c);
                 d_value.row(b * Nk + k0 + c).segment(g * dv, dv) = sc.acc_b.row(c);
             }
+        };
+        if (one_pass) {
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Index bg = 0; bg < B * Hkv; ++bg) {
+                const Index b = bg / Hkv, g = bg % Hkv;
+                for (Index h = g * group; h < (g + 1) * group; ++h)
+                    for (Index i = 0; i < Nq; ++i) d_query.row(b * Nq + i).segment(h * dk, dk).setZero();
+                for (Index kb = 0; kb < k_blocks; ++kb) key_tile(b, g, kb, true);
+            }
+        } else {
+            // Pass 1: dQ by (sequence, head, query tile), the last tiles first (under a causal
+            // mask they see the most keys).
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+            for (Index task = 0; task < B * H * q_blocks; ++task) {
+                const Index qb = q_blocks - 1 - task % q_blocks, h = (task / q_blocks) % H, b = task / (q_blocks * H);
+                const Index g = h / group, i0 = qb * tile;
+                const int rows = static_cast<int>(std::min(tile, Nq - i0));
+                const gd::QueryTile<T> qt =
+                    gd::backward_load_queries<T>(call, sc, query, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
+                DqMap dq(d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk, rows, dk,
+                         Eigen::OuterStride<>(d_query.outerStride()));
+                dq.setZero();
+                for (Index k0 = (qt.keys.begin / tile) * tile; k0 < qt.keys.end; k0 += tile) {
+                    const int cols = static_cast<int>(std::min(tile, Nk - k0));
+                    const KMap kt(key.data() + (b * Nk + k0) * key.outerStride() + g * dk, cols, dk,
+                                  Eigen::OuterStride<>(key.outerStride()));
+                    const KMap vt(value.data() + (b * Nk + k0) * value.outerStride() + g * dv, cols, dv,
+                                  Eigen::OuterStride<>(value.outerStride()));
+                    std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
+                    gd::backward_tile<T>(call, sc, qt, kt, vt, b, h, i0, k0, rows, cols, sc.seen.data());
+                    gd::backward_add_dq<T>(sc, kt, cols, dq);
+                }
+            }
+            // Pass 2: dK and dV by (sequence, KV head, key tile).
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+            for (Index task = 0; task < B * Hkv * k_blocks; ++task)
+                key_tile(task / (k_blocks * Hkv), (task / k_blocks) % Hkv, task % k_blocks, false);
         }
     }
     if (d_sinks) {
+        // −Σ e^(s_h − lse)·D over the batch and the queries, in row order.
         d_sinks->assign(static_cast<std::size_t>(H), T(0));
-        for (Index b = 0; b < B; ++b)
-            for (Index h = 0; h < H; ++h)
-                for (Index qb = 0; qb < q_blocks; ++qb)
-                    (*d_sinks)[static_cast<std::size_t>(h)] +=
-                        sink_terms[static_cast<std::size_t>((b * H + h) * q_blocks + qb)];
+        for (Index h = 0; h < H; ++h) {
+            const T sink = options.sinks[static_cast<std::size_t>(h)];
+            if (sink == kNegInf) continue;
+            T sum = 0;
+            for (Index row = 0; row < B * Nq; ++row) {
+                const T l = log_sum_exp(row, h), d = row_d[static_cast<std::size_t>(row * H + h)];
+                if (l != kNegInf && d != T(0)) sum -= std::exp(sink - l) * d;
+            }
+            (*d_sinks)[static_cast<std::size_t>(h)] = sum;
+        }
     }
 }
 
