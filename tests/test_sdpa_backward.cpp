@@ -2,7 +2,7 @@
 // The SDPA backward pass: central finite differences of the double forward for every option
 // (masks alone and combined, GQA/MQA, d_v ≠ d_k, sinks and their gradient, softcap, ALiBi);
 // a plain double reference backward written out here (materialised P, textbook formulas)
-// against the float and double paths on shapes that cross the 32-row tiles; NaN in keys no
+// against the float and double paths on shapes that cross the 64-row tiles; NaN in keys no
 // query sees; bitwise thread-count invariance; the error cases, with nothing written.
 
 #include <gtest/gtest.h>
@@ -370,7 +370,7 @@ TEST_P(SdpaBackwardOptions, MatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Options, SdpaBackwardOptions, ::testing::ValuesIn(option_problems()),
                          [](const auto& info) { return info.param.name; });
 
-/// Shapes that cross the 32 × 32 tiles, with the options combined.
+/// Shapes that cross the 64 × 64 tiles, with the options combined.
 std::vector<Problem> tiled_problems() {
     std::vector<Problem> ps;
     Problem p;
@@ -381,8 +381,8 @@ std::vector<Problem> tiled_problems() {
     p.causal = true, p.window = 40, p.sinks = {0.5, -1.0};
     ps.push_back(p);
     p.name = "tiles_everything";
-    p.B = 2, p.Nq = 45, p.Nk = 66, p.H = 4, p.Hkv = 2, p.dk = 8, p.dv = 8;
-    p.causal = true, p.window = 30, p.key_lengths = {66, 50}, p.query_lengths = {45, 40}, p.bool_mask = true,
+    p.B = 2, p.Nq = 70, p.Nk = 90, p.H = 4, p.Hkv = 2, p.dk = 8, p.dv = 8;
+    p.causal = true, p.window = 30, p.key_lengths = {90, 75}, p.query_lengths = {70, 66}, p.bool_mask = true,
     p.bias = true, p.sinks = {0.3, -kInf, 1.5, -0.7}, p.softcap = 3.0, p.alibi = {0.1, 0.05, 0.02, 0.01};
     ps.push_back(p);
     return ps;

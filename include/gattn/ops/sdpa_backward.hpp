@@ -7,7 +7,7 @@
 ///
 /// Algorithm: FlashAttention-2's backward (Dao 2023, "FlashAttention-2: Faster Attention with
 /// Better Parallelism and Work Partitioning", Algorithm 2). The N_q × N_k probabilities are
-/// never stored: each tile of 32 queries × 32 keys recomputes its logits ℓ from Q and K with
+/// never stored: each tile of 64 queries × 64 keys recomputes its logits ℓ from Q and K with
 /// the forward's options, and its probabilities P = e^(ℓ − lse) from the saved log-sum-exp.
 /// With D_i = Σ_c dO_ic·O_ic (rowsum(dO ⊙ O)),
 ///     dP = dO·Vᵀ,   dℓ = P ⊙ (dP − D),   dV = Pᵀ·dO,
@@ -18,8 +18,8 @@
 /// the denominator with no value, so dO·∂O/∂s_h = −P_sink·D with P_sink = e^(s_h − lse):
 ///     ∂L/∂s_h = −Σ_(b,i) e^(s_h − lse_(b,i,h))·D_(b,i,h).
 /// The work runs in two passes, so that every gradient element is written by one task in a
-/// fixed order, with no atomics: dQ (and the sink terms) by (sequence, query head, block of 32
-/// queries) over their visible key blocks, then dK and dV by (sequence, KV head, block of 32
+/// fixed order, with no atomics: dQ (and the sink terms) by (sequence, query head, block of 64
+/// queries) over their visible key blocks, then dK and dV by (sequence, KV head, block of 64
 /// keys) over the group's query heads and query blocks (GQA: dK and dV sum over the group).
 /// Results are bitwise the same for any thread count. The passes recompute P twice: 7 tile
 /// products instead of 5, for no partial sums in memory.
@@ -40,14 +40,35 @@
 GATTN_BEGIN_ISA_NAMESPACE
 namespace detail {
 
-/// Queries and keys per tile of the backward pass. Eigen runs a product whose destination has at
-/// most 32 rows at compile time on the calling thread (never its own parallel GEMM, whose k
-/// blocking, and so rounding, would depend on the thread count).
-inline constexpr int kBackwardTile = 32;
+/// Queries and keys per tile of the backward pass.
+inline constexpr int kBackwardTile = 64;
 
-/// A tile: at most kBackwardTile rows, any columns.
+/// A tile's matrix.
 template <class T>
-using BackwardTile = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor, kBackwardTile, Eigen::Dynamic>;
+using BackwardTile = RowMatrix<T>;
+
+/// dst += lhs·rhs (dst row-major with unit inner stride; lhs and rhs any direct-access
+/// matrices or their transposes), by Eigen's GEMM kernel on the calling thread: Eigen's own
+/// parallel GEMM, which it may start when called from a one-thread team, would block the depth
+/// by the thread count and so round differently.
+template <class Lhs, class Rhs, class Dst>
+inline void gemm_add(const Lhs& lhs, const Rhs& rhs, Dst&& dst) {
+    using D = std::decay_t<Dst>;
+    using T = typename D::Scalar;
+    namespace ei = Eigen::internal;
+    static_assert(static_cast<bool>(D::Flags & Eigen::RowMajorBit) || D::ColsAtCompileTime == 1,
+                  "the destination is row-major");
+    constexpr int kLhs = (Lhs::Flags & Eigen::RowMajorBit) ? Eigen::RowMajor : Eigen::ColMajor;
+    constexpr int kRhs = (Rhs::Flags & Eigen::RowMajorBit) ? Eigen::RowMajor : Eigen::ColMajor;
+    const Index m = dst.rows(), n = dst.cols(), k = lhs.cols();
+    GATTN_DEBUG_ASSERT(lhs.rows() == m && rhs.rows() == k && rhs.cols() == n);
+    if (m == 0 || n == 0 || k == 0) return;
+    ei::gemm_blocking_space<Eigen::RowMajor, T, T, Eigen::Dynamic, Eigen::Dynamic, Eigen::Dynamic> blocking(m, n, k, 1,
+                                                                                                            true);
+    ei::general_matrix_matrix_product<Index, T, kLhs, false, T, kRhs, false, Eigen::RowMajor, 1>::run(
+        m, n, k, lhs.data(), lhs.outerStride(), rhs.data(), rhs.outerStride(), dst.data(), 1, dst.outerStride(), T(1),
+        blocking, nullptr);
+}
 
 /// One thread's scratch for the backward tiles.
 template <class T>
@@ -219,10 +240,10 @@ template <class T, class KMap>
 inline void backward_tile(const BackwardCall<T>& call, BackwardScratch<T>& sc, const QueryTile<T>& qt, const KMap& kt,
                           const KMap& vt, Index b, Index h, Index i0, Index k0, int rows, int cols,
                           unsigned char* seen) {
-    sc.s.resize(rows, cols);
-    sc.dp.resize(rows, cols);
-    sc.s.noalias() = qt.q * kt.transpose();
-    sc.dp.noalias() = qt.d_out * vt.transpose();
+    sc.s.setZero(rows, cols);
+    sc.dp.setZero(rows, cols);
+    gemm_add(qt.q, kt.transpose(), sc.s);
+    gemm_add(qt.d_out, vt.transpose(), sc.dp);
     backward_tile_gradients<T>(call, sc, b, h, i0, k0, rows, cols, seen);
 }
 
@@ -233,13 +254,13 @@ inline void backward_add_dq(BackwardScratch<T>& sc, const KMap& kt, int cols, Ac
     bool all_seen = true;
     for (int c = 0; c < cols; ++c) all_seen = all_seen && sc.seen[static_cast<std::size_t>(c)];
     if (all_seen) {
-        acc.noalias() += sc.dp * kt;
+        gemm_add(sc.dp, kt, acc);
         return;
     }
     sc.k = kt;
     for (int c = 0; c < cols; ++c)
         if (!sc.seen[static_cast<std::size_t>(c)]) sc.k.row(c).setZero();
-    acc.noalias() += sc.dp * sc.k;
+    gemm_add(sc.dp, sc.k, acc);
 }
 
 /// Validates a backward call (everything the forward checks, plus the saved tensors, dO and the
@@ -300,8 +321,8 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 /// for the formulas, the softcap's chain 1 − (cap(x)/c)² and the sinks' −Σ e^(s − lse)·D).
 /// Every option of the forward is differentiated: scale, every mask and their compositions,
 /// GQA/MQA (dK and dV sum over each KV head's query heads), d_v ≠ d_k, sinks, logit softcap,
-/// ALiBi. The probabilities are recomputed per 32 × 32 tile from the saved log-sum-exp: extra
-/// memory is a few tiles per thread, plus H·⌈N_q/32⌉·B values when d_sinks is requested.
+/// ALiBi. The probabilities are recomputed per 64 × 64 tile from the saved log-sum-exp: extra
+/// memory is a few tiles per thread, plus D = rowsum(dO ⊙ O): B·N_q·H values, as many as the log-sum-exp.
 ///
 /// \param query, key, value, heads as given to the forward call.
 /// \param out          [B·N_q, H·d_v]: the forward's output.
@@ -313,7 +334,7 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 /// \param options      the forward call's options.
 /// \param d_sinks      optional [H] output, resized and written: ∂L/∂options.sinks (summed over
 ///                     the batch and the queries). Only with sinks.
-/// A key that no query of a 32-query tile sees (a mask hides it from all of them) is not read
+/// A key that no query of a 64-query tile sees (a mask hides it from all of them) is not read
 /// into that tile's gradients: NaN in unused cache slots does not leak. Masks and the bias get
 /// no gradient. Non-finite values in query, key, value, out or log_sum_exp propagate.
 /// \throws shape_error when an argument's shape disagrees with the others (what the forward
@@ -415,8 +436,8 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                     if (!(qt.keys.begin < k0 + cols && k0 < qt.keys.end)) continue;
                     if (dq) std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
                     gd::backward_tile<T>(call, sc, qt, kt, vt, b, h, i0, k0, rows, cols, dq ? sc.seen.data() : nullptr);
-                    sc.acc_b.noalias() += sc.s.transpose() * qt.d_out;
-                    sc.acc_a.noalias() += sc.dp.transpose() * qt.q;
+                    gd::gemm_add(sc.s.transpose(), qt.d_out, sc.acc_b);
+                    gd::gemm_add(sc.dp.transpose(), qt.q, sc.acc_a);
                     if (dq)
                         gd::backward_add_dq<T>(sc, kt, cols,
                                                DqMap(d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk,
