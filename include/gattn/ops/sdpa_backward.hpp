@@ -17,12 +17,13 @@
 /// (ALiBi and the bias add constants: they change P, not the chain). A learned sink s_h joins
 /// the denominator with no value, so dO·∂O/∂s_h = −P_sink·D with P_sink = e^(s_h − lse):
 ///     ∂L/∂s_h = −Σ_(b,i) e^(s_h − lse_(b,i,h))·D_(b,i,h).
-/// The work runs in two passes, so that every gradient element is written by one task in a
-/// fixed order, with no atomics: dQ (and the sink terms) by (sequence, query head, block of 64
-/// queries) over their visible key blocks, then dK and dV by (sequence, KV head, block of 64
-/// keys) over the group's query heads and query blocks (GQA: dK and dV sum over the group).
-/// Results are bitwise the same for any thread count. The passes recompute P twice: 7 tile
-/// products instead of 5, for no partial sums in memory.
+/// No atomics: every gradient element is written by one task in a fixed order. When there is
+/// a task per (sequence, KV head) for every thread, each such task walks its key tiles, adds
+/// dK and dV of the tile over the group's query heads and tiles (GQA: dK and dV sum over the
+/// group), and adds each query tile's dQ += dS·K as it goes (5 tile products). Otherwise two
+/// passes: dQ by (sequence, query head, query tile) over its visible key tiles, then dK and dV
+/// by (sequence, KV head, key tile), recomputing P (7 products). Both add the same products
+/// in the same order, so the gradients are bitwise the same for any thread count.
 
 #include <algorithm>
 #include <cmath>
@@ -56,8 +57,7 @@ inline void gemm_add(const Lhs& lhs, const Rhs& rhs, Dst&& dst) {
     using D = std::decay_t<Dst>;
     using T = typename D::Scalar;
     namespace ei = Eigen::internal;
-    static_assert(static_cast<bool>(D::Flags & Eigen::RowMajorBit) || D::ColsAtCompileTime == 1,
-                  "the destination is row-major");
+    static_assert(static_cast<bool>(D::Flags & Eigen::RowMajorBit), "the destination is row-major");
     constexpr int kLhs = (Lhs::Flags & Eigen::RowMajorBit) ? Eigen::RowMajor : Eigen::ColMajor;
     constexpr int kRhs = (Rhs::Flags & Eigen::RowMajorBit) ? Eigen::RowMajor : Eigen::ColMajor;
     const Index m = dst.rows(), n = dst.cols(), k = lhs.cols();
