@@ -393,7 +393,7 @@ class SdpaBackwardTiles : public ::testing::TestWithParam<Problem> {};
 // The reference against the double path (rounding only: 1e-12 relative) and the float path.
 // float: inputs are exact in float; the forward's logits, exp and the tile products round at
 // ε = 6e-8 relative per operation over sums of ~100 terms of both signs, and dℓ = P·(dP − D)
-// cancels where dP ≈ D. The worst seen is 4.6e-7 of the tensor's largest gradient (tiles_plain,
+// cancels where dP ≈ D. The worst seen is 4.0e-7 of the tensor's largest gradient (tiles_plain,
 // dQ); the bound, 5e-6, leaves 10×.
 TEST_P(SdpaBackwardTiles, MatchesTheReference) {
     const Problem& p = GetParam();

@@ -322,7 +322,8 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 /// Every option of the forward is differentiated: scale, every mask and their compositions,
 /// GQA/MQA (dK and dV sum over each KV head's query heads), d_v ≠ d_k, sinks, logit softcap,
 /// ALiBi. The probabilities are recomputed per 64 × 64 tile from the saved log-sum-exp: extra
-/// memory is a few tiles per thread, plus D = rowsum(dO ⊙ O): B·N_q·H values, as many as the log-sum-exp.
+/// memory is a few tiles per thread, plus D = rowsum(dO ⊙ O), B·N_q·H values (as many as the
+/// log-sum-exp).
 ///
 /// \param query, key, value, heads as given to the forward call.
 /// \param out          [B·N_q, H·d_v]: the forward's output.
@@ -344,8 +345,9 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 ///         d_sinks given without sinks or being options.sinks. Nothing is written before
 ///         validation passes.
 /// Scalar: float or double; everything runs in Scalar. Compiled with OpenMP, the work is split
-/// over (sequence, head, query tile) and then (sequence, KV head, key tile) tasks; the
-/// gradients are bitwise the same for any thread count.
+/// over (sequence, KV head) tasks when there are enough of them for the threads, else over
+/// (sequence, head, query tile) and then (sequence, KV head, key tile) tasks; the gradients are
+/// bitwise the same for any thread count.
 template <class Scalar>
 void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
                                            ConstMatrixRef<Scalar> value, const HeadLayout& heads,
