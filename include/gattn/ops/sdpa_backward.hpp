@@ -389,7 +389,7 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
 #else
     const Index threads = 1;
 #endif
-    const bool parallel = threads > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18);
+    [[maybe_unused]] const bool parallel = threads > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18);
     // With a task per (sequence, KV head) for every thread, one pass: each task owns its heads'
     // dQ rows and its keys' dK and dV rows. Otherwise two passes (dQ by query tiles, then dK and
     // dV by key tiles). Both add the same tile products in the same order (dQ over key tiles,
