@@ -13,6 +13,10 @@
 // cost = variant time / plain time − 1, for prefill (N_q = N_k) and decoding (N_q = 1); bf16
 // variants run the bf16 kernels on the same inputs rounded.
 //
+// BM_SdpaBackward runs the forward (with its log-sum-exp) and the backward pass in turn in every
+// iteration: GFLOP/s of the backward counts its five products, 10·N²·d per head (half for
+// causal), and bwd_vs_fwd = backward time / forward time.
+//
 // Run: build/bench/bench/bench_sdpa --benchmark_counters_tabular=true
 // Threads: the benchmarks with /threads:2 set omp_set_num_threads(2) (needs an OpenMP build).
 
@@ -169,6 +173,43 @@ void BM_GattnVsCareful(benchmark::State& state) {
     state.counters["careful_GFLOP/s"] = flops / t_careful / 1e9;
     state.counters["speedup"] = t_careful / t_gattn;
     state.SetLabel(gattn::simd::arch_name());
+}
+
+/// The forward (with its log-sum-exp) and the backward pass of SDPA in turn within every
+/// iteration, float, kBackwardHeads heads. Args: N (= N_q = N_k), d, causal, threads. Counters:
+/// GFLOP/s of the backward (10·N²·d per head: QKᵀ, dO·Vᵀ, dS·K, dSᵀ·Q, Pᵀ·dO; half for
+/// causal), bwd_vs_fwd = backward time / forward time, and each one's milliseconds.
+constexpr gattn::Index kBackwardHeads = 2;
+void BM_SdpaBackward(benchmark::State& state) {
+    const gattn::Index n = state.range(0), d = state.range(1), h = kBackwardHeads;
+    const bool causal = state.range(2) != 0;
+    set_threads(static_cast<int>(state.range(3)));
+    const Matrix q = Matrix::Random(n, h * d), k = Matrix::Random(n, h * d), v = Matrix::Random(n, h * d);
+    const Matrix d_out = Matrix::Random(n, h * d);
+    Matrix out(n, h * d), lse, dq(n, h * d), dk(n, h * d), dv(n, h * d);
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = causal;
+    gattn::SdpaOutputs<float> extra;
+    extra.log_sum_exp = &lse;
+    const gattn::HeadLayout heads{1, h, h};
+    const auto [t_fwd, t_bwd] = time_in_turn(
+        state,
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, k, v, heads, out, opt, extra);
+            benchmark::DoNotOptimize(out.data());
+        },
+        [&] {
+            gattn::scaled_dot_product_attention_backward<float>(q, k, v, heads, out, lse, d_out, dq, dk, dv, opt);
+            benchmark::DoNotOptimize(dq.data());
+        });
+    const double iterations = static_cast<double>(state.iterations());
+    const double flops = 10.0 * double(n) * double(n) * double(d) * double(h) * (causal ? 0.5 : 1.0);
+    state.counters["GFLOP/s"] = flops * iterations / t_bwd / 1e9;
+    state.counters["bwd_vs_fwd"] = t_bwd / t_fwd;
+    state.counters["fwd_ms"] = 1e3 * t_fwd / iterations;
+    state.counters["bwd_ms"] = 1e3 * t_bwd / iterations;
+    state.SetLabel(gattn::simd::arch_name());
+    set_threads(1);
 }
 
 /// The bf16 kernel limit a benchmark's argument names: 0 none (the fastest this CPU and build
@@ -518,6 +559,12 @@ BENCHMARK(BM_GattnVsCareful)
     ->Args({2048, 128, 1})
     ->ArgNames({"N", "d", "causal"})
     ->MinTime(3.0)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_SdpaBackward)
+    ->ArgsProduct({{512, 2048, 8192}, {64, 128}, {0, 1}, {1, 2}})
+    ->ArgNames({"N", "d", "causal", "threads"})
+    ->MinTime(0.5)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Bf16VsFloat)

@@ -21,6 +21,7 @@
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
+#include "gattn/ops/sdpa_backward.hpp"
 #include "gattn/simd/cpu.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/threads.hpp"

@@ -1,0 +1,598 @@
+// SPDX-License-Identifier: Apache-2.0
+// The SDPA backward pass: central finite differences of the double forward for every option
+// (masks alone and combined, GQA/MQA, d_v ≠ d_k, sinks and their gradient, softcap, ALiBi);
+// a plain double reference backward written out here (materialised P, textbook formulas)
+// against the float and double paths on shapes that cross the 64-row tiles; NaN in keys no
+// query sees; bitwise thread-count invariance; the error cases, with nothing written.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "gattn/ops/sdpa.hpp"
+#include "gattn/ops/sdpa_backward.hpp"
+#include "gattn/threads.hpp"
+#include "support/compare.hpp"
+
+namespace {
+
+using gattn::Index;
+using Mat = gattn::RowMatrix<double>;
+constexpr double kInf = std::numeric_limits<double>::infinity();
+
+/// One attention problem: shapes and every option, in double (cast for float).
+struct Problem {
+    std::string name;
+    Index B = 2, Nq = 5, Nk = 7, H = 4, Hkv = 2, dk = 3, dv = 4;
+    std::optional<double> scale;
+    bool causal = false;
+    gattn::CausalAlignment alignment = gattn::CausalAlignment::BottomRight;
+    std::vector<Index> query_offsets, key_lengths, query_lengths;
+    std::optional<Index> window;
+    bool bool_mask = false;  // [B, 1, 1, N_k] hiding the first key of sequence 1, and a few per row
+    bool bias = false;       // [B, H, N_q, N_k] random, with some −∞
+    std::vector<double> sinks, alibi;
+    std::optional<double> softcap;
+};
+
+/// GoogleTest prints a problem by its name.
+void PrintTo(const Problem& p, std::ostream* os) { *os << p.name; }
+
+/// The masks and tensors of a problem.
+struct Data {
+    Mat q, k, v, d_out;
+    std::vector<char> bool_store;  // as bool below
+    std::vector<double> bias_store;
+    Index bool_heads = 1, bool_queries = 1;
+};
+
+Data make_data(const Problem& p, std::uint64_t seed) {
+    Data d;
+    d.q = gattn_test::random_matrix(p.B * p.Nq, p.H * p.dk, seed, 1.5);
+    d.k = gattn_test::random_matrix(p.B * p.Nk, p.Hkv * p.dk, seed + 1, 1.5);
+    d.v = gattn_test::random_matrix(p.B * p.Nk, p.Hkv * p.dv, seed + 2);
+    d.d_out = gattn_test::random_matrix(p.B * p.Nq, p.H * p.dv, seed + 3);
+    if (p.bool_mask) {
+        d.bool_heads = p.H;
+        d.bool_queries = p.Nq;
+        d.bool_store.assign(static_cast<std::size_t>(p.B * p.H * p.Nq * p.Nk), 1);
+        gattn_test::UniformSource src(seed + 4);
+        for (auto& x : d.bool_store) x = src.next(1.0) > -0.6;  // about 20 % hidden
+    }
+    if (p.bias) {
+        d.bias_store.resize(static_cast<std::size_t>(p.B * p.H * p.Nq * p.Nk));
+        gattn_test::UniformSource src(seed + 5);
+        for (auto& x : d.bias_store) {
+            x = src.next(1.0);
+            if (x > 0.8) x = -kInf;
+        }
+    }
+    return d;
+}
+
+template <class S>
+gattn::SdpaOptions<S> options_of(const Problem& p, const Data& d, std::vector<S>& bias_cast) {
+    gattn::SdpaOptions<S> o;
+    o.scale = p.scale;
+    o.mask.causal = p.causal;
+    o.mask.alignment = p.alignment;
+    o.mask.query_offsets = p.query_offsets;
+    o.mask.key_lengths = p.key_lengths;
+    o.mask.query_lengths = p.query_lengths;
+    o.mask.sliding_window = p.window;
+    if (p.bool_mask) {
+        o.mask.bool_mask.data = reinterpret_cast<const bool*>(d.bool_store.data());
+        o.mask.bool_mask.batch = p.B;
+        o.mask.bool_mask.heads = d.bool_heads;
+        o.mask.bool_mask.query_len = d.bool_queries;
+        o.mask.bool_mask.key_len = p.Nk;
+    }
+    if (p.bias) {
+        bias_cast.assign(d.bias_store.begin(), d.bias_store.end());
+        o.mask.bias = {bias_cast.data(), p.B, p.H, p.Nq, p.Nk};
+    }
+    o.sinks.assign(p.sinks.begin(), p.sinks.end());
+    o.alibi_slopes.assign(p.alibi.begin(), p.alibi.end());
+    o.logit_softcap = p.softcap;
+    return o;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The reference: the textbook forward and backward in double with the N_q × N_k matrices
+// materialised, the masks written from their definitions (docs/conventions.md, "Masks").
+
+struct Reference {
+    Mat out, lse, dq, dk, dv;
+    std::vector<double> d_sinks;
+};
+
+bool visible(const Problem& p, const Data& d, Index b, Index h, Index i, Index j) {
+    const Index L = p.key_lengths.empty() ? p.Nk : p.key_lengths[b];
+    const Index Q = p.query_lengths.empty() ? p.Nq : p.query_lengths[b];
+    if (i >= Q || j >= L) return false;
+    Index pos = i + (L - Q);
+    if (p.alignment == gattn::CausalAlignment::TopLeft) pos = i;
+    if (!p.query_offsets.empty()) pos = p.query_offsets[b] + i;
+    if (p.causal && j > pos) return false;
+    if (p.window) {
+        const Index w = *p.window;
+        if (!(pos - w < j)) return false;
+        if (!p.causal && !(j < pos + w)) return false;
+    }
+    const std::size_t e = static_cast<std::size_t>(((b * p.H + h) * p.Nq + i) * p.Nk + j);
+    if (p.bool_mask && !d.bool_store[e]) return false;
+    if (p.bias && d.bias_store[e] == -kInf) return false;
+    return true;
+}
+
+/// Position of query i among the keys (for ALiBi).
+Index position(const Problem& p, Index b, Index i) {
+    const Index L = p.key_lengths.empty() ? p.Nk : p.key_lengths[b];
+    const Index Q = p.query_lengths.empty() ? p.Nq : p.query_lengths[b];
+    if (!p.query_offsets.empty()) return p.query_offsets[b] + i;
+    return p.alignment == gattn::CausalAlignment::TopLeft ? i : i + (L - Q);
+}
+
+Reference reference(const Problem& p, const Data& d) {
+    Reference r;
+    r.out = Mat::Zero(p.B * p.Nq, p.H * p.dv);
+    r.lse = Mat::Zero(p.B * p.Nq, p.H);
+    r.dq = Mat::Zero(p.B * p.Nq, p.H * p.dk);
+    r.dk = Mat::Zero(p.B * p.Nk, p.Hkv * p.dk);
+    r.dv = Mat::Zero(p.B * p.Nk, p.Hkv * p.dv);
+    r.d_sinks.assign(static_cast<std::size_t>(p.H), 0.0);
+    const double scale = p.scale ? *p.scale : 1.0 / std::sqrt(double(p.dk));
+    const Index group = p.H / p.Hkv;
+    for (Index b = 0; b < p.B; ++b)
+        for (Index h = 0; h < p.H; ++h) {
+            const Index g = h / group;
+            Mat logit = Mat::Constant(p.Nq, p.Nk, -kInf), dlogit_dx = Mat::Ones(p.Nq, p.Nk);
+            for (Index i = 0; i < p.Nq; ++i)
+                for (Index j = 0; j < p.Nk; ++j) {
+                    if (!visible(p, d, b, h, i, j)) continue;
+                    double x = 0;
+                    for (Index c = 0; c < p.dk; ++c)
+                        x += d.q(b * p.Nq + i, h * p.dk + c) * d.k(b * p.Nk + j, g * p.dk + c);
+                    x *= scale;
+                    if (p.softcap) {
+                        const double t = std::tanh(x / *p.softcap);
+                        x = *p.softcap * t;
+                        dlogit_dx(i, j) = 1 - t * t;
+                    }
+                    if (!p.alibi.empty()) x -= p.alibi[h] * double(std::abs(position(p, b, i) - j));
+                    if (p.bias) x += d.bias_store[static_cast<std::size_t>(((b * p.H + h) * p.Nq + i) * p.Nk + j)];
+                    logit(i, j) = x;
+                }
+            const double sink = p.sinks.empty() ? -kInf : p.sinks[h];
+            for (Index i = 0; i < p.Nq; ++i) {
+                const Index row = b * p.Nq + i;
+                double m = sink;
+                for (Index j = 0; j < p.Nk; ++j) m = std::max(m, logit(i, j));
+                if (m == -kInf) {
+                    r.lse(row, h) = -kInf;
+                    continue;
+                }
+                double z = std::exp(sink - m);
+                for (Index j = 0; j < p.Nk; ++j) z += std::exp(logit(i, j) - m);
+                const double lse = m + std::log(z);
+                r.lse(row, h) = lse;
+                std::vector<double> P(static_cast<std::size_t>(p.Nk)), dP(static_cast<std::size_t>(p.Nk));
+                for (Index j = 0; j < p.Nk; ++j) P[j] = std::exp(logit(i, j) - lse);
+                for (Index j = 0; j < p.Nk; ++j)
+                    for (Index c = 0; c < p.dv; ++c) r.out(row, h * p.dv + c) += P[j] * d.v(b * p.Nk + j, g * p.dv + c);
+                double D = 0;
+                for (Index c = 0; c < p.dv; ++c) D += d.d_out(row, h * p.dv + c) * r.out(row, h * p.dv + c);
+                if (sink != -kInf) r.d_sinks[h] -= std::exp(sink - lse) * D;
+                for (Index j = 0; j < p.Nk; ++j) {
+                    if (P[j] == 0) continue;
+                    double dp = 0;
+                    for (Index c = 0; c < p.dv; ++c) dp += d.d_out(row, h * p.dv + c) * d.v(b * p.Nk + j, g * p.dv + c);
+                    const double dx = P[j] * (dp - D) * dlogit_dx(i, j) * scale;
+                    for (Index c = 0; c < p.dk; ++c) {
+                        r.dq(row, h * p.dk + c) += dx * d.k(b * p.Nk + j, g * p.dk + c);
+                        r.dk(b * p.Nk + j, g * p.dk + c) += dx * d.q(row, h * p.dk + c);
+                    }
+                    for (Index c = 0; c < p.dv; ++c)
+                        r.dv(b * p.Nk + j, g * p.dv + c) += P[j] * d.d_out(row, h * p.dv + c);
+                }
+            }
+        }
+    return r;
+}
+
+/// gattn's forward and backward in S.
+template <class S>
+struct Result {
+    gattn::RowMatrix<S> out, lse, dq, dk, dv;
+    std::vector<S> d_sinks;
+};
+
+template <class S>
+Result<S> run_gattn(const Problem& p, const Data& d) {
+    std::vector<S> bias_cast;
+    const gattn::SdpaOptions<S> o = options_of<S>(p, d, bias_cast);
+    const gattn::HeadLayout heads{p.B, p.H, p.Hkv};
+    const gattn::RowMatrix<S> q = d.q.cast<S>(), k = d.k.cast<S>(), v = d.v.cast<S>(), d_out = d.d_out.cast<S>();
+    Result<S> r;
+    r.out.resize(p.B * p.Nq, p.H * p.dv);
+    gattn::SdpaOutputs<S> extra;
+    extra.log_sum_exp = &r.lse;
+    gattn::scaled_dot_product_attention<S>(q, k, v, heads, r.out, o, extra);
+    r.dq.setConstant(q.rows(), q.cols(), S(-777));
+    r.dk.setConstant(k.rows(), k.cols(), S(-777));
+    r.dv.setConstant(v.rows(), v.cols(), S(-777));
+    gattn::scaled_dot_product_attention_backward<S>(q, k, v, heads, r.out, r.lse, d_out, r.dq, r.dk, r.dv, o,
+                                                    p.sinks.empty() ? nullptr : &r.d_sinks);
+    return r;
+}
+
+/// L = Σ d_out ⊙ out, by gattn's double forward.
+double loss(const Problem& p, const Data& d) {
+    std::vector<double> bias_cast;
+    const gattn::SdpaOptions<double> o = options_of<double>(p, d, bias_cast);
+    Mat out(p.B * p.Nq, p.H * p.dv);
+    gattn::scaled_dot_product_attention<double>(d.q, d.k, d.v, {p.B, p.H, p.Hkv}, out, o);
+    return (out.array() * d.d_out.array()).sum();
+}
+
+/// max |a − b| / max |b| over a tensor (b the finite-difference or reference value).
+double relative_error(const Mat& a, const Mat& b) {
+    const double scale = std::max(b.cwiseAbs().maxCoeff(), 1e-300);
+    return (a - b).cwiseAbs().maxCoeff() / scale;
+}
+
+/// Central differences of the loss in every element of m (a member of Data).
+Mat finite_differences(const Problem& p, Data& d, Mat Data::*m) {
+    const double step = 1e-5;
+    Mat& x = d.*m;
+    Mat grad(x.rows(), x.cols());
+    for (Index r = 0; r < x.rows(); ++r)
+        for (Index c = 0; c < x.cols(); ++c) {
+            const double keep = x(r, c);
+            x(r, c) = keep + step;
+            const double up = loss(p, d);
+            x(r, c) = keep - step;
+            const double down = loss(p, d);
+            x(r, c) = keep;
+            grad(r, c) = (up - down) / (2 * step);
+        }
+    return grad;
+}
+
+std::vector<Problem> option_problems() {
+    std::vector<Problem> ps;
+    auto add = [&](const std::string& name, auto edit) {
+        Problem p;
+        p.name = name;
+        edit(p);
+        ps.push_back(p);
+    };
+    add("plain", [](Problem&) {});
+    add("scale", [](Problem& p) { p.scale = 0.9; });
+    add("mha_dv_equal", [](Problem& p) {
+        p.Hkv = 4;
+        p.dv = 3;
+    });
+    add("mqa", [](Problem& p) { p.Hkv = 1; });
+    add("causal_bottom_right", [](Problem& p) { p.causal = true; });
+    add("causal_top_left", [](Problem& p) {
+        p.causal = true;
+        p.alignment = gattn::CausalAlignment::TopLeft;
+    });
+    add("causal_offsets", [](Problem& p) {
+        p.causal = true;
+        p.query_offsets = {0, 3};
+    });
+    add("window", [](Problem& p) { p.window = 2; });
+    add("causal_window", [](Problem& p) {
+        p.causal = true;
+        p.window = 3;
+    });
+    add("key_query_lengths", [](Problem& p) {
+        p.key_lengths = {7, 4};
+        p.query_lengths = {5, 3};
+        p.causal = true;
+    });
+    add("bool_mask", [](Problem& p) { p.bool_mask = true; });
+    add("bias", [](Problem& p) { p.bias = true; });
+    add("sinks", [](Problem& p) { p.sinks = {0.3, -kInf, 1.5, -0.7}; });
+    add("softcap", [](Problem& p) {
+        p.softcap = 1.2;
+        p.scale = 1.0;
+    });
+    add("alibi", [](Problem& p) { p.alibi = {0.5, 0.25, 0.125, 0.0625}; });
+    add("everything", [](Problem& p) {
+        p.causal = true;
+        p.query_offsets = {1, 2};
+        p.window = 4;
+        p.key_lengths = {7, 6};
+        p.bool_mask = true;
+        p.bias = true;
+        p.sinks = {0.3, -kInf, 1.5, -0.7};
+        p.softcap = 2.0;
+        p.alibi = {0.5, 0.25, 0.125, 0.0625};
+        p.Hkv = 1;
+    });
+    return ps;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+class SdpaBackwardOptions : public ::testing::TestWithParam<Problem> {};
+
+// Every option: gattn's double backward and the written-out reference both agree with central
+// differences of gattn's double forward (step 1e-5: truncation and rounding ≈ 1e-10 relative)
+// within 1e-6 relative to the tensor's largest gradient.
+TEST_P(SdpaBackwardOptions, MatchesFiniteDifferences) {
+    const Problem& p = GetParam();
+    Data d = make_data(p, 91);
+    const Result<double> g = run_gattn<double>(p, d);
+    const Reference ref = reference(p, d);
+    EXPECT_LT(relative_error(g.out, ref.out), 1e-12) << p.name << ": the reference forward";
+
+    const Mat fd_q = finite_differences(p, d, &Data::q);
+    const Mat fd_k = finite_differences(p, d, &Data::k);
+    const Mat fd_v = finite_differences(p, d, &Data::v);
+    EXPECT_LT(relative_error(g.dq, fd_q), 1e-6) << p.name << ": dQ";
+    EXPECT_LT(relative_error(g.dk, fd_k), 1e-6) << p.name << ": dK";
+    EXPECT_LT(relative_error(g.dv, fd_v), 1e-6) << p.name << ": dV";
+    EXPECT_LT(relative_error(ref.dq, fd_q), 1e-6) << p.name << ": reference dQ";
+    EXPECT_LT(relative_error(ref.dk, fd_k), 1e-6) << p.name << ": reference dK";
+    EXPECT_LT(relative_error(ref.dv, fd_v), 1e-6) << p.name << ": reference dV";
+    EXPECT_GT(fd_q.cwiseAbs().maxCoeff(), 1e-3) << p.name << ": the gradients are not all 0";
+    if (!p.sinks.empty()) {
+        ASSERT_EQ(g.d_sinks.size(), p.sinks.size());
+        double largest = 0;
+        std::vector<double> fd(p.sinks.size());
+        for (std::size_t h = 0; h < p.sinks.size(); ++h) {
+            if (p.sinks[h] == -kInf) continue;
+            Problem up = p, down = p;
+            up.sinks[h] += 1e-5;
+            down.sinks[h] -= 1e-5;
+            fd[h] = (loss(up, d) - loss(down, d)) / 2e-5;
+            largest = std::max(largest, std::abs(fd[h]));
+        }
+        for (std::size_t h = 0; h < p.sinks.size(); ++h) {
+            EXPECT_LE(std::abs(g.d_sinks[h] - fd[h]), 1e-6 * largest) << p.name << ": d_sinks[" << h << "]";
+            EXPECT_LE(std::abs(ref.d_sinks[h] - fd[h]), 1e-6 * largest) << p.name << ": reference d_sinks[" << h << "]";
+        }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Options, SdpaBackwardOptions, ::testing::ValuesIn(option_problems()),
+                         [](const auto& info) { return info.param.name; });
+
+/// Shapes that cross the 64 × 64 tiles, with the options combined.
+std::vector<Problem> tiled_problems() {
+    std::vector<Problem> ps;
+    Problem p;
+    p.name = "tiles_plain";
+    p.B = 1, p.Nq = 70, p.Nk = 101, p.H = 2, p.Hkv = 1, p.dk = 16, p.dv = 24;
+    ps.push_back(p);
+    p.name = "tiles_causal_window_sinks";
+    p.causal = true, p.window = 40, p.sinks = {0.5, -1.0};
+    ps.push_back(p);
+    p.name = "tiles_everything";
+    p.B = 2, p.Nq = 70, p.Nk = 90, p.H = 4, p.Hkv = 2, p.dk = 8, p.dv = 8;
+    p.causal = true, p.window = 30, p.key_lengths = {90, 75}, p.query_lengths = {70, 66}, p.bool_mask = true,
+    p.bias = true, p.sinks = {0.3, -kInf, 1.5, -0.7}, p.softcap = 3.0, p.alibi = {0.1, 0.05, 0.02, 0.01};
+    ps.push_back(p);
+    return ps;
+}
+
+class SdpaBackwardTiles : public ::testing::TestWithParam<Problem> {};
+
+// The reference against the double path (rounding only: 1e-12 relative) and the float path.
+// float: inputs are exact in float; the forward's logits, exp and the tile products round at
+// ε = 6e-8 relative per operation over sums of ~100 terms of both signs, and dℓ = P·(dP − D)
+// cancels where dP ≈ D. The worst seen is 4.0e-7 of the tensor's largest gradient (tiles_plain,
+// dQ); the bound, 5e-6, leaves 10×.
+TEST_P(SdpaBackwardTiles, MatchesTheReference) {
+    const Problem& p = GetParam();
+    Data d = make_data(p, 17);
+    const Reference ref = reference(p, d);
+    const Result<double> g = run_gattn<double>(p, d);
+    EXPECT_LT(relative_error(g.dq, ref.dq), 1e-12) << p.name;
+    EXPECT_LT(relative_error(g.dk, ref.dk), 1e-12) << p.name;
+    EXPECT_LT(relative_error(g.dv, ref.dv), 1e-12) << p.name;
+    const Result<float> f = run_gattn<float>(p, d);
+    EXPECT_LT(relative_error(f.dq.cast<double>(), ref.dq), 5e-6) << p.name;
+    EXPECT_LT(relative_error(f.dk.cast<double>(), ref.dk), 5e-6) << p.name;
+    EXPECT_LT(relative_error(f.dv.cast<double>(), ref.dv), 5e-6) << p.name;
+    if (!p.sinks.empty()) {
+        double largest = 0;
+        for (double x : ref.d_sinks) largest = std::max(largest, std::abs(x));
+        for (std::size_t h = 0; h < p.sinks.size(); ++h) {
+            EXPECT_LE(std::abs(g.d_sinks[h] - ref.d_sinks[h]), 1e-12 * largest) << p.name;
+            EXPECT_LE(std::abs(f.d_sinks[h] - ref.d_sinks[h]), 5e-6 * largest) << p.name;
+        }
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiles, SdpaBackwardTiles, ::testing::ValuesIn(tiled_problems()),
+                         [](const auto& info) { return info.param.name; });
+
+// Keys that no query sees (left padding by the boolean mask, keys past the key lengths) may
+// hold NaN: they are never read into a gradient, and their own dK and dV are 0.
+TEST(SdpaBackward, NaNInKeysNoQuerySeesDoesNotLeak) {
+    Problem p;
+    p.B = 2, p.Nq = 40, p.Nk = 70, p.H = 2, p.Hkv = 1, p.dk = 8, p.dv = 8, p.key_lengths = {70, 60};
+    p.bool_mask = true;
+    Data d = make_data(p, 5);
+    // The boolean mask [B, 1, 1, N_k]: sequence 0 hides keys 0..4 (left padding).
+    d.bool_heads = 1, d.bool_queries = 1;
+    d.bool_store.assign(static_cast<std::size_t>(p.B * p.Nk), 1);
+    for (Index j = 0; j < 5; ++j) d.bool_store[static_cast<std::size_t>(j)] = 0;
+    // Expected: the gradients of the same problem with the hidden keys holding 0.
+    auto expand = [&](Data x) {  // the reference reads a full [B, H, N_q, N_k] boolean mask
+        std::vector<char> full(static_cast<std::size_t>(p.B * p.H * p.Nq * p.Nk));
+        for (Index b = 0; b < p.B; ++b)
+            for (Index r = 0; r < p.H * p.Nq; ++r)
+                for (Index j = 0; j < p.Nk; ++j)
+                    full[static_cast<std::size_t>((b * p.H * p.Nq + r) * p.Nk + j)] =
+                        x.bool_store[static_cast<std::size_t>(b * p.Nk + j)];
+        x.bool_store = full;
+        x.bool_heads = p.H, x.bool_queries = p.Nq;
+        return x;
+    };
+    for (Index j = 0; j < 5; ++j) d.k.row(j).setZero(), d.v.row(j).setZero();
+    for (Index j = 60; j < 70; ++j) d.k.row(p.Nk + j).setZero(), d.v.row(p.Nk + j).setZero();
+    const Reference ref = reference(p, expand(d));
+    for (Index j = 0; j < 5; ++j)
+        d.k.row(j).setConstant(std::numeric_limits<double>::quiet_NaN()),
+            d.v.row(j).setConstant(std::numeric_limits<double>::quiet_NaN());
+    for (Index j = 60; j < 70; ++j)
+        d.k.row(p.Nk + j).setConstant(std::numeric_limits<double>::quiet_NaN()),
+            d.v.row(p.Nk + j).setConstant(std::numeric_limits<double>::quiet_NaN());
+    const Result<double> g = run_gattn<double>(p, d);
+    ASSERT_TRUE(g.dq.allFinite());
+    ASSERT_TRUE(g.dk.allFinite());
+    ASSERT_TRUE(g.dv.allFinite());
+    EXPECT_LT(relative_error(g.dq, ref.dq), 1e-12);
+    EXPECT_LT(relative_error(g.dk, ref.dk), 1e-12);
+    EXPECT_LT(relative_error(g.dv, ref.dv), 1e-12);
+    EXPECT_EQ(g.dk.topRows(5).cwiseAbs().maxCoeff(), 0.0);
+    EXPECT_EQ(g.dv.bottomRows(10).cwiseAbs().maxCoeff(), 0.0);
+}
+
+// Rows that see no key (query padding, an empty causal range with no sink) get dQ = 0; keys no
+// query sees get dK = dV = 0; no key at all gives zeros.
+TEST(SdpaBackward, EmptyRowsAndKeysGiveZeros) {
+    Problem p;
+    p.B = 1, p.Nq = 4, p.Nk = 6, p.H = 1, p.Hkv = 1, p.dk = 2, p.dv = 2;
+    p.causal = true, p.query_offsets = {-2};  // queries 0 and 1 see nothing
+    Data d = make_data(p, 3);
+    const Result<double> g = run_gattn<double>(p, d);
+    EXPECT_EQ(g.dq.topRows(2).cwiseAbs().maxCoeff(), 0.0);
+    EXPECT_GT(g.dq.bottomRows(2).cwiseAbs().maxCoeff(), 0.0);
+    EXPECT_EQ(g.dk.bottomRows(4).cwiseAbs().maxCoeff(), 0.0);  // keys 2..5 are after every query
+    EXPECT_EQ(g.dv.bottomRows(4).cwiseAbs().maxCoeff(), 0.0);
+
+    p.Nk = 0;
+    p.causal = false, p.query_offsets.clear();
+    p.sinks = {0.5};
+    d = make_data(p, 3);
+    const Result<double> none = run_gattn<double>(p, d);
+    EXPECT_EQ(none.dq.cwiseAbs().maxCoeff(), 0.0);
+    ASSERT_EQ(none.d_sinks.size(), 1u);
+    EXPECT_EQ(none.d_sinks[0], 0.0);
+}
+
+// Gradients are bitwise the same on 1 and 2 threads, in shapes large enough to run in parallel:
+// one task per (sequence, KV head) on both (4 of them), and one KV head, which one thread runs
+// in one pass and two threads in two (dQ by query tiles, then dK and dV by key tiles).
+TEST(SdpaBackward, BitwiseIndependentOfThreads) {
+    if (!gattn::compiled_with_openmp()) GTEST_SKIP() << "built without OpenMP: one thread only";
+    std::vector<Problem> problems(2);
+    Problem& p = problems[0];
+    p.B = 2, p.Nq = 150, p.Nk = 190, p.H = 4, p.Hkv = 2, p.dk = 32, p.dv = 24;
+    p.causal = true, p.sinks = {0.1, 0.2, 0.3, 0.4};
+    Problem& one_kv_head = problems[1];
+    one_kv_head.B = 1, one_kv_head.Nq = 200, one_kv_head.Nk = 230, one_kv_head.H = 2, one_kv_head.Hkv = 1;
+    one_kv_head.dk = 40, one_kv_head.dv = 32, one_kv_head.causal = true, one_kv_head.window = 120;
+    one_kv_head.key_lengths = {220}, one_kv_head.bool_mask = true, one_kv_head.softcap = 5.0;
+    one_kv_head.sinks = {0.5, -1.0};
+    const int keep = gattn::num_threads();
+    for (const Problem& q : problems) {
+        const Data d = make_data(q, 8);
+        gattn::set_num_threads(1);
+        const Result<float> one = run_gattn<float>(q, d);
+        gattn::set_num_threads(2);
+        const Result<float> two = run_gattn<float>(q, d);
+        gattn::set_num_threads(keep);
+        auto same = [](const auto& a, const auto& b) {
+            return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.size())) == 0;
+        };
+        EXPECT_TRUE(same(one.dq, two.dq)) << q.B * q.Hkv << " (sequence, KV head) pairs";
+        EXPECT_TRUE(same(one.dk, two.dk)) << q.B * q.Hkv << " (sequence, KV head) pairs";
+        EXPECT_TRUE(same(one.dv, two.dv)) << q.B * q.Hkv << " (sequence, KV head) pairs";
+        EXPECT_TRUE(one.d_sinks == two.d_sinks);
+        EXPECT_GT(one.dq.cwiseAbs().maxCoeff(), 0.0f);
+    }
+}
+
+// Bad input: the message names the function and the argument; the gradients keep their bytes.
+TEST(SdpaBackward, ErrorsNameTheArgumentAndWriteNothing) {
+    Problem p;
+    p.B = 1, p.Nq = 3, p.Nk = 4, p.H = 2, p.Hkv = 1, p.dk = 2, p.dv = 3;
+    const Data d = make_data(p, 4);
+    Result<double> r = run_gattn<double>(p, d);
+    const gattn::HeadLayout heads{p.B, p.H, p.Hkv};
+    const Mat dq0 = Mat::Constant(r.dq.rows(), r.dq.cols(), 5.0), dk0 = Mat::Constant(r.dk.rows(), r.dk.cols(), 6.0),
+              dv0 = Mat::Constant(r.dv.rows(), r.dv.cols(), 7.0);
+    struct Case {
+        std::string what;
+        std::string needle;
+        bool shape;
+    };
+    auto expect_throw = [&](const Case& c, Mat d_out, Mat lse, Mat out, gattn::SdpaOptions<double> o,
+                            std::vector<double>* d_sinks) {
+        Mat dq = dq0, dk = dk0, dv = dv0;
+        try {
+            gattn::scaled_dot_product_attention_backward<double>(d.q, d.k, d.v, heads, out, lse, d_out, dq, dk, dv, o,
+                                                                 d_sinks);
+            ADD_FAILURE() << c.what << ": no exception";
+        } catch (const gattn::shape_error& e) {
+            EXPECT_TRUE(c.shape) << c.what << ": " << e.what();
+            EXPECT_NE(std::string(e.what()).find("gattn::scaled_dot_product_attention_backward"), std::string::npos);
+            EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+        } catch (const std::invalid_argument& e) {
+            EXPECT_FALSE(c.shape) << c.what << ": " << e.what();
+            EXPECT_NE(std::string(e.what()).find("gattn::scaled_dot_product_attention_backward"), std::string::npos);
+            EXPECT_NE(std::string(e.what()).find(c.needle), std::string::npos) << e.what();
+        }
+        EXPECT_TRUE(dq == dq0 && dk == dk0 && dv == dv0) << c.what << ": a gradient was written";
+    };
+    const Mat d_out = d.d_out;
+    expect_throw({"d_out of the wrong shape", "d_out must have shape [3, 6], got [3, 5]", true}, d_out.leftCols(5),
+                 r.lse, r.out, {}, nullptr);
+    expect_throw({"log-sum-exp of the wrong shape", "log_sum_exp must have shape [3, 2], got [3, 1]", true}, d_out,
+                 r.lse.leftCols(1), r.out, {}, nullptr);
+    expect_throw({"out of the wrong shape", "out must have shape [3, 6], got [2, 6]", true}, d_out, r.lse,
+                 r.out.topRows(2), {}, nullptr);
+    Mat nan_out = d_out;
+    nan_out(2, 4) = std::numeric_limits<double>::quiet_NaN();
+    expect_throw({"NaN in d_out", "d_out must be finite, got nan at (2, 4)", false}, nan_out, r.lse, r.out, {},
+                 nullptr);
+    Mat inf_out = d_out;
+    inf_out(0, 1) = -kInf;
+    expect_throw({"-inf in d_out", "d_out must be finite, got -inf at (0, 1)", false}, inf_out, r.lse, r.out, {},
+                 nullptr);
+    std::vector<double> ds;
+    expect_throw({"d_sinks without sinks", "d_sinks must be null", false}, d_out, r.lse, r.out, {}, &ds);
+    gattn::SdpaOptions<double> bad_window;
+    bad_window.mask.sliding_window = 0;
+    expect_throw({"a window the forward refuses", "mask.sliding_window", false}, d_out, r.lse, r.out, bad_window,
+                 nullptr);
+    // d_query is d_out itself.
+    Mat alias = Mat::Zero(3, 6);
+    {
+        Mat dq = dq0, dk = dk0, dv = dv0;
+        EXPECT_THROW(gattn::scaled_dot_product_attention_backward<double>(d.q, d.k, d.v, heads, r.out, r.lse, alias,
+                                                                          alias.leftCols(4), dk, dv),
+                     std::invalid_argument);
+        EXPECT_TRUE(dk == dk0 && dv == dv0);
+    }
+    // A wrong gradient shape.
+    {
+        Mat dq(3, 3), dk = dk0, dv = dv0;
+        try {
+            gattn::scaled_dot_product_attention_backward<double>(d.q, d.k, d.v, heads, r.out, r.lse, d_out, dq, dk, dv);
+            ADD_FAILURE() << "d_query of the wrong shape: no exception";
+        } catch (const gattn::shape_error& e) {
+            EXPECT_NE(std::string(e.what()).find("d_query must have shape [3, 4], got [3, 3]"), std::string::npos)
+                << e.what();
+        }
+        EXPECT_TRUE(dk == dk0 && dv == dv0);
+    }
+}
+
+}  // namespace
