@@ -756,6 +756,33 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
     expect_close(lse, ref.log_sum_exp, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemory/lse");
 }
 
+/// The same with a KV head per query head (multi-head attention: one query row per KV head, read
+/// without loads ahead): 7003 keys of 4 KV heads, 14 MB of float K and V. Sequence 0 sees 6998
+/// keys, so its last block holds 6 keys (eight and four keys at a time, then single keys).
+TYPED_TEST(SdpaTyped, DecodeFromMemoryOneRowPerKvHead) {
+    using S = TypeParam;
+    const Index Nk = 7003, H = 4, Hkv = 4, d = 64;
+    static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(7003) * 4 * 2 * 64 * 4,
+                  "the test must read from memory");
+    const Mat q = rounded<S>(random_matrix(2, H * d, 94));
+    Mat k = rounded<S>(random_matrix(2 * Nk, Hkv * d, 95)), v = rounded<S>(random_matrix(2 * Nk, Hkv * d, 96));
+    k.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());  // sequence 0 past its length
+    v.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());
+    RefMasks masks;
+    masks.key_lengths = {Nk - 5, Nk};
+    for (double m : {0.0, 1e-3, 1e-2, 0.5}) masks.alibi_slopes.push_back(static_cast<double>(static_cast<S>(m)));
+    const auto ref = gattn_test::sdpa_reference(q, k, v, 2, H, Hkv, {}, masks);
+    gattn::SdpaOptions<S> o;
+    o.mask.key_lengths = masks.key_lengths;
+    for (double m : masks.alibi_slopes) o.alibi_slopes.push_back(static_cast<S>(m));
+    gattn::RowMatrix<S> out(2, H * d), lse;
+    gattn::SdpaOutputs<S> extra;
+    extra.log_sum_exp = &lse;
+    gattn::scaled_dot_product_attention<S>(q.cast<S>(), k.cast<S>(), v.cast<S>(), {2, H, Hkv}, out, o, extra);
+    expect_close(out, ref.out, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemoryMha/out", Tol<S>::nmse);
+    expect_close(lse, ref.log_sum_exp, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemoryMha/lse");
+}
+
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
     ValidationFixture f;
     // A float softcap lies in [FLT_MIN, FLT_MAX / (2·log₂e)]: 1e-40 is subnormal (1/c overflows),
