@@ -1,0 +1,221 @@
+// The paged KV pool (cache/paged_kv_pool.hpp).
+// The pool: pages taken, shared by fork, copied on write, released by truncate and free and
+// reused, and every error leaving the pool byte for byte as it was.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "gattn/cache/paged_kv_pool.hpp"
+#include "gattn/gattn.hpp"
+
+namespace paged_kv_test {
+
+using gattn::Index;
+using gattn::PagedKVPool;
+using gattn::RowMatrix;
+using gattn::SequenceId;
+
+template <class M>
+std::string bytes_of(const M& m) {
+    return std::string(reinterpret_cast<const char*>(m.data()), sizeof(*m.data()) * static_cast<std::size_t>(m.size()));
+}
+
+/// Everything a pool holds: stored rows, page counts, free pages, sequences and their pages.
+template <class S>
+std::string snapshot(const PagedKVPool<S>& pool, const std::vector<SequenceId>& seqs) {
+    std::string s = bytes_of(pool.keys()) + bytes_of(pool.values()) + bytes_of(pool.key_scales()) +
+                    bytes_of(pool.value_scales()) + "|free " + std::to_string(pool.free_pages()) + "|seqs " +
+                    std::to_string(pool.num_sequences());
+    for (Index p = 0; p < pool.num_pages(); ++p) s += "," + std::to_string(pool.ref_count(p));
+    for (SequenceId id : seqs) {
+        s += "|" + std::to_string(pool.length(id)) + ":";
+        for (Index p : pool.pages(id)) s += std::to_string(p) + " ";
+    }
+    return s;
+}
+
+template <class S>
+RowMatrix<S> random_rows(Index rows, Index cols, std::mt19937& rng) {
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    RowMatrix<S> m(rows, cols);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<S>(dist(rng));
+    return m;
+}
+
+/// Pool row `row` of keys (all heads) as floats.
+template <class S>
+float key_at(const PagedKVPool<S>& pool, Index row, Index col) {
+    return static_cast<float>(pool.keys()(row, col));
+}
+
+TEST(PagedKVPool, PagesTakenSharedCopiedAndReused) {
+    PagedKVPool<float> pool(8, 16, 2, 4);  // 8 pages of 16 tokens, rows of 2·4 floats
+    EXPECT_EQ(pool.free_pages(), 8);
+    const SequenceId a = pool.allocate();
+    EXPECT_EQ(a, 0);
+    std::mt19937 rng(1);
+    const RowMatrix<float> k = random_rows<float>(40, 8, rng), v = random_rows<float>(40, 8, rng);
+    pool.append({a}, k.topRows(20), v.topRows(20), {20});  // pages 0 (full) and 1 (4 tokens)
+    EXPECT_EQ(pool.length(a), 20);
+    EXPECT_EQ(pool.pages(a), (std::vector<Index>{0, 1}));
+    EXPECT_EQ(pool.free_pages(), 6);
+    // Token 17 sits in page 1, slot 1.
+    EXPECT_EQ(pool.keys().row(1 * 16 + 1), k.row(17));
+    EXPECT_EQ(pool.values().row(1 * 16 + 1), v.row(17));
+
+    // fork shares both pages; appending to the child copies the shared partial page 1 first.
+    const SequenceId c = pool.fork(a);
+    EXPECT_EQ(c, 1);
+    EXPECT_EQ(pool.ref_count(0), 2);
+    EXPECT_EQ(pool.ref_count(1), 2);
+    const RowMatrix<float> parent_page1 = pool.keys().middleRows(16, 16);
+    pool.append({c}, k.middleRows(20, 2), v.middleRows(20, 2), {2});
+    EXPECT_EQ(pool.pages(c), (std::vector<Index>{0, 2}));  // page 2: a copy of page 1, then 2 tokens
+    EXPECT_EQ(pool.ref_count(0), 2);
+    EXPECT_EQ(pool.ref_count(1), 1);
+    EXPECT_EQ(pool.ref_count(2), 1);
+    EXPECT_EQ(pool.keys().middleRows(16, 4), parent_page1.topRows(4));  // the parent's page untouched
+    EXPECT_EQ(pool.keys().middleRows(32, 4), parent_page1.topRows(4));  // copied
+    EXPECT_EQ(pool.keys().middleRows(36, 2), k.middleRows(20, 2));      // the child's own tokens
+    EXPECT_EQ(pool.keys().middleRows(16, 16), parent_page1);            // nothing written into page 1
+    // The parent, now the only holder of page 1, appends into it in place.
+    pool.append({a}, k.middleRows(30, 1), v.middleRows(30, 1), {1});
+    EXPECT_EQ(pool.pages(a), (std::vector<Index>{0, 1}));
+    EXPECT_EQ(pool.keys().row(16 + 4), k.row(30));
+
+    // Two forks of a parent sharing its partial page, appended in one call: both copy it (the
+    // parent still holds it), and the parent is left its only holder.
+    const SequenceId d = pool.fork(a), e = pool.fork(a);
+    EXPECT_EQ(pool.ref_count(1), 3);
+    pool.append({d, e}, k.topRows(2), v.topRows(2), {1, 1});
+    EXPECT_EQ(pool.ref_count(1), 1);
+    EXPECT_NE(pool.pages(d)[1], 1);
+    EXPECT_NE(pool.pages(e)[1], 1);
+    EXPECT_NE(pool.pages(d)[1], pool.pages(e)[1]);
+
+    // truncate releases whole pages past the length (shared ones only lose a holder).
+    EXPECT_EQ(pool.free_pages(), 3);
+    pool.truncate(c, 16);
+    EXPECT_EQ(pool.pages(c), (std::vector<Index>{0}));
+    EXPECT_EQ(pool.ref_count(2), 0);
+    EXPECT_EQ(pool.free_pages(), 4);
+    // The freed page is the next one taken (last freed, first reused).
+    pool.append({c}, k.topRows(1), v.topRows(1), {1});
+    EXPECT_EQ(pool.pages(c), (std::vector<Index>{0, 2}));
+    // free releases every page and the id is reused.
+    for (SequenceId s : {a, c, d, e}) pool.free(s);
+    EXPECT_EQ(pool.free_pages(), 8);
+    EXPECT_EQ(pool.num_sequences(), 0);
+    EXPECT_EQ(pool.allocate(), 0);
+    // A page table in FlashInfer's layout.
+    const SequenceId f = pool.allocate();
+    pool.append({0, f}, k.topRows(40), v.topRows(40), {17, 3});
+    const gattn::PageTable t = pool.page_table({f, 0});
+    EXPECT_EQ(t.indptr, (std::vector<Index>{0, 1, 3}));
+    EXPECT_EQ(t.last_page_len, (std::vector<Index>{3, 1}));
+    EXPECT_EQ(t.length(0, 16), 3);
+    EXPECT_EQ(t.length(1, 16), 17);
+    EXPECT_NO_THROW(pool.check_table("test", t));
+}
+
+TEST(PagedKVPool, Int8PoolQuantizesAsTheCacheDoes) {
+    PagedKVPool<std::int8_t> pool(4, 16, 2, 8);
+    gattn::KVCache<std::int8_t> cache(1, 20, 2, 8);
+    std::mt19937 rng(2);
+    const RowMatrix<float> k = random_rows<float>(20, 16, rng), v = random_rows<float>(20, 16, rng);
+    const SequenceId s = pool.allocate();
+    pool.append({s}, k, v, {20});
+    cache.append(k, v, {20});
+    const Index page1 = pool.pages(s)[1];
+    EXPECT_EQ(pool.keys().middleRows(page1 * 16, 4), cache.keys().middleRows(16, 4));
+    EXPECT_EQ(pool.value_scales().middleRows(page1 * 16, 4), cache.value_scales().middleRows(16, 4));
+    EXPECT_EQ(pool.storage_bytes(), 4 * 16 * (2 * 16 + 4 * 4));
+}
+
+/// Every error: a clear message naming what is wrong, and the pool unchanged.
+TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
+    PagedKVPool<std::int8_t> pool(4, 16, 1, 8);
+    std::mt19937 rng(3);
+    const RowMatrix<float> k = random_rows<float>(80, 8, rng), v = random_rows<float>(80, 8, rng);
+    const SequenceId a = pool.allocate(), b = pool.allocate();
+    pool.append({a}, k.topRows(20), v.topRows(20), {20});  // pages 0, 1
+    const SequenceId c = pool.fork(a);                     // 2, sharing pages 0 and 1
+    pool.free(b);
+    const std::vector<SequenceId> live{a, c};
+    const std::string before = snapshot(pool, live);
+    auto expect_error = [&](auto&& call, const std::vector<std::string>& words) {
+        try {
+            call();
+            ADD_FAILURE() << "no exception";
+        } catch (const std::invalid_argument& e) {
+            for (const std::string& w : words)
+                EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what() << " lacks " << w;
+        }
+        EXPECT_EQ(snapshot(pool, live), before);
+    };
+    // Appending past the pool's pages: 40 more tokens of a need its pages 1 to 3 (a copy of the
+    // shared page 1 and two more); 2 are free.
+    expect_error(
+        [&] {
+            pool.append({c, a}, k.topRows(80), v.topRows(80), {0, 40});
+        },
+        {"PagedKVPool::append", "counts[1]", "sequence 0", "its pages 1 to 3", "copy of a shared page",
+         "2 of the pool's 4 pages are free"});
+    // c copies the shared page first; a, then its only holder, writes it in place: 1 + 2 pages.
+    expect_error(
+        [&] {
+            pool.append({c, a}, k.topRows(80), v.topRows(80), {2, 40});
+        },
+        {"counts[1]", "its pages 2 to 3", "1 of the pool's 4 pages are free"});
+    expect_error([&] { pool.append({b}, k.topRows(1), v.topRows(1), {1}); }, {"seqs[0]", "got 1", "freed"});
+    expect_error([&] { pool.append({a, a}, k.topRows(2), v.topRows(2), {1, 1}); }, {"seqs[1]", "also seqs[0]"});
+    expect_error([&] { pool.append({a}, k.topRows(2), v.topRows(2), {3}); }, {"counts[0]", "[0, 2]"});
+    RowMatrix<float> bad = k.topRows(2);
+    bad(1, 3) = std::numeric_limits<float>::quiet_NaN();
+    expect_error(
+        [&] {
+            pool.append({a, c}, bad, v.topRows(2), {1, 1});
+        },
+        {"row 1", "sequence 2", "column 3", "finite"});
+    // Writing into a shared page, a free page, a page out of range, or past a page's slots.
+    expect_error([&] { pool.write(1, 4, k.topRows(1), v.topRows(1)); }, {"PagedKVPool::write", "page", "shared by 2"});
+    expect_error([&] { pool.write(3, 0, k.topRows(1), v.topRows(1)); }, {"page", "3 is free"});
+    expect_error([&] { pool.write(4, 0, k.topRows(1), v.topRows(1)); }, {"page", "[0, 4)", "got 4"});
+    expect_error([&] { pool.write(-1, 0, k.topRows(1), v.topRows(1)); }, {"got -1"});
+    expect_error([&] { pool.truncate(a, 21); }, {"truncate", "length", "[0, 20]", "sequence 0"});
+    expect_error([&] { pool.fork(7); }, {"fork", "parent", "got 7"});
+    expect_error([&] { pool.free(b); }, {"free", "got 1"});
+    // Tables checked against the pool: a page out of range or free, more pages than the pool.
+    gattn::PageTable t = pool.page_table({a, c});
+    t.indices[3] = 9;
+    expect_error([&] { pool.check_table("fn", t); },
+                 {"fn: table.indices", "sequence 1, its page 1: page index 9", "outside [0, 4)"});
+    t.indices[3] = 2;
+    expect_error([&] { pool.check_table("fn", t); }, {"sequence 1, its page 1: page index 2 is free"});
+    gattn::PageTable long_table;
+    long_table.indices.assign(5, 0);
+    long_table.indptr = {0, 5};
+    long_table.last_page_len = {1};
+    expect_error([&] { pool.check_table("fn", long_table); }, {"sequence 0 has 5 pages", "pool's 4"});
+    long_table.indices.assign(1, 0);
+    long_table.indptr = {0, 1};
+    long_table.last_page_len = {17};
+    expect_error([&] { pool.check_table("fn", long_table); }, {"last_page_len[0]", "[1, 16]", "got 17"});
+    // A constructor's bad page size.
+    EXPECT_THROW(PagedKVPool<float>(4, 24, 1, 8), std::invalid_argument);
+    EXPECT_THROW(PagedKVPool<float>(4, 512, 1, 8), std::invalid_argument);
+}
+
+}  // namespace paged_kv_test
