@@ -1,6 +1,10 @@
-// The paged KV pool (cache/paged_kv_pool.hpp).
+// The paged KV pool (cache/paged_kv_pool.hpp) and decoding over its pages (ops/paged_sdpa.hpp).
 // The pool: pages taken, shared by fork, copied on write, released by truncate and free and
-// reused, and every error leaving the pool byte for byte as it was.
+// reused, and every error leaving the pool byte for byte as it was. Decoding: every storage type
+// (float, double, bf16, fp16, int8), page size (16, 64, 256) and mask or variant against
+// scaled_dot_product_attention over a KVCache holding the same tokens, which the paged call must
+// equal bitwise (outputs, log-sum-exp, first-key probability), on every kernel family this CPU
+// offers, with any thread count.
 
 #include <gtest/gtest.h>
 
@@ -19,6 +23,8 @@
 
 #include "gattn/cache/paged_kv_pool.hpp"
 #include "gattn/gattn.hpp"
+#include "gattn/ops/paged_sdpa.hpp"
+#include "support/kernel_limit.hpp"
 
 namespace paged_kv_test {
 
@@ -213,9 +219,205 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
     long_table.indptr = {0, 1};
     long_table.last_page_len = {17};
     expect_error([&] { pool.check_table("fn", long_table); }, {"last_page_len[0]", "[1, 16]", "got 17"});
+    // The attention call checks its table first and writes nothing.
+    RowMatrix<float> q = random_rows<float>(2, 8, rng), out = RowMatrix<float>::Constant(2, 8, 5.0f);
+    t.indices[3] = 2;
+    expect_error([&] { gattn::paged_attention<std::int8_t, float>(q, pool, t, 1, out); },
+                 {"gattn::paged_attention", "page index 2 is free"});
+    EXPECT_TRUE((out.array() == 5.0f).all());
+    // Prefill shapes are refused, naming the limit.
+    RowMatrix<float> q_long = random_rows<float>(2 * 64, 8, rng), out_long(2 * 64, 8);
+    expect_error(
+        [&] {
+            gattn::paged_attention<std::int8_t, float>(q_long, pool, pool.page_table({a, c}), 1, out_long);
+        },
+        {"decoding shapes only"});
     // A constructor's bad page size.
     EXPECT_THROW(PagedKVPool<float>(4, 24, 1, 8), std::invalid_argument);
     EXPECT_THROW(PagedKVPool<float>(4, 512, 1, 8), std::invalid_argument);
+}
+
+// ---- decoding over pages, bitwise against the contiguous cache ----
+
+template <class S>
+using QueryOf = std::conditional_t<std::is_same_v<S, std::int8_t>, float, S>;
+
+/// B sequences appended in interleaved rounds (so their pages interleave in the pool), the third
+/// forked from the first part-way (sharing its pages, then copying on write), and a KVCache of
+/// capacity max L_b holding the same tokens.
+template <class S>
+struct PagedSetup {
+    using In = typename PagedKVPool<S>::Input;
+    static constexpr Index kHkv = 2, kDk = 64, kDv = 32;
+    PagedKVPool<S> pool;
+    std::vector<SequenceId> ids;
+    std::vector<std::vector<RowMatrix<In>>> keys, values;  // per sequence, its token rows
+    Index max_len = 0;
+
+    PagedSetup(Index page_size, const std::vector<Index>& lengths, std::mt19937& rng)
+        : pool(2 + 3000 / page_size * 2, page_size, kHkv, kDk, kDv) {
+        const Index B = static_cast<Index>(lengths.size());
+        keys.resize(lengths.size());
+        values.resize(lengths.size());
+        for (Index b = 0; b < B; ++b) ids.push_back(b == 2 ? -1 : pool.allocate());
+        std::uniform_int_distribution<Index> count(1, 90);
+        std::vector<Index> have(lengths.size(), 0);
+        bool forked = false;
+        for (bool more = true; more;) {
+            more = false;
+            for (Index b = 0; b < B; ++b) {
+                if (b == 2 && !forked) {
+                    if (have[0] < 200 && have[0] < lengths[0]) continue;
+                    ids[2] = pool.fork(ids[0]);  // shares sequence 0's first tokens
+                    keys[2] = keys[0];
+                    values[2] = values[0];
+                    have[2] = have[0];
+                    forked = true;
+                }
+                const Index n = std::min(count(rng), lengths[b] - have[b]);
+                if (n <= 0) continue;
+                more = true;
+                RowMatrix<In> k = random_rows<In>(n, kHkv * kDk, rng), v = random_rows<In>(n, kHkv * kDv, rng);
+                pool.append({ids[b]}, k, v, {n});
+                keys[b].push_back(k);
+                values[b].push_back(v);
+                have[b] += n;
+            }
+        }
+        for (Index b = 0; b < B; ++b) {
+            EXPECT_EQ(pool.length(ids[b]), lengths[b]);
+            max_len = std::max(max_len, lengths[b]);
+        }
+    }
+
+    gattn::KVCache<S> contiguous() const {
+        const Index B = static_cast<Index>(ids.size());
+        gattn::KVCache<S> cache(B, std::max<Index>(max_len, 1), kHkv, kDk, kDv);
+        for (Index b = 0; b < B; ++b)
+            for (std::size_t i = 0; i < keys[b].size(); ++i) {
+                const Index n = keys[b][i].rows();
+                RowMatrix<In> k = RowMatrix<In>::Zero(B * n, kHkv * kDk), v = RowMatrix<In>::Zero(B * n, kHkv * kDv);
+                k.middleRows(b * n, n) = keys[b][i];
+                v.middleRows(b * n, n) = values[b][i];
+                std::vector<Index> counts(static_cast<std::size_t>(B), 0);
+                counts[static_cast<std::size_t>(b)] = n;
+                cache.append(k, v, counts);
+            }
+        return cache;
+    }
+};
+
+/// One mask or variant of the decoding call.
+struct Variant {
+    const char* name;
+    int kind;
+};
+const Variant kVariants[] = {{"plain", 0}, {"causal", 1},  {"window", 2}, {"bool_mask", 3},     {"bias", 4},
+                             {"sinks", 5}, {"softcap", 6}, {"alibi", 7},  {"query_offsets", 8}, {"all", 9}};
+
+template <class S>
+void check_paged_equals_contiguous(Index page_size, const Variant& variant, unsigned seed) {
+    using Q = QueryOf<S>;
+    using T = gattn::compute_t<Q>;
+    using Setup = PagedSetup<S>;
+    std::mt19937 rng(seed);
+    // Lengths: empty, inside a page, across chunks of 512 keys and pages.
+    const std::vector<Index> lengths{1100, 0, 700, 37};
+    Setup setup(page_size, lengths, rng);
+    const Index B = 4, Hkv = Setup::kHkv, dk = Setup::kDk, dv = Setup::kDv;
+    const Index max_pairs = gattn::kernel::FlashGeometry<T>::kQueries / 4;
+    const Index group = std::min<Index>(4, max_pairs), Nq = max_pairs >= 8 ? 2 : 1, H = Hkv * group;
+    const Index Nk = setup.max_len;
+    const RowMatrix<Q> q = random_rows<Q>(B * Nq, H * dk, rng);
+    gattn::SdpaOptions<T> opt;
+    std::vector<char> bool_storage;
+    RowMatrix<T> bias;
+    const int kind = variant.kind;
+    if (kind == 1 || kind == 9) opt.mask.causal = true;
+    if (kind == 2 || kind == 9) opt.mask.sliding_window = 300;
+    if (kind == 3 || kind == 9) {
+        bool_storage.resize(static_cast<std::size_t>(B * Nk));
+        for (char& c : bool_storage) c = (rng() % 4) != 0;
+        opt.mask.bool_mask = {reinterpret_cast<const bool*>(bool_storage.data()), B, 1, 1, Nk};
+    }
+    if (kind == 4 || kind == 9) {
+        bias = random_rows<T>(B * H * Nq, Nk, rng);
+        for (Index i = 0; i < bias.size(); i += 7) bias.data()[i] = -std::numeric_limits<T>::infinity();
+        opt.mask.bias = {bias.data(), B, H, Nq, Nk};
+    }
+    if (kind == 5 || kind == 9) opt.sinks = std::vector<T>(static_cast<std::size_t>(H), T(0.5));
+    if (kind == 6 || kind == 9) opt.logit_softcap = 2.0;
+    if (kind == 7 || kind == 9) opt.alibi_slopes = gattn::alibi_slopes<T>(H);
+    if (kind == 8) {  // explicit positions, ending before the last keys of some sequences
+        opt.mask.query_offsets = {900, 0, 650, 20};
+        opt.mask.causal = true;
+        opt.mask.sliding_window = 300;
+        opt.mask.query_lengths = {Nq, Nq, 1, Nq};
+    }
+    const gattn::KVCache<S> cache = setup.contiguous();
+    gattn::SdpaOptions<T> copt = opt;
+    copt.mask.key_lengths = cache.lengths();
+    ASSERT_EQ(cache.capacity(), Nk);
+    RowMatrix<Q> expected(B * Nq, H * dv), got(B * Nq, H * dv);
+    RowMatrix<T> lse_expected, lse_got, first_expected, first_got;
+    gattn::SdpaOutputs<T> cextra, pextra;
+    cextra.log_sum_exp = &lse_expected;
+    cextra.first_key_probability = &first_expected;
+    pextra.log_sum_exp = &lse_got;
+    pextra.first_key_probability = &first_got;
+    const gattn::HeadLayout heads{B, H, Hkv};
+    if constexpr (std::is_same_v<S, std::int8_t>)
+        gattn::scaled_dot_product_attention(q, cache.key_operand(), cache.value_operand(), heads, expected, copt,
+                                            cextra);
+    else
+        gattn::scaled_dot_product_attention<S>(q, cache.keys(), cache.values(), heads, expected, copt, cextra);
+    const gattn::PageTable table = setup.pool.page_table(setup.ids);
+    const std::string where = std::string(variant.name) + ", page size " + std::to_string(page_size);
+    for (int threads : {1, 2}) {
+#ifdef _OPENMP
+        omp_set_num_threads(threads);
+#else
+        if (threads > 1) break;
+#endif
+        got.setConstant(Q(7));
+        gattn::paged_attention<S, Q>(q, setup.pool, table, H, got, opt, pextra);
+        EXPECT_EQ(bytes_of(got), bytes_of(expected)) << where << ", " << threads << " threads";
+        EXPECT_EQ(bytes_of(lse_got), bytes_of(lse_expected)) << where;
+        EXPECT_EQ(bytes_of(first_got), bytes_of(first_expected)) << where;
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(omp_get_num_procs());
+#endif
+    // The result is attention, not two equal wrong answers: sequence 1 has no keys, so its rows
+    // are 0, and the others are not all 0.
+    for (Index c = 0; c < got.cols(); ++c) EXPECT_EQ(static_cast<float>(got(1 * Nq, c)), 0.0f) << where;
+    EXPECT_NE(static_cast<float>(got.row(0).cwiseAbs().maxCoeff()), 0.0f) << where;
+}
+
+/// Every variant with pages of 16 tokens (a kernel block of 16 keys is a page); plain,
+/// explicit positions and all masks together with pages of 64 and 256.
+template <class S>
+void check_all(unsigned seed) {
+    for (Index page_size : {16, 64, 256})
+        for (const Variant& v : kVariants)
+            if (page_size == 16 || v.kind == 0 || v.kind == 8 || v.kind == 9)
+                check_paged_equals_contiguous<S>(page_size, v, seed++);
+}
+
+TEST(PagedAttention, FloatEqualsContiguousBitwise) { check_all<float>(10); }
+TEST(PagedAttention, DoubleEqualsContiguousBitwise) { check_all<double>(20); }
+TEST(PagedAttention, HalfEqualsContiguousBitwise) { check_all<gattn::half>(30); }
+TEST(PagedAttention, Bf16EqualsContiguousBitwiseOnEveryKernel) {
+    for (gattn::Bf16Kernel k : {gattn::Bf16Kernel::Amx, gattn::Bf16Kernel::WidenedFloat}) {
+        gattn_test::KernelLimit limit(k);
+        check_all<gattn::bfloat16>(40);
+    }
+}
+TEST(PagedAttention, Int8EqualsContiguousBitwiseOnEveryKernel) {
+    for (gattn::Int8Kernel k : {gattn::Int8Kernel::Vnni, gattn::Int8Kernel::WidenedFloat}) {
+        gattn_test::Int8KernelLimit limit(k);
+        check_all<std::int8_t>(50);
+    }
 }
 
 }  // namespace paged_kv_test

@@ -20,6 +20,7 @@
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/ops/packed_linear.hpp"
+#include "gattn/ops/paged_sdpa.hpp"
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"

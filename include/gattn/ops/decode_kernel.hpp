@@ -676,13 +676,15 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
 ///
 /// kDot (bf16 cache, AVX512-BF16, decode_bf16::takes(dk, dv)): both products with VDPBF16PS on
 /// the bf16 query rows q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row
-/// sums l add the rounded weights. The states' sums are in feature order on return.
+/// sums l add the rounded weights. The states' sums are in feature order on return, unless
+/// last is false: then they stay in the kernel's order for a further call over the next keys
+/// (a paged cache's next page), whose last call has last true.
 template <class T, class KV = T, bool kDot = false>
 void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin, Index k_end,
                   const KV* key_base, Index key_stride, const KV* value_base, Index value_stride, Index dk, Index dv,
                   T scale, bool from_memory, [[maybe_unused]] const KV* const* q16 = nullptr,
                   [[maybe_unused]] const Int8Scales& scales = {},
-                  [[maybe_unused]] Int8Kernel int8_family = Int8Kernel::Vnni) {
+                  [[maybe_unused]] Int8Kernel int8_family = Int8Kernel::Vnni, [[maybe_unused]] bool last = true) {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -959,7 +961,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     }
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
     if constexpr (kDot)
-        for (Index g = 0; g < num_kv_heads; ++g)
+        for (Index g = 0; g < num_kv_heads && last; ++g)
             for (int t = 0; t < blks[g].count; ++t) decode_bf16::unpermute(states[g].acc.data() + t * dv, dv);
 #endif
 }
