@@ -3,15 +3,21 @@
 
 /// \file
 /// Scaled dot-product attention over a paged KV pool (cache/paged_kv_pool.hpp), reading the
-/// keys and values in place through the page table: decoding.
+/// keys and values in place through the page table: decoding and prefill (or appended chunks).
 ///
-/// The work is split as the contiguous call splits it (ops/sdpa.hpp): tasks (sequence, chunk of
-/// kChunkKeys keys), each over all KV heads, then each (sequence, KV head)'s chunks merged in
-/// order. A chunk runs the decoding kernel (ops/decode_kernel.hpp) once per page it covers;
-/// pages start at multiples of 16 keys, so the kernel's key blocks (16 keys or fewer) fall on
-/// the same positions as in a contiguous cache and take the same arithmetic: the result is
-/// bitwise that of scaled_dot_product_attention over a KVCache holding the same tokens, on
-/// every kernel tier, and does not depend on the thread count or the rest of the batch.
+/// The work is split as the contiguous call splits it (ops/sdpa.hpp), with the same kernel for
+/// the same shapes. Decoding: tasks (sequence, chunk of kChunkKeys keys), each over all KV
+/// heads, then each (sequence, KV head)'s chunks merged in order; the decoding kernel
+/// (ops/decode_kernel.hpp) finds each key block's rows through a kernel::PageMap. Pages start
+/// at multiples of 16 keys, so the kernel's key blocks (16 keys or fewer) each lie in one page,
+/// fall on the same positions as in a contiguous cache and take the same arithmetic. Prefill: tasks (sequence, KV head, group of query
+/// blocks) of the tile kernels (ops/flash_kernel.hpp, ops/bf16_flash_kernel.hpp), which find
+/// each key block's rows through a kernel::PageMap: in place when the block's 64 keys lie in
+/// one page (page sizes that are multiples of 64), else copied side by side into the thread's
+/// scratch (as the kernels copy a contiguous cache's rows where that helps); the arithmetic
+/// does not depend on where the rows lie. The result is bitwise that of
+/// scaled_dot_product_attention over a KVCache holding the same tokens, on every kernel tier,
+/// and does not depend on the thread count or the rest of the batch.
 
 #include <algorithm>
 #include <cstdint>
@@ -35,10 +41,9 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// table.length(b, P)), read in place. The result is bitwise that of
 /// scaled_dot_product_attention over a KVCache holding the same tokens (key_lengths = L_b).
 ///
-/// Decoding shapes only: each KV head serves at most FlashGeometry<float>::kQueries / 4 (head,
-/// query) pairs per sequence (e.g. one token of 8 query heads per KV head; H / H_kv · N_q ≤ 8
-/// with AVX-512 float, 6 with AVX2); larger query blocks (prefill, chunked prefill) are not
-/// run over pages yet and are refused.
+/// Queries are the sequences' last N_q tokens (bottom-right causal alignment; fewer with
+/// mask.query_lengths): a decoding step (N_q = 1), or a chunk of a prompt whose keys and values
+/// were appended to the pool before the call.
 ///
 /// \param query  [B·N_q, H·d_k] (float for an int8 pool, else the pool's type), any row stride;
 ///               B = table.batch(), d_k = pool.head_dim().
@@ -53,9 +58,8 @@ GATTN_BEGIN_ISA_NAMESPACE
 ///               probabilities and logits are not produced here.
 /// \throws what PagedKVPool::check_table throws (a page out of range or free, a table longer
 ///         than the pool); what scaled_dot_product_attention throws for the shapes and
-///         options; std::invalid_argument for mask.key_lengths given, extra.probabilities or
-///         extra.logits requested, or a query block larger than decoding takes. Nothing is
-///         written before validation passes.
+///         options; std::invalid_argument for mask.key_lengths given, or extra.probabilities or
+///         extra.logits requested. Nothing is written before validation passes.
 template <class Storage, class Query, class Out = Query>
 void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& pool, const PageTable& table,
                      Index num_heads, MatrixRef<gattn::detail::identity_t<Out>> out,
@@ -115,12 +119,7 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
     }
     using Geometry = kernel::FlashGeometry<T>;
     const Index group = H / Hkv, pairs = group * Nq;
-    if (pairs > Geometry::kQueries / 4)
-        gattn::detail::throw_invalid(fn, "query",
-                                     "has " + std::to_string(Nq) + " queries per sequence for " +
-                                         std::to_string(group) +
-                                         " query heads per KV head: over pages, decoding shapes only (at most " +
-                                         std::to_string(Geometry::kQueries / 4) + " (head, query) pairs per KV head)");
+    const bool decode = pairs <= Geometry::kQueries / 4;
 
     const T scale = static_cast<T>(options.scale ? *options.scale : 1.0 / std::sqrt(double(dk)));
     const T softcap = options.logit_softcap ? static_cast<T>(*options.logit_softcap) : T(0);
@@ -130,15 +129,36 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
     if (B * Nq == 0) return;
     RowMatrix<T>* lse = extra.log_sum_exp;
 
-    // Tasks (sequence b, chunk c): chunk_begin[b] + c, as the contiguous call numbers them per
-    // sequence (its chunks past L_b see no key and add nothing to the merge).
+    // Decoding tasks (sequence b, chunk c): chunk_begin[b] + c, as the contiguous call numbers
+    // them per sequence (its chunks past L_b see no key and add nothing to the merge).
     std::vector<Index> chunk_begin(static_cast<std::size_t>(B) + 1, 0);
     for (Index b = 0; b < B; ++b)
         chunk_begin[static_cast<std::size_t>(b) + 1] = chunk_begin[static_cast<std::size_t>(b)] +
                                                        (lengths[static_cast<std::size_t>(b)] + kernel::kChunkKeys - 1) /
                                                            kernel::kChunkKeys;
-    const Index tasks = chunk_begin[static_cast<std::size_t>(B)];
-    std::vector<kernel::PartialState<T>> partial(static_cast<std::size_t>(tasks * Hkv));
+    // Prefill tasks (sequence, KV head, group of per_task query blocks), grouped as the
+    // contiguous call groups them (which changes no result).
+    const Index blocks = decode ? 1 : (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
+    Index per_task = 1;
+    if (!decode) {
+#ifdef _OPENMP
+        const Index threads = omp_get_max_threads();
+#else
+        const Index threads = 1;
+#endif
+        const Index block_bytes = Geometry::kQueries * (dk + dv) * Index(sizeof(T));
+        while (per_task * 2 <= Geometry::kGroupBlocks && per_task * 2 * block_bytes <= Geometry::group_bytes() &&
+               B * Hkv * ((blocks + per_task * 2 - 1) / (per_task * 2)) >= 4 * threads)
+            per_task *= 2;
+    }
+    const Index block_tasks = (blocks + per_task - 1) / per_task;
+    const Index tasks = decode ? chunk_begin[static_cast<std::size_t>(B)] : B * Hkv * block_tasks;
+    std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
+    const bool stream_outputs = !kNarrow &&
+                                B * Nq * H * dv * Index(sizeof(Scalar)) >= gattn::detail::kStreamOutputBytes;
+    const auto writes = stream_outputs ? kernel::OutputWrites::Streaming : kernel::OutputWrites::Direct;
+    // Prefill key blocks over several pages are copied into the scratch rows.
+    const bool copies_blocks = P % Geometry::kKeys != 0;
     Index total_keys = 0;
     for (Index l : lengths) total_keys += l;
     const bool decode_from_memory = total_keys * Hkv * (dk + dv) * Index(sizeof(KVElem)) >
@@ -148,11 +168,13 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
     const KVElem* keys = pool.keys().data();
     const KVElem* values = pool.values().data();
 
-    auto describe_block = [&](auto& blk, Index b, Index g) {
-        blk.count = static_cast<int>(pairs);
+    // Pairs [t0, t0 + count) of KV head g in sequence b: pair p is query p mod N_q of head
+    // g·(H / H_kv) + ⌊p / N_q⌋.
+    auto describe_block = [&](auto& blk, Index b, Index g, Index t0) {
+        blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
         blk.softcap = softcap;
         for (int t = 0; t < blk.count; ++t) {
-            const Index h = g * group + t / Nq, i = t % Nq, row = b * Nq + i;
+            const Index pair = t0 + t, h = g * group + pair / Nq, i = pair % Nq, row = b * Nq + i;
             const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
             blk.q[t] = query.data() + row * ldq + h * dk;
             blk.out[t] = out.data() + row * ldo + h * dv;
@@ -187,10 +209,17 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
                 return kernel::FlashScratch<Scalar>::for_this_thread();
         }
         ();
-        if constexpr (kNarrow)
-            scratch.reserve_decode(dk, dv, Hkv);
-        else
-            scratch.reserve_blocks(Hkv);
+        if constexpr (kNarrow) {
+            if (decode)
+                scratch.reserve_decode(dk, dv, Hkv);
+            else
+                scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
+        } else {
+            if (decode)
+                scratch.reserve_blocks(Hkv);
+            else
+                scratch.reserve(dk, dv, static_cast<int>(per_task), value_stride, false, kInt8 || copies_blocks);
+        }
         auto* const blk = scratch.blocks.data();
         kernel::FlashBlock<T>* const decode_blk = [&] {
             if constexpr (kNarrow)
@@ -210,75 +239,64 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (Index task = 0; task < tasks; ++task) {
+            if (!decode) {
+                // A KV head's last query blocks first (the longest under a causal mask).
+                const Index first = (block_tasks - 1 - task % block_tasks) * per_task, g = (task / block_tasks) % Hkv,
+                            b = task / (block_tasks * Hkv);
+                const int count = static_cast<int>(std::min(per_task, blocks - first));
+                for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
+                const kernel::PageMap map{table.indices.data() + table.indptr[static_cast<std::size_t>(b)], P};
+                auto on_block = [](int, auto* const*) {};
+                if constexpr (kNarrow) {
+                    kernel::narrow_attention_blocks(narrow_kernel, blk, count, keys + g * dk, key_stride,
+                                                    values + g * dv, value_stride, dk, dv, scale, scratch, on_block,
+                                                    map);
+                } else {
+                    kernel::Int8Scales sc;
+                    if constexpr (kInt8) sc = {pool.key_scales().data() + g, pool.value_scales().data() + g, Hkv};
+                    kernel::flash_attention_blocks<Scalar>(blk, count, keys + g * dk, key_stride, values + g * dv,
+                                                           value_stride, dk, dv, scale, scratch, writes, on_block, sc,
+                                                           map);
+                }
+                continue;
+            }
             const Index b = static_cast<Index>(std::upper_bound(chunk_begin.begin(), chunk_begin.end(), task) -
                                                chunk_begin.begin() - 1);
             const Index chunk = task - chunk_begin[static_cast<std::size_t>(b)];
             kernel::PartialState<T>* states = partial.data() + task * Hkv;
             for (Index g = 0; g < Hkv; ++g) {
-                describe_block(blk[g], b, g);
+                describe_block(blk[g], b, g, 0);
                 to_decode_block(g);
                 states[g].reset(blk[g].count, dv);
             }
             const Index c0 = chunk * kernel::kChunkKeys,
                         c1 = std::min(lengths[static_cast<std::size_t>(b)], c0 + kernel::kChunkKeys);
-            const Index* pages = table.indices.data() + table.indptr[static_cast<std::size_t>(b)];
-            // The chunk's page runs that some row sees: the kernel once per run, the sums left in
-            // its order until the last.
-            auto seen = [&](Index lo, Index hi) {
-                for (Index g = 0; g < Hkv; ++g)
-                    for (int t = 0; t < blk[g].count; ++t)
-                        if (std::max(lo, blk[g].begin[t]) < std::min(hi, blk[g].end[t])) return true;
-                return false;
-            };
-            Index last_run = -1;
-            for (Index r0 = c0; r0 < c1; r0 = (r0 / P + 1) * P)
-                if (seen(r0, std::min(c1, (r0 / P + 1) * P))) last_run = r0;
+            const kernel::PageMap map{table.indices.data() + table.indptr[static_cast<std::size_t>(b)], P};
+            kernel::Int8Scales sc;
+            if constexpr (kInt8) sc = {pool.key_scales().data(), pool.value_scales().data(), Hkv};
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
-            const Scalar** q16 = nullptr;
-            if constexpr (std::is_same_v<Scalar, bfloat16>)
+            if constexpr (std::is_same_v<Scalar, bfloat16>) {
                 if (decode_dot) {
-                    q16 = scratch.q_ptrs.data();
+                    const Scalar** q16 = scratch.q_ptrs.data();
                     for (Index g = 0; g < Hkv; ++g)
                         for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
+                    kernel::decode_chunk<T, Scalar, true>(decode_blk, states, Hkv, c0, c1, keys, key_stride, values,
+                                                          value_stride, dk, dv, scale, decode_from_memory, q16, {},
+                                                          Int8Kernel::Vnni, map);
+                    continue;
                 }
-#endif
-            for (Index r0 = c0; r0 <= last_run; r0 = (r0 / P + 1) * P) {
-                const Index r1 = std::min(c1, (r0 / P + 1) * P);
-                if (!seen(r0, r1)) continue;
-                // Row j of this run (a token of page pages[j / P]) sits at pool row
-                // pages[j / P]·P + j mod P = j + shift.
-                const Index shift = pages[r0 / P] * P - r0 / P * P;
-                const KVElem* key_run = keys + shift * key_stride;
-                const KVElem* value_run = values + shift * value_stride;
-                kernel::Int8Scales sc;
-                if constexpr (kInt8) {
-                    sc.key = pool.key_scales().data() + shift * Hkv;
-                    sc.value = pool.value_scales().data() + shift * Hkv;
-                    sc.stride = Hkv;
-                }
-                const bool last = r0 == last_run;
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
-                if constexpr (std::is_same_v<Scalar, bfloat16>) {
-                    if (decode_dot) {
-                        kernel::decode_chunk<T, Scalar, true>(decode_blk, states, Hkv, r0, r1, key_run, key_stride,
-                                                              value_run, value_stride, dk, dv, scale,
-                                                              decode_from_memory, q16, {}, Int8Kernel::Vnni, last);
-                        continue;
-                    }
-                }
-#endif
-                kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, r0, r1, key_run, key_stride, value_run,
-                                                value_stride, dk, dv, scale, decode_from_memory, nullptr, sc,
-                                                int8_family, last);
             }
+#endif
+            kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, keys, key_stride, values, value_stride, dk,
+                                            dv, scale, decode_from_memory, nullptr, sc, int8_family, map);
         }
-        // Merge each (sequence, KV head)'s chunks in order (after the implicit barrier).
+        // Decoding: merge each (sequence, KV head)'s chunks in order (after the implicit barrier).
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (Index bg = 0; bg < B * Hkv; ++bg) {
+        for (Index bg = 0; bg < (decode ? B * Hkv : 0); ++bg) {
             const Index b = bg / Hkv, g = bg % Hkv;
-            describe_block(blk[0], b, g);
+            describe_block(blk[0], b, g, 0);
             to_decode_block(0);
             kernel::decode_finish<T>(
                 decode_blk[0], partial.data() + chunk_begin[static_cast<std::size_t>(b)] * Hkv + g, Hkv,
