@@ -207,14 +207,15 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
     gattn::PageTable t = pool.page_table({a, c});
     t.indices[3] = 9;
     expect_error([&] { pool.check_table("fn", t); },
-                 {"fn: table.indices", "sequence 1, its page 1: page index 9", "outside [0, 4)"});
+                 {"fn: table.indices", "sequence at table position 1, its page 1: page index 9", "outside [0, 4)"});
     t.indices[3] = 2;
-    expect_error([&] { pool.check_table("fn", t); }, {"sequence 1, its page 1: page index 2 is free"});
+    expect_error([&] { pool.check_table("fn", t); },
+                 {"sequence at table position 1, its page 1: page index 2 is free"});
     gattn::PageTable long_table;
     long_table.indices.assign(5, 0);
     long_table.indptr = {0, 5};
     long_table.last_page_len = {1};
-    expect_error([&] { pool.check_table("fn", long_table); }, {"sequence 0 has 5 pages", "pool's 4"});
+    expect_error([&] { pool.check_table("fn", long_table); }, {"sequence at table position 0 has 5 pages", "pool's 4"});
     long_table.indices.assign(1, 0);
     long_table.indptr = {0, 1};
     long_table.last_page_len = {17};
@@ -224,6 +225,20 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
     t.indices[3] = 2;
     expect_error([&] { gattn::paged_attention<std::int8_t, float>(q, pool, t, 1, out); },
                  {"gattn::paged_attention", "page index 2 is free"});
+    EXPECT_TRUE((out.array() == 5.0f).all());
+    RowMatrix<float> q_wide = random_rows<float>(2, 16, rng);
+    expect_error(
+        [&] {
+            gattn::paged_attention<std::int8_t, float>(q_wide, pool, pool.page_table({a, c}), 1, out);
+        },
+        {"gattn::paged_attention", "query", "pool.head_dim() = 8", "got [2, 16]"});
+    gattn::SdpaOptions<float> with_lengths;
+    with_lengths.mask.key_lengths = {1, 1};
+    expect_error(
+        [&] {
+            gattn::paged_attention<std::int8_t, float>(q, pool, pool.page_table({a, c}), 1, out, with_lengths);
+        },
+        {"key_lengths", "must be empty"});
     EXPECT_TRUE((out.array() == 5.0f).all());
     // A constructor's bad page size.
     EXPECT_THROW(PagedKVPool<float>(4, 24, 1, 8), std::invalid_argument);

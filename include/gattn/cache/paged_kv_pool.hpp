@@ -206,7 +206,7 @@ public:
                                       ", got " + std::to_string(table.indptr[0]) + " to " +
                                       std::to_string(table.indptr[static_cast<std::size_t>(B)]));
         for (Index b = 0; b < B; ++b) {
-            const std::string seq = "sequence " + std::to_string(b);
+            const std::string seq = "the sequence at table position " + std::to_string(b);
             const Index n = table.indptr[static_cast<std::size_t>(b) + 1] - table.indptr[static_cast<std::size_t>(b)];
             if (n < 0)
                 detail::throw_invalid(fn, "table.indptr",

@@ -86,6 +86,11 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
     if (extra.probabilities || extra.logits)
         gattn::detail::throw_invalid(fn, extra.probabilities ? "extra.probabilities" : "extra.logits",
                                      "is not produced over pages: run scaled_dot_product_attention on the tokens");
+    if (H >= 1 && query.cols() != H * pool.head_dim())
+        gattn::detail::throw_shape(fn, "query",
+                                   "[B*N_q, num_heads*head_dim] with head_dim = pool.head_dim() = " +
+                                       std::to_string(pool.head_dim()) + " and num_heads = " + std::to_string(H),
+                                   gattn::detail::shape_string({query.rows(), query.cols()}));
     SdpaOptions<T> opts = options;
     opts.mask.key_lengths = lengths;
     const HeadLayout heads{B, H, Hkv};
