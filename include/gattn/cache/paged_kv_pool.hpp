@@ -51,9 +51,13 @@ public:
     /// What append takes: float for an int8 pool, else Scalar.
     using Input = std::conditional_t<kInt8, float, Scalar>;
 
-    /// Smallest and largest page size, in tokens; a page size is a multiple of kPageAlign, so
-    /// that the kernels' key blocks (16 keys at most) never straddle two pages.
-    static constexpr Index kMinPageSize = 16, kMaxPageSize = 256, kPageAlign = 16;
+    /// Smallest page size, in tokens.
+    static constexpr Index kMinPageSize = 16;
+    /// Largest page size, in tokens.
+    static constexpr Index kMaxPageSize = 256;
+    /// A page size is a multiple of this, so that the decoding kernel's key blocks (16 keys at
+    /// most) never straddle two pages.
+    static constexpr Index kPageAlign = 16;
 
     /// An empty pool of num_pages pages of page_size tokens, all free.
     /// \param num_pages      pages (≥ 1).
@@ -192,7 +196,8 @@ public:
     /// indptr has batch() + 1 non-decreasing entries from 0 to indices.size(); no sequence has
     /// more pages than the pool; every page index is in [0, num_pages()) and held by some
     /// sequence (not free); last_page_len[b] is in [1, P] (0 for a sequence without pages).
-    /// \param fn the calling function, which the message names.
+    /// \param fn    the calling function, which the message names.
+    /// \param table the table to check.
     /// \throws shape_error when indptr has not batch() + 1 entries; std::invalid_argument for
     ///         the rest, naming the sequence (its position in the table) and the page.
     void check_table(const char* fn, const PageTable& table) const {
@@ -337,6 +342,8 @@ public:
 
     /// Writes n tokens into slots [slot, slot + n) of page `page`, which exactly one sequence
     /// holds (for callers that manage their own tables; the sequence's length does not change).
+    /// \param page the page, in [0, num_pages()).
+    /// \param slot the first slot written, in [0, P − n].
     /// \param k [n, H_kv·d_k]; \param v [n, H_kv·d_v].
     /// \throws shape_error for k or v of the wrong shape; std::invalid_argument for a page
     ///         outside [0, num_pages()), a free page, a page shared by more than one sequence,
