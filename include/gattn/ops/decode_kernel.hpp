@@ -73,6 +73,7 @@ struct SpreadPrefetch {
     Index key_lines, lines_per_key;  // cache lines of one key's K rows, and of its K and V rows
     Index next = 0, end = 0, line = 0, per_step = 0;
     PageMap pages = {};  // where key j's rows sit (a paged cache)
+    Index row = 0;       // pages.row(next)
 
     /// Aims at keys [first, last), spread over `steps` calls of step().
     void start(Index first, Index last, Index steps) noexcept {
@@ -85,10 +86,11 @@ struct SpreadPrefetch {
     void step(Index lines) noexcept {
         for (Index e = 0; next < end && (lines < 0 || e < lines); ++e) {
             constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
+            if (line == 0) row = pages.row(next);
             if (line < key_lines)
-                simd::prefetch(key_base + pages.row(next) * key_stride + line * kLine);
+                simd::prefetch(key_base + row * key_stride + line * kLine);
             else
-                simd::prefetch(value_base + pages.row(next) * value_stride + (line - key_lines) * kLine);
+                simd::prefetch(value_base + row * value_stride + (line - key_lines) * kLine);
             if (++line == lines_per_key) {
                 line = 0;
                 ++next;
@@ -789,17 +791,21 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             // used (1.12–1.20× at 32k keys, d = 256, 2 KV heads, bf16 and float caches).
             std::uint8_t touched = 0;
             const Index ahead = std::min(j0 + 3 * L, k_end);
+            // A block lies in one page: its rows follow its first.
+            const Index shift = j0 + 2 * L < ahead ? pages.row(j0 + 2 * L) - (j0 + 2 * L) : 0;
             for (Index kk = j0 + 2 * L; kk < ahead; ++kk)
-                touched ^= touch_lines(key_base + pages.row(kk) * key_stride, num_kv_heads * dk);
+                touched ^= touch_lines(key_base + (kk + shift) * key_stride, num_kv_heads * dk);
             for (Index kk = j0 + 2 * L; kk < ahead; ++kk)
-                touched ^= touch_lines(value_base + pages.row(kk) * value_stride, num_kv_heads * dv);
+                touched ^= touch_lines(value_base + (kk + shift) * value_stride, num_kv_heads * dv);
             volatile std::uint8_t kept = touched;  // the loads are not elided
             (void)kept;
         } else {
             // The next block's K and V rows (all KV heads), a block ahead of their use.
-            for (Index kk = j0 + L; kk < std::min(j0 + 2 * L, k_end); ++kk) {
-                const KV* k = key_base + pages.row(kk) * key_stride;
-                const KV* v = value_base + pages.row(kk) * value_stride;
+            const Index next = std::min(j0 + 2 * L, k_end);
+            const Index shift = j0 + L < next ? pages.row(j0 + L) - (j0 + L) : 0;  // one page, as above
+            for (Index kk = j0 + L; kk < next; ++kk) {
+                const KV* k = key_base + (kk + shift) * key_stride;
+                const KV* v = value_base + (kk + shift) * value_stride;
                 for (Index e = 0; e < num_kv_heads * dk; e += simd::kLineElems<KV>) simd::prefetch(k + e);
                 for (Index e = 0; e < num_kv_heads * dv; e += simd::kLineElems<KV>) simd::prefetch(v + e);
             }
