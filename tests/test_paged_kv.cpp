@@ -195,6 +195,10 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
             pool.append({a, c}, bad, v.topRows(2), {1, 1});
         },
         {"row 1", "sequence 2", "column 3", "finite"});
+    // k or v inside the pool's own storage (here: its key scales).
+    const Eigen::Map<const RowMatrix<float>> inside(pool.key_scales().data(), 1, 8);
+    expect_error([&] { pool.append({a}, inside, v.topRows(1), {1}); }, {"append", "k must not share an element"});
+    expect_error([&] { pool.append({c}, k.topRows(1), inside, {1}); }, {"append", "v must not share an element"});
     // Writing into a shared page, a free page, a page out of range, or past a page's slots.
     expect_error([&] { pool.write(1, 4, k.topRows(1), v.topRows(1)); }, {"PagedKVPool::write", "page", "shared by 2"});
     expect_error([&] { pool.write(3, 0, k.topRows(1), v.topRows(1)); }, {"page", "3 is free"});

@@ -31,6 +31,7 @@
 #include "gattn/cache/page_table.hpp"
 #include "gattn/errors.hpp"
 #include "gattn/ops/int8_rows.hpp"
+#include "gattn/ops/sdpa.hpp"
 #include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
@@ -248,7 +249,8 @@ public:
     /// \param counts B entries in [0, n].
     /// \throws shape_error for k or v of the wrong shape or counts without B entries;
     ///         std::invalid_argument for an id that is not a sequence of the pool or appears
-    ///         twice, a count outside [0, n], (int8) a value that is not finite, or more pages
+    ///         twice, a count outside [0, n], k or v sharing an element with the pool's storage,
+    ///         (int8) a value that is not finite, or more pages
     ///         needed than are free (the message names the first sequence and page that do not
     ///         fit). Nothing is changed on error.
     void append(const std::vector<SequenceId>& seqs, ConstMatrixRef<Input> k, ConstMatrixRef<Input> v,
@@ -276,6 +278,7 @@ public:
                 detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
                                       "must be in [0, " + std::to_string(n) + "], got " + std::to_string(counts[b]));
         }
+        check_outside(fn, k, v);
         if constexpr (kInt8)  // int8 codes stand for finite values only
             for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
                 for (Index b = 0; b < B; ++b)
@@ -347,8 +350,8 @@ public:
     /// \param k [n, H_kv·d_k]; \param v [n, H_kv·d_v].
     /// \throws shape_error for k or v of the wrong shape; std::invalid_argument for a page
     ///         outside [0, num_pages()), a free page, a page shared by more than one sequence,
-    ///         slots outside [0, P), or (int8) a value that is not finite. Nothing is changed on
-    ///         error.
+    ///         slots outside [0, P), k or v sharing an element with the pool's storage, or (int8) a
+    ///         value that is not finite. Nothing is changed on error.
     void write(Index page, Index slot, ConstMatrixRef<Input> k, ConstMatrixRef<Input> v) {
         constexpr const char* fn = "gattn::PagedKVPool::write";
         check_page(fn, "page", page);
@@ -367,6 +370,7 @@ public:
                                   "and the rows must lie in the page's slots [0, " + std::to_string(m_page_size) +
                                       "), got slots [" + std::to_string(slot) + ", " + std::to_string(slot + k.rows()) +
                                       ") of page " + std::to_string(page));
+        check_outside(fn, k, v);
         if constexpr (kInt8)
             for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
                 for (Index r = 0; r < view->rows(); ++r)
@@ -414,6 +418,16 @@ private:
         if (page < 0 || page >= num_pages())
             detail::throw_invalid(fn, arg,
                                   "must be in [0, " + std::to_string(num_pages()) + "), got " + std::to_string(page));
+    }
+
+    // Rows are copied in place: k or v inside the pool's own storage would be overwritten while
+    // being read.
+    void check_outside(const char* fn, const ConstMatrixRef<Input>& k, const ConstMatrixRef<Input>& v) const {
+        for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
+            if (gattn::detail::views_overlap(*view, m_keys) || gattn::detail::views_overlap(*view, m_values) ||
+                gattn::detail::views_overlap(*view, m_key_scales) ||
+                gattn::detail::views_overlap(*view, m_value_scales))
+                detail::throw_invalid(fn, name, "must not share an element with the pool's keys, values or scales");
     }
 
     // A free page, now held once (the caller has checked there is one).
