@@ -6,6 +6,8 @@
 /// (safetensors.hpp, hf_checkpoint.hpp), which need nlohmann_json.
 
 #include "gattn/cache/kv_cache.hpp"
+#include "gattn/cache/page_table.hpp"
+#include "gattn/cache/paged_kv_pool.hpp"
 #include "gattn/config.hpp"
 #include "gattn/errors.hpp"
 #include "gattn/gates/gate_apply.hpp"
@@ -18,6 +20,7 @@
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/ops/packed_linear.hpp"
+#include "gattn/ops/paged_sdpa.hpp"
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"

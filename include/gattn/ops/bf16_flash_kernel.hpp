@@ -195,10 +195,11 @@ inline void widen_block(const FlashBlock<float, S, O>& b, FlashBlock<float>& w, 
 }
 
 /// The widened-float kernel: runs the float kernel's steps on Q, K and V widened block by block.
+/// pages: key j is row pages.row(j) of key and value.
 template <class S, class O, class OnBlock>
 void widened_attention_blocks(const FlashBlock<float, S, O>* blocks, int count, const S* key, Index key_stride,
                               const S* value, Index value_stride, Index dk, Index dv, float scale,
-                              NarrowScratch<S, O>& ns, const OnBlock& on_block) {
+                              NarrowScratch<S, O>& ns, const OnBlock& on_block, const PageMap& pages = {}) {
     using G = FlashGeometry<float>;
     constexpr int W = G::kQueries;
     FlashScratch<float>& fs = FlashScratch<float>::for_this_thread();
@@ -216,8 +217,8 @@ void widened_attention_blocks(const FlashBlock<float, S, O>* blocks, int count, 
     for (Index k0 = k_begin; k0 < k_end; k0 += G::kKeys) {
         const Index nk = std::min<Index>(G::kKeys, k_end - k0);
         for (Index r = 0; r < nk; ++r) {
-            widen_row(key + (k0 + r) * key_stride, ns.k_rows.data() + r * dk, dk);
-            widen_row(value + (k0 + r) * value_stride, ns.v_rows.data() + r * dv, dv);
+            widen_row(key + pages.row(k0 + r) * key_stride, ns.k_rows.data() + r * dk, dk);
+            widen_row(value + pages.row(k0 + r) * value_stride, ns.v_rows.data() + r * dv, dv);
         }
         for (int i = 0; i < count; ++i)
             if (state[i].union_begin < state[i].union_end && state[i].first_block() <= k0 && k0 < state[i].union_end)
@@ -718,10 +719,11 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
 
 /// The AVX512-BF16 kernel (Amx: with both products on the AMX tiles, which the caller has
 /// configured, amx::Tiles): the same contract as widened_attention_blocks, for bf16 storage.
+/// A key block over several pages has its rows copied side by side first.
 template <bool Amx, class O, class OnBlock>
 void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int count, const bfloat16* key,
                            Index key_stride, const bfloat16* value, Index value_stride, Index dk, Index dv, float scale,
-                           NarrowScratch<bfloat16, O>& ns, const OnBlock& on_block) {
+                           NarrowScratch<bfloat16, O>& ns, const OnBlock& on_block, const PageMap& pages = {}) {
     using G = FlashGeometry<float>;
     using BF = simd::Batch<float>;
     constexpr int W = G::kQueries, C = G::kCols;
@@ -739,13 +741,29 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
     }
     for (Index k0 = k_begin; k0 < k_end; k0 += G::kKeys) {
         const Index nk = std::min<Index>(G::kKeys, k_end - k0);
-        const bool non_finite = bf16::pack_value_pairs(value + k0 * value_stride, value_stride, nk, dv, ns.vt.data());
+        const bfloat16* key_block = key + pages.row(k0) * key_stride;
+        const bfloat16* value_block = value + pages.row(k0) * value_stride;
+        Index kstride = key_stride, vstride = value_stride;
+        // Rows of several pages: copied side by side (kept between calls, grown only).
+        if (!pages.consecutive(k0, nk)) {
+            thread_local std::vector<bfloat16> rows;
+            if (rows.size() < static_cast<std::size_t>(G::kKeys * (dk + dv)))
+                rows.resize(static_cast<std::size_t>(G::kKeys * (dk + dv)));
+            for (Index r = 0; r < nk; ++r) {
+                const Index j = pages.row(k0 + r);
+                std::memcpy(rows.data() + r * dk, key + j * key_stride, dk * 2);
+                std::memcpy(rows.data() + G::kKeys * dk + r * dv, value + j * value_stride, dv * 2);
+            }
+            key_block = rows.data();
+            value_block = rows.data() + G::kKeys * dk;
+            kstride = dk;
+            vstride = dv;
+        }
+        const bool non_finite = bf16::pack_value_pairs(value_block, vstride, nk, dv, ns.vt.data());
         // AMX: the block's key rows side by side, so that a tile's 16 rows share no L1 set (rows
         // of a [N, H·d_k] layout lie whole pages apart and crowd a few sets).
-        const bfloat16* key_block = key + k0 * key_stride;
-        Index kstride = key_stride;
         if constexpr (Amx) {
-            for (Index r = 0; r < nk; ++r) std::memcpy(ns.kb.data() + r * dk, key_block + r * key_stride, dk * 2);
+            for (Index r = 0; r < nk; ++r) std::memcpy(ns.kb.data() + r * dk, key_block + r * kstride, dk * 2);
             key_block = ns.kb.data();
             kstride = dk;
         }
@@ -776,29 +794,30 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
 /// Runs up to kGroupBlocks query blocks of one KV head (16-bit storage) against its keys with
 /// the kernel `which` (AVX512-BF16 where compiled and asked for, else widened float), and calls
 /// on_block(i, rows) on each block's float outputs before they are rounded into its out rows.
+/// pages: key j is row pages.row(j) of key and value (a paged cache).
 template <class S, class O, class OnBlock>
 void narrow_attention_blocks(Bf16Kernel which, const FlashBlock<float, S, O>* blocks, int count, const S* key,
                              Index key_stride, const S* value, Index value_stride, Index dk, Index dv, float scale,
-                             NarrowScratch<S, O>& ns, const OnBlock& on_block) {
+                             NarrowScratch<S, O>& ns, const OnBlock& on_block, const PageMap& pages = {}) {
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
     if constexpr (std::is_same_v<S, bfloat16>) {
 #if defined(GATTN_HAS_AMX_KERNEL)
         if (which == Bf16Kernel::Amx) {
             bf16::amx::Tiles tiles;
             bf16_attention_blocks<true>(blocks, count, key, key_stride, value, value_stride, dk, dv, scale, ns,
-                                        on_block);
+                                        on_block, pages);
             return;
         }
 #endif
         if (which != Bf16Kernel::WidenedFloat) {
             bf16_attention_blocks<false>(blocks, count, key, key_stride, value, value_stride, dk, dv, scale, ns,
-                                         on_block);
+                                         on_block, pages);
             return;
         }
     }
 #endif
     (void)which;
-    widened_attention_blocks(blocks, count, key, key_stride, value, value_stride, dk, dv, scale, ns, on_block);
+    widened_attention_blocks(blocks, count, key, key_stride, value, value_stride, dk, dv, scale, ns, on_block, pages);
 }
 
 }  // namespace kernel

@@ -72,6 +72,8 @@ struct SpreadPrefetch {
     Index value_stride;
     Index key_lines, lines_per_key;  // cache lines of one key's K rows, and of its K and V rows
     Index next = 0, end = 0, line = 0, per_step = 0;
+    PageMap pages = {};  // where key j's rows sit (a paged cache)
+    Index row = 0;       // pages.row(next)
 
     /// Aims at keys [first, last), spread over `steps` calls of step().
     void start(Index first, Index last, Index steps) noexcept {
@@ -84,10 +86,11 @@ struct SpreadPrefetch {
     void step(Index lines) noexcept {
         for (Index e = 0; next < end && (lines < 0 || e < lines); ++e) {
             constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
+            if (line == 0) row = pages.row(next);
             if (line < key_lines)
-                simd::prefetch(key_base + next * key_stride + line * kLine);
+                simd::prefetch(key_base + row * key_stride + line * kLine);
             else
-                simd::prefetch(value_base + next * value_stride + (line - key_lines) * kLine);
+                simd::prefetch(value_base + row * value_stride + (line - key_lines) * kLine);
             if (++line == lines_per_key) {
                 line = 0;
                 ++next;
@@ -698,12 +701,16 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
 /// kDot (bf16 cache, AVX512-BF16, decode_bf16::takes(dk, dv)): both products with VDPBF16PS on
 /// the bf16 query rows q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row
 /// sums l add the rounded weights. The states' sums are in feature order on return.
+///
+/// pages (a paged cache, ops/paged_sdpa.hpp): key j's K and V rows, and its int8 scales, are
+/// row pages.row(j) of key_base and value_base; a page holds a multiple of the lanes, so that
+/// each key block lies in one page.
 template <class T, class KV = T, bool kDot = false>
 void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin, Index k_end,
                   const KV* key_base, Index key_stride, const KV* value_base, Index value_stride, Index dk, Index dv,
                   T scale, bool from_memory, [[maybe_unused]] const KV* const* q16 = nullptr,
                   [[maybe_unused]] const Int8Scales& scales = {},
-                  [[maybe_unused]] Int8Kernel int8_family = Int8Kernel::Vnni) {
+                  [[maybe_unused]] Int8Kernel int8_family = Int8Kernel::Vnni, const PageMap& pages = {}) {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -782,6 +789,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     const Index key_lines = lines(num_kv_heads * dk);
     SpreadPrefetch<KV> spread{key_base,     key_stride, value_base,
                               value_stride, key_lines,  key_lines + lines(num_kv_heads * dv)};
+    spread.pages = pages;
     const bool spread_prefetch = kInt8 && from_memory;
     // With both integer kernels, the prefetches spread over their loops: smoother than a share
     // per row (6.6 -> 6.4 ms one thread, 3.5 -> 3.4 ms two, at 32k keys, medians of 8 runs).
@@ -800,6 +808,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                : blks[g].count;
     for (Index j0 = k_begin; j0 < k_end; j0 += L) {
         const Index nk = std::min(L, k_end - j0);
+        const Index r0 = pages.row(j0);  // the block's first row; the others follow it
         if (spread_prefetch) {
             spread.step(-1);  // what rows that saw no key of the last block left
             spread.start(std::min(j0 + 2 * L, k_end), std::min(j0 + 3 * L, k_end), steps_per_block);
@@ -810,17 +819,21 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             // used (1.12–1.20× at 32k keys, d = 256, 2 KV heads, bf16 and float caches).
             std::uint8_t touched = 0;
             const Index ahead = std::min(j0 + 3 * L, k_end);
+            // A block lies in one page: its rows follow its first.
+            const Index shift = j0 + 2 * L < ahead ? pages.row(j0 + 2 * L) - (j0 + 2 * L) : 0;
             for (Index kk = j0 + 2 * L; kk < ahead; ++kk)
-                touched ^= touch_lines(key_base + kk * key_stride, num_kv_heads * dk);
+                touched ^= touch_lines(key_base + (kk + shift) * key_stride, num_kv_heads * dk);
             for (Index kk = j0 + 2 * L; kk < ahead; ++kk)
-                touched ^= touch_lines(value_base + kk * value_stride, num_kv_heads * dv);
+                touched ^= touch_lines(value_base + (kk + shift) * value_stride, num_kv_heads * dv);
             volatile std::uint8_t kept = touched;  // the loads are not elided
             (void)kept;
         } else if (!from_memory) {
             // The next block's K and V rows (all KV heads), a block ahead of their use.
-            for (Index kk = j0 + L; kk < std::min(j0 + 2 * L, k_end); ++kk) {
-                const KV* k = key_base + kk * key_stride;
-                const KV* v = value_base + kk * value_stride;
+            const Index next = std::min(j0 + 2 * L, k_end);
+            const Index shift = j0 + L < next ? pages.row(j0 + L) - (j0 + L) : 0;  // one page, as above
+            for (Index kk = j0 + L; kk < next; ++kk) {
+                const KV* k = key_base + (kk + shift) * key_stride;
+                const KV* v = value_base + (kk + shift) * value_stride;
                 for (Index e = 0; e < num_kv_heads * dk; e += simd::kLineElems<KV>) simd::prefetch(k + e);
                 for (Index e = 0; e < num_kv_heads * dv; e += simd::kLineElems<KV>) simd::prefetch(v + e);
             }
@@ -832,8 +845,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             const KV* value = value_base + g * dv;
             if constexpr (kInt8)
                 for (Index kk = 0; kk < L; ++kk) {
-                    key_scale[kk] = kk < nk ? scales.key[(j0 + kk) * scales.stride + g] : T(0);
-                    value_scale[kk] = kk < nk ? scales.value[(j0 + kk) * scales.stride + g] : T(0);
+                    key_scale[kk] = kk < nk ? scales.key[(r0 + kk) * scales.stride + g] : T(0);
+                    value_scale[kk] = kk < nk ? scales.value[(r0 + kk) * scales.stride + g] : T(0);
                 }
             for (int t0 = 0; t0 < blk.count; t0 += kDecodeRows) {
                 const int rows = std::min(kDecodeRows, blk.count - t0);
@@ -851,7 +864,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                         bool products_done = false, reduced = false;
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
                         if constexpr (kDot) {
-                            decode_bf16::logits<R>(q16 + g * FlashGeometry<T>::kQueries + t0, key + j0 * key_stride,
+                            decode_bf16::logits<R>(q16 + g * FlashGeometry<T>::kQueries + t0, key + r0 * key_stride,
                                                    key_stride, nk, dk, dots);
                             products_done = true;
                         }
@@ -862,14 +875,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 const std::int16_t* qc[R];
                                 for (int r = 0; r < R; ++r) qc[r] = q_codes.data() + (g * kRowsPerHead + t0 + r) * dk;
                                 decode_int8::logits<R>(qc, q_scales.data() + g * kRowsPerHead + t0,
-                                                       key + j0 * key_stride, key_stride, nk, dk, row_logits,
+                                                       key + r0 * key_stride, key_stride, nk, dk, row_logits,
                                                        prefetch_in_kernels ? &spread : nullptr);
                                 const float* rs = q_scales.data() + q_rows + g * kRowsPerHead + t0;
                                 if (any_residual && std::any_of(rs, rs + R, [](float x) { return x != 0; })) {
                                     // The residual codes' pass (K is in L1); 0 for rows without.
                                     for (int r = 0; r < R; ++r) qc[r] += q_rows * dk;
                                     B residual_logits[R];
-                                    decode_int8::logits<R>(qc, rs, key + j0 * key_stride, key_stride, nk, dk,
+                                    decode_int8::logits<R>(qc, rs, key + r0 * key_stride, key_stride, nk, dk,
                                                            residual_logits, nullptr);
                                     for (int r = 0; r < R; ++r) row_logits[r] += residual_logits[r];
                                 }
@@ -878,7 +891,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                         }
 #endif
                         if (!products_done)
-                            group_logits<T, R, KV>(blk.q + t0, key + j0 * key_stride, key_stride, nk, dk_vec, dots);
+                            group_logits<T, R, KV>(blk.q + t0, key + r0 * key_stride, key_stride, nk, dk_vec, dots);
                         for (int r = 0; r < R; ++r) {
                             // Logits of row t from its dot-product registers, masked (−∞: key
                             // skipped), then the online-softmax update of the row's m, l, acc.
@@ -897,7 +910,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 .store_aligned(sr);
                             if (dk_vec < dk)
                                 for (Index kk = 0; kk < nk; ++kk) {
-                                    const KV* k = key + (j0 + kk) * key_stride;
+                                    const KV* k = key + (r0 + kk) * key_stride;
                                     T tail = 0;
                                     for (Index d = dk_vec; d < dk; ++d) tail += blk.q[t][d] * static_cast<T>(k[d]);
                                     sr[kk] += tail * scale;
@@ -959,7 +972,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                         bool values_done = false;
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
                         if constexpr (kDot) {
-                            const bfloat16* vb = value + j0 * value_stride;
+                            const bfloat16* vb = value + r0 * value_stride;
                             if (!decode_bf16::any_skipped<R>(s, nk) ||
                                 decode_bf16::skipped_values_finite<R>(s, nk, vb, value_stride, dv))
                                 decode_bf16::values<R>(pw, nk, vb, value_stride, acc, dv);
@@ -971,14 +984,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
 #if defined(GATTN_HAS_INT8_DOT_KERNEL)
                         if constexpr (kInt8) {
                             if (int8_values) {
-                                decode_int8::values<R>(s, pv_scaled, nk, value + j0 * value_stride, value_stride, acc,
+                                decode_int8::values<R>(s, pv_scaled, nk, value + r0 * value_stride, value_stride, acc,
                                                        dv, prefetch_in_kernels ? &spread : nullptr);
                                 values_done = true;
                             }
                         }
 #endif
                         if (!values_done)
-                            group_values<T, R, KV>(s, kInt8 ? pv_scaled : p, nk, value + j0 * value_stride,
+                            group_values<T, R, KV>(s, kInt8 ? pv_scaled : p, nk, value + r0 * value_stride,
                                                    value_stride, acc, dv);
                     }
                 });

@@ -162,6 +162,18 @@ struct FlashBlock {
     T softcap = 0;                      // logit softcap c (SdpaOptions::logit_softcap), 0 for none
 };
 
+/// Where a paged cache's keys sit (cache/paged_kv_pool.hpp): key j of the sequence is row
+/// pages[j / page_size]·page_size + j mod page_size of the pool. No pages (null): key j is row j.
+struct PageMap {
+    const Index* pages = nullptr;  ///< the sequence's pages in token order; null: contiguous rows
+    Index page_size = 0;           ///< tokens per page
+
+    /// The row of key j.
+    Index row(Index j) const noexcept { return pages ? pages[j / page_size] * page_size + j % page_size : j; }
+    /// Whether keys [k0, k0 + n), n ≥ 1, lie in consecutive rows.
+    bool consecutive(Index k0, Index n) const noexcept { return !pages || k0 / page_size == (k0 + n - 1) / page_size; }
+};
+
 /// Per-thread scratch of the kernel (64-byte aligned through Eigen's allocator): one Qᵀ and
 /// one Oᵀ per query block of a group, one Sᵀ tile shared by them, a key block's copied V rows,
 /// one block's staged outputs, and the block descriptions.
@@ -738,10 +750,14 @@ enum class OutputWrites {
 /// KV = std::int8_t (T = float): K and V are int8 codes with the scales of `scales` (row r of the
 /// head at scales.key[r·scales.stride], ops/int8_rows.hpp), dequantized key block by key block
 /// into the scratch (FlashScratch::reserve with int8), never as a whole.
+/// pages: key j is row pages.row(j) of key/value (and the scales); a key block over several pages
+/// has its rows copied side by side into the scratch (FlashScratch::reserve with int8 reserves
+/// them), with the same arithmetic.
 template <class T, class OnBlock, class KV = T>
 void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* key, Index key_stride, const KV* value,
                             Index value_stride, Index dk, Index dv, T scale, FlashScratch<T>& s, OutputWrites writes,
-                            const OnBlock& on_block, [[maybe_unused]] const Int8Scales& scales = {}) {
+                            const OnBlock& on_block, [[maybe_unused]] const Int8Scales& scales = {},
+                            const PageMap& pages = {}) {
     static_assert(std::is_same_v<KV, T> || (std::is_same_v<KV, std::int8_t> && std::is_same_v<T, float>),
                   "keys and values of the query type, or int8 codes with float queries");
     using G = FlashGeometry<T>;
@@ -761,7 +777,7 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
         Index ks = key_stride, vs = value_stride;
         if constexpr (std::is_same_v<KV, std::int8_t>) {
             for (Index r = 0; r < nk; ++r) {
-                const Index j = k0 + r;
+                const Index j = pages.row(k0 + r);
                 dequantize_int8_row(key + j * key_stride, scales.key[j * scales.stride], s.key_rows.data() + r * dk,
                                     dk);
                 dequantize_int8_row(value + j * value_stride, scales.value[j * scales.stride],
@@ -771,9 +787,19 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
             value_block = s.value_rows.data();
             ks = dk;
             vs = dv;
+        } else if (!pages.consecutive(k0, nk)) {  // rows of several pages, side by side
+            for (Index r = 0; r < nk; ++r) {
+                const Index j = pages.row(k0 + r);
+                std::memcpy(s.key_rows.data() + r * dk, key + j * key_stride, sizeof(T) * dk);
+                std::memcpy(s.value_rows.data() + r * dv, value + j * value_stride, sizeof(T) * dv);
+            }
+            key_block = s.key_rows.data();
+            value_block = s.value_rows.data();
+            ks = dk;
+            vs = dv;
         } else {
-            key_block = key + k0 * key_stride;
-            value_block = value + k0 * value_stride;
+            key_block = key + pages.row(k0) * key_stride;
+            value_block = value + pages.row(k0) * value_stride;
             // V rows that are not contiguous ([N, H·d]: H·d apart, 4 KiB at H·d = 1024 floats)
             // are copied together for the group: the 64 rows a PV tile reads for each of its
             // columns would all fall into one L1 set. K rows too where a QK tile's rows would

@@ -1,0 +1,153 @@
+// Attention over a paged KV pool against the same tokens in a contiguous KVCache, side by side
+// in one process.
+//
+// BM_PagedVsContiguous runs gattn::paged_attention (K and V read in place through the page
+// table) and scaled_dot_product_attention over a KVCache holding the same tokens in turn in
+// every iteration, and reports paged_vs_contiguous = contiguous time / paged time (1 = as fast;
+// above 1 = the paged call is faster). Both give bitwise the same result (tests/test_paged_kv).
+// Layer: 8 query heads on 2 KV heads, d = 128. Decoding: 4 sequences of `cached` tokens, one
+// new query each. Prefill: one sequence, a chunk of 512 queries (causal) against `cached`
+// tokens before it plus the chunk itself. The pool's pages are dealt to the sequences in
+// rounds of 100 tokens, so that a sequence's pages are scattered over the pool as they are in
+// a server; the contiguous cache holds each sequence in one run of rows.
+// Args: storage (0 float, 1 bf16, 2 int8), page size, cached tokens, prefill (0 decoding, 1 a
+// 512-token chunk), threads.
+//
+// Run: build/bench/bench/bench_paged --benchmark_counters_tabular=true
+
+#include <benchmark/benchmark.h>
+
+#include "bench_support.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <random>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <gattn/gattn.hpp>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace {
+
+using gattn::Index;
+constexpr Index kHeads = 8, kKvHeads = 2, kDim = 128, kChunk = 512;
+
+void set_threads(int n) {
+#ifdef _OPENMP
+    omp_set_num_threads(n);
+#else
+    (void)n;
+#endif
+}
+
+template <class S>
+gattn::RowMatrix<S> random_rows(Index rows, Index cols, std::mt19937& rng) {
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    gattn::RowMatrix<S> m(rows, cols);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<S>(dist(rng));
+    return m;
+}
+
+/// Runs a and b in turn within every iteration of state and returns the seconds each took.
+template <class A, class B>
+std::pair<double, double> time_in_turn(benchmark::State& state, const A& a, const B& b) {
+    using Clock = std::chrono::steady_clock;
+    double ta = 0, tb = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        a();
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        b();
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        ta += std::chrono::duration<double>(t1 - t0).count();
+        tb += std::chrono::duration<double>(t2 - t1).count();
+    }
+    return {ta, tb};
+}
+
+template <class S>
+void run(benchmark::State& state, Index page_size, Index cached, bool prefill) {
+    using Q = std::conditional_t<std::is_same_v<S, std::int8_t>, float, S>;
+    using In = typename gattn::PagedKVPool<S>::Input;
+    const Index B = prefill ? 1 : 4, Nq = prefill ? kChunk : 1, L = cached + (prefill ? kChunk : 0);
+    std::mt19937 rng(7);
+    gattn::PagedKVPool<S> pool(B * ((L + page_size - 1) / page_size), page_size, kKvHeads, kDim);
+    gattn::KVCache<S> cache(B, L, kKvHeads, kDim);
+    std::vector<gattn::SequenceId> ids;
+    for (Index b = 0; b < B; ++b) ids.push_back(pool.allocate());
+    // Rounds of up to 100 tokens per sequence: the pages of the sequences interleave.
+    for (Index done = 0; done < L;) {
+        const Index n = std::min<Index>(100, L - done);
+        const gattn::RowMatrix<In> k = random_rows<In>(B * n, kKvHeads * kDim, rng),
+                                   v = random_rows<In>(B * n, kKvHeads * kDim, rng);
+        pool.append(ids, k, v, std::vector<Index>(static_cast<std::size_t>(B), n));
+        cache.append(k, v, std::vector<Index>(static_cast<std::size_t>(B), n));
+        done += n;
+    }
+    const gattn::PageTable table = pool.page_table(ids);
+    const gattn::RowMatrix<Q> q = random_rows<Q>(B * Nq, kHeads * kDim, rng);
+    gattn::RowMatrix<Q> out_paged(B * Nq, kHeads * kDim), out_contiguous(B * Nq, kHeads * kDim);
+    gattn::SdpaOptions<gattn::compute_t<Q>> opt, copt;
+    opt.mask.causal = copt.mask.causal = prefill;
+    copt.mask.key_lengths = cache.lengths();
+    const gattn::HeadLayout heads{B, kHeads, kKvHeads};
+    const auto [t_contiguous, t_paged] = time_in_turn(
+        state,
+        [&] {
+            if constexpr (std::is_same_v<S, std::int8_t>)
+                gattn::scaled_dot_product_attention(q, cache.key_operand(), cache.value_operand(), heads,
+                                                    out_contiguous, copt);
+            else
+                gattn::scaled_dot_product_attention<S>(q, cache.keys(), cache.values(), heads, out_contiguous, copt);
+            benchmark::DoNotOptimize(out_contiguous.data());
+        },
+        [&] {
+            gattn::paged_attention<S, Q>(q, pool, table, kHeads, out_paged, opt);
+            benchmark::DoNotOptimize(out_paged.data());
+        });
+    const double n = static_cast<double>(state.iterations());
+    state.counters["contiguous_us"] = t_contiguous / n * 1e6;
+    state.counters["paged_us"] = t_paged / n * 1e6;
+    state.counters["paged_vs_contiguous"] = t_contiguous / t_paged;
+    state.counters["bitwise_equal"] = out_paged == out_contiguous ? 1 : 0;
+}
+
+/// Args: storage (0 float, 1 bf16, 2 int8), page size, cached tokens, prefill, threads.
+void BM_PagedVsContiguous(benchmark::State& state) {
+    set_threads(static_cast<int>(state.range(4)));
+    const Index page_size = state.range(1), cached = state.range(2);
+    const bool prefill = state.range(3) != 0;
+    switch (state.range(0)) {
+        case 0: run<float>(state, page_size, cached, prefill); break;
+        case 1: run<gattn::bfloat16>(state, page_size, cached, prefill); break;
+        default: run<std::int8_t>(state, page_size, cached, prefill); break;
+    }
+    set_threads(1);
+}
+
+void paged_args(benchmark::internal::Benchmark* b) {
+    for (int prefill : {0, 1})
+        for (int cached : {4096, 32768})
+            for (int storage : {0, 1, 2})
+                for (int page : {16, 64, 256})
+                    for (int threads : {1, 2}) b->Args({storage, page, cached, prefill, threads});
+}
+
+BENCHMARK(BM_PagedVsContiguous)
+    ->Apply(paged_args)
+    ->ArgNames({"storage", "page", "cached", "prefill", "threads"})
+    ->MinTime(0.5)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+}  // namespace
+
+int main(int argc, char** argv) { return gattn_bench::run(argc, argv); }

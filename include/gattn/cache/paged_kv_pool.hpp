@@ -1,0 +1,508 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// A paged key/value pool (vLLM's PagedAttention, FlashInfer's paged KV cache): the keys and
+/// values of one attention layer for many sequences of unknown length, in pages of P tokens.
+///
+/// A page holds P tokens of all the layer's KV heads: page p's token slot r is row p·P + r of
+/// one [num_pages·P, H_kv·d_k] key matrix and one [num_pages·P, H_kv·d_v] value matrix, in the
+/// row formats of KVCache (float, double, bf16, fp16; int8 codes with one float scale per
+/// (row, KV head), ops/int8_rows.hpp). A sequence is its list of pages plus its length; every
+/// page but the last is full. Pages are reference counted: fork() makes a sequence that shares
+/// its parent's pages, and a page shared by more than one sequence is never written: appending
+/// to a sequence whose partial last page is shared first copies that page (copy on write). A
+/// page whose count drops to 0 returns to the free list and is reused (last freed, first
+/// reused). SDPA reads the pages in place (ops/paged_sdpa.hpp), with bitwise the result of a
+/// KVCache holding the same tokens.
+///
+/// Every function that changes the pool validates everything first: on an exception the pool
+/// is unchanged (its pages, counts, free list, sequences and stored rows).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "gattn/cache/page_table.hpp"
+#include "gattn/errors.hpp"
+#include "gattn/ops/int8_rows.hpp"
+#include "gattn/ops/sdpa.hpp"
+#include "gattn/types.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+
+/// Identifies a sequence of a PagedKVPool (ids of freed sequences are reused).
+using SequenceId = Index;
+
+/// The pages of `num_pages`·P tokens of one attention layer's keys and values, shared by the
+/// sequences it holds (see the file comment). Scalar: float, double, gattn::bfloat16,
+/// gattn::half, or std::int8_t (int8 codes and scales of float keys and values).
+template <class Scalar>
+class PagedKVPool {
+    static_assert(is_supported_storage_v<Scalar> || std::is_same_v<Scalar, std::int8_t>,
+                  "GATTN_POOL_STORES_FLOAT_DOUBLE_BFLOAT16_HALF_OR_INT8");
+    static constexpr bool kInt8 = std::is_same_v<Scalar, std::int8_t>;
+
+public:
+    /// What append takes: float for an int8 pool, else Scalar.
+    using Input = std::conditional_t<kInt8, float, Scalar>;
+
+    /// Smallest page size, in tokens.
+    static constexpr Index kMinPageSize = 16;
+    /// Largest page size, in tokens.
+    static constexpr Index kMaxPageSize = 256;
+    /// A page size is a multiple of this, so that the decoding kernel's key blocks (16 keys at
+    /// most) never straddle two pages.
+    static constexpr Index kPageAlign = 16;
+
+    /// An empty pool of num_pages pages of page_size tokens, all free.
+    /// \param num_pages      pages (≥ 1).
+    /// \param page_size      tokens per page, P: a multiple of 16 in [16, 256].
+    /// \param num_kv_heads   key/value heads (H_kv).
+    /// \param head_dim       features per key head (d_k).
+    /// \param value_head_dim features per value head (d_v); 0 = head_dim.
+    /// \throws std::invalid_argument for a size < 1 (value_head_dim < 0), a page size outside
+    ///         the above, or sizes whose products overflow Index; std::bad_alloc when the
+    ///         storage cannot be allocated.
+    PagedKVPool(Index num_pages, Index page_size, Index num_kv_heads, Index head_dim, Index value_head_dim = 0)
+        : m_page_size(validated(num_pages, page_size, num_kv_heads, head_dim, value_head_dim)),
+          m_num_kv_heads(num_kv_heads),
+          m_head_dim(head_dim),
+          m_value_head_dim(value_head_dim > 0 ? value_head_dim : head_dim),
+          m_refs(static_cast<std::size_t>(num_pages), 0) {
+        m_keys.resize(num_pages * page_size, num_kv_heads * head_dim);
+        m_values.resize(num_pages * page_size, num_kv_heads * m_value_head_dim);
+        if constexpr (kInt8) {
+            m_key_scales.resize(num_pages * page_size, num_kv_heads);
+            m_value_scales.resize(num_pages * page_size, num_kv_heads);
+        }
+        m_free.reserve(static_cast<std::size_t>(num_pages));
+        for (Index p = num_pages; p-- > 0;) m_free.push_back(p);  // page 0 is taken first
+    }
+
+    /// Pages in the pool.
+    Index num_pages() const noexcept { return static_cast<Index>(m_refs.size()); }
+    /// Tokens per page (P).
+    Index page_size() const noexcept { return m_page_size; }
+    /// Pages no sequence holds.
+    Index free_pages() const noexcept { return static_cast<Index>(m_free.size()); }
+    /// Key/value heads (H_kv).
+    Index num_kv_heads() const noexcept { return m_num_kv_heads; }
+    /// Features per key head (d_k).
+    Index head_dim() const noexcept { return m_head_dim; }
+    /// Features per value head (d_v).
+    Index value_head_dim() const noexcept { return m_value_head_dim; }
+    /// Bytes of the pool's storage (keys, values and an int8 pool's scales).
+    Index storage_bytes() const noexcept {
+        return (m_keys.size() + m_values.size()) * Index(sizeof(Scalar)) +
+               (m_key_scales.size() + m_value_scales.size()) * Index(sizeof(float));
+    }
+    /// Bytes a page takes (P rows of keys, values and an int8 pool's scales).
+    Index page_bytes() const noexcept { return storage_bytes() / num_pages(); }
+    /// Sequences that can be given to the other functions right now.
+    Index num_sequences() const noexcept {
+        return static_cast<Index>(std::count(m_alive.begin(), m_alive.end(), true));
+    }
+    /// Sequences holding page p (0: free). \throws std::invalid_argument for p outside
+    /// [0, num_pages()).
+    Index ref_count(Index page) const {
+        check_page("gattn::PagedKVPool::ref_count", "page", page);
+        return m_refs[static_cast<std::size_t>(page)];
+    }
+
+    /// Keys [num_pages·P, H_kv·d_k]: page p's slot r is row p·P + r (rows past a page's tokens
+    /// hold anything).
+    const RowMatrix<Scalar>& keys() const noexcept { return m_keys; }
+    /// Values [num_pages·P, H_kv·d_v], rows as keys().
+    const RowMatrix<Scalar>& values() const noexcept { return m_values; }
+    /// int8 pool: [num_pages·P, H_kv], each key row's scale per KV head (empty otherwise).
+    const RowMatrix<float>& key_scales() const noexcept { return m_key_scales; }
+    /// int8 pool: [num_pages·P, H_kv], the value rows' scales (empty otherwise).
+    const RowMatrix<float>& value_scales() const noexcept { return m_value_scales; }
+
+    /// A new sequence with no tokens (it holds no page until something is appended).
+    /// \returns its id (the lowest id not in use).
+    SequenceId allocate() {
+        const auto it = std::find(m_alive.begin(), m_alive.end(), false);
+        const auto id = static_cast<SequenceId>(it - m_alive.begin());
+        if (it == m_alive.end()) {
+            m_sequences.emplace_back();
+            m_alive.push_back(true);
+        } else {
+            m_sequences[static_cast<std::size_t>(id)] = Sequence{};
+            *it = true;
+        }
+        return id;
+    }
+
+    /// A new sequence holding the same tokens as `parent` by sharing its pages (each page's
+    /// count goes up by one; nothing is copied until one of them appends into a shared partial
+    /// page). \returns the new id. \throws std::invalid_argument when parent is not a sequence
+    /// of the pool.
+    SequenceId fork(SequenceId parent) {
+        check_sequence("gattn::PagedKVPool::fork", "parent", parent);
+        Sequence copy = m_sequences[static_cast<std::size_t>(parent)];  // may throw: nothing changed yet
+        const SequenceId id = allocate();
+        for (Index p : copy.pages) ++m_refs[static_cast<std::size_t>(p)];
+        m_sequences[static_cast<std::size_t>(id)] = std::move(copy);
+        return id;
+    }
+
+    /// Releases a sequence: each of its pages' counts goes down by one (a page no one holds is
+    /// free again), and the id may be reused by allocate or fork.
+    /// \throws std::invalid_argument when seq is not a sequence of the pool.
+    void free(SequenceId seq) {
+        check_sequence("gattn::PagedKVPool::free", "seq", seq);
+        Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
+        m_free.reserve(m_free.size() + s.pages.size());  // may throw: nothing changed yet
+        release(s.pages, 0);
+        s = Sequence{};
+        m_alive[static_cast<std::size_t>(seq)] = false;
+    }
+
+    /// Tokens of sequence seq. \throws std::invalid_argument when seq is not a sequence of the pool.
+    Index length(SequenceId seq) const {
+        check_sequence("gattn::PagedKVPool::length", "seq", seq);
+        return m_sequences[static_cast<std::size_t>(seq)].length;
+    }
+    /// The pages of sequence seq, in token order. \throws std::invalid_argument when seq is not a
+    /// sequence of the pool.
+    const std::vector<Index>& pages(SequenceId seq) const {
+        check_sequence("gattn::PagedKVPool::pages", "seq", seq);
+        return m_sequences[static_cast<std::size_t>(seq)].pages;
+    }
+
+    /// The page table of the sequences seqs, in that order (a sequence may appear more than
+    /// once). \throws std::invalid_argument when an id is not a sequence of the pool.
+    PageTable page_table(const std::vector<SequenceId>& seqs) const {
+        PageTable t;
+        t.indptr.reserve(seqs.size() + 1);
+        t.last_page_len.reserve(seqs.size());
+        for (std::size_t b = 0; b < seqs.size(); ++b) {
+            check_sequence("gattn::PagedKVPool::page_table", "seqs[" + std::to_string(b) + "]", seqs[b]);
+            const Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
+            t.indices.insert(t.indices.end(), s.pages.begin(), s.pages.end());
+            t.indptr.push_back(static_cast<Index>(t.indices.size()));
+            t.last_page_len.push_back(s.pages.empty() ? 0 : s.length - (Index(s.pages.size()) - 1) * m_page_size);
+        }
+        return t;
+    }
+
+    /// Checks a page table (made by hand or kept from an earlier state) against the pool:
+    /// indptr has batch() + 1 non-decreasing entries from 0 to indices.size(); no sequence has
+    /// more pages than the pool; every page index is in [0, num_pages()) and held by some
+    /// sequence (not free); last_page_len[b] is in [1, P] (0 for a sequence without pages).
+    /// \param fn    the calling function, which the message names.
+    /// \param table the table to check.
+    /// \throws shape_error when indptr has not batch() + 1 entries; std::invalid_argument for
+    ///         the rest, naming the sequence (its position in the table) and the page.
+    void check_table(const char* fn, const PageTable& table) const {
+        const Index B = table.batch();
+        if (static_cast<Index>(table.indptr.size()) != B + 1)
+            detail::throw_shape(fn, "table.indptr", detail::shape_string({B + 1}),
+                                detail::shape_string({static_cast<Index>(table.indptr.size())}));
+        if (table.indptr[0] != 0 || table.indptr[static_cast<std::size_t>(B)] != Index(table.indices.size()))
+            detail::throw_invalid(fn, "table.indptr",
+                                  "must run from 0 to indices.size() = " + std::to_string(table.indices.size()) +
+                                      ", got " + std::to_string(table.indptr[0]) + " to " +
+                                      std::to_string(table.indptr[static_cast<std::size_t>(B)]));
+        for (Index b = 0; b < B; ++b) {
+            const std::string seq = "the sequence at table position " + std::to_string(b);
+            const Index n = table.indptr[static_cast<std::size_t>(b) + 1] - table.indptr[static_cast<std::size_t>(b)];
+            if (n < 0)
+                detail::throw_invalid(fn, "table.indptr",
+                                      "must not decrease: " + seq + " has " + std::to_string(n) + " pages");
+            if (n > num_pages())
+                detail::throw_invalid(fn, "table",
+                                      seq + " has " + std::to_string(n) + " pages, more than the pool's " +
+                                          std::to_string(num_pages()));
+            const Index last = table.last_page_len[static_cast<std::size_t>(b)];
+            if (n == 0 ? last != 0 : (last < 1 || last > m_page_size))
+                detail::throw_invalid(fn, "table.last_page_len[" + std::to_string(b) + "]",
+                                      "must be " +
+                                          (n == 0 ? std::string("0 (") + seq + " has no pages)"
+                                                  : "in [1, " + std::to_string(m_page_size) + "]") +
+                                          ", got " + std::to_string(last));
+            for (Index i = 0; i < n; ++i) {
+                const Index p = table.indices[static_cast<std::size_t>(table.indptr[static_cast<std::size_t>(b)] + i)];
+                const std::string where = seq + ", its page " + std::to_string(i) + ": page index " + std::to_string(p);
+                if (p < 0 || p >= num_pages())
+                    detail::throw_invalid(fn, "table.indices",
+                                          where + " is outside [0, " + std::to_string(num_pages()) + ")");
+                if (m_refs[static_cast<std::size_t>(p)] == 0)
+                    detail::throw_invalid(fn, "table.indices", where + " is free (no sequence holds it)");
+            }
+        }
+    }
+
+    /// Appends counts[b] tokens to sequence seqs[b]: rows b·n + t (t < counts[b]) of k and v,
+    /// n = k.rows() / seqs.size(). A sequence takes new pages from the free list as it fills its
+    /// last one; a shared partial last page is first copied to a page of its own (copy on
+    /// write). An int8 pool quantizes each row (ops/int8_rows.hpp).
+    /// \param seqs   B distinct sequences of the pool.
+    /// \param k      [B·n, H_kv·d_k]; \param v [B·n, H_kv·d_v].
+    /// \param counts B entries in [0, n].
+    /// \throws shape_error for k or v of the wrong shape or counts without B entries;
+    ///         std::invalid_argument for an id that is not a sequence of the pool or appears
+    ///         twice, a count outside [0, n], k or v sharing an element with the pool's storage,
+    ///         (int8) a value that is not finite, or more pages
+    ///         needed than are free (the message names the first sequence and page that do not
+    ///         fit). Nothing is changed on error.
+    void append(const std::vector<SequenceId>& seqs, ConstMatrixRef<Input> k, ConstMatrixRef<Input> v,
+                const std::vector<Index>& counts) {
+        constexpr const char* fn = "gattn::PagedKVPool::append";
+        const auto B = static_cast<Index>(seqs.size());
+        if (B == 0) return;
+        if (k.rows() % B != 0 || k.cols() != m_keys.cols())
+            detail::throw_shape(fn, "k", "[B*n, " + std::to_string(m_keys.cols()) + "] with B = " + std::to_string(B),
+                                detail::shape_string({k.rows(), k.cols()}));
+        const Index n = k.rows() / B;
+        detail::check_shape(fn, "v", v.rows(), v.cols(), k.rows(), m_values.cols());
+        if (static_cast<Index>(counts.size()) != B)
+            detail::throw_shape(fn, "counts", detail::shape_string({B}),
+                                detail::shape_string({static_cast<Index>(counts.size())}));
+        for (Index b = 0; b < B; ++b) {
+            const std::string arg = "seqs[" + std::to_string(b) + "]";
+            check_sequence(fn, arg, seqs[b]);
+            for (Index c = 0; c < b; ++c)
+                if (seqs[c] == seqs[b])
+                    detail::throw_invalid(fn, arg,
+                                          "is sequence " + std::to_string(seqs[b]) + ", also seqs[" +
+                                              std::to_string(c) + "]: each sequence at most once per call");
+            if (counts[b] < 0 || counts[b] > n)
+                detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
+                                      "must be in [0, " + std::to_string(n) + "], got " + std::to_string(counts[b]));
+        }
+        check_outside(fn, k, v);
+        if constexpr (kInt8)  // int8 codes stand for finite values only
+            for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
+                for (Index b = 0; b < B; ++b)
+                    for (Index r = b * n; r < b * n + counts[b]; ++r)
+                        for (Index c = 0; c < view->cols(); ++c)
+                            if (!std::isfinite((*view)(r, c)))
+                                detail::throw_invalid(fn, name,
+                                                      "row " + std::to_string(r) + " (sequence " +
+                                                          std::to_string(seqs[b]) + "), column " + std::to_string(c) +
+                                                          " is " + detail::number_string((*view)(r, c)) +
+                                                          ": an int8 pool stores finite values only");
+        // Pages each sequence takes: a copy of a shared partial last page, and new ones.
+        // A sequence that copies a shared page drops its reference: a later sequence of the
+        // call that shares the page with fewer others may then write it in place.
+        Index needed = 0;
+        std::vector<Index> takes(static_cast<std::size_t>(B), 0), copied;
+        for (Index b = 0; b < B; ++b) {
+            const Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
+            if (counts[b] == 0) continue;
+            const Index have = static_cast<Index>(s.pages.size());
+            const Index want = (s.length + counts[b] + m_page_size - 1) / m_page_size;
+            const bool copy = s.length % m_page_size != 0 &&
+                              m_refs[static_cast<std::size_t>(s.pages.back())] -
+                                      std::count(copied.begin(), copied.end(), s.pages.back()) >
+                                  1;
+            if (copy) copied.push_back(s.pages.back());
+            takes[static_cast<std::size_t>(b)] = want - have + (copy ? 1 : 0);
+            if (needed + takes[static_cast<std::size_t>(b)] > free_pages())
+                detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
+                                      "needs more pages than the pool has free: sequence " + std::to_string(seqs[b]) +
+                                          " (" + std::to_string(s.length) + " tokens) needs " +
+                                          std::to_string(takes[static_cast<std::size_t>(b)]) + " more (its pages " +
+                                          std::to_string(copy ? have - 1 : have) + " to " + std::to_string(want - 1) +
+                                          (copy ? ", the first a copy of a shared page" : "") + ") for " +
+                                          std::to_string(counts[b]) + " tokens, and " +
+                                          std::to_string(free_pages() - needed) + " of the pool's " +
+                                          std::to_string(num_pages()) + " pages are free for it");
+            needed += takes[static_cast<std::size_t>(b)];
+        }
+        // Grow every page list first: past this point nothing allocates or throws.
+        for (Index b = 0; b < B; ++b) {
+            Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
+            s.pages.reserve(s.pages.size() + static_cast<std::size_t>(takes[static_cast<std::size_t>(b)]));
+        }
+        for (Index b = 0; b < B; ++b) {
+            Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
+            if (counts[b] == 0) continue;
+            const Index fill = s.length % m_page_size;
+            if (fill != 0 && m_refs[static_cast<std::size_t>(s.pages.back())] > 1) {  // copy on write
+                const Index page = take_page();
+                copy_rows(s.pages.back() * m_page_size, page * m_page_size, fill);
+                --m_refs[static_cast<std::size_t>(s.pages.back())];
+                s.pages.back() = page;
+            }
+            for (Index t = 0; t < counts[b]; ++t) {
+                const Index pos = s.length + t;
+                if (pos % m_page_size == 0) s.pages.push_back(take_page());
+                write_row(s.pages[static_cast<std::size_t>(pos / m_page_size)] * m_page_size + pos % m_page_size,
+                          k.row(b * n + t).data(), v.row(b * n + t).data());
+            }
+            s.length += counts[b];
+        }
+    }
+
+    /// Writes n tokens into slots [slot, slot + n) of page `page`, which exactly one sequence
+    /// holds (for callers that manage their own tables; the sequence's length does not change).
+    /// \param page the page, in [0, num_pages()).
+    /// \param slot the first slot written, in [0, P − n].
+    /// \param k [n, H_kv·d_k]; \param v [n, H_kv·d_v].
+    /// \throws shape_error for k or v of the wrong shape; std::invalid_argument for a page
+    ///         outside [0, num_pages()), a free page, a page shared by more than one sequence,
+    ///         slots outside [0, P), k or v sharing an element with the pool's storage, or (int8) a
+    ///         value that is not finite. Nothing is changed on error.
+    void write(Index page, Index slot, ConstMatrixRef<Input> k, ConstMatrixRef<Input> v) {
+        constexpr const char* fn = "gattn::PagedKVPool::write";
+        check_page(fn, "page", page);
+        const Index refs = m_refs[static_cast<std::size_t>(page)];
+        if (refs == 0) detail::throw_invalid(fn, "page", std::to_string(page) + " is free (no sequence holds it)");
+        if (refs > 1)
+            detail::throw_invalid(fn, "page",
+                                  std::to_string(page) + " is shared by " + std::to_string(refs) +
+                                      " sequences: a shared page is never written (append copies it first)");
+        if (k.cols() != m_keys.cols())
+            detail::throw_shape(fn, "k", "[n, " + std::to_string(m_keys.cols()) + "]",
+                                detail::shape_string({k.rows(), k.cols()}));
+        detail::check_shape(fn, "v", v.rows(), v.cols(), k.rows(), m_values.cols());
+        if (slot < 0 || slot + k.rows() > m_page_size)
+            detail::throw_invalid(fn, "slot",
+                                  "and the rows must lie in the page's slots [0, " + std::to_string(m_page_size) +
+                                      "), got slots [" + std::to_string(slot) + ", " + std::to_string(slot + k.rows()) +
+                                      ") of page " + std::to_string(page));
+        check_outside(fn, k, v);
+        if constexpr (kInt8)
+            for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
+                for (Index r = 0; r < view->rows(); ++r)
+                    for (Index c = 0; c < view->cols(); ++c)
+                        if (!std::isfinite((*view)(r, c)))
+                            detail::throw_invalid(fn, name,
+                                                  "row " + std::to_string(r) + ", column " + std::to_string(c) +
+                                                      " is " + detail::number_string((*view)(r, c)) +
+                                                      ": an int8 pool stores finite values only");
+        for (Index r = 0; r < k.rows(); ++r) write_row(page * m_page_size + slot + r, k.row(r).data(), v.row(r).data());
+    }
+
+    /// Rolls sequence seq back to `length` tokens (e.g. rejected speculative tokens): the pages
+    /// past them are released (freed when no other sequence holds them). The rows stay as they
+    /// are; a shared partial last page is copied when the sequence next appends.
+    /// \throws std::invalid_argument when seq is not a sequence of the pool or length is outside
+    ///         [0, length(seq)]. Nothing is changed on error.
+    void truncate(SequenceId seq, Index length) {
+        constexpr const char* fn = "gattn::PagedKVPool::truncate";
+        check_sequence(fn, "seq", seq);
+        Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
+        if (length < 0 || length > s.length)
+            detail::throw_invalid(fn, "length",
+                                  "must be in [0, " + std::to_string(s.length) + "] (sequence " + std::to_string(seq) +
+                                      "), got " + std::to_string(length));
+        const auto keep = static_cast<std::size_t>((length + m_page_size - 1) / m_page_size);
+        m_free.reserve(m_free.size() + (s.pages.size() - keep));  // may throw: nothing changed yet
+        release(s.pages, keep);
+        s.pages.resize(keep);
+        s.length = length;
+    }
+
+private:
+    struct Sequence {
+        std::vector<Index> pages;
+        Index length = 0;
+    };
+
+    void check_sequence(const char* fn, const std::string& arg, SequenceId seq) const {
+        if (seq < 0 || seq >= static_cast<Index>(m_alive.size()) || !m_alive[static_cast<std::size_t>(seq)])
+            detail::throw_invalid(
+                fn, arg, "must be a sequence of the pool (allocated or forked, not freed), got " + std::to_string(seq));
+    }
+    void check_page(const char* fn, const char* arg, Index page) const {
+        if (page < 0 || page >= num_pages())
+            detail::throw_invalid(fn, arg,
+                                  "must be in [0, " + std::to_string(num_pages()) + "), got " + std::to_string(page));
+    }
+
+    // Rows are copied in place: k or v inside the pool's own storage would be overwritten while
+    // being read.
+    void check_outside(const char* fn, const ConstMatrixRef<Input>& k, const ConstMatrixRef<Input>& v) const {
+        for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
+            if (gattn::detail::views_overlap(*view, m_keys) || gattn::detail::views_overlap(*view, m_values) ||
+                gattn::detail::views_overlap(*view, m_key_scales) ||
+                gattn::detail::views_overlap(*view, m_value_scales))
+                detail::throw_invalid(fn, name, "must not share an element with the pool's keys, values or scales");
+    }
+
+    // A free page, now held once (the caller has checked there is one).
+    Index take_page() noexcept {
+        const Index p = m_free.back();
+        m_free.pop_back();
+        m_refs[static_cast<std::size_t>(p)] = 1;
+        return p;
+    }
+    // Drops one reference to pages[from..]; a page no one holds returns to the free list (whose
+    // room the caller has reserved).
+    void release(const std::vector<Index>& pages, std::size_t from) noexcept {
+        for (std::size_t i = pages.size(); i-- > from;)
+            if (--m_refs[static_cast<std::size_t>(pages[i])] == 0) m_free.push_back(pages[i]);
+    }
+
+    // Stores one token's key and value rows (all KV heads) in pool row `row`.
+    void write_row(Index row, const Input* k, const Input* v) noexcept {
+        if constexpr (kInt8) {
+            quantize_int8_row(k, m_num_kv_heads, m_head_dim, m_keys.row(row).data(), m_key_scales.row(row).data());
+            quantize_int8_row(v, m_num_kv_heads, m_value_head_dim, m_values.row(row).data(),
+                              m_value_scales.row(row).data());
+        } else {
+            std::memcpy(m_keys.row(row).data(), k, sizeof(Scalar) * static_cast<std::size_t>(m_keys.cols()));
+            std::memcpy(m_values.row(row).data(), v, sizeof(Scalar) * static_cast<std::size_t>(m_values.cols()));
+        }
+    }
+    // Copies `rows` pool rows from row `from` to row `to` (distinct pages).
+    void copy_rows(Index from, Index to, Index rows) noexcept {
+        auto copy = [&](auto& m) {
+            if (m.size() == 0) return;
+            std::memcpy(m.row(to).data(), m.row(from).data(),
+                        sizeof(typename std::decay_t<decltype(m)>::Scalar) * static_cast<std::size_t>(rows * m.cols()));
+        };
+        copy(m_keys);
+        copy(m_values);
+        copy(m_key_scales);
+        copy(m_value_scales);
+    }
+
+    // Checks the constructor's sizes before anything is allocated; returns page_size.
+    static Index validated(Index num_pages, Index page_size, Index num_kv_heads, Index head_dim, Index value_head_dim) {
+        constexpr const char* fn = "gattn::PagedKVPool";
+        auto positive = [&](Index v, const char* name) {
+            if (v < 1) detail::throw_invalid(fn, name, "must be >= 1, got " + std::to_string(v));
+        };
+        positive(num_pages, "num_pages");
+        positive(num_kv_heads, "num_kv_heads");
+        positive(head_dim, "head_dim");
+        if (page_size < kMinPageSize || page_size > kMaxPageSize || page_size % kPageAlign != 0)
+            detail::throw_invalid(fn, "page_size",
+                                  "must be a multiple of " + std::to_string(kPageAlign) + " in [" +
+                                      std::to_string(kMinPageSize) + ", " + std::to_string(kMaxPageSize) + "], got " +
+                                      std::to_string(page_size));
+        if (value_head_dim < 0)
+            detail::throw_invalid(fn, "value_head_dim",
+                                  "must be >= 0 (0 = head_dim), got " + std::to_string(value_head_dim));
+        const Index width = std::max(head_dim, value_head_dim), max = std::numeric_limits<Index>::max();
+        if (num_pages > max / page_size || num_kv_heads > max / width ||
+            num_pages * page_size > max / (num_kv_heads * width))
+            detail::throw_invalid(fn, "num_pages",
+                                  "num_pages·page_size·num_kv_heads·head_dim overflows: num_pages " +
+                                      std::to_string(num_pages) + ", page_size " + std::to_string(page_size) +
+                                      ", num_kv_heads " + std::to_string(num_kv_heads) + ", head_dim " +
+                                      std::to_string(width));
+        return page_size;
+    }
+
+    Index m_page_size, m_num_kv_heads, m_head_dim, m_value_head_dim;
+    std::vector<Index> m_refs;                      // per page: sequences holding it
+    std::vector<Index> m_free;                      // free pages, the next one taken last
+    std::vector<Sequence> m_sequences;              // by id
+    std::vector<bool> m_alive;                      // by id: in use
+    RowMatrix<Scalar> m_keys, m_values;             // [num_pages·P, H_kv·d]
+    RowMatrix<float> m_key_scales, m_value_scales;  // int8: [num_pages·P, H_kv]; else empty
+};
+
+GATTN_END_ISA_NAMESPACE

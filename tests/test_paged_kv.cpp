@@ -1,0 +1,444 @@
+// The paged KV pool (cache/paged_kv_pool.hpp) and attention over its pages (ops/paged_sdpa.hpp).
+// The pool: pages taken, shared by fork, copied on write, released by truncate and free and
+// reused, and every error leaving the pool byte for byte as it was. Attention, decoding and
+// prefill: every storage type (float, double, bf16, fp16, int8), page sizes 16 to 256 and every
+// mask or variant against scaled_dot_product_attention over a KVCache holding the same tokens,
+// which the paged call must equal bitwise (outputs, log-sum-exp, first-key probability), on
+// every kernel family this CPU offers, with 1 and 2 threads.
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "gattn/cache/paged_kv_pool.hpp"
+#include "gattn/gattn.hpp"
+#include "gattn/ops/paged_sdpa.hpp"
+#include "support/kernel_limit.hpp"
+
+namespace paged_kv_test {
+
+using gattn::Index;
+using gattn::PagedKVPool;
+using gattn::RowMatrix;
+using gattn::SequenceId;
+
+template <class M>
+std::string bytes_of(const M& m) {
+    return std::string(reinterpret_cast<const char*>(m.data()), sizeof(*m.data()) * static_cast<std::size_t>(m.size()));
+}
+
+/// Everything a pool holds: stored rows, page counts, free pages, sequences and their pages.
+template <class S>
+std::string snapshot(const PagedKVPool<S>& pool, const std::vector<SequenceId>& seqs) {
+    std::string s = bytes_of(pool.keys()) + bytes_of(pool.values()) + bytes_of(pool.key_scales()) +
+                    bytes_of(pool.value_scales()) + "|free " + std::to_string(pool.free_pages()) + "|seqs " +
+                    std::to_string(pool.num_sequences());
+    for (Index p = 0; p < pool.num_pages(); ++p) s += "," + std::to_string(pool.ref_count(p));
+    for (SequenceId id : seqs) {
+        s += "|" + std::to_string(pool.length(id)) + ":";
+        for (Index p : pool.pages(id)) s += std::to_string(p) + " ";
+    }
+    return s;
+}
+
+template <class S>
+RowMatrix<S> random_rows(Index rows, Index cols, std::mt19937& rng) {
+    std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+    RowMatrix<S> m(rows, cols);
+    for (Index i = 0; i < m.size(); ++i) m.data()[i] = static_cast<S>(dist(rng));
+    return m;
+}
+
+/// Pool row `row` of keys (all heads) as floats.
+template <class S>
+float key_at(const PagedKVPool<S>& pool, Index row, Index col) {
+    return static_cast<float>(pool.keys()(row, col));
+}
+
+TEST(PagedKVPool, PagesTakenSharedCopiedAndReused) {
+    PagedKVPool<float> pool(8, 16, 2, 4);  // 8 pages of 16 tokens, rows of 2·4 floats
+    EXPECT_EQ(pool.free_pages(), 8);
+    const SequenceId a = pool.allocate();
+    EXPECT_EQ(a, 0);
+    std::mt19937 rng(1);
+    const RowMatrix<float> k = random_rows<float>(40, 8, rng), v = random_rows<float>(40, 8, rng);
+    pool.append({a}, k.topRows(20), v.topRows(20), {20});  // pages 0 (full) and 1 (4 tokens)
+    EXPECT_EQ(pool.length(a), 20);
+    EXPECT_EQ(pool.pages(a), (std::vector<Index>{0, 1}));
+    EXPECT_EQ(pool.free_pages(), 6);
+    // Token 17 sits in page 1, slot 1.
+    EXPECT_EQ(pool.keys().row(1 * 16 + 1), k.row(17));
+    EXPECT_EQ(pool.values().row(1 * 16 + 1), v.row(17));
+
+    // fork shares both pages; appending to the child copies the shared partial page 1 first.
+    const SequenceId c = pool.fork(a);
+    EXPECT_EQ(c, 1);
+    EXPECT_EQ(pool.ref_count(0), 2);
+    EXPECT_EQ(pool.ref_count(1), 2);
+    const RowMatrix<float> parent_page1 = pool.keys().middleRows(16, 16);
+    pool.append({c}, k.middleRows(20, 2), v.middleRows(20, 2), {2});
+    EXPECT_EQ(pool.pages(c), (std::vector<Index>{0, 2}));  // page 2: a copy of page 1, then 2 tokens
+    EXPECT_EQ(pool.ref_count(0), 2);
+    EXPECT_EQ(pool.ref_count(1), 1);
+    EXPECT_EQ(pool.ref_count(2), 1);
+    EXPECT_EQ(pool.keys().middleRows(16, 4), parent_page1.topRows(4));  // the parent's page untouched
+    EXPECT_EQ(pool.keys().middleRows(32, 4), parent_page1.topRows(4));  // copied
+    EXPECT_EQ(pool.keys().middleRows(36, 2), k.middleRows(20, 2));      // the child's own tokens
+    EXPECT_EQ(pool.keys().middleRows(16, 16), parent_page1);            // nothing written into page 1
+    // The parent, now the only holder of page 1, appends into it in place.
+    pool.append({a}, k.middleRows(30, 1), v.middleRows(30, 1), {1});
+    EXPECT_EQ(pool.pages(a), (std::vector<Index>{0, 1}));
+    EXPECT_EQ(pool.keys().row(16 + 4), k.row(30));
+
+    // Two forks of a parent sharing its partial page, appended in one call: both copy it (the
+    // parent still holds it), and the parent is left its only holder.
+    const SequenceId d = pool.fork(a), e = pool.fork(a);
+    EXPECT_EQ(pool.ref_count(1), 3);
+    pool.append({d, e}, k.topRows(2), v.topRows(2), {1, 1});
+    EXPECT_EQ(pool.ref_count(1), 1);
+    EXPECT_NE(pool.pages(d)[1], 1);
+    EXPECT_NE(pool.pages(e)[1], 1);
+    EXPECT_NE(pool.pages(d)[1], pool.pages(e)[1]);
+
+    // truncate releases whole pages past the length (shared ones only lose a holder).
+    EXPECT_EQ(pool.free_pages(), 3);
+    pool.truncate(c, 16);
+    EXPECT_EQ(pool.pages(c), (std::vector<Index>{0}));
+    EXPECT_EQ(pool.ref_count(2), 0);
+    EXPECT_EQ(pool.free_pages(), 4);
+    // The freed page is the next one taken (last freed, first reused).
+    pool.append({c}, k.topRows(1), v.topRows(1), {1});
+    EXPECT_EQ(pool.pages(c), (std::vector<Index>{0, 2}));
+    // free releases every page and the id is reused.
+    for (SequenceId s : {a, c, d, e}) pool.free(s);
+    EXPECT_EQ(pool.free_pages(), 8);
+    EXPECT_EQ(pool.num_sequences(), 0);
+    EXPECT_EQ(pool.allocate(), 0);
+    // A page table in FlashInfer's layout.
+    const SequenceId f = pool.allocate();
+    pool.append({0, f}, k.topRows(40), v.topRows(40), {17, 3});
+    const gattn::PageTable t = pool.page_table({f, 0});
+    EXPECT_EQ(t.indptr, (std::vector<Index>{0, 1, 3}));
+    EXPECT_EQ(t.last_page_len, (std::vector<Index>{3, 1}));
+    EXPECT_EQ(t.length(0, 16), 3);
+    EXPECT_EQ(t.length(1, 16), 17);
+    EXPECT_NO_THROW(pool.check_table("test", t));
+}
+
+TEST(PagedKVPool, Int8PoolQuantizesAsTheCacheDoes) {
+    PagedKVPool<std::int8_t> pool(4, 16, 2, 8);
+    gattn::KVCache<std::int8_t> cache(1, 20, 2, 8);
+    std::mt19937 rng(2);
+    const RowMatrix<float> k = random_rows<float>(20, 16, rng), v = random_rows<float>(20, 16, rng);
+    const SequenceId s = pool.allocate();
+    pool.append({s}, k, v, {20});
+    cache.append(k, v, {20});
+    const Index page1 = pool.pages(s)[1];
+    EXPECT_EQ(pool.keys().middleRows(page1 * 16, 4), cache.keys().middleRows(16, 4));
+    EXPECT_EQ(pool.value_scales().middleRows(page1 * 16, 4), cache.value_scales().middleRows(16, 4));
+    EXPECT_EQ(pool.storage_bytes(), 4 * 16 * (2 * 16 + 4 * 4));
+}
+
+/// Every error: a clear message naming what is wrong, and the pool unchanged.
+TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
+    PagedKVPool<std::int8_t> pool(4, 16, 1, 8);
+    std::mt19937 rng(3);
+    const RowMatrix<float> k = random_rows<float>(80, 8, rng), v = random_rows<float>(80, 8, rng);
+    const SequenceId a = pool.allocate(), b = pool.allocate();
+    pool.append({a}, k.topRows(20), v.topRows(20), {20});  // pages 0, 1
+    const SequenceId c = pool.fork(a);                     // 2, sharing pages 0 and 1
+    pool.free(b);
+    const std::vector<SequenceId> live{a, c};
+    const std::string before = snapshot(pool, live);
+    auto expect_error = [&](auto&& call, const std::vector<std::string>& words) {
+        try {
+            call();
+            ADD_FAILURE() << "no exception";
+        } catch (const std::invalid_argument& e) {
+            for (const std::string& w : words)
+                EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what() << " lacks " << w;
+        }
+        EXPECT_EQ(snapshot(pool, live), before);
+    };
+    // Appending past the pool's pages: 40 more tokens of a need its pages 1 to 3 (a copy of the
+    // shared page 1 and two more); 2 are free.
+    expect_error(
+        [&] {
+            pool.append({c, a}, k.topRows(80), v.topRows(80), {0, 40});
+        },
+        {"PagedKVPool::append", "counts[1]", "sequence 0", "its pages 1 to 3", "copy of a shared page",
+         "2 of the pool's 4 pages are free"});
+    // c copies the shared page first; a, then its only holder, writes it in place: 1 + 2 pages.
+    expect_error(
+        [&] {
+            pool.append({c, a}, k.topRows(80), v.topRows(80), {2, 40});
+        },
+        {"counts[1]", "its pages 2 to 3", "1 of the pool's 4 pages are free"});
+    expect_error([&] { pool.append({b}, k.topRows(1), v.topRows(1), {1}); }, {"seqs[0]", "got 1", "freed"});
+    expect_error([&] { pool.append({a, a}, k.topRows(2), v.topRows(2), {1, 1}); }, {"seqs[1]", "also seqs[0]"});
+    expect_error([&] { pool.append({a}, k.topRows(2), v.topRows(2), {3}); }, {"counts[0]", "[0, 2]"});
+    RowMatrix<float> bad = k.topRows(2);
+    bad(1, 3) = std::numeric_limits<float>::quiet_NaN();
+    expect_error(
+        [&] {
+            pool.append({a, c}, bad, v.topRows(2), {1, 1});
+        },
+        {"row 1", "sequence 2", "column 3", "finite"});
+    // k or v inside the pool's own storage (here: its key scales).
+    const Eigen::Map<const RowMatrix<float>> inside(pool.key_scales().data(), 1, 8);
+    expect_error([&] { pool.append({a}, inside, v.topRows(1), {1}); }, {"append", "k must not share an element"});
+    expect_error([&] { pool.append({c}, k.topRows(1), inside, {1}); }, {"append", "v must not share an element"});
+    // Writing into a shared page, a free page, a page out of range, or past a page's slots.
+    expect_error([&] { pool.write(1, 4, k.topRows(1), v.topRows(1)); }, {"PagedKVPool::write", "page", "shared by 2"});
+    expect_error([&] { pool.write(3, 0, k.topRows(1), v.topRows(1)); }, {"page", "3 is free"});
+    expect_error([&] { pool.write(4, 0, k.topRows(1), v.topRows(1)); }, {"page", "[0, 4)", "got 4"});
+    expect_error([&] { pool.write(-1, 0, k.topRows(1), v.topRows(1)); }, {"got -1"});
+    expect_error([&] { pool.truncate(a, 21); }, {"truncate", "length", "[0, 20]", "sequence 0"});
+    expect_error([&] { pool.fork(7); }, {"fork", "parent", "got 7"});
+    expect_error([&] { pool.free(b); }, {"free", "got 1"});
+    // Tables checked against the pool: a page out of range or free, more pages than the pool.
+    gattn::PageTable t = pool.page_table({a, c});
+    t.indices[3] = 9;
+    expect_error([&] { pool.check_table("fn", t); },
+                 {"fn: table.indices", "sequence at table position 1, its page 1: page index 9", "outside [0, 4)"});
+    t.indices[3] = 2;
+    expect_error([&] { pool.check_table("fn", t); },
+                 {"sequence at table position 1, its page 1: page index 2 is free"});
+    gattn::PageTable long_table;
+    long_table.indices.assign(5, 0);
+    long_table.indptr = {0, 5};
+    long_table.last_page_len = {1};
+    expect_error([&] { pool.check_table("fn", long_table); }, {"sequence at table position 0 has 5 pages", "pool's 4"});
+    long_table.indices.assign(1, 0);
+    long_table.indptr = {0, 1};
+    long_table.last_page_len = {17};
+    expect_error([&] { pool.check_table("fn", long_table); }, {"last_page_len[0]", "[1, 16]", "got 17"});
+    // The attention call checks its table first and writes nothing.
+    RowMatrix<float> q = random_rows<float>(2, 8, rng), out = RowMatrix<float>::Constant(2, 8, 5.0f);
+    t.indices[3] = 2;
+    expect_error([&] { gattn::paged_attention<std::int8_t, float>(q, pool, t, 1, out); },
+                 {"gattn::paged_attention", "page index 2 is free"});
+    EXPECT_TRUE((out.array() == 5.0f).all());
+    RowMatrix<float> q_wide = random_rows<float>(2, 16, rng);
+    expect_error(
+        [&] {
+            gattn::paged_attention<std::int8_t, float>(q_wide, pool, pool.page_table({a, c}), 1, out);
+        },
+        {"gattn::paged_attention", "query", "pool.head_dim() = 8", "got [2, 16]"});
+    gattn::SdpaOptions<float> with_lengths;
+    with_lengths.mask.key_lengths = {1, 1};
+    expect_error(
+        [&] {
+            gattn::paged_attention<std::int8_t, float>(q, pool, pool.page_table({a, c}), 1, out, with_lengths);
+        },
+        {"key_lengths", "must be empty"});
+    EXPECT_TRUE((out.array() == 5.0f).all());
+    // A constructor's bad page size.
+    EXPECT_THROW(PagedKVPool<float>(4, 24, 1, 8), std::invalid_argument);
+    EXPECT_THROW(PagedKVPool<float>(4, 512, 1, 8), std::invalid_argument);
+}
+
+// ---- decoding over pages, bitwise against the contiguous cache ----
+
+template <class S>
+using QueryOf = std::conditional_t<std::is_same_v<S, std::int8_t>, float, S>;
+
+/// B sequences appended in interleaved rounds (so their pages interleave in the pool), the third
+/// forked from the first part-way (sharing its pages, then copying on write), and a KVCache of
+/// capacity max L_b holding the same tokens.
+template <class S>
+struct PagedSetup {
+    using In = typename PagedKVPool<S>::Input;
+    static constexpr Index kHkv = 2, kDk = 64, kDv = 32;
+    PagedKVPool<S> pool;
+    std::vector<SequenceId> ids;
+    std::vector<std::vector<RowMatrix<In>>> keys, values;  // per sequence, its token rows
+    Index max_len = 0;
+
+    PagedSetup(Index page_size, const std::vector<Index>& lengths, std::mt19937& rng)
+        : pool(2 + 3000 / page_size * 2, page_size, kHkv, kDk, kDv) {
+        const Index B = static_cast<Index>(lengths.size());
+        keys.resize(lengths.size());
+        values.resize(lengths.size());
+        for (Index b = 0; b < B; ++b) ids.push_back(b == 2 ? -1 : pool.allocate());
+        std::uniform_int_distribution<Index> count(1, 90);
+        std::vector<Index> have(lengths.size(), 0);
+        bool forked = false;
+        for (bool more = true; more;) {
+            more = false;
+            for (Index b = 0; b < B; ++b) {
+                if (b == 2 && !forked) {
+                    if (have[0] < 200 && have[0] < lengths[0]) continue;
+                    ids[2] = pool.fork(ids[0]);  // shares sequence 0's first tokens
+                    keys[2] = keys[0];
+                    values[2] = values[0];
+                    have[2] = have[0];
+                    forked = true;
+                }
+                const Index n = std::min(count(rng), lengths[b] - have[b]);
+                if (n <= 0) continue;
+                more = true;
+                RowMatrix<In> k = random_rows<In>(n, kHkv * kDk, rng), v = random_rows<In>(n, kHkv * kDv, rng);
+                pool.append({ids[b]}, k, v, {n});
+                keys[b].push_back(k);
+                values[b].push_back(v);
+                have[b] += n;
+            }
+        }
+        for (Index b = 0; b < B; ++b) {
+            EXPECT_EQ(pool.length(ids[b]), lengths[b]);
+            max_len = std::max(max_len, lengths[b]);
+        }
+    }
+
+    gattn::KVCache<S> contiguous() const {
+        const Index B = static_cast<Index>(ids.size());
+        gattn::KVCache<S> cache(B, std::max<Index>(max_len, 1), kHkv, kDk, kDv);
+        for (Index b = 0; b < B; ++b)
+            for (std::size_t i = 0; i < keys[b].size(); ++i) {
+                const Index n = keys[b][i].rows();
+                RowMatrix<In> k = RowMatrix<In>::Zero(B * n, kHkv * kDk), v = RowMatrix<In>::Zero(B * n, kHkv * kDv);
+                k.middleRows(b * n, n) = keys[b][i];
+                v.middleRows(b * n, n) = values[b][i];
+                std::vector<Index> counts(static_cast<std::size_t>(B), 0);
+                counts[static_cast<std::size_t>(b)] = n;
+                cache.append(k, v, counts);
+            }
+        return cache;
+    }
+};
+
+/// One mask or variant of the decoding call.
+struct Variant {
+    const char* name;
+    int kind;
+};
+const Variant kVariants[] = {{"plain", 0}, {"causal", 1},  {"window", 2}, {"bool_mask", 3},     {"bias", 4},
+                             {"sinks", 5}, {"softcap", 6}, {"alibi", 7},  {"query_offsets", 8}, {"all", 9}};
+
+/// prefill: 0 for a decoding step (the decoding kernel), else that many queries per sequence
+/// (the tile kernels).
+template <class S>
+void check_paged_equals_contiguous(Index page_size, const Variant& variant, Index prefill, unsigned seed) {
+    using Q = QueryOf<S>;
+    using T = gattn::compute_t<Q>;
+    using Setup = PagedSetup<S>;
+    std::mt19937 rng(seed);
+    // Lengths: empty, inside a page, across chunks of 512 keys and pages.
+    const std::vector<Index> lengths{1100, 0, 700, 37};
+    Setup setup(page_size, lengths, rng);
+    const Index B = 4, Hkv = Setup::kHkv, dk = Setup::kDk, dv = Setup::kDv;
+    const Index max_pairs = gattn::kernel::FlashGeometry<T>::kQueries / 4;
+    const Index group = prefill ? 4 : std::min<Index>(4, max_pairs), H = Hkv * group;
+    const Index Nq = prefill ? prefill : max_pairs >= 8 ? 2 : 1;
+    const Index Nk = setup.max_len;
+    const RowMatrix<Q> q = random_rows<Q>(B * Nq, H * dk, rng);
+    gattn::SdpaOptions<T> opt;
+    std::vector<char> bool_storage;
+    RowMatrix<T> bias;
+    const int kind = variant.kind;
+    if (kind == 1 || kind == 9) opt.mask.causal = true;
+    if (kind == 2 || kind == 9) opt.mask.sliding_window = 300;
+    if (kind == 3 || kind == 9) {
+        bool_storage.resize(static_cast<std::size_t>(B * Nk));
+        for (char& c : bool_storage) c = (rng() % 4) != 0;
+        opt.mask.bool_mask = {reinterpret_cast<const bool*>(bool_storage.data()), B, 1, 1, Nk};
+    }
+    if (kind == 4 || kind == 9) {
+        bias = random_rows<T>(B * H * Nq, Nk, rng);
+        for (Index i = 0; i < bias.size(); i += 7) bias.data()[i] = -std::numeric_limits<T>::infinity();
+        opt.mask.bias = {bias.data(), B, H, Nq, Nk};
+    }
+    if (kind == 5 || kind == 9) opt.sinks = std::vector<T>(static_cast<std::size_t>(H), T(0.5));
+    if (kind == 6 || kind == 9) opt.logit_softcap = 2.0;
+    if (kind == 7 || kind == 9) opt.alibi_slopes = gattn::alibi_slopes<T>(H);
+    if (kind == 8) {  // explicit positions, ending before the last keys of some sequences
+        opt.mask.query_offsets = {900, 0, 650, 20};
+        opt.mask.causal = true;
+        opt.mask.sliding_window = 300;
+        opt.mask.query_lengths = {Nq, Nq, 1, Nq};
+    }
+    const gattn::KVCache<S> cache = setup.contiguous();
+    gattn::SdpaOptions<T> copt = opt;
+    copt.mask.key_lengths = cache.lengths();
+    ASSERT_EQ(cache.capacity(), Nk);
+    RowMatrix<Q> expected(B * Nq, H * dv), got(B * Nq, H * dv);
+    RowMatrix<T> lse_expected, lse_got, first_expected, first_got;
+    gattn::SdpaOutputs<T> cextra, pextra;
+    cextra.log_sum_exp = &lse_expected;
+    cextra.first_key_probability = &first_expected;
+    pextra.log_sum_exp = &lse_got;
+    pextra.first_key_probability = &first_got;
+    const gattn::HeadLayout heads{B, H, Hkv};
+    if constexpr (std::is_same_v<S, std::int8_t>)
+        gattn::scaled_dot_product_attention(q, cache.key_operand(), cache.value_operand(), heads, expected, copt,
+                                            cextra);
+    else
+        gattn::scaled_dot_product_attention<S>(q, cache.keys(), cache.values(), heads, expected, copt, cextra);
+    const gattn::PageTable table = setup.pool.page_table(setup.ids);
+    const std::string where = std::string(variant.name) + ", page size " + std::to_string(page_size) + ", " +
+                              std::to_string(Nq) + " queries";
+    // Two threads for all masks together (the rest would repeat what those show).
+    for (int threads : {1, 2}) {
+        if (threads > 1 && kind != 9) break;
+#ifdef _OPENMP
+        omp_set_num_threads(threads);
+#else
+        if (threads > 1) break;
+#endif
+        got.setConstant(Q(7));
+        gattn::paged_attention<S, Q>(q, setup.pool, table, H, got, opt, pextra);
+        EXPECT_EQ(bytes_of(got), bytes_of(expected)) << where << ", " << threads << " threads";
+        EXPECT_EQ(bytes_of(lse_got), bytes_of(lse_expected)) << where;
+        EXPECT_EQ(bytes_of(first_got), bytes_of(first_expected)) << where;
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(omp_get_num_procs());
+#endif
+    // The result is attention, not two equal wrong answers: sequence 1 has no keys, so its rows
+    // are 0, and the others are not all 0.
+    for (Index c = 0; c < got.cols(); ++c) EXPECT_EQ(static_cast<float>(got(1 * Nq, c)), 0.0f) << where;
+    EXPECT_NE(static_cast<float>(got.row(0).cwiseAbs().maxCoeff()), 0.0f) << where;
+}
+
+/// Decoding: every variant with pages of 16 tokens (a decoding key block of 16 keys is a page);
+/// plain, explicit positions and all masks together with pages of 64 and 256. Prefill (40
+/// queries): every variant with pages of 16 (each 64-key block over four pages, copied), the
+/// three with pages of 48 (blocks over one or two pages), 64 and 256 (in place).
+template <class S>
+void check_all(unsigned seed) {
+    for (Index prefill : {0, 40})
+        for (Index page_size : {16, 48, 64, 256})
+            for (const Variant& v : kVariants)
+                if ((page_size == 16 || v.kind == 0 || v.kind == 8 || v.kind == 9) && (prefill || page_size != 48))
+                    check_paged_equals_contiguous<S>(page_size, v, prefill, seed++);
+}
+
+TEST(PagedAttention, FloatEqualsContiguousBitwise) { check_all<float>(10); }
+TEST(PagedAttention, DoubleEqualsContiguousBitwise) { check_all<double>(20); }
+TEST(PagedAttention, HalfEqualsContiguousBitwise) { check_all<gattn::half>(30); }
+TEST(PagedAttention, Bf16EqualsContiguousBitwiseOnEveryKernel) {
+    for (gattn::Bf16Kernel k : {gattn::Bf16Kernel::Amx, gattn::Bf16Kernel::WidenedFloat}) {
+        gattn_test::KernelLimit limit(k);
+        check_all<gattn::bfloat16>(40);
+    }
+}
+TEST(PagedAttention, Int8EqualsContiguousBitwiseOnEveryKernel) {
+    for (gattn::Int8Kernel k : {gattn::Int8Kernel::Vnni, gattn::Int8Kernel::WidenedFloat}) {
+        gattn_test::Int8KernelLimit limit(k);
+        check_all<std::int8_t>(50);
+    }
+}
+
+}  // namespace paged_kv_test
