@@ -53,13 +53,9 @@
 
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/simd/cpu.hpp"
-#include "gattn/simd/neon.hpp"
+#include "gattn/simd/tiers.hpp"
 #include "gattn/types.hpp"
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#include <immintrin.h>
-#define GATTN_HAS_AVX512BF16_KERNEL 1
-#endif
 #if defined(GATTN_HAS_AVX512BF16_KERNEL) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define GATTN_HAS_AMX_KERNEL 1
 #endif
@@ -86,9 +82,8 @@ inline void widen_row(const S* src, float* dst, Index n) noexcept {
             std::memcpy(dst + i, &w, 4);
         }
     } else {
-#if defined(GATTN_HAS_NEON)
-        if constexpr (std::is_same_v<S, half>) return simd::neon::widen_row(src, dst, n);  // FCVTL
-#endif
+        if constexpr (simd::neon::kEnabled && std::is_same_v<S, half>)
+            return simd::neon::widen_row(src, dst, n);  // FCVTL
         for (Index i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
     }
 }
@@ -244,17 +239,6 @@ constexpr int W = FlashGeometry<float>::kQueries;  // queries per block
 constexpr int Bc = FlashGeometry<float>::kKeys;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(W == C * L, "query block of whole registers");
-
-/// acc + VDPBF16PS(a, b), accumulating in place: GCC 12 copies the intrinsic's accumulators
-/// through other registers (and the stack when they run short) on every step of a loop.
-inline __m512 dp(__m512 acc, __m512i a, __m512i b) noexcept {
-#if defined(__GNUC__) && !defined(__clang__)
-    __asm__("vdpbf16ps {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b));  // AT&T | Intel syntax
-    return acc;
-#else
-    return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);  // NOLINT: vector casts
-#endif
-}
 
 /// The pair (row[2p], row[2p + 1]) as one 32-bit value; for an odd count n the last pair's
 /// second half is 0 (no read past the row).
