@@ -14,8 +14,9 @@
 /// | portable (SSE2, NEON arithmetic, scalar) | portable.hpp | tile shapes for 16 × 128-bit registers |
 /// | x86 AVX2 + FMA | x86_avx2.hpp | tile shapes for 16 × 256-bit registers, int8 widening |
 /// | x86 AVX-512 | x86_avx512.hpp | tile shapes for 32 × 512-bit registers, int8/bf16/fp16 widening |
-/// | x86 AVX512-BF16 | x86_avx512bf16.hpp | VDPBF16PS kernels: bf16 decoding |
+/// | x86 AVX512-BF16 | x86_avx512bf16.hpp | VDPBF16PS kernels: bf16 prefill and decoding |
 /// | x86 AVX512-VNNI | x86_avx512vnni.hpp | VPDPWSSD kernels: int8 decoding |
+/// | x86 AMX | x86_amx.hpp | TDPBF16PS tile code: bf16 prefill |
 /// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening |
 ///
 /// Adding a tier: a header with its namespace simd::<tier> (kEnabled, its kernels, and
@@ -27,6 +28,7 @@
 
 #include "gattn/simd/arm_neon.hpp"
 #include "gattn/simd/portable.hpp"
+#include "gattn/simd/x86_amx.hpp"
 #include "gattn/simd/x86_avx2.hpp"
 #include "gattn/simd/x86_avx512.hpp"
 #include "gattn/simd/x86_avx512bf16.hpp"
