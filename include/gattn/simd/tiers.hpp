@@ -19,7 +19,7 @@
 /// | x86 AMX | x86_amx.hpp | TDPBF16PS tile code: bf16 prefill |
 /// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening |
 ///
-/// Adding a tier: a header with its namespace simd::<tier> (kEnabled, its kernels, and
+/// Adding a tier: a header with its namespace simd::TIER (kEnabled, its kernels, and
 /// declarations of them for builds without it), one include here, and where it sets a shape, its
 /// place in the selection below. Which tier runs at run time within what the build allows is
 /// simd/cpu.hpp's (instruction_sets(), bf16_kernel(), int8_kernel()).
