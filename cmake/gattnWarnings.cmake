@@ -7,10 +7,12 @@ function(gattn_project_options target)
   if(GATTN_ARCH_FLAGS)
     separate_arguments(_gattn_arch UNIX_COMMAND "${GATTN_ARCH_FLAGS}")
     target_compile_options(${target} PRIVATE ${_gattn_arch})
-    if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND GATTN_ARCH_FLAGS MATCHES "native|avx512|x86-64-v4")
+    if(CMAKE_CXX_COMPILER_ID STREQUAL "GNU" AND
+       GATTN_ARCH_FLAGS MATCHES "native|avx512|x86-64-v4|sapphirerapids|graniterapids|emeraldrapids|znver[45]")
       # g++ 12's own AVX-512 headers trip these warnings on trivial Eigen/xsimd code (their
-      # _mm512_undefined_* helpers read `__Y = __Y`). Only there: the baseline and AVX2 builds
-      # keep them, for gattn's own code.
+      # _mm512_undefined_* helpers read `__Y = __Y`). Only there (-march=native, -mavx512* and
+      # the AVX-512 CPUs that scripts/test.sh's compile-x86 flavour builds for): the baseline
+      # and AVX2 builds keep them, for gattn's own code.
       target_compile_options(${target} PRIVATE -Wno-uninitialized -Wno-maybe-uninitialized)
     endif()
   endif()

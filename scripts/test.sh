@@ -42,11 +42,19 @@
 #   mpi    -DGATTN_WITH_MPI=ON: gattn/dist's ring attention, head-parallel layers and
 #          sharded-cache decoding under mpiexec on 2 and 3 ranks, and the examples/mpi
 #          programs on 2 (bench_dist is compiled with -fsyntax-only).
+# Compile-only flavour (g++, x86 hosts):
+#   compile-x86  the instruction-set tiers this machine's CPU may lack, compiled and linked but
+#          not run: the test files that instantiate the AVX512-BF16, AVX512-VNNI and AMX
+#          kernels (test_narrow_sdpa, test_int8_kv, test_packed_linear, one executable each) at
+#          -march=sapphirerapids (AMX, AVX512-BF16, VNNI) and -march=znver4 (AVX512-BF16, VNNI,
+#          no AMX; with g++ 12, which lacks znver4, -march=znver3 plus Zen 4's AVX-512 flags); then a count of each tier's instructions in the executables (TDPBF16PS,
+#          VDPBF16PS, VPDPWSSD), so that a tier compiled out shows as a failure. Their tests run
+#          in the native flavour wherever the CPU has the tier. About 3 minutes on 2 cores.
 # Each flavour ends with its counts of GoogleTest cases run, passed, failed and skipped
 # (scripts/test_summary.py) and its build and test times.
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
 # JOBS (default: all cores), FLAVOURS (default "baseline native"; any of those and
-# "avx2 clang asan tsan onednn mpi aarch64"), CMAKE_ARGS (extra CMake args).
+# "avx2 clang asan tsan onednn mpi aarch64 compile-x86"), CMAKE_ARGS (extra CMake args).
 # The tests/odr units are built with fixed flags, so of the g++ flavours only baseline builds
 # them (GATTN_BUILD_ODR_TESTS). baseline, native, avx2 and asan compile each group of test files
 # as one unit (GATTN_UNITY_TESTS) and run each test executable as up to 4 ctest tests, one shard
@@ -76,6 +84,33 @@ esac
 package_test='^CMakePackage\.'
 
 for flavour in $flavours; do
+  if [ "$flavour" = compile-x86 ]; then
+    flavour_start=$SECONDS
+    case "$(uname -m)" in x86_64 | i?86) ;; *) echo "compile-x86: x86 hosts only" >&2; exit 2 ;; esac
+    targets=(test_narrow_sdpa test_int8_kv test_packed_linear)
+    # march | instructions that must appear in the executables (the tiers it has)
+    # g++ 12.2 (Debian bookworm) has no -march=znver4: Zen 3 plus Zen 4's AVX-512 extensions.
+    znver4="-march=znver4"
+    g++ -march=znver4 -E -x c++ /dev/null >/dev/null 2>&1 ||
+      znver4="-march=znver3 -mavx512f -mavx512cd -mavx512bw -mavx512dq -mavx512vl -mavx512ifma -mavx512vbmi \
+-mavx512vbmi2 -mavx512bitalg -mavx512vpopcntdq -mavx512vnni -mavx512bf16 -mgfni -mvaes -mvpclmulqdq"
+    for entry in "sapphirerapids|-march=sapphirerapids|tdpbf16ps vdpbf16ps vpdpwssd" "znver4|$znver4|vdpbf16ps vpdpwssd"; do
+      IFS='|' read -r name march needed <<<"$entry"
+      dir="$build-compile-x86-$name"
+      echo "== compile-x86 build (GATTN_ARCH_FLAGS='$march', not run)"
+      cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE=Release -DGATTN_ARCH_FLAGS="$march" -DGATTN_UNITY_TESTS=OFF \
+        -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF ${CMAKE_ARGS:-} >/dev/null
+      cmake --build "$dir" -j "$jobs" --target "${targets[@]}" 2>&1 | quiet
+      listing=$(for t in "${targets[@]}"; do objdump -d --no-show-raw-insn "$dir/tests/$t"; done)
+      for insn in $needed; do
+        count=$(grep -c "[[:space:]]$insn[[:space:]]" <<<"$listing" || true)
+        echo "   $name: $insn $count"
+        [ "$count" -gt 0 ] || { echo "compile-x86: no $insn in the $name build (tier compiled out?)" >&2; exit 1; }
+      done
+    done
+    echo "== compile-x86: build $((SECONDS - flavour_start)) s (not run)"
+    continue
+  fi
   cmake_args=(-DCMAKE_BUILD_TYPE=Release)
   build_args=()   # empty: every target
   ctest_args=()

@@ -24,6 +24,8 @@
 /// the value sum (d_v a multiple of 64) integer products of the value codes and the weights
 /// rounded to 16-bit integers per block (decode_int8); otherwise the codes are widened to float
 /// as they load.
+/// The VDPBF16PS and VPDPWSSD micro-kernels live in their tiers' headers
+/// (simd/x86_avx512bf16.hpp, simd/x86_avx512vnni.hpp); this file drives them.
 
 #include <algorithm>
 #include <cmath>
@@ -37,7 +39,7 @@
 #include "gattn/ops/flash_kernel.hpp"
 #include "gattn/ops/int8_rows.hpp"
 #include "gattn/simd/math.hpp"
-#include "gattn/simd/neon.hpp"
+#include "gattn/simd/tiers.hpp"
 #include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
@@ -120,48 +122,32 @@ struct PartialState {
 /// (AVX-512), 2 with 16. Loading a key block once per group instead of once per row matters
 /// for GQA, whose rows (8 in Qwen3-Next) would otherwise each stream the block through L1.
 /// The value sum keeps up to kDecodeValueRegisters accumulators.
-#if defined(__AVX512F__)
-inline constexpr int kDecodeRows = 4, kDecodeValueRegisters = 16;
-#else
-inline constexpr int kDecodeRows = 2, kDecodeValueRegisters = 8;
-#endif
+/// (simd::DecodeTiles: the tier's.)
+inline constexpr int kDecodeRows = simd::DecodeTiles::kRows, kDecodeValueRegisters = simd::DecodeTiles::kValueRegisters;
 
 /// One register of T from L values of type KV at p: a plain load, or 16-bit values or int8
 /// codes widened exactly (the keys and values of a 16-bit or int8 KV cache are read in place;
-/// ARM64: simd/neon.hpp).
+/// the tiers' widen: simd/x86_avx512.hpp, simd/x86_avx2.hpp, simd/arm_neon.hpp).
 template <class T, class KV>
 inline simd::Batch<T> load_widened(const KV* p) noexcept {
     using B = simd::Batch<T>;
     if constexpr (std::is_same_v<T, KV>) {
         return B::load_unaligned(p);
     } else if constexpr (std::is_same_v<KV, std::int8_t>) {
-#if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, float> && sizeof(B) == 64)
-            return B(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
-#endif
-#if defined(__AVX2__)
-        if constexpr (std::is_same_v<T, float> && sizeof(B) == 32)
-            return B(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
-#endif
-#if defined(GATTN_HAS_NEON)
-        if constexpr (std::is_same_v<T, float> && sizeof(B) == 16) return B(simd::neon::widen4(p));
-#endif
+        if constexpr (simd::avx512::kEnabled && std::is_same_v<T, float> && sizeof(B) == 64)
+            return simd::avx512::widen<B>(p);
+        if constexpr (simd::avx2::kEnabled && std::is_same_v<T, float> && sizeof(B) == 32)
+            return simd::avx2::widen<B>(p);
+        if constexpr (simd::neon::kEnabled && std::is_same_v<T, float> && sizeof(B) == 16)
+            return simd::neon::widen<B>(p);
         alignas(64) T w[simd::kLanes<T>];
         for (std::size_t i = 0; i < simd::kLanes<T>; ++i) w[i] = static_cast<T>(p[i]);
         return B::load_aligned(w);
     } else {
-#if defined(__AVX512F__)
-        if constexpr (std::is_same_v<T, float> && sizeof(B) == 64) {
-            const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-            if constexpr (std::is_same_v<KV, bfloat16>)
-                return B(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-            else
-                return B(_mm512_cvtph_ps(h));
-        }
-#endif
-#if defined(GATTN_HAS_NEON)
-        if constexpr (std::is_same_v<T, float> && sizeof(B) == 16) return B(simd::neon::widen4(p));
-#endif
+        if constexpr (simd::avx512::kEnabled && std::is_same_v<T, float> && sizeof(B) == 64)
+            return simd::avx512::widen<B>(p);
+        if constexpr (simd::neon::kEnabled && std::is_same_v<T, float> && sizeof(B) == 16)
+            return simd::neon::widen<B>(p);
         alignas(64) T w[simd::kLanes<T>];
         for (std::size_t i = 0; i < simd::kLanes<T>; ++i) w[i] = static_cast<T>(p[i]);
         return B::load_aligned(w);
@@ -285,408 +271,6 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
                     acc[r][j] = std::fma(p[r][kk], static_cast<T>(value[kk * value_stride + j]), acc[r][j]);
 }
 
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
-/// Products on bf16 with VDPBF16PS (AVX512-BF16) for a bf16 cache: bf16 queries and keys as
-/// they are stored, and P rounded to bf16 (nearest even) for the value sum, as in the bf16
-/// prefill kernel; accumulation in float. Half the instructions of widening to float FMAs, and
-/// no widening. Needs d_k and d_v multiples of 32.
-namespace decode_bf16 {
-
-/// Whether the VDPBF16PS decoding kernel takes these head sizes.
-inline constexpr bool takes(Index dk, Index dv) noexcept { return dk % 32 == 0 && dv % 32 == 0; }
-
-/// As group_logits: dots[r][kk] holds 16 partial sums of q_r·K[kk] (pairs of features).
-template <int R>
-inline void logits(const bfloat16* const* q, const bfloat16* key, Index key_stride, Index nk, Index dk,
-                   simd::Batch<float> (*dots)[16]) noexcept {
-    using B = simd::Batch<float>;
-    Index kk = 0;
-    for (; kk < 16; kk += 4) {
-        __m512 a[R][4];
-        for (int r = 0; r < R; ++r)
-            for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
-        if (kk < nk) {
-            const int keys = static_cast<int>(std::min<Index>(4, nk - kk));
-            const bfloat16* k = key + kk * key_stride;
-            for (Index d = 0; d < dk; d += 32) {
-                __m512i kv[4];
-                for (int i = 0; i < 4; ++i)
-                    kv[i] = i < keys ? _mm512_loadu_si512(k + i * key_stride + d) : _mm512_setzero_si512();
-                for (int r = 0; r < R; ++r) {
-                    const __m512i qd = _mm512_loadu_si512(q[r] + d);
-                    for (int i = 0; i < 4; ++i) a[r][i] = bf16::dp(a[r][i], qd, kv[i]);
-                }
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int i = 0; i < 4; ++i) dots[r][kk + i] = B(a[r][i]);
-    }
-}
-
-/// Position within a 32-wide block of d_v of feature d's sum: interleaving two keys' rows
-/// with unpacklo/unpackhi_epi16 pairs features (8L + w) of 128-bit lane L, w < 4 (low) and
-/// w ≥ 4 (high), so the float sums come out in that order; unpermute() restores it.
-inline constexpr Index permuted(Index d) noexcept {
-    const Index lane = (d % 32) / 8, w = d % 8;
-    return d / 32 * 32 + (w < 4 ? 4 * lane + w : 16 + 4 * lane + w - 4);
-}
-
-/// acc (permuted order) += Σ over key pairs of VDPBF16PS(P pair, V pair) for R rows. pw[r]:
-/// row r's P rounded to bf16, as 16 words (keys kk < nk; 0 past nk).
-template <int R>
-inline void values(const std::uint16_t (*pw)[16], Index nk, const bfloat16* value, Index value_stride,
-                   float* const* acc, Index dv) noexcept {
-    constexpr int C = 2;  // 64 features per pass: 4·R accumulators
-    const Index pairs = (nk + 1) / 2;
-    for (Index j = 0; j < dv; j += 32 * C) {
-        const int chunks = static_cast<int>(std::min<Index>(C, (dv - j) / 32));
-        __m512 a[R][2 * C];
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < 2 * chunks; ++c) a[r][c] = _mm512_loadu_ps(acc[r] + j + 16 * c);
-        for (Index pr = 0; pr < pairs; ++pr) {
-            const bfloat16* v0 = value + 2 * pr * value_stride + j;
-            const bool second = 2 * pr + 1 < nk;
-            __m512i lo[C], hi[C];
-            for (int c = 0; c < chunks; ++c) {
-                const __m512i x = _mm512_loadu_si512(v0 + 32 * c);
-                const __m512i y = second ? _mm512_loadu_si512(v0 + value_stride + 32 * c) : _mm512_setzero_si512();
-                lo[c] = _mm512_unpacklo_epi16(x, y);
-                hi[c] = _mm512_unpackhi_epi16(x, y);
-            }
-            for (int r = 0; r < R; ++r) {
-                std::uint32_t word;
-                std::memcpy(&word, pw[r] + 2 * pr, sizeof word);
-                const __m512i pp = _mm512_set1_epi32(static_cast<int>(word));
-                for (int c = 0; c < chunks; ++c) {
-                    a[r][2 * c] = bf16::dp(a[r][2 * c], pp, lo[c]);
-                    a[r][2 * c + 1] = bf16::dp(a[r][2 * c + 1], pp, hi[c]);
-                }
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < 2 * chunks; ++c) _mm512_storeu_ps(acc[r] + j + 16 * c, a[r][c]);
-    }
-}
-
-/// The value sum of a block where some row skips a key (score −∞) whose V row may hold
-/// anything: lane by lane, skipping those keys, into the permuted order.
-template <int R>
-inline void values_skipping(const float (*score)[16], const std::uint16_t (*pw)[16], Index nk, const bfloat16* value,
-                            Index value_stride, float* const* acc, Index dv) noexcept {
-    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-    for (int r = 0; r < R; ++r)
-        for (Index kk = 0; kk < nk; ++kk) {
-            if (score[r][kk] == kNegInf) continue;
-            const float p = float(Eigen::numext::bit_cast<bfloat16>(pw[r][kk]));
-            const bfloat16* v = value + kk * value_stride;
-            for (Index d = 0; d < dv; ++d) {
-                float& a = acc[r][permuted(d)];
-                a = std::fma(p, float(v[d]), a);
-            }
-        }
-}
-
-/// Whether the V rows of keys kk < nk that some of the R rows skip (score −∞) are all finite
-/// (exponent bits not all ones), so that a weight of 0 for them adds exactly 0.
-template <int R>
-inline bool skipped_values_finite(const float (*score)[16], Index nk, const bfloat16* value, Index value_stride,
-                                  Index dv) noexcept {
-    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-    const __m512i exponent = _mm512_set1_epi16(0x7F80);
-    for (Index kk = 0; kk < nk; ++kk) {
-        bool skipped = false;
-        for (int r = 0; r < R; ++r) skipped = skipped || score[r][kk] == kNegInf;
-        if (!skipped) continue;
-        const bfloat16* v = value + kk * value_stride;
-        for (Index d = 0; d < dv; d += 32) {
-            const __m512i e = _mm512_and_si512(_mm512_loadu_si512(v + d), exponent);
-            if (_mm512_cmpeq_epi16_mask(e, exponent)) return false;
-        }
-    }
-    return true;
-}
-
-/// Puts each row's sums back in feature order (after the last block of a chunk): feature d of a
-/// 32-wide block is at permuted(d), gathered from the block's two registers.
-inline void unpermute(float* acc, Index dv) noexcept {
-    alignas(64) std::int32_t lo[16], hi[16];
-    for (int i = 0; i < 16; ++i) {
-        lo[i] = static_cast<std::int32_t>(permuted(i));
-        hi[i] = static_cast<std::int32_t>(permuted(16 + i));
-    }
-    const __m512i lo_index = _mm512_load_si512(lo), hi_index = _mm512_load_si512(hi);
-    for (Index j = 0; j < dv; j += 32) {
-        const __m512 x = _mm512_loadu_ps(acc + j), y = _mm512_loadu_ps(acc + j + 16);
-        _mm512_storeu_ps(acc + j, _mm512_permutex2var_ps(x, lo_index, y));
-        _mm512_storeu_ps(acc + j + 16, _mm512_permutex2var_ps(x, hi_index, y));
-    }
-}
-
-/// Whether row r < R skips a key kk < nk of the block (score −∞).
-template <int R>
-inline bool any_skipped(const float (*score)[16], Index nk) noexcept {
-    const __mmask16 keys = nk >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nk) - 1u);
-    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    __mmask16 skipped = 0;
-    for (int r = 0; r < R; ++r) skipped |= _mm512_mask_cmp_ps_mask(keys, _mm512_load_ps(score[r]), neg_inf, _CMP_EQ_OQ);
-    return skipped != 0;
-}
-
-}  // namespace decode_bf16
-#endif  // GATTN_HAS_AVX512BF16_KERNEL
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#define GATTN_HAS_INT8_DOT_KERNEL 1
-
-/// Logits of int8 keys as integer products: the query rows are rounded once to 16-bit integers
-/// (q ≈ s_q·c, s_q = max|q| / 32767, a relative 2⁻¹⁶ of the row's largest value), and VPDPWSSD
-/// sums c·k over pairs of features into 32-bit lanes, exactly (|Σ| < 2³¹ for d_k ≤ 4096). Four
-/// times fewer instructions than widening the codes to float FMAs, and no widening to float.
-namespace decode_int8 {
-
-/// acc + VPDPWSSD(a, b), accumulating in place: GCC 12 copies every accumulator of the
-/// intrinsic's loops through other registers, and the stack, on each step.
-inline __m512i dpwssd(__m512i acc, __m512i a, __m512i b) noexcept {
-#if defined(__GNUC__) && !defined(__clang__)
-    __asm__("vpdpwssd {%2, %1, %0|%0, %1, %2}" : "+v"(acc) : "v"(a), "v"(b));  // AT&T | Intel syntax
-    return acc;
-#else
-    return _mm512_dpwssd_epi32(acc, a, b);
-#endif
-}
-
-/// x rounded to the nearest integer, ties to even, whatever the rounding mode.
-inline __m512i round_to_int(__m512 x) noexcept {
-    return _mm512_cvt_roundps_epi32(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-}
-
-/// Whether the kernel takes these key head sizes.
-inline constexpr bool takes(Index dk) noexcept { return dk % 32 == 0 && dk <= 4096; }
-
-/// A query row as the integer logits take it: q ≈ scale·codes + residual_scale·residual.
-struct QueryScales {
-    float scale = 0;           ///< max|q| / 32767; NaN when q holds a NaN or infinity
-    float residual_scale = 0;  ///< 0 when the row has no residual codes
-};
-
-/// A row whose largest magnitude is more than this many times its mean magnitude (an outlier
-/// feature, as massive activations give) also gets residual codes: with one scale for the
-/// row, its typical features would keep 10 bits or fewer.
-inline constexpr float kQueryOutlierRatio = 32.0f;
-
-/// Rounds n floats (n a multiple of 16) to 16-bit integer codes against max|x| = top > 0, to
-/// nearest even; returns Σ |x / top|.
-inline float round_to_codes(const float* x, Index n, float top, std::int16_t* codes) noexcept {
-    // (x / max|x|)·32767 rounds into [−32767, 32767] (dividing first: 32767 / max|x| would
-    // overflow for a tiny row); the pack saturates the last ulp.
-    const __m512 t = _mm512_set1_ps(top);
-    __m512 sum = _mm512_setzero_ps();
-    for (Index e = 0; e < n; e += 16) {
-        const __m512 rel = _mm512_div_ps(_mm512_loadu_ps(x + e), t);
-        sum = _mm512_add_ps(sum, _mm512_abs_ps(rel));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + e),
-                            _mm512_cvtsepi32_epi16(round_to_int(_mm512_mul_ps(rel, _mm512_set1_ps(32767.0f)))));
-    }
-    return _mm512_reduce_add_ps(sum);
-}
-
-/// Rounds the dk floats of q (dk a multiple of 32) to 16-bit integer codes, to nearest even,
-/// with scale max|q| / 32767 (a relative 2⁻¹⁶ of the row's largest value); a row with an outlier
-/// (kQueryOutlierRatio) also gets the rounding error r = q − scale·codes as 16-bit residual codes
-/// of their own scale (the logits then take a second integer pass; the query is then kept to a
-/// relative 2⁻³¹ of its largest value), else residual codes 0 and residual_scale 0. A row with a
-/// NaN or infinity gets codes 0 and scale NaN (its logits, and so its output, are then NaN).
-/// Below max|q| ≈ 4e-34 the scale is subnormal and the logits lose precision.
-inline QueryScales quantize_query(const float* q, Index dk, std::int16_t* codes, std::int16_t* residual) noexcept {
-    const auto bytes = static_cast<std::size_t>(dk) * sizeof(std::int16_t);
-    __m512 amax = _mm512_setzero_ps();
-    __mmask16 not_finite = 0;
-    for (Index e = 0; e < dk; e += 16) {
-        const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(q + e));
-        not_finite |= _mm512_cmp_ps_mask(a, _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
-        amax = _mm512_max_ps(amax, a);
-    }
-    const float m = _mm512_reduce_max_ps(amax);
-    std::memset(residual, 0, bytes);
-    if (not_finite) {
-        std::memset(codes, 0, bytes);
-        return {std::numeric_limits<float>::quiet_NaN(), 0.0f};
-    }
-    if (!(m > 0)) {
-        std::memset(codes, 0, bytes);
-        return {};
-    }
-    const float sum = round_to_codes(q, dk, m, codes);
-    const QueryScales scales{m / 32767.0f, 0.0f};
-    // max|q| > ratio · mean|q| ⇔ Σ |q / max|q|| < d_k / ratio.
-    if (!(sum * kQueryOutlierRatio < static_cast<float>(dk))) return scales;
-    alignas(64) float r[16];
-    float r_max = 0;
-    for (Index e = 0; e < dk; ++e) r_max = std::max(r_max, std::abs(q[e] - scales.scale * float(codes[e])));
-    if (!(r_max > 0)) return scales;
-    for (Index e = 0; e < dk; e += 16) {
-        for (Index i = 0; i < 16; ++i) r[i] = q[e + i] - scales.scale * float(codes[e + i]);
-        round_to_codes(r, 16, r_max, residual + e);
-    }
-    return {scales.scale, r_max / 32767.0f};
-}
-
-/// The query that quantize_query's codes stand for, in float: out[d] = scale·codes[d] +
-/// residual_scale·residual[d] for d < dk (what the integer logits multiply the keys by).
-inline void dequantize_query(const std::int16_t* codes, const std::int16_t* residual, QueryScales scales, Index dk,
-                             float* out) noexcept {
-    for (Index d = 0; d < dk; ++d) out[d] = scales.scale * float(codes[d]) + scales.residual_scale * float(residual[d]);
-}
-
-/// Register whose lane i is the sum of the 32-bit lanes of rows[i] (16 registers): the
-/// butterfly of simd::reduce_sum_rows on integers, exact while no sum leaves int32.
-inline __m512i reduce_rows(const __m512i* rows) noexcept {
-    __m512i a[8], b[4], c[2];
-    for (int j = 0; j < 8; ++j)
-        a[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(rows[2 * j], rows[2 * j + 1]),
-                                _mm512_unpackhi_epi32(rows[2 * j], rows[2 * j + 1]));
-    for (int k = 0; k < 4; ++k)
-        b[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]),
-                                _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
-    for (int k = 0; k < 2; ++k)
-        c[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                _mm512_shuffle_i32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_epi32(_mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                            _mm512_shuffle_i32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-/// logits[r] lane kk = s_q[r] · Σ_d q_r[d]·key[kk][d] for R rows and the keys kk < nk of the
-/// block (lanes kk ≥ nk are 0): the dot products reduced across lanes, as reduce_sum_rows
-/// does for group_logits' registers. Up to d_k = 512 a whole dot product fits int32
-/// (|Σ| ≤ 512·32767·128 < 2³¹), so the lanes add as integers and turn into floats once per
-/// row; beyond, each lane's partial sum turns into a float first. prefetch (may be null):
-/// stepped once per 4 keys (decode_chunk's spread prefetch).
-template <int R>
-inline void logits(const std::int16_t* const* q, const float* q_scale, const std::int8_t* key, Index key_stride,
-                   Index nk, Index dk, simd::Batch<float>* logits, SpreadPrefetch<std::int8_t>* prefetch) noexcept {
-    using B = simd::Batch<float>;
-    auto load = [&](Index kk, Index d) {
-        return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + kk * key_stride + d)));
-    };
-    __m512i dots[R][16];
-    Index kk = 0;
-    for (; kk + 4 <= nk; kk += 4) {
-        if (prefetch) prefetch->step(prefetch->per_step);
-        __m512i a[R][4];
-        for (int r = 0; r < R; ++r)
-            for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_si512();
-        for (Index d = 0; d < dk; d += 32) {
-            __m512i kv[4];
-            for (int i = 0; i < 4; ++i) kv[i] = load(kk + i, d);
-            for (int r = 0; r < R; ++r) {
-                const __m512i qd = _mm512_loadu_si512(q[r] + d);
-                for (int i = 0; i < 4; ++i) a[r][i] = dpwssd(a[r][i], qd, kv[i]);
-            }
-        }
-        for (int r = 0; r < R; ++r)
-            for (int i = 0; i < 4; ++i) dots[r][kk + i] = a[r][i];
-    }
-    for (; kk < 16; ++kk)
-        for (int r = 0; r < R; ++r) {
-            __m512i a = _mm512_setzero_si512();
-            if (kk < nk)
-                for (Index d = 0; d < dk; d += 32) a = dpwssd(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
-            dots[r][kk] = a;
-        }
-    for (int r = 0; r < R; ++r) {
-        const B s(q_scale[r]);
-        if (dk <= 512) {
-            logits[r] = B(_mm512_cvtepi32_ps(reduce_rows(dots[r]))) * s;
-        } else {
-            B lanes[16];
-            for (int i = 0; i < 16; ++i) lanes[i] = B(_mm512_cvtepi32_ps(dots[r][i]));
-            logits[r] = simd::reduce_sum_rows<float>(lanes) * s;
-        }
-    }
-}
-
-/// Whether the integer value sum (values) takes this value head size.
-inline constexpr bool takes_values(Index dv) noexcept { return dv % 64 == 0; }
-
-/// acc_r += Σ_kk w[r][kk]·codes[kk] for R rows over the keys kk < nk of a block, as
-/// group_values, with integer products: each row's weights are rounded to 16-bit integers
-/// against the block's largest magnitude (w ≈ u·c, u = max |w| / 32767, ties to even; each
-/// weight's rounding error is at most 2⁻¹⁶·max |w|), two keys' codes are interleaved into
-/// 16-bit pairs, and VPDPWSSD sums c·code over each pair into 32-bit lanes, exactly
-/// (|Σ| ≤ 16·128·32767 < 2³¹); the lanes turn into floats once per block, times u. A skipped
-/// key (score −∞) gets weight 0, whatever its scale. Half the instructions of widening the
-/// codes to float FMAs. A row with a weight that is not finite (a NaN or infinite logit or
-/// value scale) takes group_values alone, so the NaN reaches it and the other rows are unchanged.
-/// Needs dv a multiple of 64 (takes_values). prefetch (may be null): stepped once per key pair
-/// of each 64-feature pass (decode_chunk's spread prefetch).
-template <int R>
-inline void values(const float (*score)[16], const float (*w)[16], Index nk, const std::int8_t* value,
-                   Index value_stride, float* const* acc, Index dv, SpreadPrefetch<std::int8_t>* prefetch) noexcept {
-    alignas(64) std::int16_t codes[R][16];  // the rounded weights (0 past nk)
-    float unit[R];                          // max |w| of each row
-    const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int r = 0; r < R; ++r) {
-        const __mmask16 live = _mm512_cmp_ps_mask(_mm512_load_ps(score[r]), neg_inf, _CMP_NEQ_UQ);
-        const __m512 x = _mm512_maskz_mov_ps(live, _mm512_load_ps(w[r]));
-        if (_mm512_cmp_ps_mask(_mm512_abs_ps(x), _mm512_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ)) {
-            // Only this row takes the float sum (the others' results do not change).
-            group_values<float, 1, std::int8_t>(score + r, w + r, nk, value, value_stride, acc + r, dv);
-            std::memset(codes[r], 0, sizeof codes[r]);
-            unit[r] = 0;
-            continue;
-        }
-        // A view's value scales may be negative: the codes are signed, against max |w|.
-        const float top = _mm512_reduce_max_ps(_mm512_abs_ps(x));
-        unit[r] = top;
-        const __m512 rel = top > 0 ? _mm512_div_ps(x, _mm512_set1_ps(top)) : _mm512_setzero_ps();
-        _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r]),
-                           _mm512_cvtsepi32_epi16(round_to_int(_mm512_mul_ps(rel, _mm512_set1_ps(32767.0f)))));
-    }
-    const Index pairs = (nk + 1) / 2;
-    for (Index j = 0; j < dv; j += 64) {
-        __m512i a[R][4];
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_si512();
-        for (Index pr = 0; pr < pairs; ++pr) {
-            if (prefetch) prefetch->step(prefetch->per_step);
-            const std::int8_t* v0 = value + 2 * pr * value_stride + j;
-            const __m512i x = _mm512_loadu_si512(v0);
-            const __m512i y = 2 * pr + 1 < nk ? _mm512_loadu_si512(v0 + value_stride) : _mm512_setzero_si512();
-            // Per 128-bit lane ℓ, lo pairs features 16ℓ + 0…7 of the two keys, hi 16ℓ + 8…15;
-            // widened, the four registers hold features {0–7, 16–23}, {8–15, 24–31},
-            // {32–39, 48–55} and {40–47, 56–63} of the 64.
-            const __m512i lo = _mm512_unpacklo_epi8(x, y), hi = _mm512_unpackhi_epi8(x, y);
-            const __m512i v[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)),
-                                  _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
-                                  _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
-                                  _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
-            for (int r = 0; r < R; ++r) {
-                std::int32_t word;
-                std::memcpy(&word, codes[r] + 2 * pr, sizeof word);
-                const __m512i pp = _mm512_set1_epi32(word);
-                for (int c = 0; c < 4; ++c) a[r][c] = dpwssd(a[r][c], pp, v[c]);
-            }
-        }
-        for (int r = 0; r < R; ++r) {
-            // Σ·(1 / 32767)·max |w| in two steps: max |w| / 32767 would lose bits below 2⁻¹²⁶·32767.
-            const __m512 u = _mm512_set1_ps(unit[r]), inv = _mm512_set1_ps(1.0f / 32767.0f);
-            // Back to feature order: 256-bit halves of the registers for features 0–15, 16–31, …
-            const __m512i f[4] = {_mm512_shuffle_i64x2(a[r][0], a[r][1], 0x44),
-                                  _mm512_shuffle_i64x2(a[r][0], a[r][1], 0xEE),
-                                  _mm512_shuffle_i64x2(a[r][2], a[r][3], 0x44),
-                                  _mm512_shuffle_i64x2(a[r][2], a[r][3], 0xEE)};
-            for (int c = 0; c < 4; ++c) {
-                float* o = acc[r] + j + 16 * c;
-                _mm512_storeu_ps(o,
-                                 _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(f[c]), inv), u, _mm512_loadu_ps(o)));
-            }
-        }
-    }
-}
-
-}  // namespace decode_int8
-#endif  // AVX512-VNNI
-
 /// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
 /// [k_begin, k_end), accumulating into states[g]. key/value point at key 0, head 0 of the
 /// sequence. The KV heads are walked inside each key block, so a [N, H_kv·d] cache is read
@@ -720,43 +304,41 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // weights times the value scales.
     alignas(64) T key_scale[L], value_scale[L], pv_scaled[kDecodeRows][L];
     // int8 with VNNI: the query rows as 16-bit codes and their scales (decode_int8).
-#if defined(GATTN_HAS_INT8_DOT_KERNEL)
+    constexpr bool kInt8Dot = kInt8 && simd::avx512vnni::kEnabled;
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
-    const bool int8_vnni = kInt8 && int8_family == Int8Kernel::Vnni;
+    const bool int8_vnni = kInt8Dot && int8_family == Int8Kernel::Vnni;
     const bool int8_dot = int8_vnni && decode_int8::takes(dk);
     [[maybe_unused]] const bool int8_values = int8_vnni && decode_int8::takes_values(dv);
     // Row i = g·kRowsPerHead + t: codes at i·d_k, residual codes at (rows + i)·d_k; scale at i,
     // residual scale at rows + i.
-    const Index q_rows = num_kv_heads * kRowsPerHead;
-    thread_local std::vector<std::int16_t> q_codes;  // kept between calls, grown only
-    thread_local std::vector<float> q_scales;
-    // Each grown for its own need: codes scale with d_k, scales with the KV heads alone (a
-    // call with more heads and a smaller d_k needs more scales and no more codes).
-    if (int8_dot && q_codes.size() < static_cast<std::size_t>(2 * q_rows * dk))
-        q_codes.resize(static_cast<std::size_t>(2 * q_rows * dk));
-    if (int8_dot && q_scales.size() < static_cast<std::size_t>(2 * q_rows))
-        q_scales.resize(static_cast<std::size_t>(2 * q_rows));
+    [[maybe_unused]] const Index q_rows = num_kv_heads * kRowsPerHead;
+    [[maybe_unused]] std::int16_t* q_codes = nullptr;
+    [[maybe_unused]] float* q_scales = nullptr;
     bool any_residual = false;  // some row has residual codes (a second integer pass)
-    if constexpr (kInt8)
+    if constexpr (kInt8Dot) {
+        thread_local std::vector<std::int16_t> codes_kept;  // kept between calls, grown only
+        thread_local std::vector<float> scales_kept;
+        // Each grown for its own need: codes scale with d_k, scales with the KV heads alone (a
+        // call with more heads and a smaller d_k needs more scales and no more codes).
+        if (int8_dot && codes_kept.size() < static_cast<std::size_t>(2 * q_rows * dk))
+            codes_kept.resize(static_cast<std::size_t>(2 * q_rows * dk));
+        if (int8_dot && scales_kept.size() < static_cast<std::size_t>(2 * q_rows))
+            scales_kept.resize(static_cast<std::size_t>(2 * q_rows));
+        q_codes = codes_kept.data();
+        q_scales = scales_kept.data();
         for (Index g = 0; g < num_kv_heads && int8_dot; ++g)
             for (int t = 0; t < blks[g].count; ++t) {
                 const Index i = g * kRowsPerHead + t;
-                const auto qs = decode_int8::quantize_query(blks[g].q[t], dk, q_codes.data() + i * dk,
-                                                            q_codes.data() + (q_rows + i) * dk);
-                q_scales[static_cast<std::size_t>(i)] = qs.scale;
-                q_scales[static_cast<std::size_t>(q_rows + i)] = qs.residual_scale;
+                const auto qs =
+                    decode_int8::quantize_query(blks[g].q[t], dk, q_codes + i * dk, q_codes + (q_rows + i) * dk);
+                q_scales[i] = qs.scale;
+                q_scales[q_rows + i] = qs.residual_scale;
                 any_residual = any_residual || qs.residual_scale != 0;
             }
-#else
-    constexpr bool int8_dot = false;
-    [[maybe_unused]] constexpr bool int8_values = false;
-#endif
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+    }
+    static_assert(!kDot || simd::avx512bf16::kEnabled, "the VDPBF16PS decoding kernel needs AVX512-BF16");
     static_assert(!kDot || (std::is_same_v<T, float> && std::is_same_v<KV, bfloat16>), "VDPBF16PS: float, bf16");
-    alignas(64) std::uint16_t pw[kDecodeRows][16];  // kDot: P rounded to bf16
-#else
-    static_assert(!kDot, "the VDPBF16PS decoding kernel needs AVX512-BF16");
-#endif
+    [[maybe_unused]] alignas(64) std::uint16_t pw[kDecodeRows][16];  // kDot: P rounded to bf16
     const Index dk_vec = kDot || int8_dot ? dk : dk / L * L;
     alignas(64) T s[kDecodeRows][L], p[kDecodeRows][L];  // logits (−∞: skipped) and weights
     B dots[kDecodeRows][L], row_logits[kDecodeRows];
@@ -862,34 +444,30 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                         // The logits' dot products: VDPBF16PS (bf16), VPDPWSSD (int8, reduced
                         // across lanes into row_logits), or FMAs.
                         bool products_done = false, reduced = false;
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
                         if constexpr (kDot) {
                             decode_bf16::logits<R>(q16 + g * FlashGeometry<T>::kQueries + t0, key + r0 * key_stride,
                                                    key_stride, nk, dk, dots);
                             products_done = true;
                         }
-#endif
-#if defined(GATTN_HAS_INT8_DOT_KERNEL)
-                        if constexpr (kInt8) {
+                        if constexpr (kInt8Dot) {
                             if (int8_dot) {
                                 const std::int16_t* qc[R];
-                                for (int r = 0; r < R; ++r) qc[r] = q_codes.data() + (g * kRowsPerHead + t0 + r) * dk;
-                                decode_int8::logits<R>(qc, q_scales.data() + g * kRowsPerHead + t0,
-                                                       key + r0 * key_stride, key_stride, nk, dk, row_logits,
+                                for (int r = 0; r < R; ++r) qc[r] = q_codes + (g * kRowsPerHead + t0 + r) * dk;
+                                decode_int8::logits<R>(qc, q_scales + g * kRowsPerHead + t0, key + r0 * key_stride,
+                                                       key_stride, nk, dk, row_logits,
                                                        prefetch_in_kernels ? &spread : nullptr);
-                                const float* rs = q_scales.data() + q_rows + g * kRowsPerHead + t0;
+                                const float* rs = q_scales + q_rows + g * kRowsPerHead + t0;
                                 if (any_residual && std::any_of(rs, rs + R, [](float x) { return x != 0; })) {
                                     // The residual codes' pass (K is in L1); 0 for rows without.
                                     for (int r = 0; r < R; ++r) qc[r] += q_rows * dk;
                                     B residual_logits[R];
                                     decode_int8::logits<R>(qc, rs, key + r0 * key_stride, key_stride, nk, dk,
-                                                           residual_logits, nullptr);
+                                                           residual_logits, static_cast<decltype(&spread)>(nullptr));
                                     for (int r = 0; r < R; ++r) row_logits[r] += residual_logits[r];
                                 }
                                 products_done = reduced = true;
                             }
                         }
-#endif
                         if (!products_done)
                             group_logits<T, R, KV>(blk.q + t0, key + r0 * key_stride, key_stride, nk, dk_vec, dots);
                         for (int r = 0; r < R; ++r) {
@@ -898,9 +476,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             const int t = t0 + r;
                             if (spread_prefetch && !prefetch_in_kernels) spread.step(spread.per_step);
                             T* sr = s[r];
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
                             if constexpr (kDot) std::memset(pw[r], 0, sizeof pw[r]);
-#endif
                             const Index lo = std::max(j0, blk.begin[t]), hi = std::min(j0 + nk, blk.end[t]);
                             if (lo >= hi) {  // no visible key of this block for this row
                                 std::fill(sr, sr + L, kNegInf);
@@ -956,21 +532,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             }
                             m = m_new;
                             B pv = simd::exp_nonpositive<T>(sv - B(m_new));
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
-                            if constexpr (kDot) {
-                                // P rounded to bf16 once: the value sum and l use the same weights.
-                                const __m256i h = (__m256i)_mm512_cvtneps_pbh(pv);  // NOLINT: vector cast
-                                _mm256_store_si256(reinterpret_cast<__m256i*>(pw[r]), h);
-                                pv = B(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
-                            }
-#endif
+                            // P rounded to bf16 once: the value sum and l use the same weights.
+                            if constexpr (kDot) pv = decode_bf16::round_weights(pv, pw[r]);
                             pv.store_aligned(p[r]);
                             st.l[t] += simd::reduce_sum(pv);
                             if constexpr (kInt8) (pv * B::load_aligned(value_scale)).store_aligned(pv_scaled[r]);
                         }
                         // The value sum: VDPBF16PS (bf16), VPDPWSSD (int8), or FMAs.
                         bool values_done = false;
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
                         if constexpr (kDot) {
                             const bfloat16* vb = value + r0 * value_stride;
                             if (!decode_bf16::any_skipped<R>(s, nk) ||
@@ -980,16 +549,15 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 decode_bf16::values_skipping<R>(s, pw, nk, vb, value_stride, acc, dv);
                             values_done = true;
                         }
-#endif
-#if defined(GATTN_HAS_INT8_DOT_KERNEL)
-                        if constexpr (kInt8) {
+                        if constexpr (kInt8Dot) {
                             if (int8_values) {
+                                // A row with a weight that is not finite takes the float sum.
+                                auto float_values = [](auto... a) { group_values<float, 1, std::int8_t>(a...); };
                                 decode_int8::values<R>(s, pv_scaled, nk, value + r0 * value_stride, value_stride, acc,
-                                                       dv, prefetch_in_kernels ? &spread : nullptr);
+                                                       dv, prefetch_in_kernels ? &spread : nullptr, float_values);
                                 values_done = true;
                             }
                         }
-#endif
                         if (!values_done)
                             group_values<T, R, KV>(s, kInt8 ? pv_scaled : p, nk, value + r0 * value_stride,
                                                    value_stride, acc, dv);
@@ -998,11 +566,9 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             }
         }
     }
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
     if constexpr (kDot)
         for (Index g = 0; g < num_kv_heads; ++g)
             for (int t = 0; t < blks[g].count; ++t) decode_bf16::unpermute(states[g].acc.data() + t * dv, dv);
-#endif
 }
 
 /// Merges the states chunks[c·chunk_stride], c < num_chunks, in chunk order and writes the rows' outputs, log-sum-exp and first-key

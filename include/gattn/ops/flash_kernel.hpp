@@ -36,6 +36,7 @@
 #include "gattn/ops/int8_rows.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/simd/math.hpp"
+#include "gattn/simd/tiers.hpp"
 #include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
@@ -74,26 +75,12 @@ inline void with_constant(int i, F&& f) {
 template <class T>
 struct FlashGeometry {
     static constexpr int kLanes = static_cast<int>(simd::kLanes<T>);
-#if defined(__AVX512F__)
-    static constexpr int kCols = 4;            // registers of queries per tile row
-    static constexpr int kRows = 6;            // 6 × 4 = 24 accumulators of 32 registers
-    static constexpr int kMaskedRows = kRows;  // masked FMAs take a mask register (k0–k7)
-#elif defined(__AVX2__) && defined(__FMA__)
-    // 4 × 3 = 12 accumulators + 3 query registers + 1 broadcast: all 16 registers, 7 loads per
-    // 12 FMAs (6 × 2: 8 per 12), each K and V value used by 24 queries instead of 16, and
-    // d = 64, 128, 256 and Bc split into whole tiles. Measured against 6 × 2 in
-    // bench_flash_peak (docs/flash_avx2.md): alike on AMD Zen 5 (0.81–0.84 of the FMA peak at
-    // N = 2048, d = 128, 8 heads, 1 thread), built for the 8-way L1s of Zen 2–4 and Skylake.
-    static constexpr int kCols = 3;
-    static constexpr int kRows = 4;
-    // The PV tiles of masked keys keep a skip mask per query register (compare + blend, no
-    // mask registers in AVX2): 3 rows, 9 accumulators + 3 P + 3 masks + 1 broadcast.
-    static constexpr int kMaskedRows = 3;
-#else
-    static constexpr int kCols = 2;
-    static constexpr int kRows = 6;  // 6 × 2 = 12 accumulators of 16 registers
-    static constexpr int kMaskedRows = kRows;
-#endif
+    // The tier's tile shape (simd/tiers.hpp): kCols registers of queries per tile row, kRows
+    // rows of K or V values, kMaskedRows rows of the masked PV tiles; 6 × 4 with AVX-512, 4 × 3
+    // with AVX2 + FMA, 6 × 2 elsewhere (the reasons are in each tier's header).
+    static constexpr int kCols = simd::FlashTiles::kCols;
+    static constexpr int kRows = simd::FlashTiles::kRows;
+    static constexpr int kMaskedRows = simd::FlashTiles::kMaskedRows;
     static constexpr int kQueries = kCols * kLanes;  // Br: queries per block
     static constexpr int kKeys = 64;                 // Bc: keys per block
     // Query blocks that walk the keys together: each key block (and the memory pages of its

@@ -95,9 +95,6 @@ inline constexpr bool compiled_with_onednn() noexcept {
 
 namespace detail {
 
-/// Outputs per packed panel (4 AVX-512 registers of float).
-inline constexpr Index kLinearPanel = 64;
-
 /// Per-thread scratch of PackedLinear (grows only).
 struct PackedLinearScratch {
     std::vector<std::uint32_t> x_pairs;  // x rounded to bf16, [rows][⌈in/2⌉] pairs
@@ -108,174 +105,6 @@ struct PackedLinearScratch {
         return s;
     }
 };
-
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
-/// dst[p] = the pair (x[2p], x[2p+1]) rounded to bf16 (nearest even), for p < ⌈n/2⌉; a missing
-/// x[n] is 0.
-template <class X>
-inline void linear_pack_x(const X* x, Index n, std::uint32_t* dst) noexcept {
-    if constexpr (std::is_same_v<X, float>) {
-        // VCVTNE2PS2BF16 rounds to nearest even, as bfloat16(float) does; it reads subnormal
-        // floats as 0, which the bf16 products read subnormal bf16 as anyway.
-        for (Index i = 0; i < n; i += 32) {
-            const Index left = n - i;
-            const __mmask16 lo = left >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << left) - 1u);
-            const __mmask16 hi = left >= 32  ? __mmask16(0xFFFF)
-                                 : left > 16 ? static_cast<__mmask16>((1u << (left - 16)) - 1u)
-                                             : __mmask16(0);
-            const __m512i v =
-                (__m512i)_mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(hi, x + i + 16),  // NOLINT: vector cast
-                                             _mm512_maskz_loadu_ps(lo, x + i));
-            const Index pairs = std::min<Index>(16, (left + 1) / 2);
-            _mm512_mask_storeu_epi32(dst + i / 2, static_cast<__mmask16>((1u << pairs) - 1u), v);
-        }
-    } else {
-        for (Index p = 0; 2 * p < n; ++p)
-            dst[p] = std::uint32_t(kernel::bits16(x[2 * p])) |
-                     (2 * p + 1 < n ? std::uint32_t(kernel::bits16(x[2 * p + 1])) << 16 : 0u);
-    }
-}
-
-/// out[r][o0 + j] = Σ_p x_pairs[r][p]·panel[p][j] + bias (j < n ≤ 64) for R rows.
-template <int R>
-inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::uint32_t* panel, const float* bias,
-                        float* out, Index out_stride, Index n) noexcept {
-    constexpr int C = 4, L = 16;
-    __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
-        for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (Index p = 0; p < pairs; ++p) {
-        __m512i w[C];
-        for (int c = 0; c < C; ++c) w[c] = _mm512_load_si512(panel + p * kLinearPanel + c * L);
-        for (int r = 0; r < R; ++r) {
-            const __m512i xb = _mm512_set1_epi32(static_cast<int>(x_pairs[r * pairs + p]));
-            for (int c = 0; c < C; ++c) acc[r][c] = kernel::bf16::dp(acc[r][c], xb, w[c]);
-        }
-    }
-    for (int c = 0; c < C; ++c) {
-        const Index j = c * L;
-        if (j >= n) break;
-        const __mmask16 m = n - j >= L ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + j) : _mm512_setzero_ps();
-        for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride + j, m, _mm512_add_ps(acc[r][c], b));
-    }
-}
-#endif
-
-/// Pairs of inputs per AMX k step: a bf16 tile row is 64 bytes, 16 pairs.
-inline constexpr Index kAmxPairs = 16;
-/// uint32 pairs per packed B tile: 16 pair rows × 16 outputs, 1 KiB.
-inline constexpr Index kAmxTile = kAmxPairs * 16;
-/// Offset in an AMX panel of kblocks k steps of pair p of the panel's output j: the panel's 4
-/// groups of 16 outputs one after the other, each its B tiles of k steps 0, 1, 2, ...
-constexpr Index amx_panel_offset(Index p, Index j, Index kblocks) noexcept {
-    return (j / 16) * kblocks * kAmxTile + (p / kAmxPairs) * kAmxTile + (p % kAmxPairs) * 16 + j % 16;
-}
-
-#if defined(GATTN_HAS_AMX_KERNEL)
-/// Rows of x per AMX tile.
-inline constexpr Index kAmxRows = 16;
-/// k steps ahead that the AMX kernel prefetches its tiles' lines into L1: tile loads that miss
-/// L1 stall (2048 → 4608, one thread: 1.5–2× as fast at 16 and 64 rows, up to 1.4× at 2048).
-inline constexpr Index kAmxPrefetchSteps = 2;
-
-/// PackedLinear's tiles, rows of 64 bytes: C in 0–3 (16 rows × 16 floats), then A (16 rows ×
-/// 16 x pairs) and B (16 pair rows × 16 outputs) in 4–7 (linear_amx_block: A in 4–5, B in 6–7;
-/// linear_amx_row_tile: A in 4, B in 5–7). Configured for this thread while it lives and
-/// released after; with rows < 16 (a call of fewer rows), C and A hold only those rows.
-class LinearAmxTiles {
-public:
-    explicit LinearAmxTiles(Index rows) noexcept {
-        kernel::bf16::amx::TileConfig config;
-        if (rows < kAmxRows)
-            for (int t = 0; t < 5; ++t) config.rows[t] = static_cast<std::uint8_t>(rows);
-        _tile_loadconfig(&config);
-    }
-    ~LinearAmxTiles() { _tile_release(); }
-    LinearAmxTiles(const LinearAmxTiles&) = delete;
-    LinearAmxTiles& operator=(const LinearAmxTiles&) = delete;
-};
-
-/// Prefetches `lines` cache lines, `stride` uint32 apart, from p into L1.
-inline void linear_amx_prefetch(const std::uint32_t* p, Index stride, int lines) noexcept {
-    for (int i = 0; i < lines; ++i) _mm_prefetch(reinterpret_cast<const char*>(p + i * stride), _MM_HINT_T0);
-}
-
-/// Two row tiles × two column tiles: c[32][32] (row stride 32 floats) = Σ over kblocks blocks
-/// of 16 pairs, in order, of TDPBF16PS products of x pairs at a (32 rows, row stride lda
-/// pairs) and 32 outputs of a panel: the tiles of outputs 0–15 at b and of outputs 16–31 at
-/// b + kblocks · kAmxTile, one per k step. Needs the tiles configured on this thread for 16
-/// rows (LinearAmxTiles).
-inline void linear_amx_block(const std::uint32_t* a, Index lda, const std::uint32_t* b, Index kblocks,
-                             float* c) noexcept {
-    constexpr int kStrideB = 16 * sizeof(std::uint32_t), kStrideC = 32 * sizeof(float);
-    const int stride_a = static_cast<int>(lda * static_cast<Index>(sizeof(std::uint32_t)));
-    const std::uint32_t* a1 = a + kAmxRows * lda;
-    const std::uint32_t* b1 = b + kblocks * kAmxTile;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (Index k = 0; k < kblocks; ++k) {
-        if (k + kAmxPrefetchSteps < kblocks) {
-            const Index ahead = (k + kAmxPrefetchSteps) * kAmxTile;
-            linear_amx_prefetch(b + ahead, 16, 16);
-            linear_amx_prefetch(b1 + ahead, 16, 16);
-            linear_amx_prefetch(a + (k + kAmxPrefetchSteps) * kAmxPairs, lda, 2 * kAmxRows);
-        }
-        kernel::bf16::amx::dot_2x2(a + k * kAmxPairs, a1 + k * kAmxPairs, stride_a, b + k * kAmxTile, b1 + k * kAmxTile,
-                                   kStrideB, true);
-    }
-    kernel::bf16::amx::store_2x2(c, 16 * 32, kStrideC, true);
-}
-
-/// One row tile × a whole panel: c[16][64] (row stride 64 floats; as many rows as the tiles
-/// are configured with) = Σ over kblocks blocks of 16 pairs, in order, of TDPBF16PS products
-/// of x pairs at a (row stride lda pairs) and the panel at b, read once as 4 sequential
-/// streams, one per group of 16 outputs (for few rows, when the weights stream from memory).
-/// Each output sees the same products in the same order as in linear_amx_block. Needs the
-/// tiles configured on this thread (LinearAmxTiles).
-inline void linear_amx_row_tile(const std::uint32_t* a, Index lda, const std::uint32_t* b, Index kblocks,
-                                float* c) noexcept {
-    constexpr int kStrideB = 16 * sizeof(std::uint32_t), kStrideC = 64 * sizeof(float);
-    const int stride_a = static_cast<int>(lda * static_cast<Index>(sizeof(std::uint32_t)));
-    const Index stream = kblocks * kAmxTile;  // one group of 16 outputs
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (Index k = 0; k < kblocks; ++k) {
-        const std::uint32_t* bk = b + k * kAmxTile;
-        if (k + kAmxPrefetchSteps < kblocks)
-            for (int t = 0; t < 4; ++t) linear_amx_prefetch(bk + t * stream + kAmxPrefetchSteps * kAmxTile, 16, 16);
-        _tile_loadd(4, a + k * kAmxPairs, stride_a);
-        _tile_loadd(5, bk, kStrideB);
-        _tile_loadd(6, bk + stream, kStrideB);
-        _tile_loadd(7, bk + 2 * stream, kStrideB);
-        _tile_dpbf16ps(0, 4, 5);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_dpbf16ps(2, 4, 7);
-        _tile_loadd(5, bk + 3 * stream, kStrideB);
-        _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, c, kStrideC);
-    _tile_stored(1, c + 16, kStrideC);
-    _tile_stored(2, c + 32, kStrideC);
-    _tile_stored(3, c + 48, kStrideC);
-}
-
-/// out[r][j] = c[r][j] + bias[j] for r < rows, j < n (c: row stride ldc floats, 64-byte aligned
-/// rows; n ≤ ldc).
-inline void linear_amx_store(const float* c, Index ldc, Index rows, const float* bias, float* out, Index out_stride,
-                             Index n) noexcept {
-    for (Index j = 0; j < n; j += 16) {
-        const __mmask16 m = n - j >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
-        const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + j) : _mm512_setzero_ps();
-        for (Index r = 0; r < rows; ++r)
-            _mm512_mask_storeu_ps(out + r * out_stride + j, m, _mm512_add_ps(_mm512_load_ps(c + r * ldc + j), b));
-    }
-}
-#endif
 
 }  // namespace detail
 
@@ -500,98 +329,99 @@ private:
 
     template <class X>
     void forward_pairs(ConstMatrixRef<X> x, float* y, Index ldy) const {
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
-        const Index rows = x.rows(), pairs = (m_in + 1) / 2;
-        const Index panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
-        // x as bf16 pairs, rounded once when it is float.
-        auto& caller = detail::PackedLinearScratch::for_this_thread();
-        if (static_cast<Index>(caller.x_pairs.size()) < rows * pairs)
-            caller.x_pairs.resize(static_cast<std::size_t>(rows * pairs));
-        std::uint32_t* xp = caller.x_pairs.data();
-        for (Index r = 0; r < rows; ++r) detail::linear_pack_x(x.data() + r * x.outerStride(), m_in, xp + r * pairs);
-        const float* bias = m_bias.size() ? m_bias.data() : nullptr;
+        if constexpr (!simd::avx512bf16::kEnabled) {
+            (void)x, (void)y, (void)ldy;
+        } else {
+            const Index rows = x.rows(), pairs = (m_in + 1) / 2;
+            const Index panels = (m_out + detail::kLinearPanel - 1) / detail::kLinearPanel;
+            // x as bf16 pairs, rounded once when it is float.
+            auto& caller = detail::PackedLinearScratch::for_this_thread();
+            if (static_cast<Index>(caller.x_pairs.size()) < rows * pairs)
+                caller.x_pairs.resize(static_cast<std::size_t>(rows * pairs));
+            std::uint32_t* xp = caller.x_pairs.data();
+            for (Index r = 0; r < rows; ++r)
+                detail::linear_pack_x(x.data() + r * x.outerStride(), m_in, xp + r * pairs);
+            const float* bias = m_bias.size() ? m_bias.data() : nullptr;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (panels > 1 && rows * m_out * m_in >= (Index(1) << 20))
 #endif
-        for (Index k = 0; k < panels; ++k) {
-            const Index o = k * detail::kLinearPanel, n = std::min(detail::kLinearPanel, m_out - o);
-            const std::uint32_t* panel = m_packed.data() + k * m_pair_rows * detail::kLinearPanel;
-            for (Index r0 = 0; r0 < rows; r0 += 6) {
-                const int tile = static_cast<int>(std::min<Index>(6, rows - r0));
-                kernel::with_constant<7>(tile, [&](auto count) {
-                    constexpr int R = decltype(count)::value;
-                    if constexpr (R > 0)
-                        detail::linear_tile<R>(xp + r0 * pairs, pairs, panel, bias ? bias + o : nullptr,
-                                               y + r0 * ldy + o, ldy, n);
-                });
+            for (Index k = 0; k < panels; ++k) {
+                const Index o = k * detail::kLinearPanel, n = std::min(detail::kLinearPanel, m_out - o);
+                const std::uint32_t* panel = m_packed.data() + k * m_pair_rows * detail::kLinearPanel;
+                for (Index r0 = 0; r0 < rows; r0 += 6) {
+                    const int tile = static_cast<int>(std::min<Index>(6, rows - r0));
+                    kernel::with_constant<7>(tile, [&](auto count) {
+                        constexpr int R = decltype(count)::value;
+                        if constexpr (R > 0)
+                            detail::linear_tile<R>(xp + r0 * pairs, pairs, panel, bias ? bias + o : nullptr,
+                                                   y + r0 * ldy + o, ldy, n);
+                    });
+                }
             }
         }
-#else
-        (void)x, (void)y, (void)ldy;
-#endif
     }
 
     template <class X>
     void forward_amx(ConstMatrixRef<X> x, float* y, Index ldy) const {
-#if defined(GATTN_HAS_AMX_KERNEL)
-        using detail::kAmxPairs;
-        using detail::kAmxRows;
-        using detail::kLinearPanel;
-        const Index rows = x.rows(), pairs = (m_in + 1) / 2, kblocks = m_pair_rows / kAmxPairs;
-        const Index panels = (m_out + kLinearPanel - 1) / kLinearPanel;
-        // x as bf16 pairs, rounded once when it is float, in whole tiles: rows padded with zero
-        // rows to a multiple of 16, pairs with zero pairs to m_pair_rows; the row stride is 16
-        // pairs (64 bytes) longer, so that a tile's rows do not all fall in one L1 set.
-        const Index lda = m_pair_rows + kAmxPairs, padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
-        auto& caller = detail::PackedLinearScratch::for_this_thread();
-        if (static_cast<Index>(caller.x_pairs.size()) < padded_rows * lda)
-            caller.x_pairs.resize(static_cast<std::size_t>(padded_rows * lda));
-        std::uint32_t* xp = caller.x_pairs.data();
-        for (Index r = 0; r < rows; ++r) {
-            std::uint32_t* dst = xp + r * lda;
-            detail::linear_pack_x(x.data() + r * x.outerStride(), m_in, dst);
-            std::fill(dst + pairs, dst + lda, 0u);
-        }
-        std::fill(xp + rows * lda, xp + padded_rows * lda, 0u);
-        const float* bias = m_bias.size() ? m_bias.data() : nullptr;
+        if constexpr (!simd::amx::kEnabled) {
+            (void)x, (void)y, (void)ldy;
+        } else {
+            using detail::kAmxPairs;
+            using detail::kAmxRows;
+            using detail::kLinearPanel;
+            const Index rows = x.rows(), pairs = (m_in + 1) / 2, kblocks = m_pair_rows / kAmxPairs;
+            const Index panels = (m_out + kLinearPanel - 1) / kLinearPanel;
+            // x as bf16 pairs, rounded once when it is float, in whole tiles: rows padded with zero
+            // rows to a multiple of 16, pairs with zero pairs to m_pair_rows; the row stride is 16
+            // pairs (64 bytes) longer, so that a tile's rows do not all fall in one L1 set.
+            const Index lda = m_pair_rows + kAmxPairs, padded_rows = (rows + kAmxRows - 1) / kAmxRows * kAmxRows;
+            auto& caller = detail::PackedLinearScratch::for_this_thread();
+            if (static_cast<Index>(caller.x_pairs.size()) < padded_rows * lda)
+                caller.x_pairs.resize(static_cast<std::size_t>(padded_rows * lda));
+            std::uint32_t* xp = caller.x_pairs.data();
+            for (Index r = 0; r < rows; ++r) {
+                std::uint32_t* dst = xp + r * lda;
+                detail::linear_pack_x(x.data() + r * x.outerStride(), m_in, dst);
+                std::fill(dst + pairs, dst + lda, 0u);
+            }
+            std::fill(xp + rows * lda, xp + padded_rows * lda, 0u);
+            const float* bias = m_bias.size() ? m_bias.data() : nullptr;
 #ifdef _OPENMP
 #pragma omp parallel if (panels > 1 && rows * m_out * m_in >= (Index(1) << 20))
 #endif
-        {
-            const detail::LinearAmxTiles tiles(rows);  // released at the end of the block
-            alignas(64) float c[2 * kAmxRows * kLinearPanel];
-            // Chunks of rows outside, so that a chunk's x pairs stay in L2 while the panels
-            // pass; inside, blocks of 32 rows × 32 outputs, and a last block of up to 16 rows
-            // × 64 outputs.
-            for (Index c0 = 0; c0 < rows; c0 += kAmxChunkRows) {
-                const Index c1 = std::min(rows, c0 + kAmxChunkRows);
+            {
+                const detail::LinearAmxTiles tiles(rows);  // released at the end of the block
+                alignas(64) float c[2 * kAmxRows * kLinearPanel];
+                // Chunks of rows outside, so that a chunk's x pairs stay in L2 while the panels
+                // pass; inside, blocks of 32 rows × 32 outputs, and a last block of up to 16 rows
+                // × 64 outputs.
+                for (Index c0 = 0; c0 < rows; c0 += kAmxChunkRows) {
+                    const Index c1 = std::min(rows, c0 + kAmxChunkRows);
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-                for (Index k = 0; k < panels; ++k) {
-                    const Index o = k * kLinearPanel, n = std::min(kLinearPanel, m_out - o);
-                    const std::uint32_t* panel = m_packed.data() + k * m_pair_rows * kLinearPanel;
-                    const float* b = bias ? bias + o : nullptr;
-                    Index r0 = c0;
-                    for (; c1 - r0 > kAmxRows; r0 += 2 * kAmxRows) {
-                        const Index m = std::min(2 * kAmxRows, c1 - r0);
-                        for (Index h = 0; h < n; h += 32) {
-                            detail::linear_amx_block(xp + r0 * lda, lda, panel + h / 16 * kblocks * detail::kAmxTile,
-                                                     kblocks, c);
-                            detail::linear_amx_store(c, 32, m, b ? b + h : nullptr, y + r0 * ldy + o + h, ldy,
-                                                     std::min<Index>(32, n - h));
+                    for (Index k = 0; k < panels; ++k) {
+                        const Index o = k * kLinearPanel, n = std::min(kLinearPanel, m_out - o);
+                        const std::uint32_t* panel = m_packed.data() + k * m_pair_rows * kLinearPanel;
+                        const float* b = bias ? bias + o : nullptr;
+                        Index r0 = c0;
+                        for (; c1 - r0 > kAmxRows; r0 += 2 * kAmxRows) {
+                            const Index m = std::min(2 * kAmxRows, c1 - r0);
+                            for (Index h = 0; h < n; h += 32) {
+                                detail::linear_amx_block(xp + r0 * lda, lda,
+                                                         panel + h / 16 * kblocks * detail::kAmxTile, kblocks, c);
+                                detail::linear_amx_store(c, 32, m, b ? b + h : nullptr, y + r0 * ldy + o + h, ldy,
+                                                         std::min<Index>(32, n - h));
+                            }
                         }
-                    }
-                    if (r0 < c1) {
-                        detail::linear_amx_row_tile(xp + r0 * lda, lda, panel, kblocks, c);
-                        detail::linear_amx_store(c, kLinearPanel, c1 - r0, b, y + r0 * ldy + o, ldy, n);
+                        if (r0 < c1) {
+                            detail::linear_amx_row_tile(xp + r0 * lda, lda, panel, kblocks, c);
+                            detail::linear_amx_store(c, kLinearPanel, c1 - r0, b, y + r0 * ldy + o, ldy, n);
+                        }
                     }
                 }
             }
         }
-#else
-        (void)x, (void)y, (void)ldy;
-#endif
     }
 
     /// Rows of x per chunk of the AMX kernel (its x pairs: 1 MiB at in_features 2048).

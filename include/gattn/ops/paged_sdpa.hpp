@@ -197,12 +197,8 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
     const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
                                                                       : Bf16Kernel::WidenedFloat;
     [[maybe_unused]] const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
-    [[maybe_unused]] const bool decode_dot = narrow_kernel != Bf16Kernel::WidenedFloat &&
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+    [[maybe_unused]] const bool decode_dot = simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
                                              kernel::decode_bf16::takes(dk, dv);
-#else
-                                             false;
-#endif
 #ifdef _OPENMP
 #pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
 #endif
@@ -279,8 +275,7 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
             const kernel::PageMap map{table.indices.data() + table.indptr[static_cast<std::size_t>(b)], P};
             kernel::Int8Scales sc;
             if constexpr (kInt8) sc = {pool.key_scales().data(), pool.value_scales().data(), Hkv};
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
-            if constexpr (std::is_same_v<Scalar, bfloat16>) {
+            if constexpr (simd::avx512bf16::kEnabled && std::is_same_v<Scalar, bfloat16>) {
                 if (decode_dot) {
                     const Scalar** q16 = scratch.q_ptrs.data();
                     for (Index g = 0; g < Hkv; ++g)
@@ -291,7 +286,6 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
                     continue;
                 }
             }
-#endif
             kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, keys, key_stride, values, value_stride, dk,
                                             dv, scale, decode_from_memory, nullptr, sc, int8_family, map);
         }

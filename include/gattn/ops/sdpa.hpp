@@ -546,12 +546,8 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     [[maybe_unused]] const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
     // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32; also under AMX, whose
     // 16-row tiles would sit mostly idle on a decoding step's few queries); else widened.
-    [[maybe_unused]] const bool decode_dot = narrow_kernel != Bf16Kernel::WidenedFloat &&
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
+    [[maybe_unused]] const bool decode_dot = simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
                                              kernel::decode_bf16::takes(dk, dv);
-#else
-                                             false;
-#endif
 #ifdef _OPENMP
 #pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
 #endif
@@ -610,8 +606,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                 const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
                 const KVElem* key_seq = key.data() + b * Nk * key.outerStride();
                 const KVElem* value_seq = value.data() + b * Nk * value.outerStride();
-#if defined(GATTN_HAS_AVX512BF16_KERNEL)
-                if constexpr (std::is_same_v<Scalar, bfloat16>) {
+                if constexpr (simd::avx512bf16::kEnabled && std::is_same_v<Scalar, bfloat16>) {
                     if (decode_dot) {
                         // The bf16 query rows as given: VDPBF16PS on them and the cache rows.
                         const Scalar** q16 = scratch.q_ptrs.data();
@@ -623,7 +618,6 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                         continue;
                     }
                 }
-#endif
                 kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(), value_seq,
                                                 value.outerStride(), dk, dv, scale, decode_from_memory, nullptr,
                                                 int8_scales(b, 0), int8_family);
@@ -675,11 +669,10 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(kNarrow || kInt8 ? dk : 0);
     // Decoding an int8 cache with integer logits: the query as the kernel took it (16-bit codes
     // and residual codes), so that the probabilities agree with the output and log-sum-exp.
-#if defined(GATTN_HAS_INT8_DOT_KERNEL)
-    const bool rounded_query = kInt8 && decode && int8_family == Int8Kernel::Vnni && kernel::decode_int8::takes(dk);
+    const bool rounded_query = simd::avx512vnni::kEnabled && kInt8 && decode && int8_family == Int8Kernel::Vnni &&
+                               kernel::decode_int8::takes(dk);
     std::vector<std::int16_t> q_codes(rounded_query ? 2 * static_cast<std::size_t>(dk) : 0);
     std::vector<float> q_rounded(rounded_query ? static_cast<std::size_t>(dk) : 0);
-#endif
     // q·k for key row j of sequence b, KV head g.
     auto dot = [&](const Scalar* a, Index b, Index j, Index g) -> T {
         const KVElem* b2 = key.data() + (b * Nk + j) * key.outerStride() + g * dk;
@@ -701,15 +694,13 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
-#if defined(GATTN_HAS_INT8_DOT_KERNEL)
-                if constexpr (kInt8)
+                if constexpr (simd::avx512vnni::kEnabled && kInt8)
                     if (rounded_query) {
                         const auto qs = kernel::decode_int8::quantize_query(q, dk, q_codes.data(), q_codes.data() + dk);
                         kernel::decode_int8::dequantize_query(q_codes.data(), q_codes.data() + dk, qs, dk,
                                                               q_rounded.data());
                         q = q_rounded.data();
                     }
-#endif
                 const Index g = h / group;
                 const Index prow = (b * H + h) * Nq + i;
                 T* lg = extra.logits ? extra.logits->data() + prow * Nk : nullptr;

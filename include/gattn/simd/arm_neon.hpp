@@ -2,8 +2,10 @@
 #pragma once
 
 /// \file
-/// ARM64 NEON: the conversions the kernels' xsimd code has no instruction for, reading narrow
-/// storage (bf16, fp16, int8 codes) into float registers exactly. Empty elsewhere.
+/// ARM64 NEON tier: the conversions the kernels' xsimd code has no instruction for, reading
+/// narrow storage (bf16, fp16, int8 codes) into float registers exactly. Compiled in on ARM64
+/// (kEnabled); elsewhere widen and widen_row are only declared, for drivers that name them in
+/// `if constexpr` branches they never instantiate. The tile shapes are the portable tier's.
 ///
 /// The float arithmetic itself is xsimd's NEON (neon64: 128-bit registers, FMLA); this header
 /// adds only the widening loads, each a few instructions: bf16 is the top half of a float
@@ -22,10 +24,17 @@
 #define GATTN_HAS_NEON 1
 #endif
 
-#if defined(GATTN_HAS_NEON)
 GATTN_BEGIN_ISA_NAMESPACE
 namespace simd {
 namespace neon {
+
+#if defined(GATTN_HAS_NEON)
+inline constexpr bool kEnabled = true;  ///< built for ARM64 with NEON
+#else
+inline constexpr bool kEnabled = false;
+#endif
+
+#if defined(GATTN_HAS_NEON)
 
 /// Four float lanes from four int8 codes at p, exactly.
 inline float32x4_t widen4(const std::int8_t* p) noexcept {
@@ -57,7 +66,18 @@ inline void widen_row(const half* src, float* dst, std::ptrdiff_t n) noexcept {
     for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+/// Four float lanes (B: a 4-float register) from four int8 codes, bf16 or fp16 values at p,
+/// exactly (widen4).
+template <class B, class KV>
+inline B widen(const KV* p) noexcept {
+    return B(widen4(p));
+}
+#else
+void widen_row(const half* src, float* dst, std::ptrdiff_t n) noexcept;
+template <class B, class KV>
+B widen(const KV* p) noexcept;
+#endif  // GATTN_HAS_NEON
+
 }  // namespace neon
 }  // namespace simd
 GATTN_END_ISA_NAMESPACE
-#endif  // GATTN_HAS_NEON

@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The instruction-set tiers behind one interface. Each tier is one header of this folder that
+/// holds its intrinsics code (micro-kernels, widening loads) and its per-tier constants (tile
+/// shapes), with a `kEnabled` flag that says whether the translation unit is compiled for it;
+/// where it is not, its kernels are declared only. The kernel drivers (ops/: tiling, masks,
+/// online softmax, threads) include this header alone and choose with `if constexpr` on the
+/// flags, so they carry no instruction-set `#if`.
+///
+/// | tier | header | what it holds |
+/// |---|---|---|
+/// | portable (SSE2, NEON arithmetic, scalar) | portable.hpp | tile shapes for 16 × 128-bit registers |
+/// | x86 AVX2 + FMA | x86_avx2.hpp | tile shapes for 16 × 256-bit registers, int8 widening |
+/// | x86 AVX-512 | x86_avx512.hpp | tile shapes for 32 × 512-bit registers, int8/bf16/fp16 widening |
+/// | x86 AVX512-BF16 | x86_avx512bf16.hpp | VDPBF16PS kernels: bf16 prefill and decoding |
+/// | x86 AVX512-VNNI | x86_avx512vnni.hpp | VPDPWSSD kernels: int8 decoding |
+/// | x86 AMX | x86_amx.hpp | TDPBF16PS tile code: bf16 prefill |
+/// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening |
+///
+/// Adding a tier: a header with its namespace simd::TIER (kEnabled, its kernels, and
+/// declarations of them for builds without it), one include here, and where it sets a shape, its
+/// place in the selection below. Which tier runs at run time within what the build allows is
+/// simd/cpu.hpp's (instruction_sets(), bf16_kernel(), int8_kernel()).
+
+#include <type_traits>
+
+#include "gattn/simd/arm_neon.hpp"
+#include "gattn/simd/portable.hpp"
+#include "gattn/simd/x86_amx.hpp"
+#include "gattn/simd/x86_avx2.hpp"
+#include "gattn/simd/x86_avx512.hpp"
+#include "gattn/simd/x86_avx512bf16.hpp"
+#include "gattn/simd/x86_avx512vnni.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace simd {
+
+/// Tile shape of the float flash kernel: the widest tier compiled in that sets one.
+using FlashTiles =
+    std::conditional_t<avx512::kEnabled, avx512::FlashTiles,
+                       std::conditional_t<avx2::kEnabled && avx2::kFma, avx2::FlashTiles, portable::FlashTiles>>;
+
+/// Rows and registers of the decoding kernel: the widest tier compiled in that sets them.
+using DecodeTiles = std::conditional_t<avx512::kEnabled, avx512::DecodeTiles, portable::DecodeTiles>;
+
+}  // namespace simd
+GATTN_END_ISA_NAMESPACE
