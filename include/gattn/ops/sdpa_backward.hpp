@@ -375,7 +375,9 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 ///         it), a gradient sharing an element with an input, the bias or another gradient, and
 ///         d_sinks given without sinks or being options.sinks. Nothing is written before
 ///         validation passes.
-/// Scalar: float or double; everything runs in Scalar. Compiled with OpenMP, the work is split
+/// Scalar: float or double; everything runs in Scalar. The saved log-sum-exp is a Scalar, so
+/// P = e^(ℓ − lse) carries a relative error up to |lse| times half Scalar's epsilon: in float,
+/// 6e-5 at |lse| = 1000, and near the ALiBi bound float gradients are meaningless. Compiled with OpenMP, the work is split
 /// over (sequence, KV head) tasks when there are enough of them for the threads, else over
 /// (sequence, head, query tile) and then (sequence, KV head, key tile) tasks; the gradients are
 /// bitwise the same for any thread count.
