@@ -731,17 +731,17 @@ TEST(SdpaBackwardRandom, EveryOptionCombinationMatchesFiniteDifferences) {
 }
 
 // Shapes one off the 64-row tiles and the SIMD widths (d_k = 17, d_v = 1 and 33), N = 1 and
-// N_k = 63/65/129, each against the reference in double and float.
+// N_k = 63/65/129, many heads (32 over 8 KV heads, 64 over 1), ragged key lengths, each against
+// the reference in double and float.
 TEST(SdpaBackwardRandom, ShapesOneOffTheTilesMatchTheReference) {
     struct Shape {
         Index B, Nq, Nk, H, Hkv, dk, dv;
         bool causal;
     };
-    const Shape shapes[] = {{1, 1, 65, 2, 1, 17, 1, false},
-                            {2, 63, 1, 3, 3, 1, 33, false},
-                            {1, 65, 63, 2, 2, 9, 7, true},
-                            {1, 129, 129, 1, 1, 16, 16, true},
-                            {3, 64, 65, 2, 1, 5, 3, true}};
+    const Shape shapes[] = {{1, 1, 65, 2, 1, 17, 1, false}, {2, 63, 1, 3, 3, 1, 33, false},
+                            {1, 65, 63, 2, 2, 9, 7, true},  {1, 129, 129, 1, 1, 16, 16, true},
+                            {3, 64, 65, 2, 1, 5, 3, true},  {3, 9, 33, 32, 8, 4, 3, false},
+                            {2, 5, 70, 64, 1, 2, 1, true}};
     int n = 0;
     for (const Shape& s : shapes) {
         Problem p;
@@ -779,6 +779,31 @@ TEST(SdpaBackwardRandom, LargeLogitsAndSinksMatchTheReference) {
     EXPECT_TRUE(close(g.dk, ref.dk, 1e-9, 1e-3, "dK"));
     EXPECT_TRUE(close(g.dv, ref.dv, 1e-9, 1e-3, "dV"));
     for (std::size_t h = 0; h < 3; ++h) EXPECT_NEAR(g.d_sinks[h], ref.d_sinks[h], 1e-9) << h;
+}
+
+// Q, K and V as column blocks of one fused QKV matrix, and dQ, dK, dV as column blocks of one
+// fused gradient (outer strides, no copies): the same bits as contiguous matrices; the fused
+// gradient's columns are all written.
+TEST(SdpaBackwardRandom, FusedStridedViewsGiveTheSameBits) {
+    Problem p;
+    p.B = 2, p.Nq = 67, p.Nk = 67, p.H = 4, p.Hkv = 2, p.dk = 6, p.dv = 6;
+    p.causal = true, p.sinks = {0.1, 0.2, 0.3, 0.4};
+    const Data d = make_data(p, 31);
+    const Result<double> plain = run_gattn<double>(p, d);
+    const Index cq = p.H * p.dk, ck = p.Hkv * p.dk, cv = p.Hkv * p.dv;
+    Mat qkv(p.B * p.Nq, cq + ck + cv);
+    qkv << d.q, d.k, d.v;
+    Mat grad = Mat::Constant(qkv.rows(), qkv.cols(), -777.0);
+    std::vector<double> bias_cast, d_sinks;
+    const gattn::SdpaOptions<double> o = options_of<double>(p, d, bias_cast);
+    gattn::scaled_dot_product_attention_backward<double>(qkv.leftCols(cq), qkv.middleCols(cq, ck), qkv.rightCols(cv),
+                                                         {p.B, p.H, p.Hkv}, plain.out, plain.lse, d.d_out,
+                                                         grad.leftCols(cq), grad.middleCols(cq, ck), grad.rightCols(cv),
+                                                         o, &d_sinks);
+    EXPECT_TRUE(grad.leftCols(cq) == plain.dq);
+    EXPECT_TRUE(grad.middleCols(cq, ck) == plain.dk);
+    EXPECT_TRUE(grad.rightCols(cv) == plain.dv);
+    EXPECT_TRUE(d_sinks == plain.d_sinks);
 }
 
 // 1, 2 and 3 threads, and a call from inside a user's parallel region, give the same bits.
