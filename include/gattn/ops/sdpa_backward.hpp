@@ -367,8 +367,10 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 /// A key that no query of a 64-query tile sees (a mask hides it from all of them) is not read
 /// into that tile's gradients: NaN in unused cache slots does not leak. Likewise a query that
 /// sees no key of a 64-key tile is not read into that tile's dK: NaN in padding queries (also
-/// those hidden only by the boolean mask or a −∞ bias row, in a call with sinks) does not leak. Masks and the bias get
-/// no gradient. Non-finite values in query, key, value, out or log_sum_exp propagate.
+/// those hidden only by the boolean mask or a −∞ bias row, in a call with sinks) does not leak.
+/// A NaN in a key (query) that some rows of a tile see reaches the dQ (dK) of the tile's rows
+/// (keys) that do not see it. Masks and the bias get no gradient. Non-finite values in query,
+/// key, value, out or log_sum_exp propagate.
 /// \throws shape_error when an argument's shape disagrees with the others (what the forward
 ///         checks, plus out, log_sum_exp, d_out and the gradients); std::invalid_argument for
 ///         what the forward refuses in its options, a d_out element that is NaN or ±∞ (naming
@@ -377,10 +379,10 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 ///         validation passes.
 /// Scalar: float or double; everything runs in Scalar. The saved log-sum-exp is a Scalar, so
 /// P = e^(ℓ − lse) carries a relative error up to |lse| times half Scalar's epsilon: in float,
-/// 6e-5 at |lse| = 1000, and near the ALiBi bound float gradients are meaningless. Compiled with OpenMP, the work is split
-/// over (sequence, KV head) tasks when there are enough of them for the threads, else over
-/// (sequence, head, query tile) and then (sequence, KV head, key tile) tasks; the gradients are
-/// bitwise the same for any thread count.
+/// 6e-5 at |lse| = 1000, and near the ALiBi bound float gradients are meaningless. Compiled
+/// with OpenMP, the work is split over (sequence, KV head) tasks when there are enough of them
+/// for the threads, else over (sequence, head, query tile) and then (sequence, KV head, key
+/// tile) tasks; the gradients are bitwise the same for any thread count.
 template <class Scalar>
 void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
                                            ConstMatrixRef<Scalar> value, const HeadLayout& heads,
