@@ -17,6 +17,10 @@
 #include <string>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "gattn/ops/sdpa.hpp"
 #include "gattn/ops/sdpa_backward.hpp"
 #include "gattn/threads.hpp"
@@ -243,8 +247,10 @@ double loss(const Problem& p, const Data& d) {
     return (out.array() * d.d_out.array()).sum();
 }
 
-/// max |a − b| / max |b| over a tensor (b the finite-difference or reference value).
+/// max |a − b| / max |b| over a tensor (b the finite-difference or reference value); ∞ when a
+/// and b differ by NaN.
 double relative_error(const Mat& a, const Mat& b) {
+    if ((a - b).hasNaN()) return kInf;  // maxCoeff would skip a NaN
     const double scale = std::max(b.cwiseAbs().maxCoeff(), 1e-300);
     return (a - b).cwiseAbs().maxCoeff() / scale;
 }
@@ -463,6 +469,44 @@ TEST(SdpaBackward, NaNInKeysNoQuerySeesDoesNotLeak) {
     EXPECT_EQ(g.dv.bottomRows(10).cwiseAbs().maxCoeff(), 0.0);
 }
 
+// Query rows that a −∞ bias row or the boolean mask hides from every key, in a call with finite
+// sinks (their log-sum-exp is the sink's, not −∞), may hold NaN: they are never read into dK.
+// Expected: the reference on the same problem with those rows holding 0.
+TEST(SdpaBackward, NaNInQueriesThatSeeNoKeyDoesNotLeak) {
+    for (const bool by_bias : {true, false}) {
+        Problem p;
+        p.B = 2, p.Nq = 70, p.Nk = 20, p.H = 2, p.Hkv = 1, p.dk = 8, p.dv = 4;
+        p.sinks = {0.5, -0.25};
+        p.bias = by_bias;
+        p.bool_mask = !by_bias;
+        Data d = make_data(p, 21);
+        // Query rows 3 and 66 of sequence 1, head 1, see nothing; every other entry is visible.
+        if (by_bias) std::fill(d.bias_store.begin(), d.bias_store.end(), 0.0);
+        if (!by_bias) std::fill(d.bool_store.begin(), d.bool_store.end(), 1);
+        const Index hidden[] = {3, 66};
+        for (const Index i : hidden)
+            for (Index j = 0; j < p.Nk; ++j) {
+                const std::size_t e = static_cast<std::size_t>(((1 * p.H + 1) * p.Nq + i) * p.Nk + j);
+                if (by_bias) d.bias_store[e] = -kInf;
+                if (!by_bias) d.bool_store[e] = 0;
+            }
+        for (const Index i : hidden) d.q.row(p.Nq + i).segment(p.dk, p.dk).setZero();
+        const Reference ref = reference(p, d);
+        for (const Index i : hidden)
+            d.q.row(p.Nq + i).segment(p.dk, p.dk).setConstant(std::numeric_limits<double>::quiet_NaN());
+        const std::string what = by_bias ? "bias" : "bool_mask";
+        const Result<double> g = run_gattn<double>(p, d);
+        EXPECT_TRUE(g.dk.allFinite()) << what;
+        EXPECT_LT(relative_error(g.dq, ref.dq), 1e-12) << what;
+        EXPECT_LT(relative_error(g.dk, ref.dk), 1e-12) << what;
+        EXPECT_LT(relative_error(g.dv, ref.dv), 1e-12) << what;
+        const Result<float> f = run_gattn<float>(p, d);
+        EXPECT_TRUE(f.dk.allFinite()) << what;
+        EXPECT_LT(relative_error(f.dk.cast<double>(), ref.dk), 5e-6) << what;
+        for (std::size_t h = 0; h < 2; ++h) EXPECT_NEAR(g.d_sinks[h], ref.d_sinks[h], 1e-12) << what;
+    }
+}
+
 // Rows that see no key (query padding, an empty causal range with no sink) get dQ = 0; keys no
 // query sees get dK = dV = 0; no key at all gives zeros.
 TEST(SdpaBackward, EmptyRowsAndKeysGiveZeros) {
@@ -592,6 +636,208 @@ TEST(SdpaBackward, ErrorsNameTheArgumentAndWriteNothing) {
                 << e.what();
         }
         EXPECT_TRUE(dk == dk0 && dv == dv0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random combinations of every option on small and odd shapes (N = 0 and 1, d = 1, odd d_v,
+// ragged key and query lengths, all masks together). Each problem: gattn's double backward
+// against central differences of its double forward, the written-out reference against the
+// same differences, and the float path against the reference. Fixed seeds; 200 problems.
+
+/// A random problem from seed: every option on or off, shapes from N = 0 up.
+Problem random_problem(std::uint64_t seed) {
+    gattn_test::UniformSource src(seed);
+    auto pick = [&](Index lo, Index hi) {  // uniform in [lo, hi]
+        const double u = 0.5 * (src.next(1.0) + 1.0);
+        return std::min(hi, lo + static_cast<Index>(u * double(hi - lo + 1)));
+    };
+    auto coin = [&](double p_on) { return 0.5 * (src.next(1.0) + 1.0) < p_on; };
+    Problem p;
+    p.name = "random_" + std::to_string(seed);
+    p.B = pick(1, 3);
+    p.Nq = pick(0, 6);
+    p.Nk = pick(0, 7);
+    p.Hkv = pick(1, 2);
+    p.H = p.Hkv * pick(1, 3);
+    p.dk = pick(1, 5);
+    p.dv = pick(1, 5);
+    if (coin(0.3)) p.scale = 0.3 + src.next(0.2);
+    p.causal = coin(0.5);
+    if (coin(0.3)) p.alignment = gattn::CausalAlignment::TopLeft;
+    if (coin(0.3))
+        for (Index b = 0; b < p.B; ++b) p.query_offsets.push_back(pick(-p.Nq, p.Nk));
+    if (coin(0.4)) p.window = pick(1, 4);
+    if (coin(0.4))
+        for (Index b = 0; b < p.B; ++b) p.key_lengths.push_back(pick(0, p.Nk));
+    if (coin(0.4))
+        for (Index b = 0; b < p.B; ++b) p.query_lengths.push_back(pick(0, p.Nq));
+    p.bool_mask = coin(0.3);
+    p.bias = coin(0.3);
+    if (coin(0.4))
+        for (Index h = 0; h < p.H; ++h) p.sinks.push_back(coin(0.2) ? -kInf : src.next(2.0));
+    if (coin(0.3)) p.softcap = 0.5 + 0.5 * (src.next(1.0) + 1.0);
+    if (coin(0.3))
+        for (Index h = 0; h < p.H; ++h) p.alibi.push_back(0.5 * (src.next(1.0) + 1.0));
+    return p;
+}
+
+/// max |a − b| ≤ tol · (max |b| + floor): relative to the tensor, with an absolute floor for
+/// tensors that are (nearly) all 0. Where a gradient is 0 in exact arithmetic (one key: P = 1,
+/// dP = D) rounding leaves terms of the size of the products, O(1) here: floor 1 for the
+/// float path and double-against-reference, 1e-3 against finite differences.
+::testing::AssertionResult close(const Mat& a, const Mat& b, double tol, double floor, const std::string& what) {
+    if (a.rows() != b.rows() || a.cols() != b.cols()) return ::testing::AssertionFailure() << what << ": shape";
+    if (a.size() == 0) return ::testing::AssertionSuccess();
+    if (!a.allFinite()) return ::testing::AssertionFailure() << what << ": not finite";
+    const double err = (a - b).cwiseAbs().maxCoeff(), bound = tol * (b.cwiseAbs().maxCoeff() + floor);
+    if (err <= bound) return ::testing::AssertionSuccess();
+    return ::testing::AssertionFailure() << what << ": max error " << err << " > " << bound;
+}
+
+TEST(SdpaBackwardRandom, EveryOptionCombinationMatchesFiniteDifferences) {
+    for (std::uint64_t seed = 1000; seed < 1200; ++seed) {
+        const Problem p = random_problem(seed);
+        Data d = make_data(p, seed);
+        const Result<double> g = run_gattn<double>(p, d);
+        const Reference ref = reference(p, d);
+        ASSERT_TRUE(close(g.out, ref.out, 1e-12, 1e-3, p.name + " forward"));
+        const Mat fd_q = finite_differences(p, d, &Data::q);
+        const Mat fd_k = finite_differences(p, d, &Data::k);
+        const Mat fd_v = finite_differences(p, d, &Data::v);
+        EXPECT_TRUE(close(g.dq, fd_q, 1e-6, 1e-3, p.name + " dQ"));
+        EXPECT_TRUE(close(g.dk, fd_k, 1e-6, 1e-3, p.name + " dK"));
+        EXPECT_TRUE(close(g.dv, fd_v, 1e-6, 1e-3, p.name + " dV"));
+        EXPECT_TRUE(close(ref.dq, fd_q, 1e-6, 1e-3, p.name + " reference dQ"));
+        EXPECT_TRUE(close(ref.dk, fd_k, 1e-6, 1e-3, p.name + " reference dK"));
+        EXPECT_TRUE(close(ref.dv, fd_v, 1e-6, 1e-3, p.name + " reference dV"));
+        const Result<float> f = run_gattn<float>(p, d);
+        EXPECT_TRUE(close(f.dq.cast<double>(), ref.dq, 1e-5, 1.0, p.name + " float dQ"));
+        EXPECT_TRUE(close(f.dk.cast<double>(), ref.dk, 1e-5, 1.0, p.name + " float dK"));
+        EXPECT_TRUE(close(f.dv.cast<double>(), ref.dv, 1e-5, 1.0, p.name + " float dV"));
+        for (std::size_t h = 0; h < p.sinks.size(); ++h) {
+            if (p.sinks[h] == -kInf) {
+                EXPECT_EQ(g.d_sinks[h], 0.0) << p.name;
+                continue;
+            }
+            Problem up = p, down = p;
+            up.sinks[h] += 1e-5;
+            down.sinks[h] -= 1e-5;
+            const double fd = (loss(up, d) - loss(down, d)) / 2e-5;
+            EXPECT_NEAR(g.d_sinks[h], fd, 1e-6 * (std::abs(fd) + 1e-3)) << p.name << " d_sinks[" << h << "]";
+            EXPECT_NEAR(double(f.d_sinks[h]), ref.d_sinks[h], 1e-5 * (std::abs(ref.d_sinks[h]) + 1e-3)) << p.name;
+        }
+    }
+}
+
+// Shapes one off the 64-row tiles and the SIMD widths (d_k = 17, d_v = 1 and 33), N = 1 and
+// N_k = 63/65/129, many heads (32 over 8 KV heads, 64 over 1), ragged key lengths, each against
+// the reference in double and float.
+TEST(SdpaBackwardRandom, ShapesOneOffTheTilesMatchTheReference) {
+    struct Shape {
+        Index B, Nq, Nk, H, Hkv, dk, dv;
+        bool causal;
+    };
+    const Shape shapes[] = {{1, 1, 65, 2, 1, 17, 1, false}, {2, 63, 1, 3, 3, 1, 33, false},
+                            {1, 65, 63, 2, 2, 9, 7, true},  {1, 129, 129, 1, 1, 16, 16, true},
+                            {3, 64, 65, 2, 1, 5, 3, true},  {3, 9, 33, 32, 8, 4, 3, false},
+                            {2, 5, 70, 64, 1, 2, 1, true}};
+    int n = 0;
+    for (const Shape& s : shapes) {
+        Problem p;
+        p.name = "shape_" + std::to_string(n++);
+        p.B = s.B, p.Nq = s.Nq, p.Nk = s.Nk, p.H = s.H, p.Hkv = s.Hkv, p.dk = s.dk, p.dv = s.dv, p.causal = s.causal;
+        if (p.B > 1)
+            p.key_lengths.assign(static_cast<std::size_t>(p.B), p.Nk), p.key_lengths[1] = std::max<Index>(0, p.Nk - 2);
+        const Data d = make_data(p, 40 + static_cast<std::uint64_t>(n));
+        const Reference ref = reference(p, d);
+        const Result<double> g = run_gattn<double>(p, d);
+        EXPECT_TRUE(close(g.dq, ref.dq, 1e-12, 1.0, p.name + " dQ"));
+        EXPECT_TRUE(close(g.dk, ref.dk, 1e-12, 1.0, p.name + " dK"));
+        EXPECT_TRUE(close(g.dv, ref.dv, 1e-12, 1.0, p.name + " dV"));
+        const Result<float> f = run_gattn<float>(p, d);
+        EXPECT_TRUE(close(f.dq.cast<double>(), ref.dq, 5e-6, 1.0, p.name + " float dQ"));
+        EXPECT_TRUE(close(f.dk.cast<double>(), ref.dk, 5e-6, 1.0, p.name + " float dK"));
+        EXPECT_TRUE(close(f.dv.cast<double>(), ref.dv, 5e-6, 1.0, p.name + " float dV"));
+    }
+}
+
+// Large logits (inputs ×100: logits up to ~1e4 before the max is taken), sinks of +30 and −∞,
+// ALiBi slopes of 8: the double path matches the reference; nothing is NaN.
+TEST(SdpaBackwardRandom, LargeLogitsAndSinksMatchTheReference) {
+    Problem p;
+    p.name = "large";
+    p.B = 1, p.Nq = 6, p.Nk = 9, p.H = 3, p.Hkv = 1, p.dk = 4, p.dv = 3;
+    p.sinks = {30.0, -kInf, 0.0};
+    p.alibi = {8.0, 0.0, 1.0};
+    Data d = make_data(p, 77);
+    d.q *= 100.0;
+    d.k *= 100.0;
+    const Reference ref = reference(p, d);
+    const Result<double> g = run_gattn<double>(p, d);
+    EXPECT_TRUE(close(g.dq, ref.dq, 1e-9, 1e-3, "dQ"));
+    EXPECT_TRUE(close(g.dk, ref.dk, 1e-9, 1e-3, "dK"));
+    EXPECT_TRUE(close(g.dv, ref.dv, 1e-9, 1e-3, "dV"));
+    for (std::size_t h = 0; h < 3; ++h) EXPECT_NEAR(g.d_sinks[h], ref.d_sinks[h], 1e-9) << h;
+}
+
+// Q, K and V as column blocks of one fused QKV matrix, and dQ, dK, dV as column blocks of one
+// fused gradient (outer strides, no copies): the same bits as contiguous matrices; the fused
+// gradient's columns are all written.
+TEST(SdpaBackwardRandom, FusedStridedViewsGiveTheSameBits) {
+    Problem p;
+    p.B = 2, p.Nq = 67, p.Nk = 67, p.H = 4, p.Hkv = 2, p.dk = 6, p.dv = 6;
+    p.causal = true, p.sinks = {0.1, 0.2, 0.3, 0.4};
+    const Data d = make_data(p, 31);
+    const Result<double> plain = run_gattn<double>(p, d);
+    const Index cq = p.H * p.dk, ck = p.Hkv * p.dk, cv = p.Hkv * p.dv;
+    Mat qkv(p.B * p.Nq, cq + ck + cv);
+    qkv << d.q, d.k, d.v;
+    Mat grad = Mat::Constant(qkv.rows(), qkv.cols(), -777.0);
+    std::vector<double> bias_cast, d_sinks;
+    const gattn::SdpaOptions<double> o = options_of<double>(p, d, bias_cast);
+    gattn::scaled_dot_product_attention_backward<double>(qkv.leftCols(cq), qkv.middleCols(cq, ck), qkv.rightCols(cv),
+                                                         {p.B, p.H, p.Hkv}, plain.out, plain.lse, d.d_out,
+                                                         grad.leftCols(cq), grad.middleCols(cq, ck), grad.rightCols(cv),
+                                                         o, &d_sinks);
+    EXPECT_TRUE(grad.leftCols(cq) == plain.dq);
+    EXPECT_TRUE(grad.middleCols(cq, ck) == plain.dk);
+    EXPECT_TRUE(grad.rightCols(cv) == plain.dv);
+    EXPECT_TRUE(d_sinks == plain.d_sinks);
+}
+
+// 1, 2 and 3 threads, and a call from inside a user's parallel region, give the same bits.
+TEST(SdpaBackwardRandom, ThreeThreadsAndNestedRegionsGiveTheSameBits) {
+    if (!gattn::compiled_with_openmp()) GTEST_SKIP() << "built without OpenMP: one thread only";
+    Problem p;
+    p.B = 2, p.Nq = 130, p.Nk = 140, p.H = 4, p.Hkv = 2, p.dk = 24, p.dv = 16;
+    p.causal = true, p.sinks = {0.1, 0.2, 0.3, 0.4}, p.softcap = 4.0, p.bias = true;
+    const Data d = make_data(p, 12);
+    const int keep = gattn::num_threads();
+    std::vector<Result<float>> results;
+    for (int t : {1, 2, 3}) {
+        gattn::set_num_threads(t);
+        results.push_back(run_gattn<float>(p, d));
+    }
+    gattn::set_num_threads(2);
+    Result<float> nested[2];
+#ifdef _OPENMP
+#pragma omp parallel num_threads(2)
+    nested[omp_get_thread_num()] = run_gattn<float>(p, d);
+#else
+    nested[0] = nested[1] = run_gattn<float>(p, d);
+#endif
+    results.push_back(nested[0]);
+    results.push_back(nested[1]);
+    gattn::set_num_threads(keep);
+    auto same = [](const auto& a, const auto& b) {
+        return a.size() == b.size() && std::memcmp(a.data(), b.data(), sizeof(float) * std::size_t(a.size())) == 0;
+    };
+    for (std::size_t i = 1; i < results.size(); ++i) {
+        EXPECT_TRUE(same(results[0].dq, results[i].dq)) << i;
+        EXPECT_TRUE(same(results[0].dk, results[i].dk)) << i;
+        EXPECT_TRUE(same(results[0].dv, results[i].dv)) << i;
+        EXPECT_TRUE(results[0].d_sinks == results[i].d_sinks) << i;
     }
 }
 

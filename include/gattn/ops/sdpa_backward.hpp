@@ -73,12 +73,17 @@ inline void gemm_add(const Lhs& lhs, const Rhs& rhs, Dst&& dst) {
 /// One thread's scratch for the backward tiles.
 template <class T>
 struct BackwardScratch {
-    BackwardTile<T> q, d_out, k, s, dp, acc_a, acc_b;
+    BackwardTile<T> q, d_out, k, q_seen, s, dp, acc_a, acc_b;
     std::vector<T> d, lse, factor_row;
     std::vector<KeyRange> range;
-    std::vector<unsigned char> seen;
+    std::vector<unsigned char> seen, row_seen;  ///< per key / per query row of the tile: sees or is seen
     BackwardScratch()
-        : d(kBackwardTile), lse(kBackwardTile), factor_row(kBackwardTile), range(kBackwardTile), seen(kBackwardTile) {}
+        : d(kBackwardTile),
+          lse(kBackwardTile),
+          factor_row(kBackwardTile),
+          range(kBackwardTile),
+          seen(kBackwardTile),
+          row_seen(kBackwardTile) {}
 };
 
 /// What a backward tile needs of the call.
@@ -96,7 +101,7 @@ struct BackwardCall {
 /// forward computes it (scale, softcap, ALiBi, bias), P = e^(ℓ − lse), dℓ = P·(dP − D), times
 /// the softcap's derivative and the scale. Invisible entries and rows marked invalid get 0 by
 /// assignment (never a multiply by 0). When seen is given, seen[c] is set for each key some row
-/// sees.
+/// sees; sc.row_seen[t] says whether row t sees a key of the tile.
 template <class T>
 inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch<T>& sc, Index b, Index h, Index i0,
                                     Index k0, int rows, int cols, unsigned char* seen) {
@@ -115,6 +120,8 @@ inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch
         T* dp = sc.dp.row(t).data();
         const KeyRange r = sc.range[static_cast<std::size_t>(t)];
         const Index lo = std::clamp<Index>(r.begin - k0, 0, cols), hi = std::clamp<Index>(r.end - k0, 0, cols);
+        unsigned char& row_seen = sc.row_seen[static_cast<std::size_t>(t)];
+        row_seen = lo < hi;
         if (lo >= hi) {
             std::fill(s, s + cols, T(0));
             std::fill(dp, dp + cols, T(0));
@@ -168,9 +175,14 @@ inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch
             for (Index c = lo; c < hi; ++c) dp[c] = (dp[c] - d) * s[c] * call.scale * factor[c];
         else
             for (Index c = lo; c < hi; ++c) dp[c] = (dp[c] - d) * s[c] * call.scale;
-        if (bool_row || bias_row)
+        if (bool_row || bias_row) {
+            row_seen = 0;
             for (Index c = lo; c < hi; ++c)
-                if ((bool_row && !bool_row[c]) || (bias_row && bias_row[c] == kNegInf)) s[c] = dp[c] = T(0);
+                if ((bool_row && !bool_row[c]) || (bias_row && bias_row[c] == kNegInf))
+                    s[c] = dp[c] = T(0);
+                else
+                    row_seen = 1;
+        }
         if (seen)
             for (Index c = lo; c < hi; ++c)
                 if (!((bool_row && !bool_row[c]) || (bias_row && bias_row[c] == kNegInf))) seen[c] = 1;
@@ -263,6 +275,23 @@ inline void backward_add_dq(BackwardScratch<T>& sc, const KMap& kt, int cols, Ac
     gemm_add(sc.dp, sc.k, acc);
 }
 
+/// dK of a key tile += dSᵀ·Q over one query tile, with the query rows that see no key of the
+/// tile entering as 0 (a row hidden from every key by the masks, whose log-sum-exp is a sink's,
+/// may hold anything).
+template <class T, class QMap, class Acc>
+inline void backward_add_dk(BackwardScratch<T>& sc, const QMap& q, int rows, Acc&& acc) {
+    bool all_seen = true;
+    for (int t = 0; t < rows; ++t) all_seen = all_seen && sc.row_seen[static_cast<std::size_t>(t)];
+    if (all_seen) {
+        gemm_add(sc.dp.transpose(), q, acc);
+        return;
+    }
+    sc.q_seen = q;
+    for (int t = 0; t < rows; ++t)
+        if (!sc.row_seen[static_cast<std::size_t>(t)]) sc.q_seen.row(t).setZero();
+    gemm_add(sc.dp.transpose(), sc.q_seen, acc);
+}
+
 /// Validates a backward call (everything the forward checks, plus the saved tensors, dO and the
 /// gradients); returns {d_k, d_v}.
 template <class T>
@@ -336,18 +365,24 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 /// \param d_sinks      optional [H] output, resized and written: ∂L/∂options.sinks (summed over
 ///                     the batch and the queries). Only with sinks.
 /// A key that no query of a 64-query tile sees (a mask hides it from all of them) is not read
-/// into that tile's gradients: NaN in unused cache slots does not leak. Masks and the bias get
-/// no gradient. Non-finite values in query, key, value, out or log_sum_exp propagate.
+/// into that tile's gradients: NaN in unused cache slots does not leak. Likewise a query that
+/// sees no key of a 64-key tile is not read into that tile's dK: NaN in padding queries (also
+/// those hidden only by the boolean mask or a −∞ bias row, in a call with sinks) does not leak.
+/// A NaN in a key (query) that some rows of a tile see reaches the dQ (dK) of the tile's rows
+/// (keys) that do not see it. Masks and the bias get no gradient. Non-finite values in query,
+/// key, value, out or log_sum_exp propagate.
 /// \throws shape_error when an argument's shape disagrees with the others (what the forward
 ///         checks, plus out, log_sum_exp, d_out and the gradients); std::invalid_argument for
 ///         what the forward refuses in its options, a d_out element that is NaN or ±∞ (naming
 ///         it), a gradient sharing an element with an input, the bias or another gradient, and
 ///         d_sinks given without sinks or being options.sinks. Nothing is written before
 ///         validation passes.
-/// Scalar: float or double; everything runs in Scalar. Compiled with OpenMP, the work is split
-/// over (sequence, KV head) tasks when there are enough of them for the threads, else over
-/// (sequence, head, query tile) and then (sequence, KV head, key tile) tasks; the gradients are
-/// bitwise the same for any thread count.
+/// Scalar: float or double; everything runs in Scalar. The saved log-sum-exp is a Scalar, so
+/// P = e^(ℓ − lse) carries a relative error up to |lse| times half Scalar's epsilon: in float,
+/// 6e-5 at |lse| = 1000, and near the ALiBi bound float gradients are meaningless. Compiled
+/// with OpenMP, the work is split over (sequence, KV head) tasks when there are enough of them
+/// for the threads, else over (sequence, head, query tile) and then (sequence, KV head, key
+/// tile) tasks; the gradients are bitwise the same for any thread count.
 template <class Scalar>
 void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
                                            ConstMatrixRef<Scalar> value, const HeadLayout& heads,
@@ -439,7 +474,7 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                     if (dq) std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
                     gd::backward_tile<T>(call, sc, qt, kt, vt, b, h, i0, k0, rows, cols, dq ? sc.seen.data() : nullptr);
                     gd::gemm_add(sc.s.transpose(), qt.d_out, sc.acc_b);
-                    gd::gemm_add(sc.dp.transpose(), qt.q, sc.acc_a);
+                    gd::backward_add_dk<T>(sc, qt.q, rows, sc.acc_a);
                     if (dq)
                         gd::backward_add_dq<T>(sc, kt, cols,
                                                DqMap(d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk,
