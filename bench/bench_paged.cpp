@@ -54,25 +54,6 @@ gattn::RowMatrix<S> random_rows(Index rows, Index cols, std::mt19937& rng) {
     return m;
 }
 
-/// Runs a and b in turn within every iteration of state and returns the seconds each took.
-template <class A, class B>
-std::pair<double, double> time_in_turn(benchmark::State& state, const A& a, const B& b) {
-    using Clock = std::chrono::steady_clock;
-    double ta = 0, tb = 0;
-    for (auto _ : state) {
-        const auto t0 = Clock::now();
-        a();
-        benchmark::ClobberMemory();
-        const auto t1 = Clock::now();
-        b();
-        benchmark::ClobberMemory();
-        const auto t2 = Clock::now();
-        ta += std::chrono::duration<double>(t1 - t0).count();
-        tb += std::chrono::duration<double>(t2 - t1).count();
-    }
-    return {ta, tb};
-}
-
 template <class S>
 void run(benchmark::State& state, Index page_size, Index cached, bool prefill) {
     using Q = std::conditional_t<std::is_same_v<S, std::int8_t>, float, S>;
@@ -99,7 +80,7 @@ void run(benchmark::State& state, Index page_size, Index cached, bool prefill) {
     opt.mask.causal = copt.mask.causal = prefill;
     copt.mask.key_lengths = cache.lengths();
     const gattn::HeadLayout heads{B, kHeads, kKvHeads};
-    const auto [t_contiguous, t_paged] = time_in_turn(
+    const auto [t_contiguous, t_paged] = gattn_bench::time_in_turn(
         state,
         [&] {
             if constexpr (std::is_same_v<S, std::int8_t>)

@@ -70,26 +70,6 @@ struct Inputs {
           out(nq, kHeads * d) {}
 };
 
-/// Runs a and b in turn within every iteration of state (so that both see the same state of a
-/// shared machine) and returns the seconds each took in all.
-template <class A, class B>
-std::pair<double, double> time_in_turn(benchmark::State& state, const A& a, const B& b) {
-    using Clock = std::chrono::steady_clock;
-    double ta = 0, tb = 0;
-    for (auto _ : state) {
-        const auto t0 = Clock::now();
-        a();
-        benchmark::ClobberMemory();
-        const auto t1 = Clock::now();
-        b();
-        benchmark::ClobberMemory();
-        const auto t2 = Clock::now();
-        ta += std::chrono::duration<double>(t1 - t0).count();
-        tb += std::chrono::duration<double>(t2 - t1).count();
-    }
-    return {ta, tb};
-}
-
 /// gattn SDPA. Args: N_q, N_k, d, causal, threads.
 void BM_GattnSdpa(benchmark::State& state) {
     const gattn::Index nq = state.range(0), nk = state.range(1), d = state.range(2);
@@ -158,7 +138,7 @@ void BM_GattnVsCareful(benchmark::State& state) {
     Matrix s(n, n), out(n, kHeads * d);
     gattn::SdpaOptions<float> opt;
     opt.mask.causal = causal;
-    const auto [t_gattn, t_careful] = time_in_turn(
+    const auto [t_gattn, t_careful] = gattn_bench::time_in_turn(
         state,
         [&] {
             gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, {1, kHeads, kHeads}, out, opt);
@@ -192,7 +172,7 @@ void BM_SdpaBackward(benchmark::State& state) {
     gattn::SdpaOutputs<float> extra;
     extra.log_sum_exp = &lse;
     const gattn::HeadLayout heads{1, h, h};
-    const auto [t_fwd, t_bwd] = time_in_turn(
+    const auto [t_fwd, t_bwd] = gattn_bench::time_in_turn(
         state,
         [&] {
             gattn::scaled_dot_product_attention<float>(q, k, v, heads, out, opt, extra);
@@ -235,7 +215,7 @@ void BM_Bf16VsFloat(benchmark::State& state) {
     gattn::RowMatrix<gattn::bfloat16> out(n, kHeads * d);
     gattn::SdpaOptions<float> opt;
     opt.mask.causal = causal;
-    const auto [t_float, t_bf16] = time_in_turn(
+    const auto [t_float, t_bf16] = gattn_bench::time_in_turn(
         state,
         [&] {
             gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, {1, kHeads, kHeads}, in.out, opt);
@@ -266,7 +246,7 @@ void BM_Bf16DecodeVsFloat(benchmark::State& state) {
                                             vb = v.cast<gattn::bfloat16>();
     Matrix out(1, kHeads * d);
     gattn::RowMatrix<gattn::bfloat16> out_b(1, kHeads * d);
-    const auto [t_float, t_bf16] = time_in_turn(
+    const auto [t_float, t_bf16] = gattn_bench::time_in_turn(
         state,
         [&] {
             gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
@@ -297,7 +277,7 @@ void BM_DecodeVsEigen(benchmark::State& state) {
     const double bytes = double(2 * nk * hkv * d) * sizeof(float);
     const double bandwidth = gattn_bench::stream_bandwidth(static_cast<std::size_t>(bytes));
     using Strided = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>;
-    const auto [t_gattn, t_eigen] = time_in_turn(
+    const auto [t_gattn, t_eigen] = gattn_bench::time_in_turn(
         state,
         [&] {
             gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
@@ -525,7 +505,7 @@ void BM_VariantCost(benchmark::State& state) {
                 gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, heads, in.out, o);
         };
     };
-    const auto [t_plain, t_variant] = time_in_turn(state, run(plain), run(with));
+    const auto [t_plain, t_variant] = gattn_bench::time_in_turn(state, run(plain), run(with));
     state.counters["cost"] = t_variant / t_plain - 1.0;
     state.counters["plain_ms"] = 1e3 * t_plain / double(state.iterations());
     state.counters["variant_ms"] = 1e3 * t_variant / double(state.iterations());

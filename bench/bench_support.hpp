@@ -9,11 +9,32 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gattn/gattn.hpp>
 
 namespace gattn_bench {
+
+/// Runs a and b in turn within every iteration of state (so that both see the same state of a
+/// shared machine) and returns the seconds each took in all.
+template <class A, class B>
+inline std::pair<double, double> time_in_turn(benchmark::State& state, const A& a, const B& b) {
+    using Clock = std::chrono::steady_clock;
+    double ta = 0, tb = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        a();
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        b();
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        ta += std::chrono::duration<double>(t1 - t0).count();
+        tb += std::chrono::duration<double>(t2 - t1).count();
+    }
+    return {ta, tb};
+}
 
 /// Adds gattn's version, the instruction sets (compiled for, and the CPU's), the bf16 and int8
 /// decoding kernels and the thread count to the benchmark context that Google Benchmark prints first.
