@@ -730,15 +730,14 @@ TEST(SdpaSinks, MergeStaysExactWithSinksOnOneSide) {
     gattn_test::expect_close(lse_merged, lse_all, 1e-13, 1e-13, "SinkMerge/lse");
 }
 
-/// Decoding a cache too large for the CPU caches (30000 keys, 15 MB of float K and V: past
-/// kDecodeFromMemoryBytes, where the kernel reads ahead with loads) against the float64
-/// reference, with ALiBi and a key length that leaves NaN keys unread.
-TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
-    using S = TypeParam;
-    const Index Nk = 30000, H = 4, Hkv = 1, d = 64;
-    static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(30000) * 2 * 64 * 4, "the test must read from memory");
-    const Mat q = rounded<S>(random_matrix(2, H * d, 91));
-    Mat k = rounded<S>(random_matrix(2 * Nk, Hkv * d, 92)), v = rounded<S>(random_matrix(2 * Nk, Hkv * d, 93));
+/// Decodes one token of each of 2 sequences against a cache of Nk keys per sequence (H query
+/// heads on Hkv KV heads, head_dim d) and checks the output and log-sum-exp against the float64
+/// reference, with ALiBi and a key length that leaves 5 NaN keys of sequence 0 unread.
+template <class S>
+void check_decode_against_reference(Index Nk, Index H, Index Hkv, Index d, unsigned seed, const std::string& label) {
+    const Mat q = rounded<S>(random_matrix(2, H * d, seed));
+    Mat k = rounded<S>(random_matrix(2 * Nk, Hkv * d, seed + 1)),
+        v = rounded<S>(random_matrix(2 * Nk, Hkv * d, seed + 2));
     k.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());  // sequence 0 past its length
     v.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());
     RefMasks masks;
@@ -752,35 +751,24 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
     gattn::SdpaOutputs<S> extra;
     extra.log_sum_exp = &lse;
     gattn::scaled_dot_product_attention<S>(q.cast<S>(), k.cast<S>(), v.cast<S>(), {2, H, Hkv}, out, o, extra);
-    expect_close(out, ref.out, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemory/out", Tol<S>::nmse);
-    expect_close(lse, ref.log_sum_exp, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemory/lse");
+    expect_close(out, ref.out, Tol<S>::atol, Tol<S>::rtol, label + "/out", Tol<S>::nmse);
+    expect_close(lse, ref.log_sum_exp, Tol<S>::atol, Tol<S>::rtol, label + "/lse");
+}
+
+/// Decoding a cache too large for the CPU caches (30000 keys, 15 MB of float K and V: past
+/// kDecodeFromMemoryBytes, where the kernel reads ahead with loads).
+TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
+    static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(30000) * 2 * 64 * 4, "the test must read from memory");
+    check_decode_against_reference<TypeParam>(30000, 4, 1, 64, 91, "DecodeFromMemory");
 }
 
 /// The same with a KV head per query head (multi-head attention: one query row per KV head, read
 /// without loads ahead): 7003 keys of 4 KV heads, 14 MB of float K and V. Sequence 0 sees 6998
 /// keys, so its last block holds 6 keys (eight and four keys at a time, then single keys).
 TYPED_TEST(SdpaTyped, DecodeFromMemoryOneRowPerKvHead) {
-    using S = TypeParam;
-    const Index Nk = 7003, H = 4, Hkv = 4, d = 64;
     static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(7003) * 4 * 2 * 64 * 4,
                   "the test must read from memory");
-    const Mat q = rounded<S>(random_matrix(2, H * d, 94));
-    Mat k = rounded<S>(random_matrix(2 * Nk, Hkv * d, 95)), v = rounded<S>(random_matrix(2 * Nk, Hkv * d, 96));
-    k.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());  // sequence 0 past its length
-    v.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());
-    RefMasks masks;
-    masks.key_lengths = {Nk - 5, Nk};
-    for (double m : {0.0, 1e-3, 1e-2, 0.5}) masks.alibi_slopes.push_back(static_cast<double>(static_cast<S>(m)));
-    const auto ref = gattn_test::sdpa_reference(q, k, v, 2, H, Hkv, {}, masks);
-    gattn::SdpaOptions<S> o;
-    o.mask.key_lengths = masks.key_lengths;
-    for (double m : masks.alibi_slopes) o.alibi_slopes.push_back(static_cast<S>(m));
-    gattn::RowMatrix<S> out(2, H * d), lse;
-    gattn::SdpaOutputs<S> extra;
-    extra.log_sum_exp = &lse;
-    gattn::scaled_dot_product_attention<S>(q.cast<S>(), k.cast<S>(), v.cast<S>(), {2, H, Hkv}, out, o, extra);
-    expect_close(out, ref.out, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemoryMha/out", Tol<S>::nmse);
-    expect_close(lse, ref.log_sum_exp, Tol<S>::atol, Tol<S>::rtol, "DecodeFromMemoryMha/lse");
+    check_decode_against_reference<TypeParam>(7003, 4, 4, 64, 94, "DecodeFromMemoryMha");
 }
 
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
