@@ -571,8 +571,9 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             for (int t = 0; t < blks[g].count; ++t) decode_bf16::unpermute(states[g].acc.data() + t * dv, dv);
 }
 
-/// Merges the states chunks[c·chunk_stride], c < num_chunks, in chunk order and writes the rows' outputs, log-sum-exp and first-key
-/// probability (FlashDecoding's reduction: weights e^(m_c − max m)).
+/// Merges the states chunks[c·chunk_stride], c < num_chunks, in chunk order and writes the rows'
+/// outputs, log-sum-exp and first-key probability (FlashDecoding's reduction: weights
+/// e^(m_c − max m)).
 template <class T>
 void decode_finish(const FlashBlock<T>& blk, const PartialState<T>* chunks, Index chunk_stride, Index num_chunks,
                    Index dv) {

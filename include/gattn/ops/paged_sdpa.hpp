@@ -10,12 +10,12 @@
 /// heads, then each (sequence, KV head)'s chunks merged in order; the decoding kernel
 /// (ops/decode_kernel.hpp) finds each key block's rows through a kernel::PageMap. Pages start
 /// at multiples of 16 keys, so the kernel's key blocks (16 keys or fewer) each lie in one page,
-/// fall on the same positions as in a contiguous cache and take the same arithmetic. Prefill: tasks (sequence, KV head, group of query
-/// blocks) of the tile kernels (ops/flash_kernel.hpp, ops/bf16_flash_kernel.hpp), which find
-/// each key block's rows through a kernel::PageMap: in place when the block's 64 keys lie in
-/// one page (page sizes that are multiples of 64), else copied side by side into the thread's
-/// scratch (as the kernels copy a contiguous cache's rows where that helps); the arithmetic
-/// does not depend on where the rows lie. The result is bitwise that of
+/// fall on the same positions as in a contiguous cache and take the same arithmetic. Prefill:
+/// tasks (sequence, KV head, group of query blocks) of the tile kernels (ops/flash_kernel.hpp,
+/// ops/bf16_flash_kernel.hpp), which find each key block's rows through a kernel::PageMap: in
+/// place when the block's 64 keys lie in one page (page sizes that are multiples of 64), else
+/// copied side by side into the thread's scratch (as the kernels copy a contiguous cache's rows
+/// where that helps); the arithmetic does not depend on where the rows lie. The result is bitwise that of
 /// scaled_dot_product_attention over a KVCache holding the same tokens, on every kernel tier,
 /// and does not depend on the thread count or the rest of the batch.
 
