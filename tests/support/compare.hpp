@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -171,6 +172,16 @@ inline gattn::RowMatrix<double> random_matrix(gattn::Index rows, gattn::Index co
 template <class Scalar, class Derived>
 gattn::RowMatrix<double> rounded(const Eigen::MatrixBase<Derived>& m) {
     return m.template cast<Scalar>().template cast<double>();
+}
+
+/// True when two contiguous matrices (or full-width row blocks) have the same shape and bytes. Cache storage past the
+/// written rows is uninitialised and may hold NaN patterns, which `==` never equates.
+template <class A, class B>
+bool same_bytes(const Eigen::DenseBase<A>& a, const Eigen::DenseBase<B>& b) {
+    static_assert(std::is_same_v<typename A::Scalar, typename B::Scalar>, "same_bytes compares one type");
+    return a.rows() == b.rows() && a.cols() == b.cols() &&
+           std::memcmp(a.derived().data(), b.derived().data(),
+                       sizeof(typename A::Scalar) * static_cast<std::size_t>(a.size())) == 0;
 }
 
 /// A storage type's name in test labels: Float, Double, Bf16, Fp16 or Int8.
