@@ -351,6 +351,259 @@ struct NoEpilogue {
     void operator()(Index, Index, T*) const noexcept {}
 };
 
+/// Where one sequence's keys and values lie for attention_tasks: the rows of its key 0 (all KV
+/// heads), their int8 scales, and where key j's rows sit (consecutive, or in pages).
+template <class KVElem>
+struct SequenceRows {
+    const KVElem* keys = nullptr;         ///< key 0's row
+    const KVElem* values = nullptr;       ///< value 0's row
+    const float* key_scales = nullptr;    ///< int8: key 0's scales, one per KV head
+    const float* value_scales = nullptr;  ///< int8: value 0's scales
+    kernel::PageMap map = {};             ///< key j's row: map.row(j) rows after key 0's page origin
+};
+
+/// The row strides attention_tasks reads keys and values with, the same for every sequence.
+struct KeyValueLayout {
+    Index key_stride = 0;        ///< elements between key rows
+    Index value_stride = 0;      ///< elements between value rows
+    Index scale_stride = 0;      ///< int8: floats between the scale rows
+    bool copies_blocks = false;  ///< prefill key blocks may straddle pages (copied into scratch)
+};
+
+/// The attention of B sequences' queries over their keys and values, checked by the caller:
+/// the task split, the kernels and the merge of scaled_dot_product_attention and
+/// paged_attention. Sequence b has lengths[b] keys found through sequence_rows(b) (a SequenceRows);
+/// N_k is the mask's key axis. lse and first_key, when given, are already sized [B·N_q, H]
+/// (first_key zeroed). epilogue as for sdpa_with_epilogue_to.
+template <class Scalar, class Out, class KVElem, class Epilogue, class Rows>
+void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const HeadLayout& heads, Index dk, Index dv,
+                     Index Nk, const std::vector<Index>& lengths, const KeyValueLayout& kv, const Rows& sequence_rows,
+                     const SdpaOptions<compute_t<Scalar>>& options, RowMatrix<compute_t<Scalar>>* lse,
+                     RowMatrix<compute_t<Scalar>>* first_key, const Epilogue& epilogue) {
+    using T = compute_t<Scalar>;
+    constexpr bool kInt8 = std::is_same_v<KVElem, std::int8_t>;
+    constexpr bool kNarrow = is_narrow_storage_v<Scalar>;
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
+    const Index Nq = query.rows() / B;
+    const auto& mask = options.mask;
+    const T scale = static_cast<T>(options.scale ? *options.scale : 1.0 / std::sqrt(double(dk)));
+    const T softcap = options.logit_softcap ? static_cast<T>(*options.logit_softcap) : T(0);
+    // The (head, query) pairs of one KV head's GQA group share K and V. Many pairs: tiles with
+    // queries in lanes (flash_kernel.hpp), tasks (sequence, KV head, block of Br pairs). Few
+    // pairs (decoding): keys in lanes with the keys split into chunks (decode_kernel.hpp), tasks
+    // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
+    using Geometry = kernel::FlashGeometry<T>;
+    const Index group = H / Hkv;
+    const Index pairs = group * Nq;
+    const bool decode = pairs <= Geometry::kQueries / 4;
+    const Index blocks = decode ? 1 : (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
+    // Decoding tasks (sequence b, chunk c) are numbered chunk_begin[b] + c: chunks of
+    // kChunkKeys of the sequence's L_b keys (a chunk past a shorter mask.key_lengths entry sees
+    // no key and adds nothing to the merge).
+    std::vector<Index> chunk_begin(static_cast<std::size_t>(B) + 1, 0);
+    if (decode)
+        for (Index b = 0; b < B; ++b)
+            chunk_begin[static_cast<std::size_t>(b) + 1] =
+                chunk_begin[static_cast<std::size_t>(b)] +
+                (lengths[static_cast<std::size_t>(b)] + kernel::kChunkKeys - 1) / kernel::kChunkKeys;
+    // A prefill task runs up to kGroupBlocks query blocks of one KV head together (they share
+    // each key block while it is in cache), as long as their tiles fit group_bytes() and that
+    // leaves 4 tasks per thread. Each query block's arithmetic is the same in any grouping, so
+    // this changes no result (nor does the cache size it reads).
+    Index per_task = 1;
+    if (!decode) {
+#ifdef _OPENMP
+        const Index threads = omp_get_max_threads();
+#else
+        const Index threads = 1;
+#endif
+        const Index block_bytes = Geometry::kQueries * (dk + dv) * Index(sizeof(T));
+        while (per_task * 2 <= Geometry::kGroupBlocks && per_task * 2 * block_bytes <= Geometry::group_bytes() &&
+               B * Hkv * ((blocks + per_task * 2 - 1) / (per_task * 2)) >= 4 * threads)
+            per_task *= 2;
+    }
+    const Index block_tasks = (blocks + per_task - 1) / per_task;
+    // Decoding tasks cover all KV heads of a sequence's chunk; prefill tasks one KV head's blocks.
+    const Index tasks = decode ? chunk_begin[static_cast<std::size_t>(B)] : B * Hkv * block_tasks;
+    const Index ldq = query.outerStride(), ldo = out.outerStride();
+    // A large output is written with streaming stores: reading each line of the output rows for
+    // ownership before overwriting it cost 4 % of a call at N = 2048, d = 128, 8 heads. With an
+    // epilogue a block's outputs are staged in cache, the epilogue runs there, and the rows are
+    // then streamed out.
+    constexpr bool kHasEpilogue = !std::is_same_v<Epilogue, NoEpilogue>;
+    const bool stream_outputs = !kNarrow && B * Nq * H * dv * Index(sizeof(Scalar)) >= kStreamOutputBytes;
+    const auto writes = !stream_outputs ? kernel::OutputWrites::Direct
+                        : kHasEpilogue  ? kernel::OutputWrites::Staged
+                                        : kernel::OutputWrites::Streaming;
+    // Fills the block description of pairs [t0, t0 + count) of KV head g in sequence b.
+    // Pair p of KV head g in sequence b is query i = p mod N_q of head g·(H / H_kv) + ⌊p / N_q⌋.
+    auto pair_head = [&](Index g, Index pair) { return g * group + pair / Nq; };
+    auto pair_row = [&](Index b, Index pair) { return b * Nq + pair % Nq; };
+    auto describe_block = [&](kernel::FlashBlock<T, Scalar, Out>& blk, Index b, Index g, Index t0) {
+        blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
+        blk.softcap = softcap;
+        for (int t = 0; t < blk.count; ++t) {
+            const Index pair = t0 + t, h = pair_head(g, pair), i = pair % Nq;
+            const Index row = pair_row(b, pair);
+            const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
+            blk.q[t] = query.data() + row * ldq + h * dk;
+            blk.out[t] = out.data() + row * ldo + h * dv;
+            blk.begin[t] = range.begin;
+            blk.end[t] = range.end;
+            blk.bool_row[t] = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
+            blk.bias_row[t] = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
+            blk.lse[t] = lse ? &(*lse)(row, h) : nullptr;
+            blk.sink[t] = options.sinks.empty() ? kNegInf : options.sinks[h];
+            blk.position[t] = gattn::detail::aligned_position(mask, b, i, Nq, Nk);
+            blk.alibi_slope[t] = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
+            blk.first_key[t] = first_key ? &(*first_key)(row, h) : nullptr;
+        }
+    };
+    // The epilogue of pairs [t0, t0 + count) of KV head g in sequence b, whose outputs are at rows.
+    auto finish_block = [&](int count, auto* const* rows, Index b, Index g, Index t0) {
+        for (int t = 0; t < count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
+    };
+    // Decoding a cache that does not fit in cache reads ahead with loads (decode_chunk).
+    Index total_keys = 0;
+    for (Index l : lengths) total_keys += l;
+    const bool decode_from_memory = decode && total_keys * Hkv * (dk + dv) * Index(sizeof(KVElem)) >
+                                                  kernel::kDecodeFromMemoryBytes;
+    // int8: the scales of sequence b's first key and value row, KV head g.
+    auto int8_scales = [&]([[maybe_unused]] const SequenceRows<KVElem>& r, [[maybe_unused]] Index g) {
+        kernel::Int8Scales sc;
+        if constexpr (kInt8) sc = {r.key_scales + g, r.value_scales + g, kv.scale_stride};
+        return sc;
+    };
+    // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
+    std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
+    // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
+    const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
+                                                                      : Bf16Kernel::WidenedFloat;
+    // An int8 cache's decoding kernel, chosen once per call (int8_kernel() says why).
+    [[maybe_unused]] const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
+    // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32; also under AMX, whose
+    // 16-row tiles would sit mostly idle on a decoding step's few queries); else widened.
+    [[maybe_unused]] const bool decode_dot = simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
+                                             kernel::decode_bf16::takes(dk, dv);
+#ifdef _OPENMP
+#pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
+#endif
+    {
+        // The thread's scratch: the float kernel's, or the 16-bit kernels' (which also hold the
+        // float copies of decoding blocks).
+        auto& scratch = []() -> auto& {
+            if constexpr (kNarrow)
+                return kernel::NarrowScratch<Scalar, Out>::for_this_thread();
+            else
+                return kernel::FlashScratch<Scalar>::for_this_thread();
+        }
+        ();
+        if constexpr (kNarrow) {
+            if (decode)
+                scratch.reserve_decode(dk, dv, Hkv);
+            else
+                scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
+        } else {
+            if (decode)
+                scratch.reserve_blocks(Hkv);
+            else
+                scratch.reserve(dk, dv, static_cast<int>(per_task), kv.value_stride,
+                                writes == kernel::OutputWrites::Staged, kInt8 || kv.copies_blocks);
+        }
+        // Prefill: a task's query blocks. Decoding: a chunk's KV heads, later the block of a merge.
+        kernel::FlashBlock<T, Scalar, Out>* const blk = scratch.blocks.data();
+        // Decoding runs on float blocks: for 16-bit storage, copies of blk with float queries
+        // whose outputs are staged in float (then rounded); otherwise blk itself.
+        kernel::FlashBlock<T>* const decode_blk = [&] {
+            if constexpr (kNarrow)
+                return scratch.wide.data();
+            else
+                return blk;
+        }();
+        T* stage_rows[Geometry::kQueries] = {};
+        if constexpr (kNarrow)
+            for (int t = 0; t < Geometry::kQueries; ++t) stage_rows[t] = scratch.stage.data() + t * dv;
+        auto to_decode_block = [&](Index g) {
+            if constexpr (kNarrow)
+                kernel::widen_block(blk[g], decode_blk[g], scratch.q_rows.data() + g * Geometry::kQueries * dk, dk,
+                                    stage_rows);
+        };
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+        for (Index task = 0; task < tasks; ++task) {
+            if (decode) {
+                const Index b = static_cast<Index>(std::upper_bound(chunk_begin.begin(), chunk_begin.end(), task) -
+                                                   chunk_begin.begin() - 1);
+                const Index chunk = task - chunk_begin[static_cast<std::size_t>(b)];
+                const SequenceRows<KVElem> r = sequence_rows(b);
+                kernel::PartialState<T>* states = partial.data() + task * Hkv;
+                for (Index g = 0; g < Hkv; ++g) {
+                    describe_block(blk[g], b, g, 0);
+                    to_decode_block(g);
+                    states[g].reset(blk[g].count, dv);
+                }
+                const Index c0 = chunk * kernel::kChunkKeys,
+                            c1 = std::min(lengths[static_cast<std::size_t>(b)], c0 + kernel::kChunkKeys);
+                if constexpr (simd::avx512bf16::kEnabled && std::is_same_v<Scalar, bfloat16>) {
+                    if (decode_dot) {
+                        // The bf16 query rows as given: VDPBF16PS on them and the cache rows.
+                        const Scalar** q16 = scratch.q_ptrs.data();
+                        for (Index g = 0; g < Hkv; ++g)
+                            for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
+                        kernel::decode_chunk<T, Scalar, true>(decode_blk, states, Hkv, c0, c1, r.keys, kv.key_stride,
+                                                              r.values, kv.value_stride, dk, dv, scale,
+                                                              decode_from_memory, q16, {}, Int8Kernel::Vnni, r.map);
+                        continue;
+                    }
+                }
+                kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, r.keys, kv.key_stride, r.values,
+                                                kv.value_stride, dk, dv, scale, decode_from_memory, nullptr,
+                                                int8_scales(r, 0), int8_family, r.map);
+            } else {
+                // A KV head's last query blocks first: under a causal mask they see the most
+                // keys, and starting the longest tasks first balances the threads.
+                const Index first = (block_tasks - 1 - task % block_tasks) * per_task, g = (task / block_tasks) % Hkv,
+                            b = task / (block_tasks * Hkv);
+                const int count = static_cast<int>(std::min(per_task, blocks - first));
+                for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
+                // Each block's epilogue, on its rows (staged: before they go to the output rows).
+                auto on_block = [&](int i, T* const* rows) {
+                    finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
+                };
+                const SequenceRows<KVElem> r = sequence_rows(b);
+                if constexpr (kNarrow)
+                    kernel::narrow_attention_blocks(narrow_kernel, blk, count, r.keys + g * dk, kv.key_stride,
+                                                    r.values + g * dv, kv.value_stride, dk, dv, scale, scratch,
+                                                    on_block, r.map);
+                else
+                    kernel::flash_attention_blocks<Scalar>(blk, count, r.keys + g * dk, kv.key_stride,
+                                                           r.values + g * dv, kv.value_stride, dk, dv, scale, scratch,
+                                                           writes, on_block, int8_scales(r, g), r.map);
+            }
+        }
+        if (decode) {
+            // Merge each (sequence, KV head)'s chunks in order (after the implicit barrier).
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+            for (Index bg = 0; bg < B * Hkv; ++bg) {
+                const Index b = bg / Hkv, g = bg % Hkv;
+                describe_block(blk[0], b, g, 0);
+                to_decode_block(0);
+                // State of (b, chunk c, g) sits at (chunk_begin[b] + c)·H_kv + g.
+                const Index first = chunk_begin[static_cast<std::size_t>(b)];
+                kernel::decode_finish<T>(decode_blk[0], partial.data() + first * Hkv + g, Hkv,
+                                         chunk_begin[static_cast<std::size_t>(b) + 1] - first, dv);
+                finish_block(blk[0].count, decode_blk[0].out, b, g, 0);
+                if constexpr (kNarrow)
+                    for (int t = 0; t < blk[0].count; ++t) kernel::narrow_row(stage_rows[t], blk[0].out[t], dv);
+            }
+        }
+    }
+}
+
 /// scaled_dot_product_attention (same arguments, shapes and exceptions, all thrown before
 /// anything is written), then epilogue(row, head, y) once for every row in [0, B·N_q) and head
 /// in [0, H), y pointing at that row's d_v outputs of that head, as soon as they are final and
@@ -456,210 +709,23 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         lse = &lse_scratch;
     }
 
-    // The (head, query) pairs of one KV head's GQA group share K and V. Many pairs: tiles with
-    // queries in lanes (flash_kernel.hpp), tasks (sequence, KV head, block of Br pairs). Few
-    // pairs (decoding): keys in lanes with the keys split into chunks (decode_kernel.hpp), tasks
-    // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
-    using Geometry = kernel::FlashGeometry<T>;
-    const Index group = H / Hkv;
-    const Index pairs = group * Nq;
-    const bool decode = pairs <= Geometry::kQueries / 4;
-    const Index blocks = decode ? 1 : (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
-    const Index chunks = decode ? (Nk + kernel::kChunkKeys - 1) / kernel::kChunkKeys : 1;
-    // A prefill task runs up to kGroupBlocks query blocks of one KV head together (they share
-    // each key block while it is in cache), as long as their tiles fit group_bytes() and that
-    // leaves 4 tasks per thread. Each query block's arithmetic is the same in any grouping, so
-    // this changes no result (nor does the cache size it reads).
-    Index per_task = 1;
-    if (!decode) {
-#ifdef _OPENMP
-        const Index threads = omp_get_max_threads();
-#else
-        const Index threads = 1;
-#endif
-        const Index block_bytes = Geometry::kQueries * (dk + dv) * Index(sizeof(T));
-        while (per_task * 2 <= Geometry::kGroupBlocks && per_task * 2 * block_bytes <= Geometry::group_bytes() &&
-               B * Hkv * ((blocks + per_task * 2 - 1) / (per_task * 2)) >= 4 * threads)
-            per_task *= 2;
+    // Every sequence has N_k keys (mask.key_lengths may show fewer), B·N_k rows in all.
+    const std::vector<Index> lengths(static_cast<std::size_t>(B), Nk);
+    KeyValueLayout kv{key.outerStride(), value.outerStride(), 0, false};
+    if constexpr (kInt8) {
+        GATTN_DEBUG_ASSERT(key.scale_stride == value.scale_stride);
+        kv.scale_stride = key.scale_stride;
     }
-    const Index block_tasks = (blocks + per_task - 1) / per_task;
-    // Decoding tasks cover all KV heads of a sequence's chunk; prefill tasks one KV head's blocks.
-    const Index tasks = decode ? B * chunks : B * Hkv * block_tasks;
-    const Index ldq = query.outerStride(), ldo = out.outerStride();
-    // A large output is written with streaming stores: reading each line of the output rows for
-    // ownership before overwriting it cost 4 % of a call at N = 2048, d = 128, 8 heads. With an
-    // epilogue a block's outputs are staged in cache, the epilogue runs there, and the rows are
-    // then streamed out.
-    constexpr bool kHasEpilogue = !std::is_same_v<Epilogue, NoEpilogue>;
-    const bool stream_outputs = !kNarrow && B * Nq * H * dv * Index(sizeof(Scalar)) >= kStreamOutputBytes;
-    const auto writes = !stream_outputs ? kernel::OutputWrites::Direct
-                        : kHasEpilogue  ? kernel::OutputWrites::Staged
-                                        : kernel::OutputWrites::Streaming;
-    // Fills the block description of pairs [t0, t0 + count) of KV head g in sequence b.
-    // Pair p of KV head g in sequence b is query i = p mod N_q of head g·(H / H_kv) + ⌊p / N_q⌋.
-    auto pair_head = [&](Index g, Index pair) { return g * group + pair / Nq; };
-    auto pair_row = [&](Index b, Index pair) { return b * Nq + pair % Nq; };
-    auto describe_block = [&](kernel::FlashBlock<T, Scalar, Out>& blk, Index b, Index g, Index t0) {
-        blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
-        blk.softcap = softcap;
-        for (int t = 0; t < blk.count; ++t) {
-            const Index pair = t0 + t, h = pair_head(g, pair), i = pair % Nq;
-            const Index row = pair_row(b, pair);
-            const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
-            blk.q[t] = query.data() + row * ldq + h * dk;
-            blk.out[t] = out.data() + row * ldo + h * dv;
-            blk.begin[t] = range.begin;
-            blk.end[t] = range.end;
-            blk.bool_row[t] = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
-            blk.bias_row[t] = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
-            blk.lse[t] = lse ? &(*lse)(row, h) : nullptr;
-            blk.sink[t] = options.sinks.empty() ? kNegInf : options.sinks[h];
-            blk.position[t] = gattn::detail::aligned_position(mask, b, i, Nq, Nk);
-            blk.alibi_slope[t] = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
-            blk.first_key[t] = extra.first_key_probability ? &(*extra.first_key_probability)(row, h) : nullptr;
-        }
-    };
-    // The epilogue of pairs [t0, t0 + count) of KV head g in sequence b, whose outputs are at rows.
-    auto finish_block = [&](int count, auto* const* rows, Index b, Index g, Index t0) {
-        for (int t = 0; t < count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
-    };
-    // Decoding a cache that does not fit in cache reads ahead with loads (decode_chunk).
-    const bool decode_from_memory = decode &&
-                                    B * Nk * Hkv * (dk + dv) * Index(sizeof(KVElem)) > kernel::kDecodeFromMemoryBytes;
-    // int8: the scales of sequence b's first key and value row, KV head g.
-    auto int8_scales = [&]([[maybe_unused]] Index b, [[maybe_unused]] Index g) {
-        kernel::Int8Scales sc;
+    auto rows = [&](Index b) {
+        SequenceRows<KVElem> r{key.data() + b * Nk * key.outerStride(), value.data() + b * Nk * value.outerStride()};
         if constexpr (kInt8) {
-            sc.key = key.scales + b * Nk * key.scale_stride + g;
-            sc.value = value.scales + b * Nk * value.scale_stride + g;
-            sc.stride = key.scale_stride;
-            GATTN_DEBUG_ASSERT(key.scale_stride == value.scale_stride);
+            r.key_scales = key.scales + b * Nk * key.scale_stride;
+            r.value_scales = value.scales + b * Nk * value.scale_stride;
         }
-        return sc;
+        return r;
     };
-    // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
-    std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
-    // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
-    const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
-                                                                      : Bf16Kernel::WidenedFloat;
-    // An int8 cache's decoding kernel, chosen once per call (int8_kernel() says why).
-    [[maybe_unused]] const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
-    // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32; also under AMX, whose
-    // 16-row tiles would sit mostly idle on a decoding step's few queries); else widened.
-    [[maybe_unused]] const bool decode_dot = simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
-                                             kernel::decode_bf16::takes(dk, dv);
-#ifdef _OPENMP
-#pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
-#endif
-    {
-        // The thread's scratch: the float kernel's, or the 16-bit kernels' (which also hold the
-        // float copies of decoding blocks).
-        auto& scratch = []() -> auto& {
-            if constexpr (kNarrow)
-                return kernel::NarrowScratch<Scalar, Out>::for_this_thread();
-            else
-                return kernel::FlashScratch<Scalar>::for_this_thread();
-        }
-        ();
-        if constexpr (kNarrow) {
-            if (decode)
-                scratch.reserve_decode(dk, dv, Hkv);
-            else
-                scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
-        } else {
-            if (decode)
-                scratch.reserve_blocks(Hkv);
-            else
-                scratch.reserve(dk, dv, static_cast<int>(per_task), value.outerStride(),
-                                writes == kernel::OutputWrites::Staged, kInt8);
-        }
-        // Prefill: a task's query blocks. Decoding: a chunk's KV heads, later the block of a merge.
-        kernel::FlashBlock<T, Scalar, Out>* const blk = scratch.blocks.data();
-        // Decoding runs on float blocks: for 16-bit storage, copies of blk with float queries
-        // whose outputs are staged in float (then rounded); otherwise blk itself.
-        kernel::FlashBlock<T>* const decode_blk = [&] {
-            if constexpr (kNarrow)
-                return scratch.wide.data();
-            else
-                return blk;
-        }();
-        T* stage_rows[Geometry::kQueries] = {};
-        if constexpr (kNarrow)
-            for (int t = 0; t < Geometry::kQueries; ++t) stage_rows[t] = scratch.stage.data() + t * dv;
-        auto to_decode_block = [&](Index g) {
-            if constexpr (kNarrow)
-                kernel::widen_block(blk[g], decode_blk[g], scratch.q_rows.data() + g * Geometry::kQueries * dk, dk,
-                                    stage_rows);
-        };
-#ifdef _OPENMP
-#pragma omp for schedule(dynamic, 1)
-#endif
-        for (Index task = 0; task < tasks; ++task) {
-            if (decode) {
-                const Index chunk = task % chunks, b = task / chunks;
-                kernel::PartialState<T>* states = partial.data() + task * Hkv;
-                for (Index g = 0; g < Hkv; ++g) {
-                    describe_block(blk[g], b, g, 0);
-                    to_decode_block(g);
-                    states[g].reset(blk[g].count, dv);
-                }
-                const Index c0 = chunk * kernel::kChunkKeys, c1 = std::min(Nk, c0 + kernel::kChunkKeys);
-                const KVElem* key_seq = key.data() + b * Nk * key.outerStride();
-                const KVElem* value_seq = value.data() + b * Nk * value.outerStride();
-                if constexpr (simd::avx512bf16::kEnabled && std::is_same_v<Scalar, bfloat16>) {
-                    if (decode_dot) {
-                        // The bf16 query rows as given: VDPBF16PS on them and the cache rows.
-                        const Scalar** q16 = scratch.q_ptrs.data();
-                        for (Index g = 0; g < Hkv; ++g)
-                            for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
-                        kernel::decode_chunk<T, Scalar, true>(decode_blk, states, Hkv, c0, c1, key_seq,
-                                                              key.outerStride(), value_seq, value.outerStride(), dk, dv,
-                                                              scale, decode_from_memory, q16);
-                        continue;
-                    }
-                }
-                kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, key_seq, key.outerStride(), value_seq,
-                                                value.outerStride(), dk, dv, scale, decode_from_memory, nullptr,
-                                                int8_scales(b, 0), int8_family);
-            } else {
-                // A KV head's last query blocks first: under a causal mask they see the most
-                // keys, and starting the longest tasks first balances the threads.
-                const Index first = (block_tasks - 1 - task % block_tasks) * per_task, g = (task / block_tasks) % Hkv,
-                            b = task / (block_tasks * Hkv);
-                const int count = static_cast<int>(std::min(per_task, blocks - first));
-                for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
-                // Each block's epilogue, on its rows (staged: before they go to the output rows).
-                auto on_block = [&](int i, T* const* rows) {
-                    finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
-                };
-                const KVElem* key_head = key.data() + b * Nk * key.outerStride() + g * dk;
-                const KVElem* value_head = value.data() + b * Nk * value.outerStride() + g * dv;
-                if constexpr (kNarrow)
-                    kernel::narrow_attention_blocks(narrow_kernel, blk, count, key_head, key.outerStride(), value_head,
-                                                    value.outerStride(), dk, dv, scale, scratch, on_block);
-                else
-                    kernel::flash_attention_blocks<Scalar>(blk, count, key_head, key.outerStride(), value_head,
-                                                           value.outerStride(), dk, dv, scale, scratch, writes,
-                                                           on_block, int8_scales(b, g));
-            }
-        }
-        if (decode) {
-            // Merge each (sequence, KV head)'s chunks in order (after the implicit barrier).
-#ifdef _OPENMP
-#pragma omp for schedule(static)
-#endif
-            for (Index bg = 0; bg < B * Hkv; ++bg) {
-                const Index b = bg / Hkv, g = bg % Hkv;
-                describe_block(blk[0], b, g, 0);
-                to_decode_block(0);
-                // State of (b, chunk c, g) sits at (b·chunks + c)·H_kv + g.
-                kernel::decode_finish<T>(decode_blk[0], partial.data() + b * chunks * Hkv + g, Hkv, chunks, dv);
-                finish_block(blk[0].count, decode_blk[0].out, b, g, 0);
-                if constexpr (kNarrow)
-                    for (int t = 0; t < blk[0].count; ++t) kernel::narrow_row(stage_rows[t], blk[0].out[t], dv);
-            }
-        }
-    }
+    attention_tasks<Scalar, Out, KVElem>(query, out, heads, dk, dv, Nk, lengths, kv, rows, options, lse,
+                                         extra.first_key_probability, epilogue);
 
     if (!extra.probabilities && !extra.logits) return;
     // Analysis outputs, recomputed row by row; probabilities in three passes (max, sum,
@@ -669,6 +735,10 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(kNarrow || kInt8 ? dk : 0);
     // Decoding an int8 cache with integer logits: the query as the kernel took it (16-bit codes
     // and residual codes), so that the probabilities agree with the output and log-sum-exp.
+    // (decoding and the kernel family as attention_tasks chose them).
+    const Index group = H / Hkv, ldq = query.outerStride();
+    const bool decode = group * Nq <= kernel::FlashGeometry<T>::kQueries / 4;
+    const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
     const bool rounded_query = simd::avx512vnni::kEnabled && kInt8 && decode && int8_family == Int8Kernel::Vnni &&
                                kernel::decode_int8::takes(dk);
     std::vector<std::int16_t> q_codes(rounded_query ? 2 * static_cast<std::size_t>(dk) : 0);
