@@ -444,4 +444,128 @@ TEST(PagedAttention, Int8EqualsContiguousBitwiseOnEveryKernel) {
     }
 }
 
+// ---- mixed batches: decoding steps and prompt chunks in one call ----
+
+/// A ragged batch (qo_indptr) against one call per sequence: sequence 0 decodes one token over
+/// 1100 keys, 1 (no keys) sits out or brings one row, 2 brings a 40-token prompt chunk (the tile
+/// kernels), 3 decodes over 37 keys. Every sequence's rows are bitwise those of its own call.
+template <class S>
+void check_mixed_batch(unsigned seed) {
+    using Q = QueryOf<S>;
+    using T = gattn::compute_t<Q>;
+    using Setup = PagedSetup<S>;
+    std::mt19937 rng(seed);
+    Setup setup(64, {1100, 0, 700, 37}, rng);
+    const Index Hkv = Setup::kHkv, dk = Setup::kDk, dv = Setup::kDv;
+    const Index group = std::min<Index>(4, gattn::kernel::FlashGeometry<T>::kQueries / 4), H = Hkv * group;
+    for (int variant = 0; variant < 4; ++variant)
+        for (const std::vector<Index>& counts : {std::vector<Index>{1, 0, 40, 1}, std::vector<Index>{1, 1, 40, 1}}) {
+            std::vector<Index> indptr{0};
+            for (Index n : counts) indptr.push_back(indptr.back() + n);
+            const RowMatrix<Q> q = random_rows<Q>(indptr.back(), H * dk, rng);
+            gattn::SdpaOptions<T> opt;
+            if (variant == 1) {
+                opt.mask.causal = true;
+                opt.mask.sliding_window = 300;
+            }
+            if (variant == 2) {
+                opt.mask.causal = true;
+                opt.sinks = std::vector<T>(static_cast<std::size_t>(H), T(0.5));
+                opt.logit_softcap = 2.0;
+                opt.alibi_slopes = gattn::alibi_slopes<T>(H);
+            }
+            if (variant == 3) {  // explicit positions, before the last keys of sequence 0
+                opt.mask.causal = true;
+                opt.mask.query_offsets = {900, 0, 650, 20};
+            }
+            const std::string where = "variant " + std::to_string(variant) + ", sequence 1 brings " +
+                                      std::to_string(counts[1]) + " rows";
+            RowMatrix<Q> got = RowMatrix<Q>::Constant(indptr.back(), H * dv, Q(7));
+            RowMatrix<T> lse;
+            gattn::SdpaOutputs<T> extra;
+            extra.log_sum_exp = &lse;
+#ifdef _OPENMP
+            omp_set_num_threads(2);
+#endif
+            gattn::paged_attention<S, Q>(q, indptr, setup.pool, setup.pool.page_table(setup.ids), H, got, opt, extra);
+#ifdef _OPENMP
+            omp_set_num_threads(1);
+#endif
+            for (Index b = 0; b < 4; ++b) {
+                const Index n = counts[static_cast<std::size_t>(b)], r0 = indptr[static_cast<std::size_t>(b)];
+                if (n == 0) continue;
+                gattn::SdpaOptions<T> one = opt;
+                if (!opt.mask.query_offsets.empty()) one.mask.query_offsets = {opt.mask.query_offsets[b]};
+                RowMatrix<Q> expected(n, H * dv);
+                RowMatrix<T> lse_expected;
+                gattn::SdpaOutputs<T> one_extra;
+                one_extra.log_sum_exp = &lse_expected;
+                gattn::paged_attention<S, Q>(q.middleRows(r0, n), setup.pool, setup.pool.page_table({setup.ids[b]}), H,
+                                             expected, one, one_extra);
+                EXPECT_EQ(bytes_of(RowMatrix<Q>(got.middleRows(r0, n))), bytes_of(expected))
+                    << where << ", sequence " << b;
+                EXPECT_EQ(bytes_of(RowMatrix<T>(lse.middleRows(r0, n))), bytes_of(lse_expected))
+                    << where << ", sequence " << b;
+            }
+            // Sequence 1 has no keys: its row (if any) is 0; the prompt chunk is attention.
+            if (counts[1] == 1) {
+                EXPECT_EQ(static_cast<float>(got.row(1).cwiseAbs().maxCoeff()), 0.0f) << where;
+            }
+            EXPECT_NE(static_cast<float>(got.row(indptr[2]).cwiseAbs().maxCoeff()), 0.0f) << where;
+        }
+#ifdef _OPENMP
+    omp_set_num_threads(omp_get_num_procs());
+#endif
+}
+
+TEST(PagedAttention, MixedBatchEqualsOneCallPerSequence) {
+    check_mixed_batch<float>(60);
+    check_mixed_batch<gattn::half>(61);
+    for (gattn::Bf16Kernel k : {gattn::Bf16Kernel::Amx, gattn::Bf16Kernel::WidenedFloat}) {
+        gattn_test::KernelLimit limit(k);
+        check_mixed_batch<gattn::bfloat16>(62);
+    }
+    for (gattn::Int8Kernel k : {gattn::Int8Kernel::Vnni, gattn::Int8Kernel::WidenedFloat}) {
+        gattn_test::Int8KernelLimit limit(k);
+        check_mixed_batch<std::int8_t>(63);
+    }
+}
+
+TEST(PagedAttention, MixedBatchErrorsWriteNothing) {
+    std::mt19937 rng(64);
+    PagedSetup<float> setup(16, {20, 5}, rng);
+    const gattn::PageTable table = setup.pool.page_table(setup.ids);
+    const Index H = 2, dk = PagedSetup<float>::kDk, dv = PagedSetup<float>::kDv;
+    const RowMatrix<float> q = random_rows<float>(4, H * dk, rng);
+    RowMatrix<float> out = RowMatrix<float>::Constant(4, H * dv, 5.0f);
+    auto expect_error = [&](const std::vector<Index>& indptr, const gattn::SdpaOptions<float>& opt,
+                            const std::vector<std::string>& words) {
+        try {
+            gattn::paged_attention<float, float>(q, indptr, setup.pool, table, H, out, opt);
+            ADD_FAILURE() << "no exception";
+        } catch (const std::invalid_argument& e) {
+            for (const std::string& w : words)
+                EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what() << " lacks " << w;
+        }
+        EXPECT_TRUE((out.array() == 5.0f).all());
+    };
+    expect_error({0, 4}, {}, {"gattn::paged_attention", "qo_indptr", "[3]", "[2]"});
+    expect_error({0, 1, 3}, {}, {"qo_indptr", "from 0 to query.rows() = 4", "0 ... 3"});
+    expect_error({1, 2, 4}, {}, {"qo_indptr", "1 ... 4"});
+    expect_error({0, 5, 4}, {}, {"qo_indptr[2]", "must be >= qo_indptr[1]", "4 < 5"});
+    std::vector<char> keep(2 * 20, 1);
+    gattn::SdpaOptions<float> with_mask;
+    with_mask.mask.bool_mask = {reinterpret_cast<const bool*>(keep.data()), 2, 1, 1, 20};
+    expect_error({0, 3, 4}, with_mask, {"options.mask.bool_mask", "must be empty", "qo_indptr"});
+    gattn::SdpaOptions<float> with_query_lengths;
+    with_query_lengths.mask.query_lengths = {3, 1};
+    expect_error({0, 3, 4}, with_query_lengths, {"options.mask.query_lengths", "must be empty"});
+    gattn::SdpaOptions<float> with_key_lengths;
+    with_key_lengths.mask.key_lengths = {20, 5};
+    expect_error({0, 3, 4}, with_key_lengths, {"options.mask.key_lengths", "must be empty"});
+    // The same call without the mask runs: three rows of sequence 0, one of sequence 1.
+    gattn::paged_attention<float, float>(q, {0, 3, 4}, setup.pool, table, H, out);
+    EXPECT_TRUE((out.array() != 5.0f).all());
+}
+
 }  // namespace paged_kv_test

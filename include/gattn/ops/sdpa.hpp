@@ -372,79 +372,101 @@ struct KeyValueLayout {
 
 /// The attention of B sequences' queries over their keys and values, checked by the caller:
 /// the task split, the kernels and the merge of scaled_dot_product_attention and
-/// paged_attention. Sequence b has lengths[b] keys found through sequence_rows(b) (a SequenceRows);
-/// N_k is the mask's key axis. lse and first_key, when given, are already sized [B·N_q, H]
-/// (first_key zeroed). epilogue as for sdpa_with_epilogue_to.
+/// paged_attention. Sequence b has query rows [q_begin[b], q_begin[b + 1]) (q_begin: B + 1
+/// entries from 0; N_q may differ between sequences, whose masks are then given by causal
+/// alignment, windows and offsets only) and lengths[b] keys found through sequence_rows(b) (a
+/// SequenceRows); N_k is the mask's key axis. Each sequence decodes (few (head, query) pairs)
+/// or runs the tile kernels, by its own shape: one call mixes both. lse and first_key, when
+/// given, are already sized [q_begin[B], H] (first_key zeroed). epilogue as for
+/// sdpa_with_epilogue_to.
 template <class Scalar, class Out, class KVElem, class Epilogue, class Rows>
 void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const HeadLayout& heads, Index dk, Index dv,
-                     Index Nk, const std::vector<Index>& lengths, const KeyValueLayout& kv, const Rows& sequence_rows,
-                     const SdpaOptions<compute_t<Scalar>>& options, RowMatrix<compute_t<Scalar>>* lse,
-                     RowMatrix<compute_t<Scalar>>* first_key, const Epilogue& epilogue) {
+                     const std::vector<Index>& q_begin, Index Nk, const std::vector<Index>& lengths,
+                     const KeyValueLayout& kv, const Rows& sequence_rows, const SdpaOptions<compute_t<Scalar>>& options,
+                     RowMatrix<compute_t<Scalar>>* lse, RowMatrix<compute_t<Scalar>>* first_key,
+                     const Epilogue& epilogue) {
     using T = compute_t<Scalar>;
     constexpr bool kInt8 = std::is_same_v<KVElem, std::int8_t>;
     constexpr bool kNarrow = is_narrow_storage_v<Scalar>;
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
-    const Index Nq = query.rows() / B;
     const auto& mask = options.mask;
     const T scale = static_cast<T>(options.scale ? *options.scale : 1.0 / std::sqrt(double(dk)));
     const T softcap = options.logit_softcap ? static_cast<T>(*options.logit_softcap) : T(0);
+    auto at = [](const std::vector<Index>& v, Index b) { return v[static_cast<std::size_t>(b)]; };
+    auto query_count = [&](Index b) { return at(q_begin, b + 1) - at(q_begin, b); };
     // The (head, query) pairs of one KV head's GQA group share K and V. Many pairs: tiles with
     // queries in lanes (flash_kernel.hpp), tasks (sequence, KV head, block of Br pairs). Few
     // pairs (decoding): keys in lanes with the keys split into chunks (decode_kernel.hpp), tasks
     // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
     using Geometry = kernel::FlashGeometry<T>;
     const Index group = H / Hkv;
-    const Index pairs = group * Nq;
-    const bool decode = pairs <= Geometry::kQueries / 4;
-    const Index blocks = decode ? 1 : (pairs + Geometry::kQueries - 1) / Geometry::kQueries;
+    auto decodes = [&](Index b) { return group * query_count(b) <= Geometry::kQueries / 4; };
+    auto query_blocks = [&](Index b) { return (group * query_count(b) + Geometry::kQueries - 1) / Geometry::kQueries; };
     // Decoding tasks (sequence b, chunk c) are numbered chunk_begin[b] + c: chunks of
     // kChunkKeys of the sequence's L_b keys (a chunk past a shorter mask.key_lengths entry sees
     // no key and adds nothing to the merge).
     std::vector<Index> chunk_begin(static_cast<std::size_t>(B) + 1, 0);
-    if (decode)
-        for (Index b = 0; b < B; ++b)
-            chunk_begin[static_cast<std::size_t>(b) + 1] =
-                chunk_begin[static_cast<std::size_t>(b)] +
-                (lengths[static_cast<std::size_t>(b)] + kernel::kChunkKeys - 1) / kernel::kChunkKeys;
+    bool any_decode = false, any_prefill = false;
+    Index decode_keys = 0;  // keys the decoding sequences read
+    for (Index b = 0; b < B; ++b) {
+        const bool d = decodes(b);
+        (d ? any_decode : any_prefill) = true;
+        if (d) decode_keys += at(lengths, b);
+        chunk_begin[static_cast<std::size_t>(b) + 1] =
+            at(chunk_begin, b) + (d ? (at(lengths, b) + kernel::kChunkKeys - 1) / kernel::kChunkKeys : 0);
+    }
     // A prefill task runs up to kGroupBlocks query blocks of one KV head together (they share
     // each key block while it is in cache), as long as their tiles fit group_bytes() and that
     // leaves 4 tasks per thread. Each query block's arithmetic is the same in any grouping, so
     // this changes no result (nor does the cache size it reads).
     Index per_task = 1;
-    if (!decode) {
+    if (any_prefill) {
 #ifdef _OPENMP
         const Index threads = omp_get_max_threads();
 #else
         const Index threads = 1;
 #endif
+        auto grouped_tasks = [&](Index n) {
+            Index t = 0;
+            for (Index b = 0; b < B; ++b)
+                if (!decodes(b)) t += Hkv * ((query_blocks(b) + n - 1) / n);
+            return t;
+        };
         const Index block_bytes = Geometry::kQueries * (dk + dv) * Index(sizeof(T));
         while (per_task * 2 <= Geometry::kGroupBlocks && per_task * 2 * block_bytes <= Geometry::group_bytes() &&
-               B * Hkv * ((blocks + per_task * 2 - 1) / (per_task * 2)) >= 4 * threads)
+               grouped_tasks(per_task * 2) >= 4 * threads)
             per_task *= 2;
     }
-    const Index block_tasks = (blocks + per_task - 1) / per_task;
-    // Decoding tasks cover all KV heads of a sequence's chunk; prefill tasks one KV head's blocks.
-    const Index tasks = decode ? chunk_begin[static_cast<std::size_t>(B)] : B * Hkv * block_tasks;
+    // Tile tasks (sequence b, KV head, group of per_task query blocks) first, numbered from
+    // tile_begin[b]; then the decoding tasks, each over all KV heads of a sequence's chunk.
+    std::vector<Index> tile_begin(static_cast<std::size_t>(B) + 1, 0);
+    for (Index b = 0; b < B; ++b)
+        tile_begin[static_cast<std::size_t>(b) + 1] =
+            at(tile_begin, b) + (decodes(b) ? 0 : Hkv * ((query_blocks(b) + per_task - 1) / per_task));
+    const Index tile_tasks = at(tile_begin, B);
+    const Index tasks = tile_tasks + at(chunk_begin, B);
+    const Index total_rows = at(q_begin, B);
     const Index ldq = query.outerStride(), ldo = out.outerStride();
     // A large output is written with streaming stores: reading each line of the output rows for
     // ownership before overwriting it cost 4 % of a call at N = 2048, d = 128, 8 heads. With an
     // epilogue a block's outputs are staged in cache, the epilogue runs there, and the rows are
     // then streamed out.
     constexpr bool kHasEpilogue = !std::is_same_v<Epilogue, NoEpilogue>;
-    const bool stream_outputs = !kNarrow && B * Nq * H * dv * Index(sizeof(Scalar)) >= kStreamOutputBytes;
+    const bool stream_outputs = !kNarrow && total_rows * H * dv * Index(sizeof(Scalar)) >= kStreamOutputBytes;
     const auto writes = !stream_outputs ? kernel::OutputWrites::Direct
                         : kHasEpilogue  ? kernel::OutputWrites::Staged
                                         : kernel::OutputWrites::Streaming;
     // Fills the block description of pairs [t0, t0 + count) of KV head g in sequence b.
     // Pair p of KV head g in sequence b is query i = p mod N_q of head g·(H / H_kv) + ⌊p / N_q⌋.
-    auto pair_head = [&](Index g, Index pair) { return g * group + pair / Nq; };
-    auto pair_row = [&](Index b, Index pair) { return b * Nq + pair % Nq; };
+    auto pair_head = [&](Index b, Index g, Index pair) { return g * group + pair / query_count(b); };
+    auto pair_row = [&](Index b, Index pair) { return at(q_begin, b) + pair % query_count(b); };
     auto describe_block = [&](kernel::FlashBlock<T, Scalar, Out>& blk, Index b, Index g, Index t0) {
-        blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, pairs - t0));
+        const Index Nq = query_count(b);
+        blk.count = static_cast<int>(std::min<Index>(Geometry::kQueries, group * Nq - t0));
         blk.softcap = softcap;
         for (int t = 0; t < blk.count; ++t) {
-            const Index pair = t0 + t, h = pair_head(g, pair), i = pair % Nq;
+            const Index pair = t0 + t, h = pair_head(b, g, pair), i = pair % Nq;
             const Index row = pair_row(b, pair);
             const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
             blk.q[t] = query.data() + row * ldq + h * dk;
@@ -462,13 +484,11 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     };
     // The epilogue of pairs [t0, t0 + count) of KV head g in sequence b, whose outputs are at rows.
     auto finish_block = [&](int count, auto* const* rows, Index b, Index g, Index t0) {
-        for (int t = 0; t < count; ++t) epilogue(pair_row(b, t0 + t), pair_head(g, t0 + t), rows[t]);
+        for (int t = 0; t < count; ++t) epilogue(pair_row(b, t0 + t), pair_head(b, g, t0 + t), rows[t]);
     };
     // Decoding a cache that does not fit in cache reads ahead with loads (decode_chunk).
-    Index total_keys = 0;
-    for (Index l : lengths) total_keys += l;
-    const bool decode_from_memory = decode && total_keys * Hkv * (dk + dv) * Index(sizeof(KVElem)) >
-                                                  kernel::kDecodeFromMemoryBytes;
+    const bool decode_from_memory = decode_keys * Hkv * (dk + dv) * Index(sizeof(KVElem)) >
+                                    kernel::kDecodeFromMemoryBytes;
     // int8: the scales of sequence b's first key and value row, KV head g.
     auto int8_scales = [&]([[maybe_unused]] const SequenceRows<KVElem>& r, [[maybe_unused]] Index g) {
         kernel::Int8Scales sc;
@@ -476,7 +496,7 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
         return sc;
     };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
-    std::vector<kernel::PartialState<T>> partial(decode ? static_cast<std::size_t>(tasks * Hkv) : 0);
+    std::vector<kernel::PartialState<T>> partial(static_cast<std::size_t>(at(chunk_begin, B) * Hkv));
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
     const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
                                                                       : Bf16Kernel::WidenedFloat;
@@ -487,7 +507,7 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     [[maybe_unused]] const bool decode_dot = simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
                                              kernel::decode_bf16::takes(dk, dv);
 #ifdef _OPENMP
-#pragma omp parallel if (tasks > 1 && B * H * Nq * Nk * (dk + dv) > (Index(1) << 18))
+#pragma omp parallel if (tasks > 1 && total_rows * H * Nk * (dk + dv) > (Index(1) << 18))
 #endif
     {
         // The thread's scratch: the float kernel's, or the 16-bit kernels' (which also hold the
@@ -499,15 +519,14 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                 return kernel::FlashScratch<Scalar>::for_this_thread();
         }
         ();
+        // (Reservations only grow the buffers: a call with both kinds of task makes room for both.)
         if constexpr (kNarrow) {
-            if (decode)
-                scratch.reserve_decode(dk, dv, Hkv);
-            else
+            if (any_decode) scratch.reserve_decode(dk, dv, Hkv);
+            if (any_prefill)
                 scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
         } else {
-            if (decode)
-                scratch.reserve_blocks(Hkv);
-            else
+            if (any_decode) scratch.reserve_blocks(Hkv);
+            if (any_prefill)
                 scratch.reserve(dk, dv, static_cast<int>(per_task), kv.value_stride,
                                 writes == kernel::OutputWrites::Staged, kInt8 || kv.copies_blocks);
         }
@@ -533,12 +552,13 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
 #pragma omp for schedule(dynamic, 1)
 #endif
         for (Index task = 0; task < tasks; ++task) {
-            if (decode) {
-                const Index b = static_cast<Index>(std::upper_bound(chunk_begin.begin(), chunk_begin.end(), task) -
-                                                   chunk_begin.begin() - 1);
-                const Index chunk = task - chunk_begin[static_cast<std::size_t>(b)];
+            if (task >= tile_tasks) {
+                const Index chunk_task = task - tile_tasks;
+                const Index b = static_cast<Index>(
+                    std::upper_bound(chunk_begin.begin(), chunk_begin.end(), chunk_task) - chunk_begin.begin() - 1);
+                const Index chunk = chunk_task - at(chunk_begin, b);
                 const SequenceRows<KVElem> r = sequence_rows(b);
-                kernel::PartialState<T>* states = partial.data() + task * Hkv;
+                kernel::PartialState<T>* states = partial.data() + chunk_task * Hkv;
                 for (Index g = 0; g < Hkv; ++g) {
                     describe_block(blk[g], b, g, 0);
                     to_decode_block(g);
@@ -564,8 +584,11 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.
-                const Index first = (block_tasks - 1 - task % block_tasks) * per_task, g = (task / block_tasks) % Hkv,
-                            b = task / (block_tasks * Hkv);
+                const Index b = static_cast<Index>(std::upper_bound(tile_begin.begin(), tile_begin.end(), task) -
+                                                   tile_begin.begin() - 1);
+                const Index blocks = query_blocks(b), block_tasks = (blocks + per_task - 1) / per_task;
+                const Index local = task - at(tile_begin, b);
+                const Index first = (block_tasks - 1 - local % block_tasks) * per_task, g = local / block_tasks;
                 const int count = static_cast<int>(std::min(per_task, blocks - first));
                 for (int i = 0; i < count; ++i) describe_block(blk[i], b, g, (first + i) * Geometry::kQueries);
                 // Each block's epilogue, on its rows (staged: before they go to the output rows).
@@ -583,13 +606,14 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                                                            writes, on_block, int8_scales(r, g), r.map);
             }
         }
-        if (decode) {
-            // Merge each (sequence, KV head)'s chunks in order (after the implicit barrier).
+        if (any_decode) {
+            // Merge each decoding (sequence, KV head)'s chunks in order (after the implicit barrier).
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
             for (Index bg = 0; bg < B * Hkv; ++bg) {
                 const Index b = bg / Hkv, g = bg % Hkv;
+                if (!decodes(b)) continue;
                 describe_block(blk[0], b, g, 0);
                 to_decode_block(0);
                 // State of (b, chunk c, g) sits at (chunk_begin[b] + c)·H_kv + g.
@@ -709,8 +733,10 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         lse = &lse_scratch;
     }
 
-    // Every sequence has N_k keys (mask.key_lengths may show fewer), B·N_k rows in all.
+    // Every sequence has N_q queries and N_k keys (the mask's lengths may show fewer).
     const std::vector<Index> lengths(static_cast<std::size_t>(B), Nk);
+    std::vector<Index> q_begin(static_cast<std::size_t>(B) + 1);
+    for (Index b = 0; b <= B; ++b) q_begin[static_cast<std::size_t>(b)] = b * Nq;
     KeyValueLayout kv{key.outerStride(), value.outerStride(), 0, false};
     if constexpr (kInt8) {
         GATTN_DEBUG_ASSERT(key.scale_stride == value.scale_stride);
@@ -724,7 +750,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         }
         return r;
     };
-    attention_tasks<Scalar, Out, KVElem>(query, out, heads, dk, dv, Nk, lengths, kv, rows, options, lse,
+    attention_tasks<Scalar, Out, KVElem>(query, out, heads, dk, dv, q_begin, Nk, lengths, kv, rows, options, lse,
                                          extra.first_key_probability, epilogue);
 
     if (!extra.probabilities && !extra.logits) return;
