@@ -13,6 +13,12 @@
 // Args: storage (0 float, 1 bf16, 2 int8), page size, cached tokens, prefill (0 decoding, 1 a
 // 512-token chunk), threads.
 //
+// BM_MixedBatch: continuous batching's step. One sequence brings a 512-token prompt chunk
+// (causal, after `cached` tokens) and 15 decode one token each over `cached` tokens, float,
+// pages of 64: one paged_attention call over the ragged batch (qo_indptr) against the same work
+// as two calls (the chunk, then the 15 decoding steps), in turn in every iteration;
+// speedup = two calls' time / one call's time. Args: cached tokens, threads.
+//
 // Run: build/bench/bench/bench_paged --benchmark_counters_tabular=true
 
 #include <benchmark/benchmark.h>
@@ -125,6 +131,61 @@ void paged_args(benchmark::internal::Benchmark* b) {
 BENCHMARK(BM_PagedVsContiguous)
     ->Apply(paged_args)
     ->ArgNames({"storage", "page", "cached", "prefill", "threads"})
+    ->MinTime(0.5)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+void BM_MixedBatch(benchmark::State& state) {
+    const Index cached = state.range(0), decoders = 15, B = decoders + 1, page = 64;
+    set_threads(static_cast<int>(state.range(1)));
+    std::mt19937 rng(11);
+    gattn::PagedKVPool<float> pool(B * ((cached + kChunk + page - 1) / page), page, kKvHeads, kDim);
+    std::vector<gattn::SequenceId> ids;
+    for (Index b = 0; b < B; ++b) ids.push_back(pool.allocate());
+    for (Index done = 0; done < cached;) {  // interleaved pages, as in a server
+        const Index n = std::min<Index>(100, cached - done);
+        const gattn::RowMatrix<float> k = random_rows<float>(B * n, kKvHeads * kDim, rng),
+                                      v = random_rows<float>(B * n, kKvHeads * kDim, rng);
+        pool.append(ids, k, v, std::vector<Index>(static_cast<std::size_t>(B), n));
+        done += n;
+    }
+    // Sequence 0's prompt chunk and every decoder's new token are in the pool before the call.
+    std::vector<Index> counts(static_cast<std::size_t>(B), 1);
+    counts[0] = kChunk;
+    pool.append(ids, random_rows<float>(kChunk + decoders, kKvHeads * kDim, rng),
+                random_rows<float>(kChunk + decoders, kKvHeads * kDim, rng), counts);
+    std::vector<Index> indptr{0};
+    for (Index n : counts) indptr.push_back(indptr.back() + n);
+    const gattn::RowMatrix<float> q = random_rows<float>(indptr.back(), kHeads * kDim, rng);
+    gattn::RowMatrix<float> out_mixed(q.rows(), kHeads * kDim), out_split(q.rows(), kHeads * kDim);
+    const gattn::PageTable all = pool.page_table(ids), chunk = pool.page_table({ids[0]}),
+                           decoding = pool.page_table(std::vector<gattn::SequenceId>(ids.begin() + 1, ids.end()));
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = true;
+    const auto [t_split, t_mixed] = gattn_bench::time_in_turn(
+        state,
+        [&] {
+            gattn::paged_attention<float, float>(q.topRows(kChunk), pool, chunk, kHeads, out_split.topRows(kChunk),
+                                                 opt);
+            gattn::paged_attention<float, float>(q.bottomRows(decoders), pool, decoding, kHeads,
+                                                 out_split.bottomRows(decoders), opt);
+            benchmark::DoNotOptimize(out_split.data());
+        },
+        [&] {
+            gattn::paged_attention<float, float>(q, indptr, pool, all, kHeads, out_mixed, opt);
+            benchmark::DoNotOptimize(out_mixed.data());
+        });
+    const double n = static_cast<double>(state.iterations());
+    state.counters["split_us"] = t_split / n * 1e6;
+    state.counters["mixed_us"] = t_mixed / n * 1e6;
+    state.counters["speedup"] = t_split / t_mixed;
+    state.counters["bitwise_equal"] = out_mixed == out_split ? 1 : 0;
+    set_threads(1);
+}
+
+BENCHMARK(BM_MixedBatch)
+    ->ArgsProduct({{4096, 8192}, {1, 2}})
+    ->ArgNames({"cached", "threads"})
     ->MinTime(0.5)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
