@@ -152,8 +152,8 @@ void BM_MixedBatch(benchmark::State& state) {
     // Sequence 0's prompt chunk and every decoder's new token are in the pool before the call.
     std::vector<Index> counts(static_cast<std::size_t>(B), 1);
     counts[0] = kChunk;
-    pool.append(ids, random_rows<float>(kChunk + decoders, kKvHeads * kDim, rng),
-                random_rows<float>(kChunk + decoders, kKvHeads * kDim, rng), counts);
+    pool.append(ids, random_rows<float>(B * kChunk, kKvHeads * kDim, rng),  // row b·512 + i: sequence b's i-th
+                random_rows<float>(B * kChunk, kKvHeads * kDim, rng), counts);
     std::vector<Index> indptr{0};
     for (Index n : counts) indptr.push_back(indptr.back() + n);
     const gattn::RowMatrix<float> q = random_rows<float>(indptr.back(), kHeads * kDim, rng);
