@@ -968,6 +968,91 @@ TEST(WindowCache, DecodingEqualsTheFullCache) {
     EXPECT_EQ(full.lengths()[0], 108);
 }
 
+/// Continuous batching over a paged pool: three sequences that start, decode and prefill in
+/// chunks at different steps, in one call per step, against each sequence run alone through a
+/// KVCache of its own (the same tokens in the same chunks). int8 pools quantize the keys and
+/// values of the batch's projection, which may differ from one sequence's in the last bit.
+template <class PoolScalar>
+void check_layer_over_pool(const gattn::AttentionConfig& c, unsigned seed, double atol) {
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, seed));
+    gattn::PagedKVPool<PoolScalar> pool(64, 16, c.num_kv_heads, c.d_k(), c.d_v());
+    const std::vector<gattn::SequenceId> seqs{pool.allocate(), pool.allocate(), pool.allocate()};
+    std::vector<gattn::KVCache<PoolScalar>> alone;
+    for (int b = 0; b < 3; ++b) alone.push_back(layer.template make_cache<PoolScalar>(1, 200));
+    const std::vector<std::vector<Index>> schedule = {{5, 9, 0}, {1, 1, 7},  {1, 0, 1},
+                                                      {3, 1, 1}, {1, 1, 20}, {1, 1, 1}};
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (const std::vector<Index>& counts : schedule) {
+        std::vector<Index> indptr{0};
+        for (Index n : counts) indptr.push_back(indptr.back() + n);
+        RowMatrix<float> x(indptr.back(), c.d_model), out(indptr.back(), c.d_model);
+        for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
+        layer.forward(x, indptr, pool, seqs, out);
+        for (std::size_t b = 0; b < 3; ++b) {
+            const Index n = counts[b], r0 = indptr[b];
+            if (n == 0) continue;
+            RowMatrix<float> y(n, c.d_model);
+            layer.forward(x.middleRows(r0, n), alone[b], y);
+            const std::string where = "sequence " + std::to_string(b) + ", tokens from " +
+                                      std::to_string(alone[b].tokens_seen()[0] - n);
+            gattn_test::expect_close(out.middleRows(r0, n), y.cast<double>(), atol, 1e-5, where);
+        }
+    }
+    for (std::size_t b = 0; b < 3; ++b) EXPECT_EQ(pool.length(seqs[b]), alone[b].tokens_seen()[0]);
+}
+
+TEST(LayerPaged, MixedBatchStepsEqualEachSequenceAlone) {
+    gattn::AttentionConfig c = small_config();  // causal, G1 elementwise, GQA 4 on 2
+    c.rotary_dim = 4;
+    c.qk_norm = gattn::QkNorm::RmsNorm;
+    check_layer_over_pool<float>(c, 21, 1e-6);
+    check_layer_over_pool<gattn::bfloat16>(c, 22, 1e-6);
+    check_layer_over_pool<std::int8_t>(c, 23, 2e-2);
+    gattn::AttentionConfig w = small_config();  // a window, sinks, ALiBi, a headwise G2 gate
+    w.sliding_window = 6;
+    w.sinks = true;
+    w.alibi = true;
+    w.gate = gattn::GateSpec{};
+    w.gate.position = gattn::GatePosition::G2;
+    w.gate.granularity = gattn::GateGranularity::Headwise;
+    check_layer_over_pool<float>(w, 24, 1e-6);
+}
+
+TEST(LayerPaged, BadStepsWriteNothing) {
+    const gattn::AttentionConfig c = small_config();
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 25));
+    gattn::PagedKVPool<float> pool(2, 16, c.num_kv_heads, c.head_dim);
+    const std::vector<gattn::SequenceId> seqs{pool.allocate(), pool.allocate()};
+    const RowMatrix<float> x = RowMatrix<float>::Random(40, c.d_model);
+    RowMatrix<float> out = RowMatrix<float>::Constant(40, c.d_model, 7.0f);
+    auto expect_refused = [&](const std::vector<Index>& indptr, const std::vector<std::string>& words) {
+        try {
+            layer.forward(x, indptr, pool, seqs, out);
+            ADD_FAILURE() << "no exception";
+        } catch (const std::invalid_argument& e) {
+            for (const std::string& w : words)
+                EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what() << " lacks " << w;
+        }
+        EXPECT_TRUE((out.array() == 7.0f).all());
+        EXPECT_EQ(pool.length(seqs[0]) + pool.length(seqs[1]), 0);
+        EXPECT_EQ(pool.free_pages(), 2);
+    };
+    expect_refused({0, 40}, {"GatedMultiHeadAttention::forward", "qo_indptr", "[3]", "[2]"});
+    expect_refused({0, 10, 30}, {"qo_indptr", "x.rows() = 40", "0 ... 30"});
+    expect_refused({0, 41, 40}, {"qo_indptr[2]", "must be >= qo_indptr[1] = 41"});
+    // 33 tokens need 3 pages of 16, and the pool has 2.
+    expect_refused({0, 33, 40}, {"append_ragged", "more pages than the pool has free"});
+    gattn::PagedKVPool<float> other(4, 16, 1, c.head_dim);
+    try {
+        layer.forward(x, {0, 20, 40}, other, seqs, out);
+        ADD_FAILURE() << "no exception";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("pool"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE((out.array() == 7.0f).all());
+}
+
 /// Rolling a model's caches back after a window cache dropped tokens: to where the window's
 /// tokens are still stored, it gives what a full cache gives; further back it is refused, in
 /// tokens seen, and nothing changes. make_cache gives a window cache from a capacity of 2w + 1.

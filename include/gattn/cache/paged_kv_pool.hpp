@@ -266,81 +266,49 @@ public:
         if (static_cast<Index>(counts.size()) != B)
             detail::throw_shape(fn, "counts", detail::shape_string({B}),
                                 detail::shape_string({static_cast<Index>(counts.size())}));
+        std::vector<Index> first_row(static_cast<std::size_t>(B));
         for (Index b = 0; b < B; ++b) {
-            const std::string arg = "seqs[" + std::to_string(b) + "]";
-            check_sequence(fn, arg, seqs[b]);
-            for (Index c = 0; c < b; ++c)
-                if (seqs[c] == seqs[b])
-                    detail::throw_invalid(fn, arg,
-                                          "is sequence " + std::to_string(seqs[b]) + ", also seqs[" +
-                                              std::to_string(c) + "]: each sequence at most once per call");
             if (counts[b] < 0 || counts[b] > n)
                 detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
                                       "must be in [0, " + std::to_string(n) + "], got " + std::to_string(counts[b]));
+            first_row[static_cast<std::size_t>(b)] = b * n;
         }
-        check_outside(fn, k, v);
-        if constexpr (kInt8)  // int8 codes stand for finite values only
-            for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
-                for (Index b = 0; b < B; ++b)
-                    for (Index r = b * n; r < b * n + counts[b]; ++r)
-                        for (Index c = 0; c < view->cols(); ++c)
-                            if (!std::isfinite((*view)(r, c)))
-                                detail::throw_invalid(fn, name,
-                                                      "row " + std::to_string(r) + " (sequence " +
-                                                          std::to_string(seqs[b]) + "), column " + std::to_string(c) +
-                                                          " is " + detail::number_string((*view)(r, c)) +
-                                                          ": an int8 pool stores finite values only");
-        // Pages each sequence takes: a copy of a shared partial last page, and new ones.
-        // A sequence that copies a shared page drops its reference: a later sequence of the
-        // call that shares the page with fewer others may then write it in place.
-        Index needed = 0;
-        std::vector<Index> takes(static_cast<std::size_t>(B), 0), copied;
+        append_rows(fn, seqs, k, v, first_row, counts);
+    }
+
+    /// Appends a ragged batch's tokens: sequence seqs[b] gets rows [qo_indptr[b],
+    /// qo_indptr[b + 1]) of k and v (the row layout of paged_attention's mixed batches).
+    /// \param seqs      B distinct sequences of the pool.
+    /// \param k         [qo_indptr[B], H_kv·d_k]; \param v [qo_indptr[B], H_kv·d_v].
+    /// \param qo_indptr B + 1 row offsets from 0, non-decreasing, ending at k.rows().
+    /// \throws shape_error for k or v of the wrong shape or a qo_indptr without B + 1 entries;
+    ///         std::invalid_argument for offsets that do not fit k, and as append. Nothing is
+    ///         changed on error.
+    void append_ragged(const std::vector<SequenceId>& seqs, ConstMatrixRef<Input> k, ConstMatrixRef<Input> v,
+                       const std::vector<Index>& qo_indptr) {
+        constexpr const char* fn = "gattn::PagedKVPool::append_ragged";
+        const auto B = static_cast<Index>(seqs.size());
+        if (static_cast<Index>(qo_indptr.size()) != B + 1)
+            detail::throw_shape(fn, "qo_indptr", detail::shape_string({B + 1}),
+                                detail::shape_string({static_cast<Index>(qo_indptr.size())}));
+        if (k.cols() != m_keys.cols())
+            detail::throw_shape(fn, "k", "[rows, " + std::to_string(m_keys.cols()) + "]",
+                                detail::shape_string({k.rows(), k.cols()}));
+        detail::check_shape(fn, "v", v.rows(), v.cols(), k.rows(), m_values.cols());
+        if (qo_indptr.front() != 0 || qo_indptr.back() != k.rows())
+            detail::throw_invalid(fn, "qo_indptr",
+                                  "must run from 0 to k.rows() = " + std::to_string(k.rows()) + ", got " +
+                                      std::to_string(qo_indptr.front()) + " ... " + std::to_string(qo_indptr.back()));
+        std::vector<Index> first_row(qo_indptr.begin(), qo_indptr.end() - 1), counts(static_cast<std::size_t>(B));
         for (Index b = 0; b < B; ++b) {
-            const Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
-            if (counts[b] == 0) continue;
-            const Index have = static_cast<Index>(s.pages.size());
-            const Index want = (s.length + counts[b] + m_page_size - 1) / m_page_size;
-            const bool copy = s.length % m_page_size != 0 &&
-                              m_refs[static_cast<std::size_t>(s.pages.back())] -
-                                      std::count(copied.begin(), copied.end(), s.pages.back()) >
-                                  1;
-            if (copy) copied.push_back(s.pages.back());
-            takes[static_cast<std::size_t>(b)] = want - have + (copy ? 1 : 0);
-            if (needed + takes[static_cast<std::size_t>(b)] > free_pages())
-                detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
-                                      "needs more pages than the pool has free: sequence " + std::to_string(seqs[b]) +
-                                          " (" + std::to_string(s.length) + " tokens) needs " +
-                                          std::to_string(takes[static_cast<std::size_t>(b)]) + " more (its pages " +
-                                          std::to_string(copy ? have - 1 : have) + " to " + std::to_string(want - 1) +
-                                          (copy ? ", the first a copy of a shared page" : "") + ") for " +
-                                          std::to_string(counts[b]) + " tokens, and " +
-                                          std::to_string(free_pages() - needed) + " of the pool's " +
-                                          std::to_string(num_pages()) + " pages are free for it");
-            needed += takes[static_cast<std::size_t>(b)];
+            counts[static_cast<std::size_t>(b)] = qo_indptr[static_cast<std::size_t>(b) + 1] - first_row[b];
+            if (counts[b] < 0)
+                detail::throw_invalid(fn, "qo_indptr[" + std::to_string(b + 1) + "]",
+                                      "must be >= qo_indptr[" + std::to_string(b) +
+                                          "] = " + std::to_string(first_row[b]) + ", got " +
+                                          std::to_string(qo_indptr[static_cast<std::size_t>(b) + 1]));
         }
-        // Grow every page list first: past this point nothing allocates or throws.
-        for (Index b = 0; b < B; ++b) {
-            Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
-            s.pages.reserve(s.pages.size() + static_cast<std::size_t>(takes[static_cast<std::size_t>(b)]));
-        }
-        for (Index b = 0; b < B; ++b) {
-            Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
-            if (counts[b] == 0) continue;
-            const Index fill = s.length % m_page_size;
-            if (fill != 0 && m_refs[static_cast<std::size_t>(s.pages.back())] > 1) {  // copy on write
-                const Index page = take_page();
-                copy_rows(s.pages.back() * m_page_size, page * m_page_size, fill);
-                --m_refs[static_cast<std::size_t>(s.pages.back())];
-                s.pages.back() = page;
-            }
-            for (Index t = 0; t < counts[b]; ++t) {
-                const Index pos = s.length + t;
-                if (pos % m_page_size == 0) s.pages.push_back(take_page());
-                write_row(s.pages[static_cast<std::size_t>(pos / m_page_size)] * m_page_size + pos % m_page_size,
-                          k.row(b * n + t).data(), v.row(b * n + t).data());
-            }
-            s.length += counts[b];
-        }
+        if (B > 0) append_rows(fn, seqs, k, v, first_row, counts);
     }
 
     /// Writes n tokens into slots [slot, slot + n) of page `page`, which exactly one sequence
@@ -408,6 +376,86 @@ private:
         std::vector<Index> pages;
         Index length = 0;
     };
+
+    // append and append_ragged after their shape checks: sequence seqs[b] takes counts[b] rows
+    // of k and v from first_row[b].
+    void append_rows(const char* fn, const std::vector<SequenceId>& seqs, const ConstMatrixRef<Input>& k,
+                     const ConstMatrixRef<Input>& v, const std::vector<Index>& first_row,
+                     const std::vector<Index>& counts) {
+        const auto B = static_cast<Index>(seqs.size());
+        for (Index b = 0; b < B; ++b) {
+            const std::string arg = "seqs[" + std::to_string(b) + "]";
+            check_sequence(fn, arg, seqs[b]);
+            for (Index c = 0; c < b; ++c)
+                if (seqs[c] == seqs[b])
+                    detail::throw_invalid(fn, arg,
+                                          "is sequence " + std::to_string(seqs[b]) + ", also seqs[" +
+                                              std::to_string(c) + "]: each sequence at most once per call");
+        }
+        check_outside(fn, k, v);
+        if constexpr (kInt8)  // int8 codes stand for finite values only
+            for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
+                for (Index b = 0; b < B; ++b)
+                    for (Index r = first_row[b]; r < first_row[b] + counts[b]; ++r)
+                        for (Index c = 0; c < view->cols(); ++c)
+                            if (!std::isfinite((*view)(r, c)))
+                                detail::throw_invalid(fn, name,
+                                                      "row " + std::to_string(r) + " (sequence " +
+                                                          std::to_string(seqs[b]) + "), column " + std::to_string(c) +
+                                                          " is " + detail::number_string((*view)(r, c)) +
+                                                          ": an int8 pool stores finite values only");
+        // Pages each sequence takes: a copy of a shared partial last page, and new ones.
+        // A sequence that copies a shared page drops its reference: a later sequence of the
+        // call that shares the page with fewer others may then write it in place.
+        Index needed = 0;
+        std::vector<Index> takes(static_cast<std::size_t>(B), 0), copied;
+        for (Index b = 0; b < B; ++b) {
+            const Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
+            if (counts[b] == 0) continue;
+            const Index have = static_cast<Index>(s.pages.size());
+            const Index want = (s.length + counts[b] + m_page_size - 1) / m_page_size;
+            const bool copy = s.length % m_page_size != 0 &&
+                              m_refs[static_cast<std::size_t>(s.pages.back())] -
+                                      std::count(copied.begin(), copied.end(), s.pages.back()) >
+                                  1;
+            if (copy) copied.push_back(s.pages.back());
+            takes[static_cast<std::size_t>(b)] = want - have + (copy ? 1 : 0);
+            if (needed + takes[static_cast<std::size_t>(b)] > free_pages())
+                detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
+                                      "needs more pages than the pool has free: sequence " + std::to_string(seqs[b]) +
+                                          " (" + std::to_string(s.length) + " tokens) needs " +
+                                          std::to_string(takes[static_cast<std::size_t>(b)]) + " more (its pages " +
+                                          std::to_string(copy ? have - 1 : have) + " to " + std::to_string(want - 1) +
+                                          (copy ? ", the first a copy of a shared page" : "") + ") for " +
+                                          std::to_string(counts[b]) + " tokens, and " +
+                                          std::to_string(free_pages() - needed) + " of the pool's " +
+                                          std::to_string(num_pages()) + " pages are free for it");
+            needed += takes[static_cast<std::size_t>(b)];
+        }
+        // Grow every page list first: past this point nothing allocates or throws.
+        for (Index b = 0; b < B; ++b) {
+            Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
+            s.pages.reserve(s.pages.size() + static_cast<std::size_t>(takes[static_cast<std::size_t>(b)]));
+        }
+        for (Index b = 0; b < B; ++b) {
+            Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
+            if (counts[b] == 0) continue;
+            const Index fill = s.length % m_page_size;
+            if (fill != 0 && m_refs[static_cast<std::size_t>(s.pages.back())] > 1) {  // copy on write
+                const Index page = take_page();
+                copy_rows(s.pages.back() * m_page_size, page * m_page_size, fill);
+                --m_refs[static_cast<std::size_t>(s.pages.back())];
+                s.pages.back() = page;
+            }
+            for (Index t = 0; t < counts[b]; ++t) {
+                const Index pos = s.length + t;
+                if (pos % m_page_size == 0) s.pages.push_back(take_page());
+                write_row(s.pages[static_cast<std::size_t>(pos / m_page_size)] * m_page_size + pos % m_page_size,
+                          k.row(first_row[b] + t).data(), v.row(first_row[b] + t).data());
+            }
+            s.length += counts[b];
+        }
+    }
 
     void check_sequence(const char* fn, const std::string& arg, SequenceId seq) const {
         if (seq < 0 || seq >= static_cast<Index>(m_alive.size()) || !m_alive[static_cast<std::size_t>(seq)])

@@ -26,10 +26,12 @@
 #endif
 
 #include "gattn/cache/kv_cache.hpp"
+#include "gattn/cache/paged_kv_pool.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/packed_linear.hpp"
+#include "gattn/ops/paged_sdpa.hpp"
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
@@ -380,7 +382,85 @@ public:
         run_activations(x, HeadLayout{B, H, Hkv}, out, sdpa, trace, &cache, counts, positions);
     }
 
+    /// One step of continuous batching over a paged pool (cache/paged_kv_pool.hpp): sequence
+    /// seqs[b] brings rows [qo_indptr[b], qo_indptr[b + 1]) of x as its next tokens (one for a
+    /// decoding step, a chunk of its prompt, or none). Their keys and values are appended to
+    /// the pool (append_ragged), then each new token attends to its sequence's tokens through
+    /// the page table (paged_attention's mixed batch: decoding and prompt chunks in one
+    /// parallel region). The config's causal and window masks align each sequence's new tokens
+    /// with its end, and RoPE puts them at positions pool.length(seq) + t, so each sequence's
+    /// rows equal forward(x, cache, out) with a KVCache holding the same tokens (up to the
+    /// rounding of a batch's projections, docs/conventions.md). A G1 gate is applied after
+    /// SDPA rather than inside it (the same arithmetic).
+    /// \param x         [qo_indptr[B], D]; \param out [qo_indptr[B], D], written, sharing no
+    ///                  element with x or the pool.
+    /// \param qo_indptr B + 1 row offsets from 0, non-decreasing, ending at x.rows().
+    /// \param pool      this layer's pool: num_kv_heads, head_dim and value_head_dim of the
+    ///                  config; grows by each sequence's rows.
+    /// \param seqs      B distinct sequences of the pool.
+    /// \throws shape_error for x, out, qo_indptr or a pool of the wrong shape;
+    ///         std::invalid_argument for offsets that do not fit x, out overlapping x or the
+    ///         pool, and as PagedKVPool::append_ragged (a sequence not in the pool or given
+    ///         twice, more pages than are free, a non-finite key or value in an int8 pool).
+    ///         Nothing is written (pool included) before validation passes.
+    template <class PoolScalar>
+    void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& qo_indptr, PagedKVPool<PoolScalar>& pool,
+                 const std::vector<SequenceId>& seqs, MatrixRef<Activation> out) const {
+        static_assert(takes_cache_v<PoolScalar>,
+                      "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_INT8_WITH_FLOAT_COMPUTE_OR_16_BIT_FOR_A_FLOAT_LAYER");
+        constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
+        const AttentionConfig& c = m_config;
+        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        const auto B = static_cast<Index>(seqs.size());
+        if (x.cols() != D)
+            gattn::detail::throw_shape(fn, "x", "[rows, d_model] with d_model = " + std::to_string(D),
+                                       gattn::detail::shape_string({x.rows(), x.cols()}));
+        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
+        if (pool.num_kv_heads() != Hkv || pool.head_dim() != dk || pool.value_head_dim() != dv)
+            gattn::detail::throw_shape(
+                fn, "pool", "[num_kv_heads, head_dim, value_head_dim] = " + gattn::detail::shape_string({Hkv, dk, dv}),
+                gattn::detail::shape_string({pool.num_kv_heads(), pool.head_dim(), pool.value_head_dim()}));
+        if (static_cast<Index>(qo_indptr.size()) != B + 1)
+            gattn::detail::throw_shape(fn, "qo_indptr", gattn::detail::shape_string({B + 1}),
+                                       gattn::detail::shape_string({static_cast<Index>(qo_indptr.size())}));
+        if (qo_indptr.front() != 0 || qo_indptr.back() != x.rows())
+            gattn::detail::throw_invalid(fn, "qo_indptr",
+                                         "must run from 0 to x.rows() = " + std::to_string(x.rows()) + ", got " +
+                                             std::to_string(qo_indptr.front()) + " ... " +
+                                             std::to_string(qo_indptr.back()));
+        std::vector<Index> positions;  // RoPE: after the sequence's tokens so far
+        for (Index b = 0; b < B; ++b) {
+            const Index r0 = qo_indptr[static_cast<std::size_t>(b)], r1 = qo_indptr[static_cast<std::size_t>(b) + 1];
+            if (r1 < r0)
+                gattn::detail::throw_invalid(fn, "qo_indptr[" + std::to_string(b + 1) + "]",
+                                             "must be >= qo_indptr[" + std::to_string(b) + "] = " + std::to_string(r0) +
+                                                 ", got " + std::to_string(r1));
+            const Index seen = r1 > r0 ? pool.length(seqs[static_cast<std::size_t>(b)]) : 0;
+            for (Index r = r0; r < r1; ++r) positions.push_back(seen + r - r0);
+        }
+        auto in_pool = [&](const auto& view) {
+            return gattn::detail::views_overlap(view, pool.keys()) ||
+                   gattn::detail::views_overlap(view, pool.values()) ||
+                   gattn::detail::views_overlap(view, pool.key_scales()) ||
+                   gattn::detail::views_overlap(view, pool.value_scales());
+        };
+        if (gattn::detail::views_overlap(out, x) || in_pool(out) || in_pool(x))
+            gattn::detail::throw_invalid(fn, gattn::detail::views_overlap(out, x) || in_pool(out) ? "out" : "x",
+                                         "must not share an element with x or the pool");
+        const PagedStep<PoolScalar> step{&pool, &seqs, &qo_indptr};
+        run_activations(x, HeadLayout{B, H, Hkv}, out, sdpa_options(), nullptr,
+                        static_cast<KVCache<PoolScalar>*>(nullptr), {}, positions, &step);
+    }
+
 private:
+    /// A forward step over a paged pool: the sequences and their rows of x.
+    template <class PoolScalar>
+    struct PagedStep {
+        PagedKVPool<PoolScalar>* pool;
+        const std::vector<SequenceId>* seqs;
+        const std::vector<Index>* qo_indptr;
+    };
+
     /// ForwardOptions::check_finite: the first NaN or ±∞ of x, or NaN of the bias, is refused.
     static void check_finite_input(const char* fn, const ConstMatrixRef<Activation>& x, Index batch,
                                    const MaskView<T>& bias) {
@@ -443,16 +523,17 @@ private:
     template <class CacheScalar = Scalar>
     void run_activations(ConstMatrixRef<Activation> x, const HeadLayout& layout, MatrixRef<Activation> out,
                          const SdpaOptions<T>& sdpa, ForwardTrace<T>* trace, KVCache<CacheScalar>* cache,
-                         const std::vector<Index>& counts, const std::vector<Index>& positions) const {
+                         const std::vector<Index>& counts, const std::vector<Index>& positions,
+                         const PagedStep<CacheScalar>* paged = nullptr) const {
         ForwardTrace<T> recorded;
         if (trace) recorded.record_probabilities = trace->record_probabilities;
         ForwardTrace<T>* const record = trace ? &recorded : nullptr;
         if constexpr (std::is_same_v<Activation, T>) {
-            run(x, layout, out, sdpa, record, cache, counts, positions);
+            run(x, layout, out, sdpa, record, cache, counts, positions, paged);
         } else {
             const RowMatrix<T> x_wide = x.template cast<T>();
             RowMatrix<T> y(x.rows(), out.cols());
-            run(x_wide, layout, y, sdpa, record, cache, counts, positions);
+            run(x_wide, layout, y, sdpa, record, cache, counts, positions, paged);
             out = y.template cast<Activation>();
         }
         if (trace) {
@@ -469,7 +550,7 @@ private:
     template <class CacheScalar = Scalar>
     void run(ConstMatrixRef<T> x, const HeadLayout& layout, MatrixRef<T> out, const SdpaOptions<T>& sdpa,
              ForwardTrace<T>* trace, KVCache<CacheScalar>* cache, const std::vector<Index>& counts,
-             const std::vector<Index>& positions) const {
+             const std::vector<Index>& positions, const PagedStep<CacheScalar>* paged = nullptr) const {
         constexpr bool kInt8Cache = std::is_same_v<CacheScalar, std::int8_t>;
         const AttentionConfig& c = m_config;
         const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
@@ -555,13 +636,18 @@ private:
             else
                 cache->append(k_s, v_s, counts);
         }
-        auto operand = [&](bool key) -> Operand {
+        if (paged) {
+            if constexpr (kInt8Cache)
+                paged->pool->append_ragged(*paged->seqs, k, v, *paged->qo_indptr);
+            else
+                paged->pool->append_ragged(*paged->seqs, k_s, v_s, *paged->qo_indptr);
+        }
+        auto operand = [&](bool key) -> Operand {  // (not called for a paged step)
             if constexpr (kInt8Cache)
                 return key ? cache->key_operand() : cache->value_operand();  // int8: always cached
             else
                 return cache ? (key ? cache->key_operand() : cache->value_operand()) : (key ? k_s : v_s);
         };
-        const Operand keys = operand(true), values = operand(false);
         const ConstMatrixRef<Q> q_in = [&] {
             if constexpr (kInt8Cache)
                 return ConstMatrixRef<Q>(q);
@@ -579,8 +665,12 @@ private:
         // SDPA has written it, while it is in cache, instead of in a pass over U afterwards
         // (with a trace, the pass records the gate scores). Same arithmetic, same result.
         const bool fused_g1 = input_gate && g.position == GatePosition::G1 && g.sharing == GateSharing::HeadSpecific &&
-                              !scores;
-        if (fused_g1) {
+                              !scores && !paged;
+        if (paged) {
+            paged_attention<CacheScalar, Q, T>(q_in, *paged->qo_indptr, *paged->pool,
+                                               paged->pool->page_table(*paged->seqs), H, u, sdpa, extra);
+        } else if (fused_g1) {
+            const Operand keys = operand(true), values = operand(false);
             const Index zw = gate_logits_per_head(dv);
             const auto gate_epilogue = [&](Index row, Index h, T* y) {
                 // SDPA finishes a head's rows in order; the logits of row + 8 are fetched now
@@ -593,6 +683,7 @@ private:
             gattn::detail::sdpa_with_epilogue_to<Q, T, std::decay_t<decltype(gate_epilogue)>, Operand>(
                 q_in, keys, values, layout, u, sdpa, extra, gate_epilogue);
         } else {
+            const Operand keys = operand(true), values = operand(false);
             gattn::detail::sdpa_with_epilogue_to<Q, T, gattn::detail::NoEpilogue, Operand>(q_in, keys, values, layout,
                                                                                            u, sdpa, extra,
                                                                                            gattn::detail::NoEpilogue{});
