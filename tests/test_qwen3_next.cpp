@@ -21,6 +21,7 @@
 
 #include "gattn/gattn.hpp"
 #include "gattn/io/hf_checkpoint.hpp"
+#include "support/compare.hpp"
 #include "support/safetensors_writer.hpp"
 
 namespace {
@@ -400,6 +401,48 @@ TEST(Qwen3NextPitfalls, GateIgnoresQueryNormAndPositions) {
     EXPECT_EQ(base.first, renormed.first);
     EXPECT_EQ(base.first, shifted.first);
     EXPECT_GT((base.second - renormed.second).cwiseAbs().maxCoeff(), 1e-6) << "q_norm must still act on the query";
+}
+
+/// Continuous batching over a paged pool: three sequences starting, decoding and prefilling
+/// in chunks at different steps, against each sequence alone through a KVCache (positions
+/// after its tokens). The gate scores of the step's rows come out in the step's row order.
+template <class S, class PoolScalar>
+void check_qwen3_next_over_pool(double atol) {
+    gattn::Qwen3NextConfig c = gattn::load_qwen3_next_config(kDir + "/config.json", kLayer);
+    const gattn::Qwen3NextAttention<S> layer(c, gattn::load_qwen3_next_attention_weights<S>(kDir, kLayer, c));
+    gattn::PagedKVPool<PoolScalar> pool(32, 16, c.num_key_value_heads, c.head_dim);
+    const std::vector<gattn::SequenceId> seqs{pool.allocate(), pool.allocate(), pool.allocate()};
+    std::vector<gattn::KVCache<PoolScalar>> alone;
+    for (int b = 0; b < 3; ++b) alone.push_back(layer.template make_cache<PoolScalar>(1, 64));
+    const std::vector<std::vector<Index>> schedule = {{5, 9, 0}, {1, 1, 7}, {1, 0, 1}, {3, 1, 17}, {1, 1, 1}};
+    std::mt19937 rng(26);
+    std::uniform_real_distribution<double> dist(-1.0, 1.0);
+    for (const std::vector<Index>& counts : schedule) {
+        std::vector<Index> indptr{0};
+        for (Index n : counts) indptr.push_back(indptr.back() + n);
+        RowMatrix<S> x(indptr.back(), c.hidden_size), out(indptr.back(), c.hidden_size);
+        for (Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<S>(dist(rng));
+        RowMatrix<S> gates;
+        layer.forward(x, indptr, pool, seqs, out, &gates);
+        for (std::size_t b = 0; b < 3; ++b) {
+            const Index n = counts[b], r0 = indptr[b];
+            if (n == 0) continue;
+            std::vector<Index> positions;
+            for (Index t = 0; t < n; ++t) positions.push_back(alone[b].lengths()[0] + t);
+            RowMatrix<S> y(n, c.hidden_size), gates_alone;
+            layer.forward(x.middleRows(r0, n), positions, alone[b], y, {}, &gates_alone);
+            const std::string where = "sequence " + std::to_string(b) + ", tokens from " + std::to_string(positions[0]);
+            gattn_test::expect_close(out.middleRows(r0, n), y, atol, 1e-6, where);
+            gattn_test::expect_close(gates.middleRows(r0, n), gates_alone, 1e-12, 1e-6, where + ", gate scores");
+        }
+    }
+    for (std::size_t b = 0; b < 3; ++b) EXPECT_EQ(pool.length(seqs[b]), alone[b].lengths()[0]);
+}
+
+TEST(Qwen3NextPaged, MixedBatchStepsEqualEachSequenceAlone) {
+    check_qwen3_next_over_pool<double, double>(1e-12);
+    check_qwen3_next_over_pool<float, float>(1e-5);
+    check_qwen3_next_over_pool<float, std::int8_t>(2e-2);
 }
 
 TEST(Qwen3NextSinks, SinkLogitJoinsTheDenominatorPerHead) {

@@ -28,11 +28,13 @@
 #include <vector>
 
 #include "gattn/cache/kv_cache.hpp"
+#include "gattn/cache/paged_kv_pool.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
 #include "gattn/layers/head_shard.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/packed_linear.hpp"
+#include "gattn/ops/paged_sdpa.hpp"
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
@@ -360,16 +362,109 @@ public:
         gattn::detail::validate_sdpa<T>(fn, rows, H * d, cache_rows, Hkv * d, cache_rows, Hkv * d,
                                         HeadLayout{cache.batch(), H, Hkv}, opt, "");
         if constexpr (std::is_same_v<Activation, T>) {
-            run(x, positions, cache, out, counts, opt, gate_scores, first_key_probability);
+            run(x, positions, &cache, static_cast<const PagedStep<CacheScalar>*>(nullptr), out, counts, opt,
+                gate_scores, first_key_probability);
         } else {  // 16-bit activations: widened on entry, rounded once at the end
             const RowMatrix<T> x_wide = x.template cast<T>();
             RowMatrix<T> y(rows, D);
-            run(x_wide, positions, cache, y, counts, opt, gate_scores, first_key_probability);
+            run(x_wide, positions, &cache, static_cast<const PagedStep<CacheScalar>*>(nullptr), y, counts, opt,
+                gate_scores, first_key_probability);
+            out = y.template cast<Activation>();
+        }
+    }
+
+    /// One step of continuous batching over a paged pool (cache/paged_kv_pool.hpp): sequence
+    /// seqs[b] brings rows [qo_indptr[b], qo_indptr[b + 1]) of x as its next tokens (one for a
+    /// decoding step, a chunk of its prompt, or none), at positions pool.length(seq) + t. Their
+    /// keys and values are appended to the pool (append_ragged), then each new token attends
+    /// causally to its sequence's tokens through the page table (paged_attention's mixed batch).
+    /// Each sequence's rows equal forward(x, positions, cache, out) with a KVCache holding the
+    /// same tokens (up to the rounding of a batch's projections).
+    /// \param x         [qo_indptr[B], D]; \param out [qo_indptr[B], D], written, sharing no
+    ///                  element with x or the pool.
+    /// \param qo_indptr B + 1 row offsets from 0, non-decreasing, ending at x.rows().
+    /// \param pool      a pool of this layer's KV heads and head_dim; grows by each sequence's rows.
+    /// \param seqs      B distinct sequences of the pool.
+    /// \param gate_scores, first_key_probability optional, as for the cache forward ([rows, ...]).
+    /// \throws shape_error for x, out, qo_indptr or a pool of the wrong shape;
+    ///         std::invalid_argument for offsets that do not fit x, out overlapping x or the
+    ///         pool, an optional output holding x or out, and as PagedKVPool::append_ragged (a
+    ///         sequence not in the pool or given twice, more pages than are free, a non-finite
+    ///         key or value in an int8 pool). Nothing is written (pool included) before
+    ///         validation passes.
+    template <class PoolScalar>
+    void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& qo_indptr, PagedKVPool<PoolScalar>& pool,
+                 const std::vector<SequenceId>& seqs, MatrixRef<Activation> out, RowMatrix<T>* gate_scores = nullptr,
+                 RowMatrix<T>* first_key_probability = nullptr) const {
+        static_assert(takes_cache_v<PoolScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
+        constexpr const char* fn = "gattn::Qwen3NextAttention::forward";
+        const Qwen3NextConfig& c = m_config;
+        const Index D = c.hidden_size, Hkv = c.num_key_value_heads, d = c.head_dim;
+        const auto B = static_cast<Index>(seqs.size());
+        if (x.cols() != D)
+            gattn::detail::throw_shape(fn, "x", "[rows, hidden_size] with hidden_size = " + std::to_string(D),
+                                       gattn::detail::shape_string({x.rows(), x.cols()}));
+        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
+        if (pool.num_kv_heads() != Hkv || pool.head_dim() != d || pool.value_head_dim() != d)
+            gattn::detail::throw_shape(
+                fn, "pool", "[num_kv_heads, head_dim, value_head_dim] = " + gattn::detail::shape_string({Hkv, d, d}),
+                gattn::detail::shape_string({pool.num_kv_heads(), pool.head_dim(), pool.value_head_dim()}));
+        if (static_cast<Index>(qo_indptr.size()) != B + 1)
+            gattn::detail::throw_shape(fn, "qo_indptr", gattn::detail::shape_string({B + 1}),
+                                       gattn::detail::shape_string({static_cast<Index>(qo_indptr.size())}));
+        if (qo_indptr.front() != 0 || qo_indptr.back() != x.rows())
+            gattn::detail::throw_invalid(fn, "qo_indptr",
+                                         "must run from 0 to x.rows() = " + std::to_string(x.rows()) + ", got " +
+                                             std::to_string(qo_indptr.front()) + " ... " +
+                                             std::to_string(qo_indptr.back()));
+        std::vector<Index> positions;
+        for (Index b = 0; b < B; ++b) {
+            const Index r0 = qo_indptr[static_cast<std::size_t>(b)], r1 = qo_indptr[static_cast<std::size_t>(b) + 1];
+            if (r1 < r0)
+                gattn::detail::throw_invalid(fn, "qo_indptr[" + std::to_string(b + 1) + "]",
+                                             "must be >= qo_indptr[" + std::to_string(b) + "] = " + std::to_string(r0) +
+                                                 ", got " + std::to_string(r1));
+            const Index seen = r1 > r0 ? pool.length(seqs[static_cast<std::size_t>(b)]) : 0;
+            for (Index r = r0; r < r1; ++r) positions.push_back(seen + r - r0);
+        }
+        auto in_pool = [&](const auto& view) {
+            return gattn::detail::views_overlap(view, pool.keys()) ||
+                   gattn::detail::views_overlap(view, pool.values()) ||
+                   gattn::detail::views_overlap(view, pool.key_scales()) ||
+                   gattn::detail::views_overlap(view, pool.value_scales());
+        };
+        if (gattn::detail::views_overlap(out, x) || in_pool(out) || in_pool(x))
+            gattn::detail::throw_invalid(fn, gattn::detail::views_overlap(out, x) || in_pool(out) ? "out" : "x",
+                                         "must not share an element with x or the pool");
+        if (gate_scores && gate_scores == first_key_probability)
+            gattn::detail::throw_invalid(fn, "gate_scores", "must not be first_key_probability");
+        for (const auto& [m, name] : {std::pair<const RowMatrix<T>*, const char*>{gate_scores, "gate_scores"},
+                                      {first_key_probability, "first_key_probability"}})
+            if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
+                gattn::detail::throw_invalid(fn, name, "must not hold x or out");
+        const PagedStep<PoolScalar> step{&pool, &seqs, &qo_indptr};
+        const SdpaOptions<T> opt = sdpa_options({}, {});
+        if constexpr (std::is_same_v<Activation, T>) {
+            run(x, positions, static_cast<KVCache<PoolScalar>*>(nullptr), &step, out, {}, opt, gate_scores,
+                first_key_probability);
+        } else {
+            const RowMatrix<T> x_wide = x.template cast<T>();
+            RowMatrix<T> y(x.rows(), D);
+            run(x_wide, positions, static_cast<KVCache<PoolScalar>*>(nullptr), &step, y, {}, opt, gate_scores,
+                first_key_probability);
             out = y.template cast<Activation>();
         }
     }
 
 private:
+    /// A forward step over a paged pool: the sequences and their rows of x.
+    template <class PoolScalar>
+    struct PagedStep {
+        PagedKVPool<PoolScalar>* pool;
+        const std::vector<SequenceId>* seqs;
+        const std::vector<Index>* qo_indptr;
+    };
+
     /// The caches the layer takes: its Scalar, and int8 when it computes in float.
     template <class CacheScalar>
     static constexpr bool takes_cache_v = std::is_same_v<CacheScalar, Scalar> ||
@@ -388,15 +483,15 @@ private:
     }
 
     /// forward's arithmetic on validated arguments (opt: sdpa_options, validated), in the
-    /// compute type.
+    /// compute type, over a cache or (cache null) a paged step.
     template <class CacheScalar>
-    void run(ConstMatrixRef<T> x, const std::vector<Index>& positions, KVCache<CacheScalar>& cache, MatrixRef<T> out,
-             const std::vector<Index>& counts, const SdpaOptions<T>& opt, RowMatrix<T>* gate_scores,
-             RowMatrix<T>* first_key_probability) const {
+    void run(ConstMatrixRef<T> x, const std::vector<Index>& positions, KVCache<CacheScalar>* cache,
+             const PagedStep<CacheScalar>* paged, MatrixRef<T> out, const std::vector<Index>& counts,
+             const SdpaOptions<T>& opt, RowMatrix<T>* gate_scores, RowMatrix<T>* first_key_probability) const {
         constexpr bool kInt8Cache = std::is_same_v<CacheScalar, std::int8_t>;
         const Qwen3NextConfig& c = m_config;
         const Index H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
-        const Index B = cache.batch(), rows = x.rows(), N = rows / B;
+        const Index rows = x.rows();
         RowMatrix<T> proj(rows, m_in.out_features());
         m_in.template forward<T, T>(x, proj);
         T* p = proj.data();
@@ -427,14 +522,21 @@ private:
             else
                 return ConstMatrixRef<KV>(proj.middleCols(k0, 2 * Hkv * d));
         }();
-        cache.append(kv.leftCols(Hkv * d), kv.rightCols(Hkv * d), counts);
-        GATTN_DEBUG_ASSERT(opt.mask.key_lengths == cache.lengths());
         SdpaOutputs<T> extra;
         extra.first_key_probability = first_key_probability;
         RowMatrix<T> u(rows, H * d);
-        gattn::detail::sdpa_with_epilogue_to<Q, T, gattn::detail::NoEpilogue, typename KVCache<CacheScalar>::Operand>(
-            q, cache.key_operand(), cache.value_operand(), HeadLayout{B, H, Hkv}, u, opt, extra,
-            gattn::detail::NoEpilogue{});
+        if (paged) {
+            paged->pool->append_ragged(*paged->seqs, kv.leftCols(Hkv * d), kv.rightCols(Hkv * d), *paged->qo_indptr);
+            paged_attention<CacheScalar, Q, T>(q, *paged->qo_indptr, *paged->pool,
+                                               paged->pool->page_table(*paged->seqs), H, u, opt, extra);
+        } else {
+            cache->append(kv.leftCols(Hkv * d), kv.rightCols(Hkv * d), counts);
+            GATTN_DEBUG_ASSERT(opt.mask.key_lengths == cache->lengths());
+            gattn::detail::sdpa_with_epilogue_to<Q, T, gattn::detail::NoEpilogue,
+                                                 typename KVCache<CacheScalar>::Operand>(
+                q, cache->key_operand(), cache->value_operand(), HeadLayout{cache->batch(), H, Hkv}, u, opt, extra,
+                gattn::detail::NoEpilogue{});
+        }
         if (gate_scores) gate_scores->resize(rows, G);
         for (Index r = 0; r < rows && G > 0; ++r) {
             const T* z = p + r * ld + H * d;
@@ -444,6 +546,8 @@ private:
                        static_cast<const T*>(nullptr), static_cast<T*>(nullptr), static_cast<std::size_t>(G));
         }
         m_o.template forward<T, T>(u, out);
+        if (!cache) return;
+        const Index B = cache->batch(), N = rows / B;
         for (Index b = 0; b < B; ++b)  // padding slots: no token, no output
             for (Index t = counts[b]; t < N; ++t) out.row(b * N + t).setZero();
     }
