@@ -310,8 +310,12 @@ public:
     /// Training forward pass: forward(x, batch, out, options) that also fills `saved` with what
     /// backward needs (ForwardActivations; nothing is recomputed but the attention
     /// probabilities). out equals forward's output. float and double layers only.
-    /// \param saved filled (replaced) on success; its matrices must not hold x or out. The
-    ///        mask views of options must stay valid until backward has run.
+    /// \param x     [B·N, D] layer input, as forward.
+    /// \param batch B, as forward.
+    /// \param out   [B·N, D], written, as forward.
+    /// \param saved filled (replaced) on success; its matrices must not hold x or out.
+    /// \param options as forward's (check_finite included); its mask views must stay valid
+    ///        until backward has run.
     /// \throws what forward throws for x, out and options, and std::invalid_argument when a
     ///         matrix of saved holds x or out; nothing is written before validation passes.
     void forward_train(ConstMatrixRef<Activation> x, Index batch, MatrixRef<Activation> out,
