@@ -135,8 +135,8 @@ struct TensorOf {
 using Tensor = TensorOf<double>;
 
 /// The tensors of weights or gradients by HF name.
-template <class S>
-std::map<std::string, TensorOf<S>> tensors(gattn::AttentionWeights<S>& w) {
+template <class S, template <class> class Weights>
+std::map<std::string, TensorOf<S>> tensors(Weights<S>& w) {
     std::map<std::string, TensorOf<S>> out;
     w.for_each([&](const char* name, auto* t) { out[name] = TensorOf<S>{t->data(), t->rows(), t->cols()}; });
     return out;
@@ -347,6 +347,64 @@ TEST(LayerBackward, FloatAgreesWithDouble) {
     }
     EXPECT_GT(compared, 100);
     std::printf("float against double: worst error %.2g of the tensor's largest gradient\n", worst);
+}
+
+/// Qwen3-Next: the layer of to_attention_config computes Qwen3NextAttention's prefill, and its
+/// backward, with the gradients renamed by to_qwen3_next_weights, agrees with central
+/// differences of Qwen3NextAttention's own forward (zero-centred q/k RMSNorm, partial RoPE at
+/// given positions, the gate fused into q_proj per head, biases, sinks).
+TEST(LayerBackward, Qwen3NextAgreesWithFiniteDifferencesOfItsForward) {
+    for (const bool full : {true, false}) {
+        SCOPED_TRACE(full ? "gate, biases, sinks" : "ungated, no biases");
+        gattn::Qwen3NextConfig q;
+        q.hidden_size = 8;
+        q.num_attention_heads = 4;
+        q.num_key_value_heads = 2;
+        q.head_dim = 4;
+        q.partial_rotary_factor = 0.5;
+        q.rope_theta = 100;
+        q.attn_output_gate = q.attention_bias = q.attention_sinks = full;
+        const auto config = gattn::to_attention_config(q);
+        auto w = gattn::to_qwen3_next_weights(weights_for(config, full ? 21 : 22));
+        const Index B = 2, N = 5, rows = B * N, D = q.hidden_size;
+        std::vector<Index> positions;
+        for (Index r = 0; r < rows; ++r) positions.push_back(3 * (r / N) + r % N);  // sequence 1 from 3
+        Mat x = gattn_test::random_matrix(rows, D, 23);
+        const Mat d_y = gattn_test::random_matrix(rows, D, 24);
+        const auto qwen_forward = [&](const Mat& input) {
+            const gattn::Qwen3NextAttention<double> layer(q, w);
+            auto cache = layer.make_cache(B, N);
+            Mat y(rows, D);
+            layer.forward(input, positions, cache, y);
+            return y;
+        };
+
+        const gattn::GatedMultiHeadAttention<double> layer(config, gattn::to_attention_weights(w));
+        gattn::ForwardOptions<double> options;
+        options.positions = positions;
+        gattn::ForwardActivations<double> saved;
+        Mat y(rows, D), d_x(rows, D);
+        layer.forward_train(x, B, y, saved, options);
+        const Mat want = qwen_forward(x);
+        EXPECT_LE((y - want).cwiseAbs().maxCoeff(), 1e-13 * (1 + want.cwiseAbs().maxCoeff()));
+        gattn::AttentionWeights<double> grads;
+        layer.backward(x, saved, d_y, grads, d_x);
+        auto d_w = gattn::to_qwen3_next_weights(grads);
+
+        const auto loss_at = [&] { return (qwen_forward(x).array() * d_y.array()).sum(); };
+        check_tensor("d_x", d_x.data(), d_x.size(), x.data(), loss_at);
+        const auto grad_tensors = tensors(d_w);
+        int checked = 0;
+        for (const auto& [name, value] : tensors(w)) {
+            const auto& g = grad_tensors.at(name);
+            ASSERT_EQ(g.rows, value.rows) << name;
+            ASSERT_EQ(g.cols, value.cols) << name;
+            if (value.rows * value.cols == 0) continue;
+            check_tensor(name, g.data, g.rows * g.cols, value.data, loss_at);
+            ++checked;
+        }
+        EXPECT_EQ(checked, full ? 11 : 6);
+    }
 }
 
 TEST(LayerBackward, ErrorsNameTheArgumentAndWriteNothing) {
