@@ -454,6 +454,41 @@ TEST(LayerBackward, ErrorsNameTheArgumentAndWriteNothing) {
     }
     EXPECT_EQ(both, Mat::Constant(rows, D, 7.0));
     unchanged();
+
+    // forward_train: what forward refuses, and a saved matrix holding x; saved stays as it was.
+    const gattn::ForwardActivations<double> before = saved;
+    Mat y2 = Mat::Constant(rows, D, 7.0);
+    try {
+        layer.forward_train(x, 3, y2, saved);  // 10 rows are no 3 sequences
+        ADD_FAILURE() << "a batch that does not divide the rows was taken";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("GatedMultiHeadAttention::forward_train"), std::string::npos);
+    }
+    EXPECT_EQ(y2, Mat::Constant(rows, D, 7.0));
+    EXPECT_EQ(saved.attention, before.attention);
+    try {
+        layer.forward_train(saved.attention.leftCols(D), 2, y2, saved);
+        ADD_FAILURE() << "x inside saved was taken";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("saved"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(y2, Mat::Constant(rows, D, 7.0));
+    EXPECT_EQ(saved.attention, before.attention);
+}
+
+TEST(LayerBackward, EmptyBatch) {
+    auto c = base_config();
+    c.gate = gattn::GateSpec::g1_elementwise();
+    c.sinks = true;
+    const gattn::GatedMultiHeadAttention<double> layer(c, weights_for(c, 3));
+    const Mat x(0, c.d_model), d_y(0, c.d_model);
+    Mat y(0, c.d_model), d_x(0, c.d_model);
+    gattn::ForwardActivations<double> saved;
+    layer.forward_train(x, 0, y, saved);
+    gattn::AttentionWeights<double> grads;
+    layer.backward(x, saved, d_y, grads, d_x);
+    EXPECT_EQ(grads.q_proj_weight, Mat::Zero(c.num_heads * c.head_dim, c.d_model));
+    EXPECT_EQ(grads.sinks, gattn::Vector<double>::Zero(c.num_heads));
 }
 
 }  // namespace
