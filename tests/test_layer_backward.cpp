@@ -102,7 +102,7 @@ std::vector<Index> probe_indices(const double* g, Index n, Index count) {
 }
 
 // kFloor: the differences' own rounding (ε·|L|/step, L of order 10) for a gradient that is 0 in
-// exact arithmetic (k_proj.bias without RoPE or softcap).
+// exact arithmetic (k_proj.bias without a q/k norm, RoPE, a G3 gate or a softcap).
 constexpr double kStep = 1e-5, kTolerance = 1e-6, kFloor = 1e-9;
 int g_tensors_checked = 0;  // weight tensors compared with finite differences
 
@@ -330,8 +330,9 @@ TEST(LayerBackward, FloatAgreesWithDouble) {
             if (want.size() == 0) return;
             const double largest = want.cwiseAbs().maxCoeff();
             const double err = (got.template cast<double>() - want).cwiseAbs().maxCoeff();
-            // (k_proj.bias: 0 in exact arithmetic unless RoPE or a softcap acts, as adding one vector
-            // to every key shifts a row's logits alike; the floor covers its rounding.)
+            // (k_proj.bias: 0 in exact arithmetic unless a q/k norm, RoPE, a G3 gate or a softcap
+            // acts on the key, as adding one vector to every key shifts a row's logits alike; the
+            // floor covers its rounding.)
             EXPECT_LE(err, 1e-4 * largest + 1e-6) << name << ": largest gradient " << largest;
             if (largest > 1e-3) worst = std::max(worst, err / largest);
         };
