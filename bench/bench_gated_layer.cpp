@@ -12,6 +12,9 @@
 // when oneDNN is installed (found by CMake), oneDNN's bf16 matmul, in turn within every
 // iteration. BM_LayerBf16VsFloat: the layer in float and bf16 (and bf16 with oneDNN's
 // projections in GATTN_WITH_ONEDNN builds).
+// BM_LayerBackward: the training step of one layer (D = 1024, 8 heads, 2 KV heads, head_dim
+// 128, causal): forward, forward_train and backward in turn within every iteration; counter
+// bwd_vs_fwd = backward time / forward time, and the bytes forward_train keeps.
 // Threads: OMP_NUM_THREADS (one core: OMP_NUM_THREADS=1).
 //
 // Run: build/bench/bench/bench_gated_layer --benchmark_counters_tabular=true
@@ -375,6 +378,50 @@ void BM_DecodeStep(benchmark::State& state, Variant v) {
     state.SetLabel(gattn::simd::arch_name());
 }
 
+/// forward, forward_train and backward of one layer in turn within every iteration (Args: N,
+/// gated). Counters in ms, bwd_vs_fwd = backward / forward, (forward_train + backward) /
+/// forward, and the bytes forward_train saved.
+void BM_LayerBackward(benchmark::State& state) {
+    const gattn::Index seq_len = state.range(0);
+    gattn::AttentionConfig config = realistic_config(state.range(1) ? GateSpec::g1_elementwise() : GateSpec{});
+    config.d_model = 1024;
+    config.num_heads = 8;
+    const gattn::GatedMultiHeadAttention<float> layer(config, gattn::make_random_weights<float>(config, 1));
+    const gattn::RowMatrix<float> x = gattn::RowMatrix<float>::Random(seq_len, config.d_model);
+    const gattn::RowMatrix<float> d_y = gattn::RowMatrix<float>::Random(seq_len, config.d_model);
+    gattn::RowMatrix<float> out(seq_len, config.d_model), d_x(seq_len, config.d_model);
+    gattn::ForwardActivations<float> saved;
+    gattn::AttentionWeights<float> grads;
+    using Clock = std::chrono::steady_clock;
+    double t_forward = 0, t_train = 0, t_backward = 0;
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        layer.forward(x, 1, out);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        layer.forward_train(x, 1, out, saved);
+        benchmark::DoNotOptimize(out.data());
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        layer.backward(x, saved, d_y, grads, d_x);
+        benchmark::DoNotOptimize(d_x.data());
+        benchmark::ClobberMemory();
+        const auto t3 = Clock::now();
+        t_forward += std::chrono::duration<double>(t1 - t0).count();
+        t_train += std::chrono::duration<double>(t2 - t1).count();
+        t_backward += std::chrono::duration<double>(t3 - t2).count();
+    }
+    const double n = static_cast<double>(state.iterations());
+    state.counters["forward_ms"] = 1e3 * t_forward / n;
+    state.counters["forward_train_ms"] = 1e3 * t_train / n;
+    state.counters["backward_ms"] = 1e3 * t_backward / n;
+    state.counters["bwd_vs_fwd"] = t_backward / t_forward;
+    state.counters["step_vs_fwd"] = (t_train + t_backward) / t_forward;
+    state.counters["saved_MiB"] = double(saved.bytes()) / (1 << 20);
+    state.SetLabel(gattn::simd::arch_name());
+}
+
 const bool registered = [] {
     for (const auto& v : variants())
         benchmark::RegisterBenchmark((std::string("BM_DecodeStep/") + v.name).c_str(), BM_DecodeStep, v)
@@ -426,6 +473,13 @@ const bool registered = [] {
         ->Arg(512)
         ->Arg(1024)
         ->Arg(2048)
+        ->Unit(benchmark::kMillisecond)
+        ->UseRealTime();
+    benchmark::RegisterBenchmark("BM_LayerBackward", BM_LayerBackward)
+        ->Args({512, 0})
+        ->Args({512, 1})
+        ->ArgNames({"N", "gated"})
+        ->MinTime(2.0)
         ->Unit(benchmark::kMillisecond)
         ->UseRealTime();
     return true;

@@ -17,6 +17,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -35,6 +36,7 @@
 #include "gattn/ops/rms_norm.hpp"
 #include "gattn/ops/rope.hpp"
 #include "gattn/ops/sdpa.hpp"
+#include "gattn/ops/sdpa_backward.hpp"
 
 namespace gattn {
 
@@ -190,6 +192,40 @@ struct ForwardTrace {
     }
 };
 
+/// What GatedMultiHeadAttention::forward_train keeps for backward: the intermediate tensors
+/// of one full-sequence forward pass, in the compute type, so that backward recomputes
+/// nothing but the attention probabilities (which SDPA's backward rebuilds tile by tile from
+/// the log-sum-exp). The input x is not kept: backward takes it again. Members a
+/// configuration does not use stay empty; bytes() says what the rest holds.
+template <class T>
+struct ForwardActivations {
+    LayerId layer = 0;             ///< the layer that filled it (backward refuses another layer's)
+    Index batch = 0;               ///< B of the call
+    SdpaOptions<T> sdpa;           ///< the attention call's options (its mask views: the caller's buffers)
+    std::vector<Index> positions;  ///< RoPE position of each row (config.rotary_dim > 0)
+    /// Gate logits before the activation: [B·N, gate width] (input gates), [B·N, H] (query gate).
+    RowMatrix<T> gate_logits;
+    /// [Q | K | V] projections before the q/k norm, [B·N, H·d_k + H_kv·d_k + H_kv·d_v] (qk_norm).
+    RowMatrix<T> projection;
+    /// [Q | K | V] as SDPA reads them (after norm, RoPE and a G2–G4 gate).
+    RowMatrix<T> qkv;
+    /// A G2, G3 or G4 gate's target before the gate: V, K or Q after norm and RoPE.
+    RowMatrix<T> pre_gate;
+    RowMatrix<T> attention;        ///< U = SDPA(Q, K, V) [B·N, H·d_v], before a G1 gate
+    RowMatrix<T> log_sum_exp;      ///< [B·N, H] SDPA's log-sum-exp per row and head
+    RowMatrix<T> gated;            ///< U after a G1 gate (the input of o_proj); empty without one
+    RowMatrix<T> output_pre_gate;  ///< A = U W_oᵀ + b_o before a G5 gate [B·N, D]
+
+    /// Bytes of the tensors held (what a training forward keeps per layer).
+    std::size_t bytes() const noexcept {
+        std::size_t n = 0;
+        for (const RowMatrix<T>* m :
+             {&gate_logits, &projection, &qkv, &pre_gate, &attention, &log_sum_exp, &gated, &output_pre_gate})
+            n += static_cast<std::size_t>(m->size());
+        return sizeof(T) * n + sizeof(Index) * positions.size();
+    }
+};
+
 /// Gated multi-head attention layer (arXiv:2505.06708).
 ///
 /// Construct from an AttentionConfig and AttentionWeights (nn.Linear layout, HF names); call
@@ -260,41 +296,9 @@ public:
     void forward(ConstMatrixRef<Activation> x, Index batch, MatrixRef<Activation> out,
                  const ForwardOptions<T>& options = {}, ForwardTrace<T>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
-        const AttentionConfig& c = m_config;
-        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
-        if (batch < 0) gattn::detail::throw_invalid(fn, "batch", "must be >= 0, got " + std::to_string(batch));
-        if (x.cols() != D || (batch == 0 ? x.rows() != 0 : x.rows() % batch != 0))
-            gattn::detail::throw_shape(fn, "x",
-                                       batch == 0 ? "[0, " + std::to_string(D) + "] (batch 0 has no rows)"
-                                                  : "[B*N, d_model] = [multiple of " + std::to_string(batch) + ", " +
-                                                        std::to_string(D) + "]",
-                                       gattn::detail::shape_string({x.rows(), x.cols()}));
-        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
-        if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
-        check_trace(fn, trace, x, out, &options.bias);
-        SdpaOptions<T> sdpa = sdpa_options();
-        sdpa.mask.key_lengths = options.key_lengths;
-        // Self-attention: the padding tokens are padding queries too, so the causal and window
-        // masks align on token positions (i' = i) rather than on the key count's end.
-        sdpa.mask.query_lengths = options.key_lengths;
-        sdpa.mask.bool_mask = options.bool_mask;
-        sdpa.mask.bias = options.bias;
-        const Index rows = x.rows();
-        // Validate the attention call before anything is written.
-        gattn::detail::validate_sdpa<T>(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv, HeadLayout{batch, H, Hkv},
-                                        sdpa, "options.");
-        if (options.check_finite) check_finite_input(fn, x, batch, options.bias);
-        if (!options.positions.empty() && static_cast<Index>(options.positions.size()) != rows)
-            gattn::detail::throw_shape(fn, "options.positions", gattn::detail::shape_string({rows}),
-                                       gattn::detail::shape_string({static_cast<Index>(options.positions.size())}));
-        std::vector<Index> positions;  // RoPE: given, or each token's index in its sequence
-        if (c.rotary_dim > 0) {
-            positions = options.positions;
-            if (positions.empty())
-                for (Index r = 0; r < rows; ++r) positions.push_back(r % (rows / batch));
-        }
-        run_activations(x, HeadLayout{batch, H, Hkv}, out, sdpa, trace, static_cast<KVCache<Scalar>*>(nullptr), {},
-                        positions);
+        auto [sdpa, positions] = prepare_full_sequence(fn, x, batch, out, options, trace);
+        run_activations(x, HeadLayout{batch, m_config.num_heads, m_config.num_kv_heads}, out, sdpa, trace,
+                        static_cast<KVCache<Scalar>*>(nullptr), {}, positions);
     }
 
     /// Forward pass, convenience form: returns Y [B·N, D]. Same contract as the core form.
@@ -303,6 +307,90 @@ public:
         RowMatrix<Activation> out(x.rows(), m_config.d_model);
         forward(x, batch, out, options, trace);
         return out;
+    }
+
+    /// Training forward pass: forward(x, batch, out, options) that also fills `saved` with what
+    /// backward needs (ForwardActivations; nothing is recomputed but the attention
+    /// probabilities). out equals forward's output. float and double layers only.
+    /// \param x     [B·N, D] layer input, as forward.
+    /// \param batch B, as forward.
+    /// \param out   [B·N, D], written, as forward.
+    /// \param saved filled (replaced) on success; its matrices must not hold x or out.
+    /// \param options as forward's (check_finite included); its mask views must stay valid
+    ///        until backward has run.
+    /// \throws what forward throws for x, out and options, and std::invalid_argument when a
+    ///         matrix of saved holds x or out; nothing is written before validation passes.
+    void forward_train(ConstMatrixRef<Activation> x, Index batch, MatrixRef<Activation> out,
+                       ForwardActivations<T>& saved, const ForwardOptions<T>& options = {}) const {
+        static_assert(std::is_same_v<Scalar, T> && std::is_same_v<Activation, T>,
+                      "GATTN_TRAINING_NEEDS_A_FLOAT_OR_DOUBLE_LAYER");
+        constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward_train";
+        auto [sdpa, positions] = prepare_full_sequence(fn, x, batch, out, options, nullptr);
+        for (const RowMatrix<T>* m : {&saved.gate_logits, &saved.projection, &saved.qkv, &saved.pre_gate,
+                                      &saved.attention, &saved.log_sum_exp, &saved.gated, &saved.output_pre_gate})
+            if (gattn::detail::resized_output_holds(m, x) || gattn::detail::resized_output_holds(m, out))
+                gattn::detail::throw_invalid(fn, "saved", "must not hold x or out");
+        ForwardActivations<T> s;
+        s.layer = m_id;
+        s.batch = batch;
+        s.sdpa = std::move(sdpa);
+        s.positions = std::move(positions);
+        run_train(x, out, s);
+        saved = std::move(s);
+    }
+
+    /// Backward pass of forward_train: from the same x, what forward_train saved and the
+    /// upstream gradient dY = ∂L/∂out, the gradient of the input and of every weight the layer
+    /// has, in the layout and HF names of AttentionWeights (fused gate rows inside
+    /// q_proj_weight in their checkpoint order; members the config does not use stay empty).
+    /// The chain, from the output back: G5 gate (residual mix included), o_proj, G1 gate
+    /// (input, query-sourced or input-independent), SDPA (scaled_dot_product_attention_backward,
+    /// sinks included), G2–G4 gate, RoPE (the inverse rotation), q/k RMSNorm, the input and
+    /// gate projections. float and double layers only.
+    /// \param x       [B·N, D] the input forward_train was given.
+    /// \param saved   what forward_train saved for x.
+    /// \param d_out   [B·N, D] ∂L/∂out, finite.
+    /// \param grads   filled (replaced): ∂L/∂ each weight, shaped as the weights.
+    /// \param d_x     [B·N, D] written: ∂L/∂x; must share no element with x or d_out.
+    /// \throws shape_error for x, d_out or d_x of the wrong shape (or x not the rows saved);
+    ///         std::invalid_argument for `saved` from another layer (or never filled), d_x
+    ///         overlapping x or d_out, a matrix of grads holding x, d_out or d_x, and a NaN or
+    ///         ±∞ in d_out (naming its row and column). Nothing is written on error.
+    void backward(ConstMatrixRef<Activation> x, const ForwardActivations<T>& saved, ConstMatrixRef<Activation> d_out,
+                  AttentionWeights<Scalar>& grads, MatrixRef<Activation> d_x) const {
+        static_assert(std::is_same_v<Scalar, T> && std::is_same_v<Activation, T>,
+                      "GATTN_TRAINING_NEEDS_A_FLOAT_OR_DOUBLE_LAYER");
+        constexpr const char* fn = "gattn::GatedMultiHeadAttention::backward";
+        const Index D = m_config.d_model;
+        if (saved.layer != m_id)
+            gattn::detail::throw_invalid(fn, "saved",
+                                         "must come from this layer's forward_train (layer id " + std::to_string(m_id) +
+                                             "), got layer id " + std::to_string(saved.layer));
+        const Index rows = saved.attention.rows();
+        gattn::detail::check_shape(fn, "x", x.rows(), x.cols(), rows, D);
+        gattn::detail::check_shape(fn, "d_out", d_out.rows(), d_out.cols(), rows, D);
+        gattn::detail::check_shape(fn, "d_x", d_x.rows(), d_x.cols(), rows, D);
+        if (gattn::detail::views_overlap(d_x, x) || gattn::detail::views_overlap(d_x, d_out))
+            gattn::detail::throw_invalid(fn, "d_x", "must not share an element with x or d_out");
+        grads.for_each([&](const char* name, const auto* m) {
+            const auto holds = [&](const auto& v) {
+                return gattn::detail::overlaps_any(m->data(), m->size(), v.data(), gattn::detail::span_of(v));
+            };
+            if (holds(x) || holds(d_out) || holds(d_x))
+                gattn::detail::throw_invalid(fn, std::string("grads.") + name, "must not hold x, d_out or d_x");
+        });
+        for (Index r = 0; r < rows; ++r)
+            for (Index c = 0; c < D; ++c)
+                if (!std::isfinite(d_out(r, c)))
+                    gattn::detail::throw_invalid(fn, "d_out",
+                                                 "must be finite, got " +
+                                                     gattn::detail::number_string(double(d_out(r, c))) + " at (" +
+                                                     std::to_string(r) + ", " + std::to_string(c) + ")");
+        RowMatrix<T> dx(rows, D);
+        AttentionWeights<T> g;
+        run_backward(x, saved, d_out, g, dx);
+        grads = std::move(g);
+        d_x = dx;
     }
 
     /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens, keys
@@ -460,6 +548,49 @@ private:
         const std::vector<SequenceId>* seqs;
         const std::vector<Index>* qo_indptr;
     };
+
+    /// Validates a full-sequence forward call (forward's contract) and returns its SDPA options
+    /// and RoPE positions.
+    std::pair<SdpaOptions<T>, std::vector<Index>> prepare_full_sequence(const char* fn,
+                                                                        const ConstMatrixRef<Activation>& x,
+                                                                        Index batch, const MatrixRef<Activation>& out,
+                                                                        const ForwardOptions<T>& options,
+                                                                        const ForwardTrace<T>* trace) const {
+        const AttentionConfig& c = m_config;
+        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        if (batch < 0) gattn::detail::throw_invalid(fn, "batch", "must be >= 0, got " + std::to_string(batch));
+        if (x.cols() != D || (batch == 0 ? x.rows() != 0 : x.rows() % batch != 0))
+            gattn::detail::throw_shape(fn, "x",
+                                       batch == 0 ? "[0, " + std::to_string(D) + "] (batch 0 has no rows)"
+                                                  : "[B*N, d_model] = [multiple of " + std::to_string(batch) + ", " +
+                                                        std::to_string(D) + "]",
+                                       gattn::detail::shape_string({x.rows(), x.cols()}));
+        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
+        if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
+        check_trace(fn, trace, x, out, &options.bias);
+        SdpaOptions<T> sdpa = sdpa_options();
+        sdpa.mask.key_lengths = options.key_lengths;
+        // Self-attention: the padding tokens are padding queries too, so the causal and window
+        // masks align on token positions (i' = i) rather than on the key count's end.
+        sdpa.mask.query_lengths = options.key_lengths;
+        sdpa.mask.bool_mask = options.bool_mask;
+        sdpa.mask.bias = options.bias;
+        const Index rows = x.rows();
+        // Validate the attention call before anything is written.
+        gattn::detail::validate_sdpa<T>(fn, rows, H * dk, rows, Hkv * dk, rows, Hkv * dv, HeadLayout{batch, H, Hkv},
+                                        sdpa, "options.");
+        if (options.check_finite) check_finite_input(fn, x, batch, options.bias);
+        if (!options.positions.empty() && static_cast<Index>(options.positions.size()) != rows)
+            gattn::detail::throw_shape(fn, "options.positions", gattn::detail::shape_string({rows}),
+                                       gattn::detail::shape_string({static_cast<Index>(options.positions.size())}));
+        std::vector<Index> positions;  // RoPE: given, or each token's index in its sequence
+        if (c.rotary_dim > 0) {
+            positions = options.positions;
+            if (positions.empty())
+                for (Index r = 0; r < rows; ++r) positions.push_back(r % (rows / batch));
+        }
+        return {std::move(sdpa), std::move(positions)};
+    }
 
     /// ForwardOptions::check_finite: the first NaN or ±∞ of x, or NaN of the bias, is refused.
     static void check_finite_input(const char* fn, const ConstMatrixRef<Activation>& x, Index batch,
@@ -846,6 +977,347 @@ private:
                 }
             }
         }
+    }
+
+    /// forward_train's arithmetic on validated arguments: the steps of run() without a cache,
+    /// each intermediate kept in s.
+    void run_train(ConstMatrixRef<T> x, MatrixRef<T> out, ForwardActivations<T>& s) const {
+        const AttentionConfig& c = m_config;
+        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        const Index rows = x.rows();
+        const GateSpec& g = c.gate;
+        const bool input_gate = g.enabled() && g.source == GateSource::Input;
+        if (input_gate) {
+            s.gate_logits.resize(rows, m_gate.out_features());
+            m_gate.template forward<T, T>(x, s.gate_logits);
+        }
+        RowMatrix<T> proj(rows, m_in.out_features());
+        m_in.template forward<T, T>(x, proj);
+        auto q = proj.middleCols(0, H * dk);
+        auto k = proj.middleCols(H * dk, Hkv * dk);
+        if (c.qk_norm != QkNorm::None) {
+            s.projection = proj;
+            const bool zero_centred = c.qk_norm == QkNorm::ZeroCentredRmsNorm;
+            rms_norm_heads(q.data(), rows, q.outerStride(), H, dk, m_q_norm.data(), c.rms_norm_eps, zero_centred);
+            rms_norm_heads(k.data(), rows, k.outerStride(), Hkv, dk, m_k_norm.data(), c.rms_norm_eps, zero_centred);
+        }
+        if (c.rotary_dim > 0) {
+            const bool gptj = c.rope_style == RopeStyle::GptJ;
+            apply_rope(q.data(), rows, q.outerStride(), H, dk, c.rotary_dim, s.positions.data(), c.rope_theta, gptj);
+            apply_rope(k.data(), rows, k.outerStride(), Hkv, dk, c.rotary_dim, s.positions.data(), c.rope_theta, gptj);
+        }
+        if (input_gate && g.position != GatePosition::G1 && g.position != GatePosition::G5) {
+            const auto [offset, heads, width] = projection_gate_target();
+            s.pre_gate = proj.middleCols(offset, heads * width);
+            gate_heads(proj.data() + offset, proj.outerStride(), heads, width, s.gate_logits, nullptr, nullptr, rows);
+        }
+        s.qkv = std::move(proj);
+        s.attention.resize(rows, H * dv);
+        s.log_sum_exp.resize(rows, H);
+        SdpaOutputs<T> extra;
+        extra.log_sum_exp = &s.log_sum_exp;
+        scaled_dot_product_attention<T>(s.qkv.middleCols(0, H * dk), s.qkv.middleCols(H * dk, Hkv * dk),
+                                        s.qkv.middleCols(H * dk + Hkv * dk, Hkv * dv), HeadLayout{s.batch, H, Hkv},
+                                        s.attention, s.sdpa, extra);
+        if (g.position == GatePosition::G1) {
+            s.gated = s.attention;
+            RowMatrix<T>& u = s.gated;
+            if (g.source == GateSource::Input) {
+                gate_heads(u.data(), u.outerStride(), H, dv, s.gate_logits, nullptr, nullptr, rows);
+            } else if (g.source == GateSource::Query) {
+                s.gate_logits.resize(rows, H);
+                for (Index r = 0; r < rows; ++r)
+                    for (Index h = 0; h < H; ++h)
+                        s.gate_logits(r, h) = simd::dot(s.qkv.data() + r * s.qkv.outerStride() + h * dk,
+                                                        m_gate_query.data() + h * dk, static_cast<std::size_t>(dk)) +
+                                              (m_gate_query_bias.size() ? m_gate_query_bias[h] : T(0));
+                gate_heads(u.data(), u.outerStride(), H, dv, s.gate_logits, nullptr, nullptr, rows);
+            } else {
+                RowMatrix<T> gate(1, H * dv);
+                activate(g.activation, m_gate_theta.data(), gate.data(), static_cast<std::size_t>(H * dv));
+                for (Index r = 0; r < rows; ++r)
+                    apply_gate(g.activation, GateCombine::Multiplicative, u.data() + r * u.outerStride(), gate.data(),
+                               static_cast<const T*>(nullptr), static_cast<T*>(nullptr),
+                               static_cast<std::size_t>(H * dv), /*activated=*/true);
+            }
+        }
+        m_o.template forward<T, T>(g.position == GatePosition::G1 ? s.gated : s.attention, out);
+        if (g.position == GatePosition::G5) {
+            s.output_pre_gate = out;
+            gate_heads(out.data(), out.outerStride(), 1, D, s.gate_logits, &x, nullptr, rows);
+        }
+    }
+
+    /// Where a G2, G3 or G4 gate's target lies in [Q | K | V]: first column, heads, width.
+    std::tuple<Index, Index, Index> projection_gate_target() const {
+        const AttentionConfig& c = m_config;
+        const Index H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        switch (c.gate.position) {
+            case GatePosition::G2: return {H * dk + Hkv * dk, Hkv, dv};
+            case GatePosition::G3: return {H * dk, Hkv, dk};
+            default: return {0, H, dk};  // G4
+        }
+    }
+
+    /// backward's arithmetic on validated arguments; g and dx are the caller's fresh outputs.
+    void run_backward(ConstMatrixRef<T> x, const ForwardActivations<T>& s, ConstMatrixRef<T> d_out,
+                      AttentionWeights<T>& grad, RowMatrix<T>& dx) const {
+        const AttentionConfig& c = m_config;
+        const Index D = c.d_model, H = c.num_heads, Hkv = c.num_kv_heads, dk = c.d_k(), dv = c.d_v();
+        const Index rows = x.rows();
+        const GateSpec& g = c.gate;
+        const bool input_gate = g.enabled() && g.source == GateSource::Input;
+        const bool query_gate = g.enabled() && g.source == GateSource::Query;
+        dx.setZero();
+        RowMatrix<T> dz;  // ∂L/∂ gate logits
+        if (input_gate || query_gate) dz.setZero(rows, s.gate_logits.cols());
+
+        // G5: Y = combine(A, act(z)), A = U W_oᵀ + b_o (the residual mix adds (1 − g)·x).
+        RowMatrix<T> d_a = d_out;
+        if (g.position == GatePosition::G5)
+            gate_heads_backward(s.output_pre_gate, 1, D, s.gate_logits, &x, d_a, dz, &dx);
+
+        // o_proj.
+        const RowMatrix<T>& o_in = g.position == GatePosition::G1 ? s.gated : s.attention;
+        grad.o_proj_weight.noalias() = d_a.transpose() * o_in;
+        if (c.o_bias) grad.o_proj_bias = d_a.colwise().sum().transpose();
+        RowMatrix<T> d_u(rows, H * dv);
+        d_u.noalias() = d_a * m_o.weight();
+
+        // G1.
+        if (g.position == GatePosition::G1) {
+            if (input_gate || query_gate) {
+                gate_heads_backward(s.attention, H, dv, s.gate_logits, nullptr, d_u, dz, nullptr);
+            } else {  // input-independent σ(θ): one gate for every row
+                const Index n = H * dv;
+                std::vector<T> gate(static_cast<std::size_t>(n)), slope(static_cast<std::size_t>(n));
+                activation_and_slope(g.activation, m_gate_theta.data(), gate.data(), slope.data(), n);
+                grad.gate_theta.setZero(H, dv);
+                T* dt = grad.gate_theta.data();
+                for (Index r = 0; r < rows; ++r) {
+                    T* du = d_u.data() + r * d_u.outerStride();
+                    const T* u = s.attention.data() + r * s.attention.outerStride();
+                    for (Index e = 0; e < n; ++e) {
+                        dt[e] += du[e] * u[e] * slope[static_cast<std::size_t>(e)];
+                        du[e] *= gate[static_cast<std::size_t>(e)];
+                    }
+                }
+            }
+        }
+
+        // SDPA.
+        RowMatrix<T> d_proj(rows, m_in.out_features());
+        auto dq = d_proj.middleCols(0, H * dk);
+        auto dk_ = d_proj.middleCols(H * dk, Hkv * dk);
+        auto dv_ = d_proj.middleCols(H * dk + Hkv * dk, Hkv * dv);
+        std::vector<T> d_sinks;
+        scaled_dot_product_attention_backward<T>(s.qkv.middleCols(0, H * dk), s.qkv.middleCols(H * dk, Hkv * dk),
+                                                 s.qkv.middleCols(H * dk + Hkv * dk, Hkv * dv),
+                                                 HeadLayout{s.batch, H, Hkv}, s.attention, s.log_sum_exp, d_u, dq, dk_,
+                                                 dv_, s.sdpa, c.sinks ? &d_sinks : nullptr);
+        if (c.sinks) grad.sinks = Eigen::Map<const Vector<T>>(d_sinks.data(), H);
+
+        // Query-sourced G1 gate: z_h = w_h·q_h + b_h from the query SDPA read.
+        if (query_gate) {
+            grad.gate_proj_weight.setZero(H, dk);
+            for (Index r = 0; r < rows; ++r)
+                for (Index h = 0; h < H; ++h) {
+                    const T dzh = dz(r, h);
+                    const T* qh = s.qkv.data() + r * s.qkv.outerStride() + h * dk;
+                    T* dqh = dq.data() + r * dq.outerStride() + h * dk;
+                    for (Index e = 0; e < dk; ++e) {
+                        dqh[e] += dzh * m_gate_query(h, e);
+                        grad.gate_proj_weight(h, e) += dzh * qh[e];
+                    }
+                }
+            if (g.bias) grad.gate_proj_bias = dz.colwise().sum().transpose();
+        }
+
+        // G2–G4 on the projection, after norm and RoPE.
+        if (input_gate && g.position != GatePosition::G1 && g.position != GatePosition::G5) {
+            const auto [offset, heads, width] = projection_gate_target();
+            auto target = d_proj.middleCols(offset, heads * width);
+            gate_heads_backward(s.pre_gate, heads, width, s.gate_logits, nullptr, target, dz, nullptr);
+        }
+
+        // RoPE: a rotation, whose inverse (the rotation by −angle) is its transpose.
+        if (c.rotary_dim > 0) {
+            std::vector<Index> back(s.positions.size());
+            for (std::size_t i = 0; i < back.size(); ++i) back[i] = -s.positions[i];
+            const bool gptj = c.rope_style == RopeStyle::GptJ;
+            apply_rope(dq.data(), rows, dq.outerStride(), H, dk, c.rotary_dim, back.data(), c.rope_theta, gptj);
+            apply_rope(dk_.data(), rows, dk_.outerStride(), Hkv, dk, c.rotary_dim, back.data(), c.rope_theta, gptj);
+        }
+
+        // q/k RMSNorm.
+        if (c.qk_norm != QkNorm::None) {
+            grad.q_norm_weight.setZero(dk);
+            grad.k_norm_weight.setZero(dk);
+            rms_norm_heads_backward(s.projection.data(), s.projection.outerStride(), dq.data(), dq.outerStride(), rows,
+                                    H, m_q_norm, grad.q_norm_weight);
+            rms_norm_heads_backward(s.projection.data() + H * dk, s.projection.outerStride(), dk_.data(),
+                                    dk_.outerStride(), rows, Hkv, m_k_norm, grad.k_norm_weight);
+        }
+
+        // Input projections.
+        const RowMatrix<T> dw_in = d_proj.transpose() * x;
+        Vector<T> db_in;
+        if (c.qkv_bias) db_in = d_proj.colwise().sum().transpose();
+        dx.noalias() += d_proj * m_in.weight();
+        RowMatrix<T> dw_gate;
+        Vector<T> db_gate;
+        if (input_gate) {
+            dw_gate = dz.transpose() * x;
+            db_gate = dz.colwise().sum().transpose();
+            dx.noalias() += dz * m_gate.weight();
+        }
+
+        // Back to the checkpoint's layout.
+        const bool fused = input_gate && g.layout != GateLayout::Separate;
+        if (fused) {
+            const Index gw = dw_gate.rows(), gwh = gw / H, group = H / Hkv;
+            grad.q_proj_weight.resize(H * dk + gw, D);
+            if (c.qkv_bias) grad.q_proj_bias.resize(H * dk + gw);
+            for (Index h = 0; h < H; ++h) {
+                const auto [q_src, g_src] = gattn::detail::fused_q_proj_rows(g.layout, h, group, dk, gwh);
+                grad.q_proj_weight.middleRows(q_src, dk) = dw_in.middleRows(h * dk, dk);
+                grad.q_proj_weight.middleRows(g_src, gwh) = dw_gate.middleRows(h * gwh, gwh);
+                if (c.qkv_bias) {
+                    grad.q_proj_bias.segment(q_src, dk) = db_in.segment(h * dk, dk);
+                    grad.q_proj_bias.segment(g_src, gwh) = db_gate.segment(h * gwh, gwh);
+                }
+            }
+        } else {
+            grad.q_proj_weight = dw_in.middleRows(0, H * dk);
+            if (c.qkv_bias) grad.q_proj_bias = db_in.segment(0, H * dk);
+            if (input_gate) {
+                grad.gate_proj_weight = std::move(dw_gate);
+                if (g.bias) grad.gate_proj_bias = std::move(db_gate);
+            }
+        }
+        grad.k_proj_weight = dw_in.middleRows(H * dk, Hkv * dk);
+        grad.v_proj_weight = dw_in.middleRows(H * dk + Hkv * dk, Hkv * dv);
+        if (c.qkv_bias) {
+            grad.k_proj_bias = db_in.segment(H * dk, Hkv * dk);
+            grad.v_proj_bias = db_in.segment(H * dk + Hkv * dk, Hkv * dv);
+        }
+    }
+
+    /// act(z) and act'(z) of n logits; act(z) by the forward's kernel, so that backward
+    /// multiplies by the very gate values forward used.
+    static void activation_and_slope(GateActivation a, const T* z, T* gate, T* slope, Index n) {
+        activate(a, z, gate, static_cast<std::size_t>(n));
+        activate(GateActivation::Sigmoid, z, slope, static_cast<std::size_t>(n));
+        for (Index e = 0; e < n; ++e) {
+            const T sg = slope[e];
+            switch (a) {
+                case GateActivation::Sigmoid: slope[e] = sg * (T(1) - sg); break;
+                case GateActivation::SiLU: slope[e] = sg * (T(1) + z[e] * (T(1) - sg)); break;
+                case GateActivation::NonSparseSigmoid: slope[e] = T(0.5) * sg * (T(1) - sg); break;
+            }
+        }
+    }
+
+    /// The backward of gate_heads: `target` holds the gate's target before the gate
+    /// ([rows, heads·width]), z the logits; d_target holds ∂L/∂(gated target) and becomes
+    /// ∂L/∂target; ∂L/∂z is added to d_z, and (residual mix) ∂L/∂x to *d_residual.
+    template <class DTarget>
+    void gate_heads_backward(const RowMatrix<T>& target, Index heads, Index width, const RowMatrix<T>& z,
+                             const ConstMatrixRef<T>* residual, DTarget&& d_target, RowMatrix<T>& d_z,
+                             RowMatrix<T>* d_residual) const {
+        const GateSpec& g = m_config.gate;
+        const bool elem = g.granularity == GateGranularity::Elementwise;
+        const bool shared = g.sharing == GateSharing::HeadShared;
+        const GateCombine combine = g.combine;
+        const Index rows = target.rows();
+        const Index n = elem ? (shared ? width : heads * width) : heads;  // gate values per row
+        std::vector<T> gate(static_cast<std::size_t>(n)), slope(static_cast<std::size_t>(n)),
+            mean(static_cast<std::size_t>(n));
+        for (Index r = 0; r < rows; ++r) {
+            const T* t = target.data() + r * target.outerStride();
+            const T* zr = z.data() + r * z.outerStride();
+            T* dt = d_target.data() + r * d_target.outerStride();
+            T* dzr = d_z.data() + r * d_z.outerStride();
+            if (elem && !shared) {
+                activation_and_slope(g.activation, zr, gate.data(), slope.data(), n);
+                const T* xr = residual ? residual->data() + r * residual->outerStride() : nullptr;
+                T* dxr = d_residual ? d_residual->data() + r * d_residual->outerStride() : nullptr;
+                for (Index e = 0; e < n; ++e) {
+                    const T dy = dt[e], ge = gate[static_cast<std::size_t>(e)];
+                    const T sl = slope[static_cast<std::size_t>(e)];
+                    if (combine == GateCombine::Multiplicative) {
+                        dzr[e] += dy * t[e] * sl;
+                        dt[e] = dy * ge;
+                    } else if (combine == GateCombine::Additive) {
+                        dzr[e] += dy * sl;
+                    } else {  // g·y + (1 − g)·x
+                        dzr[e] += dy * (t[e] - xr[e]) * sl;
+                        dt[e] = dy * ge;
+                        dxr[e] += dy * (T(1) - ge);
+                    }
+                }
+            } else if (elem) {  // head-shared: act(mean over heads of the logits)
+                for (Index e = 0; e < width; ++e) {
+                    T acc = 0;
+                    for (Index h = 0; h < heads; ++h) acc += zr[h * width + e];
+                    mean[static_cast<std::size_t>(e)] = acc / T(heads);
+                }
+                activation_and_slope(g.activation, mean.data(), gate.data(), slope.data(), width);
+                for (Index e = 0; e < width; ++e) {
+                    T acc = 0;
+                    for (Index h = 0; h < heads; ++h) {
+                        const Index i = h * width + e;
+                        if (combine == GateCombine::Multiplicative) {
+                            acc += dt[i] * t[i];
+                            dt[i] *= gate[static_cast<std::size_t>(e)];
+                        } else {
+                            acc += dt[i];
+                        }
+                    }
+                    const T dm = acc * slope[static_cast<std::size_t>(e)] / T(heads);
+                    for (Index h = 0; h < heads; ++h) dzr[h * width + e] += dm;
+                }
+            } else {  // headwise: one gate per head
+                activation_and_slope(g.activation, zr, gate.data(), slope.data(), heads);
+                for (Index h = 0; h < heads; ++h) {
+                    T acc = 0;
+                    for (Index e = 0; e < width; ++e) {
+                        const Index i = h * width + e;
+                        if (combine == GateCombine::Multiplicative) {
+                            acc += dt[i] * t[i];
+                            dt[i] *= gate[static_cast<std::size_t>(h)];
+                        } else {
+                            acc += dt[i];
+                        }
+                    }
+                    dzr[h] += acc * slope[static_cast<std::size_t>(h)];
+                }
+            }
+        }
+    }
+
+    /// The backward of rms_norm_heads for rows of `heads` heads of d_k: x the norm's input,
+    /// dy (in place) ∂L/∂y becoming ∂L/∂x; ∂L/∂w is added to d_weight.
+    /// y = x·r·w', r = 1/√(mean(x²) + ε), w' = w (+1 zero-centred):
+    /// ∂L/∂x_e = r·w'_e·dy_e − x_e·r³/d·Σ_j dy_j·w'_j·x_j,  ∂L/∂w_e = Σ dy_e·x_e·r.
+    void rms_norm_heads_backward(const T* x, Index x_stride, T* dy, Index dy_stride, Index rows, Index heads,
+                                 const Vector<T>& weight, Vector<T>& d_weight) const {
+        const Index d = m_config.d_k();
+        const T offset = m_config.qk_norm == QkNorm::ZeroCentredRmsNorm ? T(1) : T(0);
+        for (Index r = 0; r < rows; ++r)
+            for (Index h = 0; h < heads; ++h) {
+                const T* v = x + r * x_stride + h * d;
+                T* dv = dy + r * dy_stride + h * d;
+                T sum = 0, dot = 0;
+                for (Index e = 0; e < d; ++e) sum += v[e] * v[e];
+                const T inv = T(1) / std::sqrt(sum / T(d) + T(m_config.rms_norm_eps));
+                for (Index e = 0; e < d; ++e) {
+                    dot += dv[e] * (offset + weight[e]) * v[e];
+                    d_weight[e] += dv[e] * v[e] * inv;
+                }
+                const T k = dot * inv * inv * inv / T(d);
+                for (Index e = 0; e < d; ++e) dv[e] = inv * (offset + weight[e]) * dv[e] - v[e] * k;
+            }
     }
 
     /// Gate logits of one head in a row: `width` (the head's values) elementwise, 1 headwise.

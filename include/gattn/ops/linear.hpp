@@ -72,6 +72,8 @@ public:
     std::size_t bytes() const noexcept {
         return sizeof(Scalar) * static_cast<std::size_t>(m_w.size() + m_b.size());
     }
+    /// The weight [out_features, in_features] as given.
+    const RowMatrix<Scalar>& weight() const noexcept { return m_w; }
     /// out [R, out_features] = x [R, in_features]·wᵀ + b; out must not overlap x.
     template <class X, class Y>
     void forward(ConstMatrixRef<X> x, MatrixRef<Y> out) const {
