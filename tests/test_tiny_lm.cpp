@@ -20,6 +20,7 @@
 
 #include <gtest/gtest.h>
 
+#include "support/compare.hpp"
 #include "tiny_lm/tiny_lm.hpp"
 
 namespace {
@@ -161,6 +162,50 @@ TEST(TinyLMInt8Cache, GatedKeepsPerplexityAndGreedyTokens) { check_int8_cache("g
 TEST(TinyLMInt8Cache, SinksKeepsPerplexityAndGreedyTokens) { check_int8_cache("sinks"); }
 
 // Statistics the demo reports: shapes, ranges, and the ungated models have no gate scores.
+/// Serving over paged pools: a prompt prefilled once, two sequences forked from it (sharing
+/// its pages), then prompt chunks and decoding steps of all three in mixed batches. Each
+/// sequence's logits equal those of the same tokens run alone through KVCaches.
+TEST(TinyLMPaged, ForkedSequencesInMixedBatchesEqualEachAlone) {
+    using gattn::Index;
+    const tiny_lm::TinyLM<double> model(kAssets + "/gated");
+    const std::vector<int> text = tiny_lm::encode(read_file(kAssets + "/heldout.txt").substr(0, 200));
+    auto pools = model.make_pools(64, 16);
+    const gattn::SequenceId root = pools.allocate();
+    const std::vector<int> prompt(text.begin(), text.begin() + 21);
+    model.forward(prompt, {0, 21}, pools, {root});
+    const std::vector<gattn::SequenceId> seqs{root, pools.fork(root), pools.fork(root)};
+    EXPECT_EQ(pools[0].ref_count(pools[0].pages(root)[0]), 3) << "the prompt's first page is shared";
+    // Per step, each sequence's new tokens (from its own stretch of the text).
+    const std::vector<std::vector<Index>> schedule = {{1, 9, 0}, {1, 1, 30}, {0, 1, 1}, {2, 1, 1}};
+    std::vector<std::vector<int>> fed(3, prompt);
+    std::vector<std::size_t> next{40, 80, 120};
+    for (const auto& counts : schedule) {
+        std::vector<int> tokens;
+        std::vector<Index> indptr{0};
+        for (std::size_t b = 0; b < 3; ++b) {
+            for (Index t = 0; t < counts[b]; ++t) {
+                tokens.push_back(text[next[b]]);
+                fed[b].push_back(text[next[b]++]);
+            }
+            indptr.push_back(static_cast<Index>(tokens.size()));
+        }
+        const auto logits = model.forward(tokens, indptr, pools, seqs);
+        for (std::size_t b = 0; b < 3; ++b) {
+            const Index n = counts[b];
+            if (n == 0) continue;
+            auto caches = model.make_caches(1, static_cast<Index>(fed[b].size()));
+            const auto alone = model.forward(fed[b], caches);
+            gattn_test::expect_close(logits.middleRows(indptr[b], n), alone.bottomRows(n), 1e-9, 1e-9,
+                                     "sequence " + std::to_string(b) + " after " + std::to_string(fed[b].size()));
+        }
+    }
+    for (std::size_t b = 0; b < 3; ++b) EXPECT_EQ(pools.length(seqs[b]), static_cast<Index>(fed[b].size()));
+    const Index free_before = pools.free_pages();
+    pools.free(seqs[1]);
+    EXPECT_GT(pools.free_pages(), free_before) << "its own pages go back; the shared ones stay";
+    EXPECT_EQ(pools[3].ref_count(pools[3].pages(root)[0]), 2);
+}
+
 TEST(TinyLMStats, ShapesAndRanges) {
     for (const char* name : {"baseline", "gated", "sinks"}) {
         SCOPED_TRACE(name);

@@ -128,15 +128,47 @@ public:
             Matrix<Scalar> first, gates;
             b.attn.forward(z, positions, caches[l], a, {}, stats ? &gates : nullptr, stats ? &first : nullptr);
             h += a;
-            rms_norm(h, b.post_norm, z);
-            Matrix<Scalar> g = z * b.gate_proj.transpose(), u = z * b.up_proj.transpose();
-            for (Index i = 0; i < g.size(); ++i) g.data()[i] = silu(g.data()[i]) * u.data()[i];
-            h.noalias() += g * b.down_proj.transpose();
+            mlp(b, h, z);
             if (stats) {
                 stats->first_token_attention.push_back(std::move(first));
                 stats->gate_scores.push_back(std::move(gates));
                 stats->max_abs_hidden.push_back(static_cast<double>(h.cwiseAbs().maxCoeff()));
             }
+        }
+        rms_norm(h, norm_, z);
+        return z * lm_head_.transpose();
+    }
+
+    /// One paged pool per layer, num_pages pages of page_size tokens each (a server's cache).
+    gattn::PagedKVPoolSet<Cache> make_pools(Index num_pages, Index page_size) const {
+        std::vector<const gattn::Qwen3NextAttention<Attention>*> layers;
+        for (const Block& b : blocks_) layers.push_back(&b.attn);
+        return gattn::PagedKVPoolSet<Cache>(layers, num_pages, page_size);
+    }
+
+    /// One step of continuous batching: sequence seqs[b] brings tokens [qo_indptr[b],
+    /// qo_indptr[b + 1]) (a prompt chunk, one decoding token, or none), appended to the pools
+    /// after its tokens so far. Returns the logits [qo_indptr[B], vocab], rows as tokens.
+    /// Throws std::invalid_argument for a token outside the vocabulary, or as the layers'
+    /// forward over a pool (a wrong qo_indptr, an unknown sequence, too few free pages).
+    Matrix<Scalar> forward(const std::vector<int>& tokens, const std::vector<Index>& qo_indptr,
+                           gattn::PagedKVPoolSet<Cache>& pools, const std::vector<gattn::SequenceId>& seqs) const {
+        if (pools.size() != blocks_.size())
+            throw std::invalid_argument("tiny_lm::forward: pools: expected one per layer (" +
+                                        std::to_string(blocks_.size()) + "), got " + std::to_string(pools.size()));
+        for (int t : tokens)
+            if (t < 0 || t >= vocab_size_)
+                throw std::invalid_argument("tiny_lm::forward: token " + std::to_string(t) + " outside [0, " +
+                                            std::to_string(vocab_size_) + ")");
+        const Index rows = static_cast<Index>(tokens.size());
+        Matrix<Scalar> h(rows, hidden_size_), z(rows, hidden_size_), a(rows, hidden_size_);
+        for (Index r = 0; r < rows; ++r) h.row(r) = embed_.row(tokens[r]);
+        for (std::size_t l = 0; l < blocks_.size(); ++l) {
+            const Block& b = blocks_[l];
+            rms_norm(h, b.input_norm, z);
+            b.attn.forward(z, qo_indptr, pools[l], seqs, a);
+            h += a;
+            mlp(b, h, z);
         }
         rms_norm(h, norm_, z);
         return z * lm_head_.transpose();
@@ -175,6 +207,14 @@ private:
     };
 
     static Scalar silu(Scalar x) { return x / (Scalar(1) + std::exp(-x)); }
+
+    // h += down_proj(silu(gate_proj(z)) ⊙ up_proj(z)), z = post_attention_layernorm(h).
+    void mlp(const Block& b, Matrix<Scalar>& h, Matrix<Scalar>& z) const {
+        rms_norm(h, b.post_norm, z);
+        Matrix<Scalar> g = z * b.gate_proj.transpose(), u = z * b.up_proj.transpose();
+        for (Index i = 0; i < g.size(); ++i) g.data()[i] = silu(g.data()[i]) * u.data()[i];
+        h.noalias() += g * b.down_proj.transpose();
+    }
 
     // Zero-centred RMSNorm in at least float, as the PyTorch model computes it.
     void rms_norm(const Matrix<Scalar>& x, const Vector<Scalar>& w, Matrix<Scalar>& y) const {

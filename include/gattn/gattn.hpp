@@ -8,6 +8,7 @@
 #include "gattn/cache/kv_cache.hpp"
 #include "gattn/cache/page_table.hpp"
 #include "gattn/cache/paged_kv_pool.hpp"
+#include "gattn/cache/paged_kv_pool_set.hpp"
 #include "gattn/config.hpp"
 #include "gattn/errors.hpp"
 #include "gattn/gates/gate_apply.hpp"

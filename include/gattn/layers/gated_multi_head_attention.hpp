@@ -393,6 +393,16 @@ public:
         d_x = dx;
     }
 
+    /// A paged pool of this layer's KV heads and head dims (cache/paged_kv_pool.hpp):
+    /// num_pages pages of page_size tokens in PoolScalar (the caches make_cache takes).
+    /// \throws as the PagedKVPool constructor.
+    template <class PoolScalar = Scalar>
+    PagedKVPool<PoolScalar> make_pool(Index num_pages, Index page_size) const {
+        static_assert(takes_cache_v<PoolScalar>,
+                      "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_INT8_WITH_FLOAT_COMPUTE_OR_16_BIT_FOR_A_FLOAT_LAYER");
+        return PagedKVPool<PoolScalar>(num_pages, page_size, m_config.num_kv_heads, m_config.d_k(), m_config.d_v());
+    }
+
     /// A KV cache for this layer: `batch` sequences of up to `capacity` tokens, keys
     /// [batch·capacity, H_kv·d_k] and values [batch·capacity, H_kv·d_v]. A causal layer with a
     /// sliding window w where 2w < capacity gets a window cache instead (KVCache, window w):

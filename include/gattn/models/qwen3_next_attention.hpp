@@ -302,6 +302,15 @@ public:
         return m_config.attn_output_gate ? m_config.num_attention_heads * m_config.head_dim : 0;
     }
 
+    /// A paged pool of this layer's KV heads and head_dim (cache/paged_kv_pool.hpp): num_pages
+    /// pages of page_size tokens in PoolScalar (the caches make_cache takes).
+    /// \throws as the PagedKVPool constructor.
+    template <class PoolScalar = Scalar>
+    PagedKVPool<PoolScalar> make_pool(Index num_pages, Index page_size) const {
+        static_assert(takes_cache_v<PoolScalar>, "GATTN_CACHE_MUST_BE_THE_LAYER_SCALAR_OR_INT8_WITH_FLOAT_COMPUTE");
+        return PagedKVPool<PoolScalar>(num_pages, page_size, m_config.num_key_value_heads, m_config.head_dim);
+    }
+
     /// A cache sized for this layer: `batch` sequences of up to `capacity` tokens. CacheScalar:
     /// the layer's Scalar, or std::int8_t (float compute: Scalar float or 16-bit) for an int8
     /// cache (keys and values quantized as they are appended, ops/int8_rows.hpp).

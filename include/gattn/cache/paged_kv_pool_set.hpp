@@ -1,0 +1,97 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// The paged pools of a model: one PagedKVPool per layer, holding the same sequences in the
+/// same pages, so that one page table serves every layer (as vLLM's block tables do).
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "gattn/cache/paged_kv_pool.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+
+/// One PagedKVPool per layer (made by the layers' make_pool), whose sequences are allocated,
+/// forked, truncated and freed in every layer at once. Each layer's forward appends its own
+/// keys and values; after a model step every pool holds the same tokens in the same pages
+/// (pages are taken in the same order), and forward over the set's pools reads them through
+/// the same tables. A step that throws part-way (a later layer refusing its append) leaves the
+/// earlier layers appended: truncate every sequence of the step back to its length before it.
+template <class Scalar>
+class PagedKVPoolSet {
+public:
+    PagedKVPoolSet() = default;
+
+    /// One pool per layer, in the layers' order: layers[i]->make_pool<Scalar>(num_pages,
+    /// page_size). Layer: GatedMultiHeadAttention or Qwen3NextAttention.
+    /// \throws as PagedKVPool's constructor.
+    template <class Layer>
+    PagedKVPoolSet(const std::vector<const Layer*>& layers, Index num_pages, Index page_size) {
+        m_pools.reserve(layers.size());
+        for (const Layer* l : layers) m_pools.push_back(l->template make_pool<Scalar>(num_pages, page_size));
+    }
+
+    /// Pools (layers).
+    std::size_t size() const noexcept { return m_pools.size(); }
+    /// Layer i's pool. \throws std::out_of_range for i ≥ size().
+    PagedKVPool<Scalar>& operator[](std::size_t i) { return m_pools.at(i); }
+    /// Layer i's pool. \throws std::out_of_range for i ≥ size().
+    const PagedKVPool<Scalar>& operator[](std::size_t i) const { return m_pools.at(i); }
+
+    /// A new sequence with no tokens in every layer. \returns its id (the same in every pool).
+    /// \throws std::out_of_range when the set is empty.
+    SequenceId allocate() {
+        const SequenceId id = m_pools.at(0).allocate();
+        for (std::size_t i = 1; i < m_pools.size(); ++i) m_pools[i].allocate();
+        return id;
+    }
+
+    /// A sequence sharing parent's pages in every layer (PagedKVPool::fork).
+    /// \throws std::invalid_argument when parent is not a sequence of the pools (checked in the
+    ///         first pool before any changes).
+    SequenceId fork(SequenceId parent) {
+        const SequenceId id = m_pools.at(0).fork(parent);
+        for (std::size_t i = 1; i < m_pools.size(); ++i) m_pools[i].fork(parent);
+        return id;
+    }
+
+    /// Releases a sequence in every layer (PagedKVPool::free).
+    /// \throws std::invalid_argument when seq is not a sequence of the pools (nothing changed).
+    void free(SequenceId seq) {
+        for (const PagedKVPool<Scalar>& p : m_pools) p.length(seq);  // checks before any change
+        for (PagedKVPool<Scalar>& p : m_pools) p.free(seq);
+    }
+
+    /// Rolls seq back to `length` tokens in every layer (PagedKVPool::truncate).
+    /// \throws std::invalid_argument when seq is not a sequence of every pool or length is
+    ///         outside [0, its length] in one of them (checked on every pool before any changes).
+    void truncate(SequenceId seq, Index length) {
+        for (const PagedKVPool<Scalar>& p : m_pools) {
+            const Index have = p.length(seq);
+            if (length < 0 || length > have)
+                detail::throw_invalid("gattn::PagedKVPoolSet::truncate", "length",
+                                      "must be in [0, " + std::to_string(have) + "] (sequence " + std::to_string(seq) +
+                                          "), got " + std::to_string(length));
+        }
+        for (PagedKVPool<Scalar>& p : m_pools) p.truncate(seq, length);
+    }
+
+    /// Tokens of seq (in the first layer's pool; every layer's after a model step).
+    /// \throws std::out_of_range when the set is empty; std::invalid_argument for an unknown seq.
+    Index length(SequenceId seq) const { return m_pools.at(0).length(seq); }
+    /// Pages no sequence holds (in each pool). \throws std::out_of_range when the set is empty.
+    Index free_pages() const { return m_pools.at(0).free_pages(); }
+    /// Bytes of every pool's storage.
+    Index storage_bytes() const noexcept {
+        Index n = 0;
+        for (const PagedKVPool<Scalar>& p : m_pools) n += p.storage_bytes();
+        return n;
+    }
+
+private:
+    std::vector<PagedKVPool<Scalar>> m_pools;
+};
+
+GATTN_END_ISA_NAMESPACE
