@@ -17,6 +17,7 @@
 #include "gattn/layers/gated_multi_head_attention.hpp"
 #include "gattn/layers/head_shard.hpp"
 #include "gattn/models/qwen3_next_attention.hpp"
+#include "gattn/ops/cascade_sdpa.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/ops/packed_linear.hpp"
