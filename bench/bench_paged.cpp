@@ -26,6 +26,7 @@
 #include "bench_support.hpp"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <random>
@@ -187,6 +188,93 @@ BENCHMARK(BM_MixedBatch)
     ->ArgsProduct({{4096, 8192}, {1, 2}})
     ->ArgNames({"cached", "threads"})
     ->MinTime(0.5)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+
+/// Shared-prefix decoding: B sequences forked from one prompt of `prefix` tokens, each with
+/// `suffix` tokens of its own, decode one token each through gattn::cascade_attention (the
+/// prefix read once for all B sequences), timed in turn with paged_attention over the same
+/// sequences' full tables (the prefix read once per sequence). Page size 64, float, 1 thread.
+/// Counters: speedup = unshared time / cascade time; bytes_read (cascade: prefix once plus the
+/// suffixes; unshared_bytes_read: every sequence's prefix and suffix); pool_bytes (the pool,
+/// which holds the prefix once); prefix_of_peak: the prefix call's FLOP rate (4·B·H·prefix·d
+/// FLOPs: q·k and p·v) over the FMA peak (gattn_bench::fma_chains) timed in turn with it.
+/// Args: batch, prefix tokens, suffix tokens, query heads, KV heads, head dim.
+void BM_SharedPrefixDecode(benchmark::State& state) {
+    set_threads(1);
+    const Index B = state.range(0), prefix = state.range(1), suffix = state.range(2), H = state.range(3),
+                Hkv = state.range(4), d = state.range(5), P = 64;
+    std::mt19937 rng(11);
+    const Index pages = prefix / P + B * ((suffix + P - 1) / P);
+    gattn::PagedKVPool<float> pool(pages, P, Hkv, d);
+    const gattn::SequenceId root = pool.allocate();
+    for (Index done = 0; done < prefix;) {
+        const Index n = std::min<Index>(1024, prefix - done);
+        const gattn::RowMatrix<float> k = random_rows<float>(n, Hkv * d, rng), v = random_rows<float>(n, Hkv * d, rng);
+        pool.append({root}, k, v, {n});
+        done += n;
+    }
+    std::vector<gattn::SequenceId> ids;
+    for (Index b = 0; b < B; ++b) ids.push_back(pool.fork(root));
+    if (suffix > 0) {
+        const gattn::RowMatrix<float> k = random_rows<float>(B * suffix, Hkv * d, rng),
+                                      v = random_rows<float>(B * suffix, Hkv * d, rng);
+        pool.append(ids, k, v, std::vector<Index>(static_cast<std::size_t>(B), suffix));
+    }
+    const gattn::PageTable full = pool.page_table(ids);
+    const auto split = gattn::split_shared_prefix(full, P);
+    const gattn::RowMatrix<float> q = random_rows<float>(B, H * d, rng);
+    gattn::RowMatrix<float> out_cascade(B, H * d), out_plain(B, H * d);
+    const auto [t_cascade, t_plain] = gattn_bench::time_in_turn(
+        state,
+        [&] {
+            gattn::cascade_attention<float, float>(q, pool, split.first, split.second, H, out_cascade);
+            benchmark::DoNotOptimize(out_cascade.data());
+        },
+        [&] {
+            gattn::paged_attention<float, float>(q, pool, full, H, out_plain);
+            benchmark::DoNotOptimize(out_plain.data());
+        });
+    // The prefix part alone (the stacked rows over the prefix's pages) against the FMA peak.
+    gattn::RowMatrix<float> out_prefix(B, H * d), lse;
+    double t_prefix = 0, t_peak = 0;
+    const long steps = gattn_bench::kPeakSteps / 8;
+    for (int rep = 0; rep < 5; ++rep) {
+        const auto t0 = std::chrono::steady_clock::now();
+        gattn::paged_attention<float, float>(q, pool, split.first, H, out_prefix, {}, {&lse});
+        benchmark::DoNotOptimize(out_prefix.data());
+        const auto t1 = std::chrono::steady_clock::now();
+        benchmark::DoNotOptimize(gattn_bench::fma_chains(steps));
+        const auto t2 = std::chrono::steady_clock::now();
+        t_prefix += std::chrono::duration<double>(t1 - t0).count();
+        t_peak += std::chrono::duration<double>(t2 - t1).count();
+    }
+    const double n = static_cast<double>(state.iterations()), row_bytes = double(Hkv * 2 * d * sizeof(float));
+    state.counters["cascade_us"] = t_cascade / n * 1e6;
+    state.counters["unshared_us"] = t_plain / n * 1e6;
+    state.counters["speedup"] = t_plain / t_cascade;
+    state.counters["bytes_read"] = double(prefix + B * suffix) * row_bytes;
+    state.counters["unshared_bytes_read"] = double(B * (prefix + suffix)) * row_bytes;
+    state.counters["pool_bytes"] = double(pool.storage_bytes());
+    const double prefix_rate = 4.0 * double(B * H * prefix * d) * 5 / t_prefix,
+                 peak_rate = gattn_bench::peak_flops(steps) * 5 / t_peak;
+    state.counters["prefix_GFLOP/s"] = prefix_rate / 1e9;
+    state.counters["peak_GFLOP/s"] = peak_rate / 1e9;
+    state.counters["prefix_of_peak"] = prefix_rate / peak_rate;
+    state.counters["max_abs_diff"] = (out_cascade - out_plain).cwiseAbs().maxCoeff();
+}
+
+void shared_prefix_args(benchmark::internal::Benchmark* b) {
+    for (auto [H, Hkv, d] : {std::array<int, 3>{8, 8, 128}, {16, 2, 256}})
+        for (int batch : {16, 64})
+            for (int prefix : {2048, 8192, 32768})
+                for (int suffix : {0, 512}) b->Args({batch, prefix, suffix, H, Hkv, d});
+}
+
+BENCHMARK(BM_SharedPrefixDecode)
+    ->Apply(shared_prefix_args)
+    ->ArgNames({"batch", "prefix", "suffix", "heads", "kv_heads", "d"})
+    ->MinTime(0.2)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 

@@ -67,6 +67,31 @@ inline double stream_bandwidth(std::size_t bytes) {
     return best;
 }
 
+/// Independent FMA chains of the peak kernel: with two FMA pipes of 4-cycle latency, 8 keep
+/// both busy; 12 leave a margin and, with the two constant operands, fit in AVX2's 16 registers.
+inline constexpr int kChains = 12;
+/// Steps of the peak kernel per iteration: 2^23 · 12 chains · 2 FLOPs · lanes, about 1.6 GFLOP
+/// (AVX2) or 3.2 GFLOP (AVX-512), some 16 ms at the peak.
+inline constexpr long kPeakSteps = 1L << 23;
+
+/// kChains chains acc = acc·a + b of `steps` fused multiply-adds each, in registers of the
+/// build's width; returns a value that depends on all of them (kept alive by the caller).
+[[gnu::noinline]] inline float fma_chains(long steps) {
+    namespace simd = gattn::simd;
+    using B = simd::Batch<float>;
+    B acc[kChains];
+    for (int i = 0; i < kChains; ++i) acc[i] = B(1.0f + 0.001f * float(i));
+    const B a = simd::opaque(B(0.9999999f)), b = simd::opaque(B(1e-7f));
+    for (long s = 0; s < steps; ++s)
+        for (int i = 0; i < kChains; ++i) acc[i] = simd::fma(acc[i], a, b);
+    B total = acc[0];
+    for (int i = 1; i < kChains; ++i) total += acc[i];
+    return simd::reduce_sum(total);
+}
+
+/// FLOPs of one fma_chains call.
+inline double peak_flops(long steps) { return double(steps) * kChains * 2.0 * double(gattn::simd::kLanes<float>); }
+
 /// The benchmarks' main: gattn's context, then Google Benchmark as BENCHMARK_MAIN runs it.
 inline int run(int argc, char** argv) {
     add_gattn_context();

@@ -19,6 +19,7 @@
 #include "gattn/layers/head_shard.hpp"
 #include "gattn/models/qwen3_next_attention.hpp"
 #include "gattn/models/qwen3_next_training.hpp"
+#include "gattn/ops/cascade_sdpa.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/mask.hpp"
 #include "gattn/ops/packed_linear.hpp"
