@@ -146,6 +146,8 @@ inline simd::Batch<T> load_widened(const KV* p) noexcept {
     } else {
         if constexpr (simd::avx512::kEnabled && std::is_same_v<T, float> && sizeof(B) == 64)
             return simd::avx512::widen<B>(p);
+        if constexpr (simd::avx2::kEnabled && std::is_same_v<T, float> && sizeof(B) == 32)
+            return simd::avx2::widen<B>(p);
         if constexpr (simd::neon::kEnabled && std::is_same_v<T, float> && sizeof(B) == 16)
             return simd::neon::widen<B>(p);
         alignas(64) T w[simd::kLanes<T>];
