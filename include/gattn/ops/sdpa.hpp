@@ -669,8 +669,9 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(kNarrow || kInt8 ? dk : 0);
     // Decoding an int8 cache with integer logits: the query as the kernel took it (16-bit codes
     // and residual codes), so that the probabilities agree with the output and log-sum-exp.
-    const bool rounded_query = simd::avx512vnni::kEnabled && kInt8 && decode && int8_family == Int8Kernel::Vnni &&
-                               kernel::decode_int8::takes(dk);
+    const bool rounded_query = kInt8 && decode && kernel::decode_int8::takes(dk) &&
+                               ((simd::avx512vnni::kEnabled && int8_family == Int8Kernel::Vnni) ||
+                                (simd::avxvnni::kEnabled && int8_family == Int8Kernel::AvxVnni));
     std::vector<std::int16_t> q_codes(rounded_query ? 2 * static_cast<std::size_t>(dk) : 0);
     std::vector<float> q_rounded(rounded_query ? static_cast<std::size_t>(dk) : 0);
     // q·k for key row j of sequence b, KV head g.
@@ -694,9 +695,10 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
-                if constexpr (simd::avx512vnni::kEnabled && kInt8)
+                if constexpr ((simd::avx512vnni::kEnabled || simd::avxvnni::kEnabled) && kInt8)
                     if (rounded_query) {
-                        const auto qs = kernel::decode_int8::quantize_query(q, dk, q_codes.data(), q_codes.data() + dk);
+                        const auto qs =
+                            kernel::quantize_query_for(int8_family, q, dk, q_codes.data(), q_codes.data() + dk);
                         kernel::decode_int8::dequantize_query(q_codes.data(), q_codes.data() + dk, qs, dk,
                                                               q_rounded.data());
                         q = q_rounded.data();
