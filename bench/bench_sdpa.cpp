@@ -234,32 +234,82 @@ void BM_Bf16VsFloat(benchmark::State& state) {
     set_threads(1);
 }
 
-/// One decoding step (one query token, 8 heads, d = 128) over a float cache and over a bf16
-/// cache, in turn within every iteration. Args: cached tokens, KV heads, threads. Counters:
-/// each one's time per call in µs and speedup = float / bf16 time (the step reads the cache
-/// from memory, so half the bytes is the bf16 cache's gain).
-void BM_Bf16DecodeVsFloat(benchmark::State& state) {
+/// One decoding step (one query token, 8 heads, d = 128) over a float cache and over a 16-bit
+/// cache S (bf16: BM_Bf16DecodeVsFloat, fp16: BM_Fp16DecodeVsFloat), in turn within every
+/// iteration. Args: cached tokens, KV heads, threads. Counters: each one's time per call in µs
+/// (float_us, bf16_us or fp16_us) and speedup = float / 16-bit time (the step reads the cache
+/// from memory, so half the bytes is the 16-bit cache's gain; a speedup below 1 means widening
+/// costs more than the bytes saved).
+template <class S>
+void BM_NarrowDecodeVsFloat(benchmark::State& state) {
     const gattn::Index nk = state.range(0), hkv = state.range(1), d = 128;
     set_threads(static_cast<int>(state.range(2)));
     const Matrix q = Matrix::Random(1, kHeads * d), k = Matrix::Random(nk, hkv * d), v = Matrix::Random(nk, hkv * d);
-    const gattn::RowMatrix<gattn::bfloat16> qb = q.cast<gattn::bfloat16>(), kb = k.cast<gattn::bfloat16>(),
-                                            vb = v.cast<gattn::bfloat16>();
+    const gattn::RowMatrix<S> qb = q.cast<S>(), kb = k.cast<S>(), vb = v.cast<S>();
     Matrix out(1, kHeads * d);
-    gattn::RowMatrix<gattn::bfloat16> out_b(1, kHeads * d);
-    const auto [t_float, t_bf16] = gattn_bench::time_in_turn(
+    gattn::RowMatrix<S> out_b(1, kHeads * d);
+    const auto [t_float, t_narrow] = gattn_bench::time_in_turn(
         state,
         [&] {
             gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
             benchmark::DoNotOptimize(out.data());
         },
         [&] {
-            gattn::scaled_dot_product_attention<gattn::bfloat16>(qb, kb, vb, {1, kHeads, hkv}, out_b);
+            gattn::scaled_dot_product_attention<S>(qb, kb, vb, {1, kHeads, hkv}, out_b);
             benchmark::DoNotOptimize(out_b.data());
         });
     const double n = static_cast<double>(state.iterations());
     state.counters["float_us"] = t_float / n * 1e6;
-    state.counters["bf16_us"] = t_bf16 / n * 1e6;
-    state.counters["speedup"] = t_float / t_bf16;
+    state.counters[std::is_same_v<S, gattn::bfloat16> ? "bf16_us" : "fp16_us"] = t_narrow / n * 1e6;
+    state.counters["speedup"] = t_float / t_narrow;
+    set_threads(1);
+}
+
+/// One decoding step (one query token, 8 query heads, d = 128) over a float cache, over an
+/// int8 cache with the fastest int8 kernel this build and CPU run (kernel 0) or AVX-VNNI
+/// (kernel 1: set_int8_kernel_limit keeps AVX512-VNNI out), and over the same int8 cache with
+/// the codes widened to float FMAs, the three in turn within every iteration. Args: cached
+/// tokens, KV heads, threads, kernel. Counters: µs of each (float_us, int8_us, widened_us),
+/// vs_float = float / int8 time, vs_widened = widened / int8 time. The label names the
+/// kernel that ran.
+void BM_Int8DecodeVsFloat(benchmark::State& state) {
+    const gattn::Index nk = state.range(0), hkv = state.range(1), d = 128;
+    set_threads(static_cast<int>(state.range(2)));
+    const gattn::Int8Kernel best = state.range(3) == 1 ? gattn::Int8Kernel::AvxVnni : gattn::Int8Kernel::Vnni;
+    const Matrix q = Matrix::Random(1, kHeads * d), k = Matrix::Random(nk, hkv * d), v = Matrix::Random(nk, hkv * d);
+    struct Codes {
+        gattn::RowMatrix<std::int8_t> codes;
+        gattn::RowMatrix<float> scales;
+    } kc{gattn::RowMatrix<std::int8_t>(nk, hkv * d), gattn::RowMatrix<float>(nk, hkv)}, vc = kc;
+    for (gattn::Index r = 0; r < nk; ++r) {
+        gattn::quantize_int8_row(k.row(r).data(), hkv, d, kc.codes.row(r).data(), kc.scales.row(r).data());
+        gattn::quantize_int8_row(v.row(r).data(), hkv, d, vc.codes.row(r).data(), vc.scales.row(r).data());
+    }
+    auto view = [&](const Codes& c) {
+        return gattn::Int8Rows{c.codes.data(), nk, hkv * d, hkv * d, c.scales.data(), hkv};
+    };
+    Matrix out(1, kHeads * d), out_int8(1, kHeads * d), out_widened(1, kHeads * d);
+    auto int8_call = [&](gattn::Int8Kernel limit, Matrix& o) {
+        gattn::set_int8_kernel_limit(limit);
+        gattn::scaled_dot_product_attention(q, view(kc), view(vc), {1, kHeads, hkv}, o);
+        benchmark::DoNotOptimize(o.data());
+    };
+    const auto [t_float, t_int8, t_widened] = gattn_bench::time_in_turn(
+        state,
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
+            benchmark::DoNotOptimize(out.data());
+        },
+        [&] { int8_call(best, out_int8); }, [&] { int8_call(gattn::Int8Kernel::WidenedFloat, out_widened); });
+    const double n = static_cast<double>(state.iterations());
+    state.counters["float_us"] = t_float / n * 1e6;
+    state.counters["int8_us"] = t_int8 / n * 1e6;
+    state.counters["widened_us"] = t_widened / n * 1e6;
+    state.counters["vs_float"] = t_float / t_int8;
+    state.counters["vs_widened"] = t_widened / t_int8;
+    gattn::set_int8_kernel_limit(best);
+    state.SetLabel(gattn::kernel_name(gattn::int8_kernel().kernel));
+    gattn::set_int8_kernel_limit(gattn::Int8Kernel::Vnni);
     set_threads(1);
 }
 
@@ -555,9 +605,23 @@ BENCHMARK(BM_Bf16VsFloat)
     ->MinTime(2.0)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK(BM_Bf16DecodeVsFloat)
+BENCHMARK_TEMPLATE(BM_NarrowDecodeVsFloat, gattn::bfloat16)
+    ->Name("BM_Bf16DecodeVsFloat")
     ->ArgsProduct({{8192, 32768}, {2, 8}, {1, 2}})
     ->ArgNames({"Nk", "kv_heads", "threads"})
+    ->MinTime(1.0)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_NarrowDecodeVsFloat, gattn::half)
+    ->Name("BM_Fp16DecodeVsFloat")
+    ->ArgsProduct({{8192, 32768}, {2, 8}, {1}})
+    ->ArgNames({"Nk", "kv_heads", "threads"})
+    ->MinTime(1.0)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_Int8DecodeVsFloat)
+    ->ArgsProduct({{8192, 32768}, {2, 8}, {1}, {0, 1}})
+    ->ArgNames({"Nk", "kv_heads", "threads", "kernel"})
     ->MinTime(1.0)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();

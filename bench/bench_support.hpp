@@ -5,6 +5,7 @@
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -34,6 +35,29 @@ inline std::pair<double, double> time_in_turn(benchmark::State& state, const A& 
         tb += std::chrono::duration<double>(t2 - t1).count();
     }
     return {ta, tb};
+}
+
+/// time_in_turn for three calls: a, b and c in turn within every iteration; their total seconds.
+template <class A, class B, class C>
+inline std::array<double, 3> time_in_turn(benchmark::State& state, const A& a, const B& b, const C& c) {
+    using Clock = std::chrono::steady_clock;
+    std::array<double, 3> t{};
+    for (auto _ : state) {
+        const auto t0 = Clock::now();
+        a();
+        benchmark::ClobberMemory();
+        const auto t1 = Clock::now();
+        b();
+        benchmark::ClobberMemory();
+        const auto t2 = Clock::now();
+        c();
+        benchmark::ClobberMemory();
+        const auto t3 = Clock::now();
+        t[0] += std::chrono::duration<double>(t1 - t0).count();
+        t[1] += std::chrono::duration<double>(t2 - t1).count();
+        t[2] += std::chrono::duration<double>(t3 - t2).count();
+    }
+    return t;
 }
 
 /// Adds gattn's version, the instruction sets (compiled for, and the CPU's), the bf16 and int8

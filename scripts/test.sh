@@ -50,11 +50,13 @@
 #          not run: the test files that instantiate the AVX512-BF16, AVX512-VNNI and AMX
 #          kernels (test_narrow_sdpa, test_int8_kv, test_packed_linear, one executable each) at
 #          -march=sapphirerapids (AMX, AVX512-BF16, VNNI) and -march=znver4 (AVX512-BF16, VNNI,
-#          no AMX; with g++ 12, which lacks znver4, -march=znver3 plus Zen 4's AVX-512 flags); then a count of each tier's instructions in the executables (TDPBF16PS,
-#          VDPBF16PS, VPDPWSSD), so that a tier compiled out shows as a failure. Their tests run
-#          in the native flavour wherever the CPU has the tier; the configuration that equals
-#          this CPU's (AVX512-BF16 and VNNI with or without AMX) is left to it. About 3 minutes
-#          on 2 cores for both, half that for one.
+#          no AMX; with g++ 12, which lacks znver4, -march=znver3 plus Zen 4's AVX-512 flags), and
+#          test_int8_kv at -march=alderlake (the AVX-VNNI kernel: VEX VPDPWSSD on ymm); then a
+#          count of each tier's instructions in the executables (TDPBF16PS, VDPBF16PS,
+#          VPDPWSSD), so that a tier compiled out shows as a failure. Their tests run in the
+#          native flavour wherever the CPU has the tier; the configuration that equals this
+#          CPU's (AVX512-BF16 and VNNI with or without AMX) is left to it. About 3.5 minutes on
+#          2 cores for all three, half that with one left to the native flavour.
 # Each flavour ends with its counts of GoogleTest cases run, passed, failed and skipped
 # (scripts/test_summary.py) and its build and test times.
 # Environment: BUILD_DIR (default build/test; flavours go to BUILD_DIR-<flavour>),
@@ -92,8 +94,9 @@ for flavour in $flavours; do
   if [ "$flavour" = compile-x86 ]; then
     flavour_start=$SECONDS
     case "$(uname -m)" in x86_64 | i?86) ;; *) echo "compile-x86: x86 hosts only" >&2; exit 2 ;; esac
-    targets=(test_narrow_sdpa test_int8_kv test_packed_linear)
-    # march | instructions that must appear in the executables (the tiers it has)
+    all_targets="test_narrow_sdpa test_int8_kv test_packed_linear"
+    # march | instructions that must appear in the executables (the tiers it has) | targets
+    # alderlake (AVX2 with AVX-VNNI, no AVX-512): its vpdpwssd can only be the VEX ymm form.
     # g++ 12.2 (Debian bookworm) has no -march=znver4: Zen 3 plus Zen 4's AVX-512 extensions.
     znver4="-march=znver4"
     g++ -march=znver4 -E -x c++ /dev/null >/dev/null 2>&1 ||
@@ -106,8 +109,10 @@ for flavour in $flavours; do
     native_has=none
     if has avx512_bf16 avx512_vnni amx_tile amx_bf16; then native_has=sapphirerapids
     elif has avx512_bf16 avx512_vnni && ! has amx_tile; then native_has=znver4; fi
-    for entry in "sapphirerapids|-march=sapphirerapids|tdpbf16ps vdpbf16ps vpdpwssd" "znver4|$znver4|vdpbf16ps vpdpwssd"; do
-      IFS='|' read -r name march needed <<<"$entry"
+    for entry in "sapphirerapids|-march=sapphirerapids|tdpbf16ps vdpbf16ps vpdpwssd|$all_targets" \
+                 "znver4|$znver4|vdpbf16ps vpdpwssd|$all_targets" "alderlake|-march=alderlake|vpdpwssd|test_int8_kv"; do
+      IFS='|' read -r name march needed target_list <<<"$entry"
+      read -r -a targets <<<"$target_list"
       if [ "$name" = "$native_has" ]; then
         echo "== compile-x86 $name: left to the native flavour (this CPU has the same tiers, and runs them)"
         continue

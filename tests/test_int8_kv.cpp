@@ -189,27 +189,31 @@ RowMatrix<float> random_rows(Index rows, Index cols, std::mt19937& rng, float sp
     return m;
 }
 
-/// The query as the reference takes it: where the decoding kernel's integer products run, each
-/// head's row rounded to 16-bit codes, and residual codes for a row with an outlier
-/// (decode_int8::quantize_query), else the float query.
+/// The query as the reference takes it: where the decoding kernel's integer products run
+/// (AVX512-VNNI or AVX-VNNI), each head's row rounded to 16-bit codes, and residual codes for a
+/// row with an outlier (that kernel's quantize_query), else the float query.
 Mat query_reference(const RowMatrix<float>& q, Index H, Index Hkv, Index Nq, Index dk) {
     Mat q_ref = q.cast<double>();
-#if defined(GATTN_HAS_INT8_DOT_KERNEL)
     const bool decode = (H / Hkv) * Nq <= gattn::kernel::FlashGeometry<float>::kQueries / 4;
-    if (decode && gattn::int8_kernel().kernel != gattn::Int8Kernel::WidenedFloat &&
-        gattn::kernel::decode_int8::takes(dk))
+    const gattn::Int8Kernel family = gattn::int8_kernel().kernel;
+    if (decode && family != gattn::Int8Kernel::WidenedFloat && gattn::kernel::decode_int8::takes(dk))
         for (Index r = 0; r < q.rows(); ++r)
             for (Index h = 0; h < H; ++h) {
                 std::vector<std::int16_t> codes(static_cast<std::size_t>(dk)), residual(codes.size());
-                const auto s = gattn::kernel::decode_int8::quantize_query(q.row(r).data() + h * dk, dk, codes.data(),
-                                                                          residual.data());
-                for (Index e = 0; e < dk; ++e)
+                const auto s = gattn::kernel::quantize_query_for(family, q.row(r).data() + h * dk, dk, codes.data(),
+                                                                 residual.data());
+                // The codes stand for the query to half a code, max|q| / 65534, and a little for
+                // float rounding (a wrong rounding would otherwise only show in the output's tolerance).
+                double top = 0, err = 0;
+                for (Index e = 0; e < dk; ++e) {
+                    const double x = q(r, h * dk + e);
                     q_ref(r, h * dk + e) = double(s.scale) * double(codes[e]) +
                                            double(s.residual_scale) * double(residual[e]);
+                    top = std::max(top, std::abs(x));
+                    err = std::max(err, std::abs(q_ref(r, h * dk + e) - x));
+                }
+                EXPECT_LE(err, top / 32767 * 0.501) << "row " << r << ", head " << h;
             }
-#else
-    (void)H, (void)Hkv, (void)Nq, (void)dk;
-#endif
     return q_ref;
 }
 
@@ -288,9 +292,15 @@ protected:
     gattn_test::Int8KernelLimit limit{GetParam()};
 };
 
-INSTANTIATE_TEST_SUITE_P(Kernels, Int8Sdpa, ::testing::Values(gattn::Int8Kernel::Vnni, gattn::Int8Kernel::WidenedFloat),
+// Vnni runs in builds with AVX512-VNNI; AvxVnni where the unit has AVX-VNNI and the CPU too
+// (in an AVX-512 build through the limit, on 16-key blocks); each skips with the reason elsewhere.
+INSTANTIATE_TEST_SUITE_P(Kernels, Int8Sdpa,
+                         ::testing::Values(gattn::Int8Kernel::Vnni, gattn::Int8Kernel::AvxVnni,
+                                           gattn::Int8Kernel::WidenedFloat),
                          [](const auto& info) {
-                             return std::string(info.param == gattn::Int8Kernel::Vnni ? "Vnni" : "WidenedFloat");
+                             return std::string(info.param == gattn::Int8Kernel::Vnni      ? "Vnni"
+                                                : info.param == gattn::Int8Kernel::AvxVnni ? "AvxVnni"
+                                                                                           : "WidenedFloat");
                          });
 
 TEST_P(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
@@ -440,22 +450,44 @@ TEST(Int8Kernel, SaysWhichKernelRunsAndWhyNoFasterOne) {
                                ? "dot product (SDOT): this CPU has it, but gattn has no kernel for it"
                                : "dot product (SDOT): this CPU has none");
 #else
+    const gattn::CpuFeatures& f = gattn::cpu_features();
     EXPECT_EQ(best.reason.empty(), best.kernel == gattn::Int8Kernel::Vnni) << gattn::describe(best);
     {
         gattn_test::Int8KernelLimit limit(gattn::Int8Kernel::WidenedFloat);
         const gattn::Int8KernelChoice widened = gattn::int8_kernel();
         EXPECT_EQ(widened.kernel, gattn::Int8Kernel::WidenedFloat);
         // The limit is named first, whatever the build and the CPU offer.
-        EXPECT_EQ(gattn::describe(widened), "widened float (AVX512-VNNI: excluded by set_int8_kernel_limit)");
+        EXPECT_EQ(gattn::describe(widened),
+                  "widened float (AVX512-VNNI: excluded by set_int8_kernel_limit; "
+                  "AVX-VNNI: excluded by set_int8_kernel_limit)");
+    }
+    // AVX-VNNI runs wherever the unit and the CPU have it, AVX512-VNNI only kept out by the limit.
+    const bool avxvnni = gattn::compiled_with_avxvnni() && f.avxvnni;
+    {
+        gattn_test::Int8KernelLimit limit(gattn::Int8Kernel::AvxVnni);
+        const gattn::Int8KernelChoice ymm = gattn::int8_kernel();
+        EXPECT_EQ(ymm.kernel, avxvnni ? gattn::Int8Kernel::AvxVnni : gattn::Int8Kernel::WidenedFloat);
+        const std::string why = !f.avxvnni                        ? "this CPU has none"
+                                : !gattn::compiled_with_avxvnni() ? "not compiled with the flags (build with "
+                                                                    "-march=native, or -mavx2 -mfma -mavxvnni)"
+                                                                  : "";
+        EXPECT_EQ(ymm.reason,
+                  "AVX512-VNNI: excluded by set_int8_kernel_limit" + (why.empty() ? "" : "; AVX-VNNI: " + why));
+        EXPECT_EQ(gattn::detail::int8_kernel_family(), ymm.kernel);
     }
     EXPECT_EQ(gattn::int8_kernel().kernel, best.kernel) << "the limit is lifted";
-    EXPECT_EQ(best.kernel == gattn::Int8Kernel::WidenedFloat, !gattn::compiled_with_vnni());
+    EXPECT_EQ(gattn::detail::int8_kernel_family(), best.kernel);
+    const gattn::Int8Kernel want_best = gattn::compiled_with_vnni() ? gattn::Int8Kernel::Vnni
+                                        : avxvnni                   ? gattn::Int8Kernel::AvxVnni
+                                                                    : gattn::Int8Kernel::WidenedFloat;
+    EXPECT_EQ(best.kernel, want_best) << gattn::describe(best);
     if (!gattn::compiled_with_vnni()) {
-        const std::string want = gattn::cpu_features().avx512vnni
-                                     ? "AVX512-VNNI: not compiled with the flags (build with -march=native)"
-                                     : "AVX512-VNNI: this CPU has none";
-        EXPECT_EQ(best.reason, want);
+        const std::string want = f.avx512vnni ? "AVX512-VNNI: not compiled with the flags (build with -march=native)"
+                                              : "AVX512-VNNI: this CPU has none";
+        EXPECT_EQ(best.reason.substr(0, want.size()), want) << best.reason;
+        EXPECT_EQ(best.reason.find("AVX-VNNI:") == std::string::npos, avxvnni) << best.reason;
     }
+    EXPECT_STREQ(gattn::kernel_name(gattn::Int8Kernel::AvxVnni), "AVX-VNNI");
 #endif
 }
 

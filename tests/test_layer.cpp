@@ -1357,7 +1357,7 @@ TEST(Library, InstructionSetReport) {
     EXPECT_STREQ(s.compiled, "AVX-512");
     const int compiled = 512;
 #elif defined(__AVX2__) && defined(__FMA__)
-    EXPECT_STREQ(s.compiled, "AVX2+FMA");
+    EXPECT_STREQ(s.compiled, gattn::compiled_with_avxvnni() ? "AVX2+FMA+AVX-VNNI" : "AVX2+FMA");
     const int compiled = 256;
 #else
     EXPECT_STREQ(s.compiled, "SSE2");

@@ -438,7 +438,7 @@ TEST(PagedAttention, Bf16EqualsContiguousBitwiseOnEveryKernel) {
     }
 }
 TEST(PagedAttention, Int8EqualsContiguousBitwiseOnEveryKernel) {
-    for (gattn::Int8Kernel k : {gattn::Int8Kernel::Vnni, gattn::Int8Kernel::WidenedFloat}) {
+    for (gattn::Int8Kernel k : {gattn::Int8Kernel::Vnni, gattn::Int8Kernel::AvxVnni, gattn::Int8Kernel::WidenedFloat}) {
         gattn_test::Int8KernelLimit limit(k);
         check_all<std::int8_t>(50);
     }

@@ -73,6 +73,8 @@ inline void widen_row(const S* src, float* dst, Index n) noexcept {
     } else {
         if constexpr (simd::neon::kEnabled && std::is_same_v<S, half>)
             return simd::neon::widen_row(src, dst, n);  // FCVTL
+        if constexpr (simd::avx2::kEnabled && std::is_same_v<S, half>)
+            return simd::avx2::widen_row(src, dst, n);  // VCVTPH2PS, or integer operations
         for (Index i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
     }
 }

@@ -19,13 +19,14 @@
 /// loaded, or (AVX512-BF16, head sizes multiples of 32) both products run as VDPBF16PS on the
 /// bf16 rows, with P rounded to bf16 (decode_bf16): half the instructions, no widening.
 /// An int8 cache (ops/int8_rows.hpp) is read in place too: each key's scales multiply its logit
-/// and its weight in the value sum. With AVX512-VNNI the logits (d_k a multiple of 32) are
-/// integer products (VPDPWSSD) of the key codes and the query rounded to 16-bit integers, and
-/// the value sum (d_v a multiple of 64) integer products of the value codes and the weights
-/// rounded to 16-bit integers per block (decode_int8); otherwise the codes are widened to float
-/// as they load.
+/// and its weight in the value sum. With AVX512-VNNI, or AVX-VNNI on an AVX2 machine, the
+/// logits (d_k a multiple of 32) are integer products (VPDPWSSD) of the key codes and the query
+/// rounded to 16-bit integers, and the value sum (d_v a multiple of 64) integer products of the
+/// value codes and the weights rounded to 16-bit integers per block (decode_int8,
+/// decode_int8_ymm); otherwise the codes are widened to float as they load.
 /// The VDPBF16PS and VPDPWSSD micro-kernels live in their tiers' headers
-/// (simd/x86_avx512bf16.hpp, simd/x86_avx512vnni.hpp); this file drives them.
+/// (simd/x86_avx512bf16.hpp, simd/x86_avx512vnni.hpp, simd/x86_avxvnni.hpp); this file drives
+/// them.
 
 #include <algorithm>
 #include <cmath>
@@ -101,6 +102,19 @@ struct SpreadPrefetch {
     }
 };
 
+/// A query row rounded to 16-bit codes (and residual codes) as the integer logits of `family`
+/// take it: decode_int8_ymm::quantize_query for AvxVnni, decode_int8::quantize_query for Vnni
+/// (the same rounding; the outlier test sums in another order). Only for a family compiled in.
+inline decode_int8::QueryScales quantize_query_for(Int8Kernel family, const float* q, Index dk, std::int16_t* codes,
+                                                   std::int16_t* residual) noexcept {
+    if constexpr (simd::avxvnni::kEnabled)
+        if (family == Int8Kernel::AvxVnni) return decode_int8_ymm::quantize_query(q, dk, codes, residual);
+    if constexpr (simd::avx512vnni::kEnabled)
+        if (family == Int8Kernel::Vnni) return decode_int8::quantize_query(q, dk, codes, residual);
+    (void)family, (void)q, (void)dk, (void)codes, (void)residual;
+    return {};
+}
+
 /// Keys per split-KV chunk: short enough that a 1k-key cache already gives two threads work
 /// (1.7× one thread measured at N_k = 1024), long enough that merging, d_v + 3 values per row
 /// and chunk, stays negligible.
@@ -146,6 +160,8 @@ inline simd::Batch<T> load_widened(const KV* p) noexcept {
     } else {
         if constexpr (simd::avx512::kEnabled && std::is_same_v<T, float> && sizeof(B) == 64)
             return simd::avx512::widen<B>(p);
+        if constexpr (simd::avx2::kEnabled && std::is_same_v<T, float> && sizeof(B) == 32)
+            return simd::avx2::widen<B>(p);
         if constexpr (simd::neon::kEnabled && std::is_same_v<T, float> && sizeof(B) == 16)
             return simd::neon::widen<B>(p);
         alignas(64) T w[simd::kLanes<T>];
@@ -279,8 +295,9 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
 /// are stored in (T, or bf16/fp16 widened as they are loaded, or int8 codes); the queries are T.
 /// int8 (KV = std::int8_t, T = float): key row j of head g stands for
 /// scales.key[j·scales.stride + g] times its codes, value rows likewise (ops/int8_rows.hpp);
-/// int8_family: Vnni runs the integer products where decode_int8 takes the head sizes,
-/// WidenedFloat widens the codes (set_int8_kernel_limit), chosen once per SDPA call.
+/// int8_family: Vnni (decode_int8) or AvxVnni (decode_int8_ymm) runs the integer products where
+/// decode_int8 takes the head sizes, WidenedFloat widens the codes (set_int8_kernel_limit),
+/// chosen once per SDPA call; a family this unit was not compiled with widens too.
 ///
 /// kDot (bf16 cache, AVX512-BF16, decode_bf16::takes(dk, dv)): both products with VDPBF16PS on
 /// the bf16 query rows q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row
@@ -303,10 +320,13 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // int8: the block's key and value scales of the current KV head (0 past the block), and the
     // weights times the value scales.
     alignas(64) T key_scale[L], value_scale[L], pv_scaled[kDecodeRows][L];
-    // int8 with VNNI: the query rows as 16-bit codes and their scales (decode_int8).
-    constexpr bool kInt8Dot = kInt8 && simd::avx512vnni::kEnabled;
+    // int8 with VNNI: the query rows as 16-bit codes and their scales (decode_int8 on zmm,
+    // decode_int8_ymm on ymm).
+    constexpr bool kInt8Zmm = kInt8 && simd::avx512vnni::kEnabled, kInt8Ymm = kInt8 && simd::avxvnni::kEnabled;
+    constexpr bool kInt8Dot = kInt8Zmm || kInt8Ymm;
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
-    const bool int8_vnni = kInt8Dot && int8_family == Int8Kernel::Vnni;
+    const bool int8_ymm = kInt8Ymm && int8_family == Int8Kernel::AvxVnni;
+    const bool int8_vnni = (kInt8Zmm && int8_family == Int8Kernel::Vnni) || int8_ymm;
     const bool int8_dot = int8_vnni && decode_int8::takes(dk);
     [[maybe_unused]] const bool int8_values = int8_vnni && decode_int8::takes_values(dv);
     // Row i = g·kRowsPerHead + t: codes at i·d_k, residual codes at (rows + i)·d_k; scale at i,
@@ -330,7 +350,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             for (int t = 0; t < blks[g].count; ++t) {
                 const Index i = g * kRowsPerHead + t;
                 const auto qs =
-                    decode_int8::quantize_query(blks[g].q[t], dk, q_codes + i * dk, q_codes + (q_rows + i) * dk);
+                    quantize_query_for(int8_family, blks[g].q[t], dk, q_codes + i * dk, q_codes + (q_rows + i) * dk);
                 q_scales[i] = qs.scale;
                 q_scales[q_rows + i] = qs.residual_scale;
                 any_residual = any_residual || qs.residual_scale != 0;
@@ -384,10 +404,10 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     for (Index g = 0; g < num_kv_heads; ++g) one_row_per_head = one_row_per_head && blks[g].count <= 1;
     const bool load_ahead = from_memory && !one_row_per_head;
     Index steps_per_block = 0;
+    const Index steps_per_group = int8_ymm ? decode_int8_ymm::prefetch_steps(L, dv) : L / 4 + dv / 64 * (L / 2);
     for (Index g = 0; g < num_kv_heads; ++g)
-        steps_per_block += prefetch_in_kernels
-                               ? (blks[g].count + kDecodeRows - 1) / kDecodeRows * (L / 4 + dv / 64 * (L / 2))
-                               : blks[g].count;
+        steps_per_block += prefetch_in_kernels ? (blks[g].count + kDecodeRows - 1) / kDecodeRows * steps_per_group
+                                               : blks[g].count;
     for (Index j0 = k_begin; j0 < k_end; j0 += L) {
         const Index nk = std::min(L, k_end - j0);
         const Index r0 = pages.row(j0);  // the block's first row; the others follow it
@@ -453,16 +473,23 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             if (int8_dot) {
                                 const std::int16_t* qc[R];
                                 for (int r = 0; r < R; ++r) qc[r] = q_codes + (g * kRowsPerHead + t0 + r) * dk;
-                                decode_int8::logits<R>(qc, q_scales + g * kRowsPerHead + t0, key + r0 * key_stride,
-                                                       key_stride, nk, dk, row_logits,
-                                                       prefetch_in_kernels ? &spread : nullptr);
+                                // Logits of R rows by the family's kernel (zmm or ymm).
+                                auto int8_logits = [&](const float* qs, B* out, SpreadPrefetch<KV>* pf) {
+                                    const KV* kb = key + r0 * key_stride;
+                                    if constexpr (kInt8Ymm)
+                                        if (int8_ymm || !kInt8Zmm)
+                                            return decode_int8_ymm::logits<R>(qc, qs, kb, key_stride, nk, dk, out, pf);
+                                    if constexpr (kInt8Zmm)
+                                        decode_int8::logits<R>(qc, qs, kb, key_stride, nk, dk, out, pf);
+                                };
+                                int8_logits(q_scales + g * kRowsPerHead + t0, row_logits,
+                                            prefetch_in_kernels ? &spread : nullptr);
                                 const float* rs = q_scales + q_rows + g * kRowsPerHead + t0;
                                 if (any_residual && std::any_of(rs, rs + R, [](float x) { return x != 0; })) {
                                     // The residual codes' pass (K is in L1); 0 for rows without.
                                     for (int r = 0; r < R; ++r) qc[r] += q_rows * dk;
                                     B residual_logits[R];
-                                    decode_int8::logits<R>(qc, rs, key + r0 * key_stride, key_stride, nk, dk,
-                                                           residual_logits, static_cast<decltype(&spread)>(nullptr));
+                                    int8_logits(rs, residual_logits, nullptr);
                                     for (int r = 0; r < R; ++r) row_logits[r] += residual_logits[r];
                                 }
                                 products_done = reduced = true;
@@ -553,8 +580,16 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             if (int8_values) {
                                 // A row with a weight that is not finite takes the float sum.
                                 auto float_values = [](auto... a) { group_values<float, 1, std::int8_t>(a...); };
-                                decode_int8::values<R>(s, pv_scaled, nk, value + r0 * value_stride, value_stride, acc,
-                                                       dv, prefetch_in_kernels ? &spread : nullptr, float_values);
+                                const KV* vb = value + r0 * value_stride;
+                                auto* pf = prefetch_in_kernels ? &spread : nullptr;
+                                if constexpr (kInt8Ymm)
+                                    if (int8_ymm || !kInt8Zmm)
+                                        decode_int8_ymm::values<R>(s, pv_scaled, nk, vb, value_stride, acc, dv, pf,
+                                                                   float_values);
+                                if constexpr (kInt8Zmm)
+                                    if (!int8_ymm)
+                                        decode_int8::values<R>(s, pv_scaled, nk, vb, value_stride, acc, dv, pf,
+                                                               float_values);
                                 values_done = true;
                             }
                         }

@@ -765,8 +765,9 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     const Index group = H / Hkv, ldq = query.outerStride();
     const bool decode = group * Nq <= kernel::FlashGeometry<T>::kQueries / 4;
     const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
-    const bool rounded_query = simd::avx512vnni::kEnabled && kInt8 && decode && int8_family == Int8Kernel::Vnni &&
-                               kernel::decode_int8::takes(dk);
+    const bool rounded_query = kInt8 && decode && kernel::decode_int8::takes(dk) &&
+                               ((simd::avx512vnni::kEnabled && int8_family == Int8Kernel::Vnni) ||
+                                (simd::avxvnni::kEnabled && int8_family == Int8Kernel::AvxVnni));
     std::vector<std::int16_t> q_codes(rounded_query ? 2 * static_cast<std::size_t>(dk) : 0);
     std::vector<float> q_rounded(rounded_query ? static_cast<std::size_t>(dk) : 0);
     // q·k for key row j of sequence b, KV head g.
@@ -790,9 +791,10 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
-                if constexpr (simd::avx512vnni::kEnabled && kInt8)
+                if constexpr ((simd::avx512vnni::kEnabled || simd::avxvnni::kEnabled) && kInt8)
                     if (rounded_query) {
-                        const auto qs = kernel::decode_int8::quantize_query(q, dk, q_codes.data(), q_codes.data() + dk);
+                        const auto qs =
+                            kernel::quantize_query_for(int8_family, q, dk, q_codes.data(), q_codes.data() + dk);
                         kernel::decode_int8::dequantize_query(q_codes.data(), q_codes.data() + dk, qs, dk,
                                                               q_rounded.data());
                         q = q_rounded.data();

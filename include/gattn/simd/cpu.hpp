@@ -19,6 +19,10 @@
 /// Kernels for decoding against an int8 KV cache (int8_kernel()), fastest first:
 ///  - Vnni: both products as exact integer sums (VPDPWSSD) of the codes and 16-bit codes of
 ///    the query and the weights; needs a unit built with AVX512-VNNI (and BW).
+///  - AvxVnni: the same integer products with the VEX-encoded VPDPWSSD on 256-bit registers
+///    (AVX-VNNI: Intel Alder Lake and later client CPUs, AMD Zen 5); needs a unit built with
+///    AVX-VNNI, AVX2 and FMA (-march=native on such a CPU, -march=alderlake, or -mavx2 -mfma
+///    -mavxvnni) and a CPU that reports AVX-VNNI (CPUID).
 ///  - WidenedFloat: the codes widened to float FMAs.
 ///
 /// ARM64 (AArch64): features come from Linux's HWCAP words (getauxval), the SVE vector length
@@ -64,6 +68,7 @@ enum class Bf16Kernel {
 /// Kernel families for decoding against an int8 KV cache, fastest first.
 enum class Int8Kernel {
     Vnni,          ///< AVX512-VNNI (VPDPWSSD) for both products
+    AvxVnni,       ///< AVX-VNNI (VEX VPDPWSSD on 256-bit registers) for both products
     WidenedFloat,  ///< codes widened to float FMAs
 };
 
@@ -93,6 +98,7 @@ struct CpuFeatures {
     bool avx512f = false;     ///< AVX-512 Foundation, and the OS saves the zmm state
     bool avx512bf16 = false;  ///< AVX512-BF16 (VDPBF16PS), with the zmm state saved
     bool avx512vnni = false;  ///< AVX512-VNNI (VPDPWSSD), with the zmm state saved
+    bool avxvnni = false;     ///< AVX-VNNI (VEX VPDPWSSD on ymm), with AVX2 and FMA and the ymm state saved
     bool amx_bf16 = false;    ///< AMX-TILE and AMX-BF16 (CPUID), and the OS enables the tile state (XCR0)
     bool asimd = false;       ///< ARM64 Advanced SIMD, NEON (HWCAP_ASIMD)
     bool asimddp = false;     ///< ARM64 dot products of int8 quadruples, SDOT/UDOT (HWCAP_ASIMDDP)
@@ -130,6 +136,7 @@ inline CpuFeatures read_cpu_features() noexcept {
     f.amx_bf16 = amx_tile && amx_bf16 && os_tiles;
     __cpuid_count(7, 1, a, b, c, d);
     f.avx512bf16 = f.avx512f && ((a >> 5) & 1u);
+    f.avxvnni = f.avx2_fma && ((a >> 4) & 1u);
 #elif defined(GATTN_HAS_AUXV)
     // Bits of Linux's arch/arm64/include/uapi/asm/hwcap.h (stable ABI).
     const unsigned long hwcap = getauxval(AT_HWCAP), hwcap2 = getauxval(AT_HWCAP2);
@@ -178,7 +185,8 @@ inline void set_bf16_kernel_limit(Bf16Kernel slowest_allowed) noexcept {
 }
 
 /// Limits decoding against an int8 KV cache to `slowest_allowed` or slower families, as
-/// set_bf16_kernel_limit does for bf16. Default: Vnni (no limit).
+/// set_bf16_kernel_limit does for bf16 (AvxVnni keeps AVX512-VNNI out, WidenedFloat both).
+/// Default: Vnni (no limit).
 inline void set_int8_kernel_limit(Int8Kernel slowest_allowed) noexcept {
     detail::int8_kernel_limit() = slowest_allowed;
 }
@@ -289,17 +297,31 @@ inline constexpr bool compiled_with_vnni() noexcept {
 #endif
 }
 
+/// Whether this translation unit contains the AVX-VNNI int8 decoding kernel (AVX-VNNI, AVX2
+/// and FMA: -march=native on a CPU that has it, -march=alderlake, -mavx2 -mfma -mavxvnni).
+inline constexpr bool compiled_with_avxvnni() noexcept {
+#if defined(__AVXVNNI__) && defined(__AVX2__) && defined(__FMA__)
+    return true;
+#else
+    return false;
+#endif
+}
+
 namespace detail {
 /// int8_kernel().kernel without the reasons (no allocation): what a decoding call dispatches on.
 inline Int8Kernel int8_kernel_family() noexcept {
-    return int8_kernel_limit() != Int8Kernel::WidenedFloat && compiled_with_vnni() ? Int8Kernel::Vnni
-                                                                                   : Int8Kernel::WidenedFloat;
+    const Int8Kernel limit = int8_kernel_limit();
+    if (limit == Int8Kernel::Vnni && compiled_with_vnni()) return Int8Kernel::Vnni;
+    if (limit != Int8Kernel::WidenedFloat && compiled_with_avxvnni() && cpu_features().avxvnni)
+        return Int8Kernel::AvxVnni;
+    return Int8Kernel::WidenedFloat;
 }
 }  // namespace detail
 
 /// The kernel family that decoding against an int8 KV cache (few queries per KV head) runs
-/// here, and why no faster one. Head sizes choose too: the VNNI logits need d_k a multiple of
-/// 32 and its value sum d_v a multiple of 64; other sizes widen to float. Prefill (many
+/// here, and why no faster one (one reason per faster family, joined by "; "). Head sizes
+/// choose too: the VNNI logits (both families) need d_k a multiple of 32 and their value sum
+/// d_v a multiple of 64; other sizes widen to float. Prefill (many
 /// queries) always widens the codes to float. May be called from several threads
 /// (set_int8_kernel_limit may not). Throws only std::bad_alloc (for the reason's text). ARM64:
 /// WidenedFloat, and the reason says whether the CPU has SDOT (no kernel uses it yet).
@@ -311,12 +333,21 @@ inline Int8KernelChoice int8_kernel() {
 #else
     if (choice.kernel == Int8Kernel::Vnni) return choice;
     // The same order as bf16_kernel(): the limit, the CPU, then the build.
-    if (detail::int8_kernel_limit() == Int8Kernel::WidenedFloat)
+    const Int8Kernel limit = detail::int8_kernel_limit();
+    if (limit != Int8Kernel::Vnni)
         choice.reason = "AVX512-VNNI: excluded by set_int8_kernel_limit";
     else if (!cpu_features().avx512vnni)
         choice.reason = "AVX512-VNNI: this CPU has none";
     else
         choice.reason = "AVX512-VNNI: not compiled with the flags (build with -march=native)";
+    if (choice.kernel == Int8Kernel::AvxVnni) return choice;
+    if (limit == Int8Kernel::WidenedFloat)
+        choice.reason += "; AVX-VNNI: excluded by set_int8_kernel_limit";
+    else if (!cpu_features().avxvnni)
+        choice.reason += "; AVX-VNNI: this CPU has none";
+    else
+        choice.reason +=
+            "; AVX-VNNI: not compiled with the flags (build with -march=native, or -mavx2 -mfma -mavxvnni)";
 #endif
     return choice;
 }
@@ -330,9 +361,13 @@ inline const char* kernel_name(Bf16Kernel k) noexcept {
     }
 }
 
-/// "AVX512-VNNI" or "widened float".
+/// "AVX512-VNNI", "AVX-VNNI" or "widened float".
 inline const char* kernel_name(Int8Kernel k) noexcept {
-    return k == Int8Kernel::Vnni ? "AVX512-VNNI" : "widened float";
+    switch (k) {
+        case Int8Kernel::Vnni: return "AVX512-VNNI";
+        case Int8Kernel::AvxVnni: return "AVX-VNNI";
+        default: return "widened float";
+    }
 }
 
 /// One line for logs and benchmark context: "<kernel> (<reasons>)".
@@ -343,7 +378,7 @@ std::string describe(const BasicKernelChoice<Kernel>& c) {
 
 /// The vector instruction set gattn's kernels were compiled for in this translation unit and
 /// the widest one the CPU offers, as the kernel families see them ("SSE2", "AVX2+FMA",
-/// "AVX-512"; on ARM64 "NEON", and the CPU's "NEON", "SVE (256-bit)", "SVE2 (512-bit)", …).
+/// "AVX2+FMA+AVX-VNNI", "AVX-512"; on ARM64 "NEON", and the CPU's "NEON", "SVE (256-bit)", "SVE2 (512-bit)", …).
 /// A build without -march runs the SSE2 kernels everywhere: on an AVX-512 machine
 /// (AMD Zen 4) the G1-gated layer (D = 2048, N = 1024, one thread) took 2.4–2.6× as long as
 /// with -march=native.
@@ -387,13 +422,13 @@ inline InstructionSets instruction_sets() noexcept {
     s.compiled = "AVX-512";
 #elif defined(__AVX2__) && defined(__FMA__)
     constexpr int compiled_bits = 256;
-    s.compiled = "AVX2+FMA";
+    s.compiled = compiled_with_avxvnni() ? "AVX2+FMA+AVX-VNNI" : "AVX2+FMA";
 #else
     constexpr int compiled_bits = 128;
 #endif
     const CpuFeatures& f = cpu_features();
     const int cpu_bits = f.avx512f ? 512 : f.avx2_fma ? 256 : 128;
-    s.cpu = f.avx512f ? "AVX-512" : f.avx2_fma ? "AVX2+FMA" : "SSE2";
+    s.cpu = f.avx512f ? "AVX-512" : f.avxvnni ? "AVX2+FMA+AVX-VNNI" : f.avx2_fma ? "AVX2+FMA" : "SSE2";
     s.slow_build = cpu_bits >= 2 * compiled_bits;
     return s;
 #endif

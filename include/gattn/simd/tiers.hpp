@@ -16,6 +16,7 @@
 /// | x86 AVX-512 | x86_avx512.hpp | tile shapes for 32 × 512-bit registers, int8/bf16/fp16 widening |
 /// | x86 AVX512-BF16 | x86_avx512bf16.hpp | VDPBF16PS kernels: bf16 prefill and decoding |
 /// | x86 AVX512-VNNI | x86_avx512vnni.hpp | VPDPWSSD kernels: int8 decoding |
+/// | x86 AVX-VNNI | x86_avxvnni.hpp | VEX VPDPWSSD kernels on ymm: int8 decoding on AVX2 machines |
 /// | x86 AMX | x86_amx.hpp | TDPBF16PS tile code: bf16 prefill |
 /// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening |
 ///
@@ -33,6 +34,7 @@
 #include "gattn/simd/x86_avx512.hpp"
 #include "gattn/simd/x86_avx512bf16.hpp"
 #include "gattn/simd/x86_avx512vnni.hpp"
+#include "gattn/simd/x86_avxvnni.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
 namespace simd {
