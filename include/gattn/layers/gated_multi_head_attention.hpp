@@ -335,7 +335,12 @@ public:
         s.batch = batch;
         s.sdpa = std::move(sdpa);
         s.positions = std::move(positions);
-        run_train(x, out, s);
+        if (x.rows() > 0) {
+            run_train(x, out, s);
+        } else {  // no rows: empty activations of the right widths (no views of empty storage)
+            s.attention.resize(0, m_config.num_heads * m_config.d_v());
+            s.log_sum_exp.resize(0, m_config.num_heads);
+        }
         saved = std::move(s);
     }
 
@@ -388,7 +393,12 @@ public:
                                                      std::to_string(r) + ", " + std::to_string(c) + ")");
         RowMatrix<T> dx(rows, D);
         AttentionWeights<T> g;
-        run_backward(x, saved, d_out, g, dx);
+        if (rows > 0) {
+            run_backward(x, saved, d_out, g, dx);
+        } else {  // no rows: every gradient is 0, shaped as the weights
+            g = make_random_weights<T>(m_config, 0);
+            g.for_each([](const char*, auto* p) { p->setZero(); });
+        }
         grads = std::move(g);
         d_x = dx;
     }

@@ -401,7 +401,8 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
     using Geometry = kernel::FlashGeometry<T>;
     const Index group = H / Hkv;
-    auto decodes = [&](Index b) { return group * query_count(b) <= Geometry::kQueries / 4; };
+    // A sequence with no query rows takes no task.
+    auto decodes = [&](Index b) { return query_count(b) > 0 && group * query_count(b) <= Geometry::kQueries / 4; };
     auto query_blocks = [&](Index b) { return (group * query_count(b) + Geometry::kQueries - 1) / Geometry::kQueries; };
     // Decoding tasks (sequence b, chunk c) are numbered chunk_begin[b] + c: chunks of
     // kChunkKeys of the sequence's L_b keys (a chunk past a shorter mask.key_lengths entry sees
@@ -617,9 +618,10 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                 describe_block(blk[0], b, g, 0);
                 to_decode_block(0);
                 // State of (b, chunk c, g) sits at (chunk_begin[b] + c)·H_kv + g.
-                const Index first = chunk_begin[static_cast<std::size_t>(b)];
-                kernel::decode_finish<T>(decode_blk[0], partial.data() + first * Hkv + g, Hkv,
-                                         chunk_begin[static_cast<std::size_t>(b) + 1] - first, dv);
+                const Index first = chunk_begin[static_cast<std::size_t>(b)],
+                            chunks = chunk_begin[static_cast<std::size_t>(b) + 1] - first;  // 0: no keys
+                kernel::decode_finish<T>(decode_blk[0], chunks > 0 ? partial.data() + first * Hkv + g : nullptr, Hkv,
+                                         chunks, dv);
                 finish_block(blk[0].count, decode_blk[0].out, b, g, 0);
                 if constexpr (kNarrow)
                     for (int t = 0; t < blk[0].count; ++t) kernel::narrow_row(stage_rows[t], blk[0].out[t], dv);
