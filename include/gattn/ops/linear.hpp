@@ -69,9 +69,7 @@ public:
     /// Outputs per row (the weight's rows).
     Index out_features() const noexcept { return m_w.rows(); }
     /// Bytes of weights and bias held.
-    std::size_t bytes() const noexcept {
-        return sizeof(Scalar) * static_cast<std::size_t>(m_w.size() + m_b.size());
-    }
+    std::size_t bytes() const noexcept { return sizeof(Scalar) * static_cast<std::size_t>(m_w.size() + m_b.size()); }
     /// The weight [out_features, in_features] as given.
     const RowMatrix<Scalar>& weight() const noexcept { return m_w; }
     /// out [R, out_features] = x [R, in_features]·wᵀ + b; out must not overlap x.
