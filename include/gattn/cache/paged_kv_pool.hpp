@@ -39,6 +39,53 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// Identifies a sequence of a PagedKVPool (ids of freed sequences are reused).
 using SequenceId = Index;
 
+namespace detail {
+
+/// Checks a ragged batch's row offsets (FlashInfer's qo_indptr): B + 1 entries from 0,
+/// non-decreasing, ending at rows (rows_name names that count in the message).
+/// \throws shape_error for a size other than B + 1; std::invalid_argument otherwise.
+inline void check_qo_indptr(const char* fn, const std::vector<Index>& qo_indptr, Index B, Index rows,
+                            const char* rows_name) {
+    if (static_cast<Index>(qo_indptr.size()) != B + 1)
+        throw_shape(fn, "qo_indptr", shape_string({B + 1}), shape_string({static_cast<Index>(qo_indptr.size())}));
+    if (qo_indptr.front() != 0 || qo_indptr.back() != rows)
+        throw_invalid(fn, "qo_indptr",
+                      std::string("must run from 0 to ") + rows_name + " = " + std::to_string(rows) + ", got " +
+                          std::to_string(qo_indptr.front()) + " ... " + std::to_string(qo_indptr.back()));
+    for (std::size_t b = 0; b + 1 < qo_indptr.size(); ++b)
+        if (qo_indptr[b + 1] < qo_indptr[b])
+            throw_invalid(fn, "qo_indptr[" + std::to_string(b + 1) + "]",
+                          "must be >= qo_indptr[" + std::to_string(b) + "] = " + std::to_string(qo_indptr[b]) +
+                              ", got " + std::to_string(qo_indptr[b + 1]) + " < " + std::to_string(qo_indptr[b]));
+}
+
+/// Whether view shares an element with the pool's storage (keys, values, int8 scales).
+template <class View, class Pool>
+bool holds_pool_storage(const View& view, const Pool& pool) noexcept {
+    return views_overlap(view, pool.keys()) || views_overlap(view, pool.values()) ||
+           views_overlap(view, pool.key_scales()) || views_overlap(view, pool.value_scales());
+}
+
+/// A layer step over a pool: checks qo_indptr against x's rows and returns each row's
+/// position, after its sequence's tokens in the pool (RoPE).
+/// \throws as check_qo_indptr, and std::invalid_argument for an id not in the pool.
+template <class Pool>
+std::vector<Index> paged_step_positions(const char* fn, Index rows, const std::vector<Index>& qo_indptr,
+                                        const Pool& pool, const std::vector<Index>& seqs) {
+    const auto B = static_cast<Index>(seqs.size());
+    check_qo_indptr(fn, qo_indptr, B, rows, "x.rows()");
+    std::vector<Index> positions;
+    positions.reserve(static_cast<std::size_t>(rows));
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+        const Index r0 = qo_indptr[b], r1 = qo_indptr[b + 1];
+        const Index seen = r1 > r0 ? pool.length(seqs[b]) : 0;
+        for (Index r = r0; r < r1; ++r) positions.push_back(seen + r - r0);
+    }
+    return positions;
+}
+
+}  // namespace detail
+
 /// The pages of `num_pages`·P tokens of one attention layer's keys and values, shared by the
 /// sequences it holds (see the file comment). Scalar: float, double, gattn::bfloat16,
 /// gattn::half, or std::int8_t (int8 codes and scales of float keys and values).
@@ -288,26 +335,14 @@ public:
                        const std::vector<Index>& qo_indptr) {
         constexpr const char* fn = "gattn::PagedKVPool::append_ragged";
         const auto B = static_cast<Index>(seqs.size());
-        if (static_cast<Index>(qo_indptr.size()) != B + 1)
-            detail::throw_shape(fn, "qo_indptr", detail::shape_string({B + 1}),
-                                detail::shape_string({static_cast<Index>(qo_indptr.size())}));
         if (k.cols() != m_keys.cols())
             detail::throw_shape(fn, "k", "[rows, " + std::to_string(m_keys.cols()) + "]",
                                 detail::shape_string({k.rows(), k.cols()}));
         detail::check_shape(fn, "v", v.rows(), v.cols(), k.rows(), m_values.cols());
-        if (qo_indptr.front() != 0 || qo_indptr.back() != k.rows())
-            detail::throw_invalid(fn, "qo_indptr",
-                                  "must run from 0 to k.rows() = " + std::to_string(k.rows()) + ", got " +
-                                      std::to_string(qo_indptr.front()) + " ... " + std::to_string(qo_indptr.back()));
+        detail::check_qo_indptr(fn, qo_indptr, B, k.rows(), "k.rows()");
         std::vector<Index> first_row(qo_indptr.begin(), qo_indptr.end() - 1), counts(static_cast<std::size_t>(B));
-        for (Index b = 0; b < B; ++b) {
+        for (Index b = 0; b < B; ++b)
             counts[static_cast<std::size_t>(b)] = qo_indptr[static_cast<std::size_t>(b) + 1] - first_row[b];
-            if (counts[b] < 0)
-                detail::throw_invalid(fn, "qo_indptr[" + std::to_string(b + 1) + "]",
-                                      "must be >= qo_indptr[" + std::to_string(b) +
-                                          "] = " + std::to_string(first_row[b]) + ", got " +
-                                          std::to_string(qo_indptr[static_cast<std::size_t>(b) + 1]));
-        }
         if (B > 0) append_rows(fn, seqs, k, v, first_row, counts);
     }
 

@@ -528,30 +528,8 @@ public:
             gattn::detail::throw_shape(
                 fn, "pool", "[num_kv_heads, head_dim, value_head_dim] = " + gattn::detail::shape_string({Hkv, dk, dv}),
                 gattn::detail::shape_string({pool.num_kv_heads(), pool.head_dim(), pool.value_head_dim()}));
-        if (static_cast<Index>(qo_indptr.size()) != B + 1)
-            gattn::detail::throw_shape(fn, "qo_indptr", gattn::detail::shape_string({B + 1}),
-                                       gattn::detail::shape_string({static_cast<Index>(qo_indptr.size())}));
-        if (qo_indptr.front() != 0 || qo_indptr.back() != x.rows())
-            gattn::detail::throw_invalid(fn, "qo_indptr",
-                                         "must run from 0 to x.rows() = " + std::to_string(x.rows()) + ", got " +
-                                             std::to_string(qo_indptr.front()) + " ... " +
-                                             std::to_string(qo_indptr.back()));
-        std::vector<Index> positions;  // RoPE: after the sequence's tokens so far
-        for (Index b = 0; b < B; ++b) {
-            const Index r0 = qo_indptr[static_cast<std::size_t>(b)], r1 = qo_indptr[static_cast<std::size_t>(b) + 1];
-            if (r1 < r0)
-                gattn::detail::throw_invalid(fn, "qo_indptr[" + std::to_string(b + 1) + "]",
-                                             "must be >= qo_indptr[" + std::to_string(b) + "] = " + std::to_string(r0) +
-                                                 ", got " + std::to_string(r1));
-            const Index seen = r1 > r0 ? pool.length(seqs[static_cast<std::size_t>(b)]) : 0;
-            for (Index r = r0; r < r1; ++r) positions.push_back(seen + r - r0);
-        }
-        auto in_pool = [&](const auto& view) {
-            return gattn::detail::views_overlap(view, pool.keys()) ||
-                   gattn::detail::views_overlap(view, pool.values()) ||
-                   gattn::detail::views_overlap(view, pool.key_scales()) ||
-                   gattn::detail::views_overlap(view, pool.value_scales());
-        };
+        const std::vector<Index> positions = gattn::detail::paged_step_positions(fn, x.rows(), qo_indptr, pool, seqs);
+        auto in_pool = [&](const auto& view) { return gattn::detail::holds_pool_storage(view, pool); };
         if (gattn::detail::views_overlap(out, x) || in_pool(out) || in_pool(x))
             gattn::detail::throw_invalid(fn, gattn::detail::views_overlap(out, x) || in_pool(out) ? "out" : "x",
                                          "must not share an element with x or the pool");

@@ -52,10 +52,7 @@ void paged_attention_rows(const char* fn, ConstMatrixRef<Query> query, const std
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads, P = pool.page_size();
     const Index rows = q_begin.back();
     check_shape(fn, "out", out.rows(), out.cols(), rows, H * dv);
-    auto holds = [&](const auto& view) {
-        return views_overlap(view, pool.keys()) || views_overlap(view, pool.values()) ||
-               views_overlap(view, pool.key_scales()) || views_overlap(view, pool.value_scales());
-    };
+    auto holds = [&](const auto& view) { return holds_pool_storage(view, pool); };
     if (views_overlap(out, query) || holds(out))
         throw_invalid(fn, "out", "must not share an element with query or the pool");
     const auto& mask = opts.mask;
@@ -204,24 +201,10 @@ void paged_attention(ConstMatrixRef<Query> query, const std::vector<Index>& qo_i
     const std::vector<Index> lengths =
         gattn::detail::checked_paged_lengths(fn, query.rows(), query.cols(), pool, table, num_heads, options, extra);
     const Index B = table.batch(), Hkv = pool.num_kv_heads();
-    if (static_cast<Index>(qo_indptr.size()) != B + 1)
-        gattn::detail::throw_shape(fn, "qo_indptr", gattn::detail::shape_string({B + 1}),
-                                   gattn::detail::shape_string({static_cast<Index>(qo_indptr.size())}));
-    if (qo_indptr.front() != 0 || qo_indptr.back() != query.rows())
-        gattn::detail::throw_invalid(fn, "qo_indptr",
-                                     "must run from 0 to query.rows() = " + std::to_string(query.rows()) + ", got " +
-                                         std::to_string(qo_indptr.front()) + " ... " +
-                                         std::to_string(qo_indptr.back()));
+    gattn::detail::check_qo_indptr(fn, qo_indptr, B, query.rows(), "query.rows()");
     Index max_rows = 0;
-    for (Index b = 0; b < B; ++b) {
-        const Index n = qo_indptr[static_cast<std::size_t>(b) + 1] - qo_indptr[static_cast<std::size_t>(b)];
-        if (n < 0)
-            gattn::detail::throw_invalid(fn, "qo_indptr[" + std::to_string(b + 1) + "]",
-                                         "must be >= qo_indptr[" + std::to_string(b) + "], got " +
-                                             std::to_string(qo_indptr[static_cast<std::size_t>(b) + 1]) + " < " +
-                                             std::to_string(qo_indptr[static_cast<std::size_t>(b)]));
-        max_rows = std::max(max_rows, n);
-    }
+    for (std::size_t b = 0; b + 1 < qo_indptr.size(); ++b)
+        max_rows = std::max(max_rows, qo_indptr[b + 1] - qo_indptr[b]);
     const auto& m = options.mask;
     const char* per_row = !m.bool_mask.empty()       ? "options.mask.bool_mask"
                           : !m.bias.empty()          ? "options.mask.bias"
