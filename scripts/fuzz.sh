@@ -1,15 +1,14 @@
 #!/usr/bin/env bash
-# Builds gattn's libFuzzer harnesses with clang (-fsanitize=fuzzer,address,undefined, -O1 -g,
-# assertions on) and fuzzes each for a bounded time from its seed corpus:
+# Builds gattn's libFuzzer harnesses with clang (-fsanitize=fuzzer,address,undefined, -O1 with
+# line tables, assertions on) at the widest instruction set of this CPU (-march=native when it
+# has AVX-512F, else -mavx2 -mfma when it has AVX2 and FMA, else the compiler's default), and
+# fuzzes each for a bounded time from its seed corpus:
 #  - tests/fuzz/fuzz_sdpa.cpp: SDPA against a float64 reference, the gated layer, and the layer
 #    decoding through a KV cache with invalid calls among the valid ones (seeds
-#    tests/fuzz/corpus; its decode_* seeds are written by scripts/make_fuzz_seeds.py), built
-#    twice, as gattn's kernels are separate code per instruction set:
-#      baseline  the compiler's default instruction set (x86-64: SSE2);
-#      wide      the widest instruction set of this CPU: -march=native when it has AVX-512F, else
-#                -mavx2 -mfma when it has AVX2 and FMA (skipped otherwise, the baseline run then
-#                gets all the time);
-#  - the file readers, in the baseline build only (they have no instruction-set-specific code):
+#    tests/fuzz/corpus; its decode_* seeds are written by scripts/make_fuzz_seeds.py). The
+#    sanitized test suite (scripts/test.sh's asan flavour) runs the AVX2 kernels; this build
+#    adds the AVX-512 ones on CPUs that have them;
+#  - the file readers:
 #      fuzz_safetensors  gattn::SafetensorsFile (seeds tests/fuzz/corpus_safetensors);
 #      fuzz_config       load_qwen3_next_config (seeds tests/fuzz/corpus_config);
 #      fuzz_index        model.safetensors.index.json of a sharded checkpoint (seeds
@@ -22,61 +21,53 @@
 # fails the script with the input kept under <build dir>/artifacts/ (replay it with
 # <build dir>/tests/<harness> <file>; add it to the harness's corpus as finding_<what> so that
 # ctest's Fuzz.*CorpusReplay replays it).
-# Environment: BUILD_DIR (default build/fuzz; the wide build goes to BUILD_DIR-wide), JOBS
-# (default: all cores), FUZZ_SECONDS (default 60: fuzz_sdpa's total, split evenly between the
-# builds), FUZZ_IO_SECONDS (default 60: each file-reader harness); 0 replays the seeds only.
-# FUZZ_MERGE=1 adds the inputs that found new coverage in fuzz_sdpa (in either build) to
+# Environment: BUILD_DIR (default build/fuzz), JOBS (default: all cores), FUZZ_SECONDS (default
+# 60: fuzz_sdpa), FUZZ_IO_SECONDS (default 60: each file-reader harness); 0 replays the seeds
+# only. ARCH (instruction-set flags) replaces the choice above, e.g. ARCH= for the compiler's
+# default. FUZZ_MERGE=1 adds the inputs that found new coverage in fuzz_sdpa to
 # tests/fuzz/corpus (a minimising merge: keep the corpus small, under ~200 files / 1 MB); the
 # file readers' corpora are written by scripts/make_fuzz_seeds.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 scripts/deps.sh clang
-base_dir="${BUILD_DIR:-build/fuzz}"
+dir="${BUILD_DIR:-build/fuzz}"
 jobs="${JOBS:-$(nproc)}"
-total_seconds="${FUZZ_SECONDS:-60}"
+sdpa_seconds="${FUZZ_SECONDS:-60}"
 io_seconds="${FUZZ_IO_SECONDS:-60}"
 seeds=tests/fuzz/corpus
 readers=(safetensors config index)
 
-# Builds to fuzz: "<name> <build dir> <instruction-set flags>".
-builds=("baseline|$base_dir|")
-if grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
-  builds+=("wide (AVX-512, -march=native)|$base_dir-wide|-march=native")
+if [ -n "${ARCH+set}" ]; then
+  arch="$ARCH"
+elif grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
+  arch="-march=native"
 elif grep -qw avx2 /proc/cpuinfo 2>/dev/null && grep -qw fma /proc/cpuinfo; then
-  builds+=("wide (AVX2, -mavx2 -mfma)|$base_dir-wide|-mavx2 -mfma")
+  arch="-mavx2 -mfma"
+else
+  arch=""
 fi
-seconds=$((total_seconds / ${#builds[@]}))
-
-for entry in "${builds[@]}"; do
-  IFS='|' read -r name dir arch <<<"$entry"
-  targets=(fuzz_sdpa)
-  [ "$dir" = "$base_dir" ] && targets+=("${readers[@]/#/fuzz_}")
-  echo "== ${targets[*]} build, $name (clang, libFuzzer + AddressSanitizer + UndefinedBehaviorSanitizer)"
-  cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-        "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" -DGATTN_BUILD_FUZZERS=ON -DGATTN_ARCH_FLAGS="$arch" \
-        -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF >/dev/null
-  cmake --build "$dir" -j "$jobs" --target "${targets[@]}" 2>&1 |
-    grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)' || true
-  for t in "${targets[@]}"; do
-    [ -x "$dir/tests/$t" ] || { echo "$t was not built in $dir" >&2; exit 1; }
-  done
+targets=(fuzz_sdpa "${readers[@]/#/fuzz_}")
+echo "== ${targets[*]} build, instruction sets '${arch:-default}' (clang, libFuzzer + AddressSanitizer + UndefinedBehaviorSanitizer)"
+cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+      "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" -DGATTN_BUILD_FUZZERS=ON -DGATTN_ARCH_FLAGS="$arch" \
+      -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF >/dev/null
+cmake --build "$dir" -j "$jobs" --target "${targets[@]}" 2>&1 |
+  grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)' || true
+for t in "${targets[@]}"; do
+  [ -x "$dir/tests/$t" ] || { echo "$t was not built in $dir" >&2; exit 1; }
 done
 
 # Runs: "<label>|<fuzzer>|<working corpus>|<seed corpus>|<seconds>|<artifact prefix>|<flags>",
 # the longest first (they start in this order as cores free up).
-runs=()
+runs=("fuzz_sdpa|$dir/tests/fuzz_sdpa|$dir/corpus|$seeds|$sdpa_seconds|$dir/artifacts/|-max_len=4096 -timeout=30 -rss_limit_mb=4096")
 for r in "${readers[@]}"; do
-  runs+=("fuzz_$r|$base_dir/tests/fuzz_$r|$base_dir/corpus_$r|tests/fuzz/corpus_$r|$io_seconds|$base_dir/artifacts/fuzz_$r-|-max_len=8192 -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=64 -dict=tests/fuzz/$r.dict")
-done
-for entry in "${builds[@]}"; do
-  IFS='|' read -r name dir arch <<<"$entry"
-  runs+=("fuzz_sdpa $name|$dir/tests/fuzz_sdpa|$dir/corpus|$seeds|$seconds|$dir/artifacts/|-max_len=4096 -timeout=30 -rss_limit_mb=4096")
+  runs+=("fuzz_$r|$dir/tests/fuzz_$r|$dir/corpus_$r|tests/fuzz/corpus_$r|$io_seconds|$dir/artifacts/fuzz_$r-|-max_len=8192 -timeout=10 -rss_limit_mb=2048 -malloc_limit_mb=64 -dict=tests/fuzz/$r.dict")
 done
 
 # One run: its output goes to <working corpus>.log, its exit status to <working corpus>.status.
 # The harnesses' temporary files go to <build dir>/tmp.
-tmp="$PWD/$base_dir/tmp"
+tmp="$PWD/$dir/tmp"
 rm -rf "$tmp"
 mkdir -p "$tmp"
 run() {
@@ -129,12 +120,7 @@ printf '%s\n' "${summary[@]}"
 [ "$failed" -eq 0 ] || exit 1
 
 if [ "${FUZZ_MERGE:-0}" = 1 ]; then
-  # Each build merges its new inputs in turn, so an input is kept when it reaches code that the
-  # corpus does not reach in that build. Edge coverage only (-use_counters=0): keeps the corpus
-  # to the inputs that reach new code.
-  for entry in "${builds[@]}"; do
-    IFS='|' read -r name dir arch <<<"$entry"
-    "$dir/tests/fuzz_sdpa" -merge=1 -use_counters=0 -max_len=4096 "$seeds" "$dir/corpus" >"$dir/merge.log" 2>&1
-  done
+  # Edge coverage only (-use_counters=0): keeps the corpus to the inputs that reach new code.
+  "$dir/tests/fuzz_sdpa" -merge=1 -use_counters=0 -max_len=4096 "$seeds" "$dir/corpus" >"$dir/merge.log" 2>&1
   echo "corpus: $(ls "$seeds" | wc -l) files, $(du -sk "$seeds" | cut -f1) KiB"
 fi
