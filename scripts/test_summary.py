@@ -6,7 +6,8 @@ Usage: test_summary.py <flavour> <ctest JUnit file> <GoogleTest XML folder>
 Sharded executables (GATTN_TESTS_PER_EXECUTABLE) write one GoogleTest XML report per shard into
 the folder: their cases are counted from those. Every other ctest test (one GoogleTest case each
 with gtest_discover_tests, or a script such as the CMake package check) counts as one. A ctest
-test that wrote no report of its own (a shard that crashed) counts as failed.
+test that wrote no report of its own (a shard that crashed) counts as failed. Exits with status
+1 when no case ran (a GoogleTest filter that selects nothing passes in ctest).
 """
 import pathlib
 import sys
@@ -50,6 +51,9 @@ def main(flavour, junit_path, results_dir):
     tests = sum(1 for _ in ctest.iter("testcase"))
     print(f"== {flavour}: {run} test cases run, {passed} passed, {failed} failed, {skipped} skipped "
           f"({tests} ctest tests)")
+    if run == 0:
+        print(f"{flavour}: no test case ran (does a filter select nothing?)", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
-#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -1326,79 +1325,6 @@ TEST(Library, VersionStringIsTheVersionMacros) {
                              std::to_string(GATTN_VERSION_PATCH);
     EXPECT_EQ(std::string(gattn::version()), want);
     EXPECT_EQ(std::string(GATTN_VERSION_STRING), want);
-}
-
-/// The instruction-set report names what this unit was compiled for (from the compiler's own
-/// macros) and calls a build slow exactly when the CPU's vectors are twice as wide or more.
-/// ARM64: NEON in every build, never slow; an SVE CPU is named with its vector length, and when
-/// that is wider than NEON's the report says that no SVE kernel uses it.
-TEST(Library, InstructionSetReport) {
-    const gattn::InstructionSets s = gattn::instruction_sets();
-#if defined(__aarch64__)
-    const gattn::CpuFeatures& f = gattn::cpu_features();
-    EXPECT_STREQ(s.compiled, "NEON");
-    EXPECT_FALSE(s.slow_build);
-    if (f.sve) {
-        EXPECT_EQ(f.sve_bits % 128, 0) << f.sve_bits;
-        EXPECT_GE(f.sve_bits, 128);
-        const std::string want = std::string(f.sve2 ? "SVE2" : "SVE") + " (" + std::to_string(f.sve_bits) + "-bit)";
-        EXPECT_EQ(std::string(s.cpu), want);
-    } else {
-        EXPECT_STREQ(s.cpu, "NEON");
-        EXPECT_EQ(f.sve_bits, 0);
-    }
-    EXPECT_EQ(std::string(s.unused).empty(), f.sve_bits <= 128) << s.unused;
-    const std::string line = gattn::describe(s);
-    EXPECT_NE(line.find(std::string("compiled for NEON, CPU has ") + s.cpu), std::string::npos) << line;
-    EXPECT_EQ(line.find("gattn has no SVE kernels") != std::string::npos, f.sve_bits > 128) << line;
-    EXPECT_EQ(line.find("-march=native"), std::string::npos) << line;
-#else
-#if defined(__AVX512F__)
-    EXPECT_STREQ(s.compiled, "AVX-512");
-    const int compiled = 512;
-#elif defined(__AVX2__) && defined(__FMA__)
-    EXPECT_STREQ(s.compiled, gattn::compiled_with_avxvnni() ? "AVX2+FMA+AVX-VNNI" : "AVX2+FMA");
-    const int compiled = 256;
-#else
-    EXPECT_STREQ(s.compiled, "SSE2");
-    const int compiled = 128;
-#endif
-    const gattn::CpuFeatures& f = gattn::cpu_features();
-    const int cpu = f.avx512f ? 512 : f.avx2_fma ? 256 : 128;
-    EXPECT_EQ(s.slow_build, cpu >= 2 * compiled);
-    const std::string line = gattn::describe(s);
-    EXPECT_NE(line.find(std::string("compiled for ") + s.compiled + ", CPU has " + s.cpu), std::string::npos) << line;
-    EXPECT_EQ(line.find("-march=native") != std::string::npos, s.slow_build) << line;
-    EXPECT_STREQ(s.unused, "");
-#endif
-}
-
-/// The CPU features read from the operating system (ARM64: the HWCAP words and the SVE vector
-/// length) are those of the CPU the test runs on, as its runner states them in
-/// GATTN_EXPECT_CPU_FEATURES: the features present, space-separated, of asimd asimddp sve sve2
-/// bf16 i8mm, and sve_bits=<n> (e.g. scripts/test.sh's aarch64 flavour, which chooses the CPU
-/// model QEMU emulates). Skipped where it is not set.
-TEST(Library, CpuFeaturesAreThoseOfTheCpu) {
-    const char* expected = std::getenv("GATTN_EXPECT_CPU_FEATURES");
-    if (!expected) GTEST_SKIP() << "GATTN_EXPECT_CPU_FEATURES is not set";
-    std::set<std::string> want;
-    int sve_bits = 0;
-    std::istringstream words(expected);
-    for (std::string w; words >> w;) {
-        if (w.rfind("sve_bits=", 0) == 0)
-            sve_bits = std::stoi(w.substr(9));
-        else
-            want.insert(w);
-    }
-    const gattn::CpuFeatures& f = gattn::cpu_features();
-    const std::pair<const char*, bool> has[] = {{"asimd", f.asimd}, {"asimddp", f.asimddp}, {"sve", f.sve},
-                                                {"sve2", f.sve2},   {"bf16", f.bf16},       {"i8mm", f.i8mm}};
-    for (const auto& [name, present] : has) {
-        EXPECT_EQ(present, want.count(name) == 1) << name;
-        want.erase(name);
-    }
-    EXPECT_TRUE(want.empty()) << "unknown feature " << *want.begin();
-    EXPECT_EQ(f.sve_bits, sve_bits);
 }
 
 /// set_num_threads sets what num_threads reports (with OpenMP) and refuses counts below 1.
