@@ -1018,6 +1018,46 @@ TEST(LayerPaged, MixedBatchStepsEqualEachSequenceAlone) {
     check_layer_over_pool<float>(w, 24, 1e-6);
 }
 
+/// A causal sliding window over a pool: each step releases the pages no later token sees, so a
+/// long decoding keeps at most ceil((P + w − 1) / P) pages of P tokens per sequence (3 for
+/// w = 20, P = 16: after a release fewer than P + w − 1 tokens stay, plus the next token), in a
+/// pool far smaller than the tokens; every step equals the same tokens through a window KVCache.
+/// RoPE uses the tokens' positions in their sequence, released tokens included.
+TEST(LayerPaged, SlidingWindowReleasesPagesAndEqualsAWindowCache) {
+    gattn::AttentionConfig c = small_config();
+    c.sliding_window = 20;
+    c.rotary_dim = 4;
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 31));
+    gattn::PagedKVPool<float> pool(7, 16, c.num_kv_heads, c.d_k(), c.d_v());
+    const std::vector<gattn::SequenceId> seqs{pool.allocate(), pool.allocate()};
+    std::vector<gattn::KVCache<float>> alone;
+    for (int b = 0; b < 2; ++b) alone.push_back(layer.make_cache<float>(1, 200));
+    ASSERT_EQ(alone[0].window(), 20);
+    std::mt19937 rng(31);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    for (int step = 0; step < 130; ++step) {
+        // Sequence 0: a 30-token prompt, then one token a step; sequence 1 joins at step 40 with
+        // a 17-token chunk.
+        const std::vector<Index> counts{step == 0 ? 30 : 1, step < 40 ? 0 : step == 40 ? 17 : 1};
+        const std::vector<Index> indptr{0, counts[0], counts[0] + counts[1]};
+        RowMatrix<float> x(indptr.back(), c.d_model), out(indptr.back(), c.d_model);
+        for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
+        layer.forward(x, indptr, pool, seqs, out);
+        for (std::size_t b = 0; b < 2; ++b) {
+            const Index n = counts[b], r0 = indptr[b];
+            if (n == 0) continue;
+            RowMatrix<float> y(n, c.d_model);
+            layer.forward(x.middleRows(r0, n), alone[b], y);
+            gattn_test::expect_close(out.middleRows(r0, n), y.cast<double>(), 1e-6, 1e-5,
+                                     "step " + std::to_string(step) + ", sequence " + std::to_string(b));
+            EXPECT_LE(pool.pages(seqs[b]).size(), 3u) << "step " << step;
+            EXPECT_EQ(pool.length(seqs[b]), alone[b].tokens_seen()[0]);
+        }
+    }
+    EXPECT_EQ(pool.length(seqs[0]), 159);
+    EXPECT_EQ(pool.first_position(seqs[0]), 128);  // pages 0..7 released: token 159 sees 140..159
+}
+
 TEST(LayerPaged, BadStepsWriteNothing) {
     const gattn::AttentionConfig c = small_config();
     const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 25));

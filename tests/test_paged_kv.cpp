@@ -153,6 +153,60 @@ TEST(PagedKVPool, Int8PoolQuantizesAsTheCacheDoes) {
     EXPECT_EQ(pool.storage_bytes(), 4 * 16 * (2 * 16 + 4 * 4));
 }
 
+/// A sliding window of w keys: the pages whose tokens all come before token length − w + 1 go
+/// (hand-counted below with P = 16); the rest stay in place, in order, and appending goes on
+/// after them. A page a fork still holds is not freed.
+TEST(PagedKVPool, ReleaseOutsideWindowDropsHiddenFrontPages) {
+    PagedKVPool<float> pool(8, 16, 1, 4);
+    std::mt19937 rng(7);
+    const RowMatrix<float> k = random_rows<float>(60, 4, rng), v = random_rows<float>(60, 4, rng);
+    const SequenceId a = pool.allocate();
+    pool.append({a}, k.topRows(50), v.topRows(50), {50});  // pages 0..3, 50 tokens
+    const std::vector<Index> pages = pool.pages(a);
+    const SequenceId child = pool.fork(a);
+    // The next token (50) sees tokens 31..50 with w = 20: tokens 0..15 (page 0) are hidden,
+    // page 1 holds token 31.
+    EXPECT_EQ(pool.release_outside_window(a, 20), 1);
+    EXPECT_EQ(pool.first_position(a), 16);
+    EXPECT_EQ(pool.length(a), 50);
+    EXPECT_EQ(pool.pages(a), std::vector<Index>(pages.begin() + 1, pages.end()));
+    EXPECT_EQ(pool.ref_count(pages[0]), 1);  // the fork still holds it
+    EXPECT_EQ(pool.free_pages(), 4);
+    gattn::PageTable table = pool.page_table({a});
+    EXPECT_EQ(table.length(0, 16), 34);
+    EXPECT_EQ(table.last_page_len[0], 2);
+    EXPECT_EQ(pool.release_outside_window(a, 20), 0);  // nothing more is hidden
+    EXPECT_EQ(pool.page_table({child}).length(0, 16), 50);
+    pool.free(child);  // page 0 is free now; pages 1..3 are a's alone
+    EXPECT_EQ(pool.free_pages(), 5);
+    // w = 35: token 50 sees 16..50; nothing goes. w = 3: tokens up to 47 are hidden, pages 1
+    // and 2 (tokens 16..47) go.
+    EXPECT_EQ(pool.release_outside_window(a, 35), 0);
+    EXPECT_EQ(pool.release_outside_window(a, 3), 2);
+    EXPECT_EQ(pool.first_position(a), 48);
+    EXPECT_EQ(pool.free_pages(), 7);
+    // Appending goes on in the last page: tokens 50..51 at slots 2..3 of page 3.
+    pool.append({a}, k.middleRows(50, 2), v.middleRows(50, 2), {2});
+    EXPECT_EQ(pool.pages(a), std::vector<Index>{pages[3]});
+    EXPECT_EQ(pool.keys().row(pages[3] * 16 + 3), k.row(51));
+    EXPECT_EQ(pool.keys().row(pages[3] * 16 + 0), k.row(48));
+    // w = 1: the next token sees only itself; every page goes, even the partial last one.
+    EXPECT_EQ(pool.release_outside_window(a, 1), 1);
+    EXPECT_EQ(pool.first_position(a), 52);
+    EXPECT_TRUE(pool.pages(a).empty());
+    EXPECT_EQ(pool.page_table({a}).last_page_len[0], 0);
+    pool.append({a}, k.middleRows(52, 3), v.middleRows(52, 3), {3});  // a new page, slots 0..2
+    ASSERT_EQ(pool.pages(a).size(), 1u);
+    EXPECT_EQ(pool.keys().row(pool.pages(a)[0] * 16 + 2), k.row(54));
+    EXPECT_EQ(pool.length(a), 55);
+    // Released tokens cannot come back; the rest can be rolled back.
+    EXPECT_THROW(pool.truncate(a, 51), std::invalid_argument);
+    pool.truncate(a, 52);
+    EXPECT_TRUE(pool.pages(a).empty());
+    EXPECT_EQ(pool.length(a), 52);
+    EXPECT_EQ(pool.free_pages(), 8);
+}
+
 /// Every error: a clear message naming what is wrong, and the pool unchanged.
 TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
     PagedKVPool<std::int8_t> pool(4, 16, 1, 8);
@@ -191,6 +245,8 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
     expect_error([&] { pool.append({b}, k.topRows(1), v.topRows(1), {1}); }, {"seqs[0]", "got 1", "freed"});
     expect_error([&] { pool.append({a, a}, k.topRows(2), v.topRows(2), {1, 1}); }, {"seqs[1]", "also seqs[0]"});
     expect_error([&] { pool.append({a}, k.topRows(2), v.topRows(2), {3}); }, {"counts[0]", "[0, 2]"});
+    expect_error([&] { pool.release_outside_window(a, 0); }, {"release_outside_window", "window", "got 0"});
+    expect_error([&] { pool.release_outside_window(b, 4); }, {"seq", "got 1", "freed"});
     RowMatrix<float> bad = k.topRows(2);
     bad(1, 3) = std::numeric_limits<float>::quiet_NaN();
     expect_error(

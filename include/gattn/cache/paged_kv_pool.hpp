@@ -9,7 +9,9 @@
 /// one [num_pages·P, H_kv·d_k] key matrix and one [num_pages·P, H_kv·d_v] value matrix, in the
 /// row formats of KVCache (float, double, bf16, fp16; int8 codes with one float scale per
 /// (row, KV head), ops/int8_rows.hpp). A sequence is its list of pages plus its length; every
-/// page but the last is full. Pages are reference counted: fork() makes a sequence that shares
+/// page but the last is full. A sliding-window layer's sequence releases the pages at its front
+/// that its window no longer sees (release_outside_window), so that it holds about w / P + 1
+/// pages however long it runs, as KVCache's window caches keep 2w rows. Pages are reference counted: fork() makes a sequence that shares
 /// its parent's pages, and a page shared by more than one sequence is never written: appending
 /// to a sequence whose partial last page is shared first copies that page (copy on write). A
 /// page whose count drops to 0 returns to the free list and is reused (last freed, first
@@ -212,10 +214,19 @@ public:
         m_alive[static_cast<std::size_t>(seq)] = false;
     }
 
-    /// Tokens of sequence seq. \throws std::invalid_argument when seq is not a sequence of the pool.
+    /// Tokens of sequence seq (every token appended, including any released from its front).
+    /// \throws std::invalid_argument when seq is not a sequence of the pool.
     Index length(SequenceId seq) const {
         check_sequence("gattn::PagedKVPool::length", "seq", seq);
         return m_sequences[static_cast<std::size_t>(seq)].length;
+    }
+    /// Tokens released from the front of sequence seq (release_outside_window; 0 otherwise): its
+    /// pages hold tokens [first_position(seq), length(seq)), and token t of its page table is
+    /// token first_position(seq) + t of the sequence.
+    /// \throws std::invalid_argument when seq is not a sequence of the pool.
+    Index first_position(SequenceId seq) const {
+        check_sequence("gattn::PagedKVPool::first_position", "seq", seq);
+        return m_sequences[static_cast<std::size_t>(seq)].first;
     }
     /// The pages of sequence seq, in token order. \throws std::invalid_argument when seq is not a
     /// sequence of the pool.
@@ -235,7 +246,7 @@ public:
             const Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
             t.indices.insert(t.indices.end(), s.pages.begin(), s.pages.end());
             t.indptr.push_back(static_cast<Index>(t.indices.size()));
-            t.last_page_len.push_back(s.pages.empty() ? 0 : s.length - (Index(s.pages.size()) - 1) * m_page_size);
+            t.last_page_len.push_back(s.pages.empty() ? 0 : s.stored() - (Index(s.pages.size()) - 1) * m_page_size);
         }
         return t;
     }
@@ -390,26 +401,64 @@ public:
     /// past them are released (freed when no other sequence holds them). The rows stay as they
     /// are; a shared partial last page is copied when the sequence next appends.
     /// \throws std::invalid_argument when seq is not a sequence of the pool or length is outside
-    ///         [0, length(seq)]. Nothing is changed on error.
+    ///         [first_position(seq), length(seq)] (released tokens cannot come back). Nothing is
+    ///         changed on error.
     void truncate(SequenceId seq, Index length) {
         constexpr const char* fn = "gattn::PagedKVPool::truncate";
         check_sequence(fn, "seq", seq);
         Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
-        if (length < 0 || length > s.length)
+        if (length < s.first || length > s.length)
             detail::throw_invalid(fn, "length",
-                                  "must be in [0, " + std::to_string(s.length) + "] (sequence " + std::to_string(seq) +
+                                  "must be in [" + std::to_string(s.first) + ", " + std::to_string(s.length) +
+                                      "] (sequence " + std::to_string(seq) +
+                                      (s.first > 0 ? ", whose first " + std::to_string(s.first) + " tokens are released"
+                                                   : std::string()) +
                                       "), got " + std::to_string(length));
-        const auto keep = static_cast<std::size_t>((length + m_page_size - 1) / m_page_size);
+        const auto keep = static_cast<std::size_t>((length - s.first + m_page_size - 1) / m_page_size);
         m_free.reserve(m_free.size() + (s.pages.size() - keep));  // may throw: nothing changed yet
         release(s.pages, keep);
         s.pages.resize(keep);
         s.length = length;
     }
 
+    /// Releases the pages at the front of sequence seq that a causal sliding window of `window`
+    /// keys (counting the diagonal, as SdpaMask::sliding_window) hides from every token the
+    /// sequence appends later: the pages whose tokens all come before token length(seq) −
+    /// window + 1, the first key its next token sees. Each such page's count goes down by one
+    /// (freed when no other sequence holds it) and first_position(seq) moves past its tokens.
+    /// Attention over the page table is unchanged: the masks align each sequence's queries with
+    /// the end of its keys, and ALiBi and the window depend only on distances. GatedMultiHeadAttention's
+    /// forward over a pool calls this after each step when its config has a causal sliding
+    /// window.
+    /// \returns the pages released.
+    /// \throws std::invalid_argument when seq is not a sequence of the pool or window < 1.
+    ///         Nothing is changed on error.
+    Index release_outside_window(SequenceId seq, Index window) {
+        constexpr const char* fn = "gattn::PagedKVPool::release_outside_window";
+        check_sequence(fn, "seq", seq);
+        if (window < 1)
+            detail::throw_invalid(fn, "window", "must be >= 1 (it counts the diagonal), got " + std::to_string(window));
+        Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
+        // Stored tokens the window hides; all of them when it sees only the next token itself.
+        const Index hidden = std::max<Index>(0, s.stored() - window + 1);
+        const Index drop = hidden >= s.stored() ? Index(s.pages.size()) : hidden / m_page_size;
+        if (drop == 0) return 0;
+        m_free.reserve(m_free.size() + static_cast<std::size_t>(drop));  // may throw: nothing changed yet
+        for (Index i = 0; i < drop; ++i)
+            if (--m_refs[static_cast<std::size_t>(s.pages[static_cast<std::size_t>(i)])] == 0)
+                m_free.push_back(s.pages[static_cast<std::size_t>(i)]);
+        s.first += std::min(drop * m_page_size, s.stored());
+        s.pages.erase(s.pages.begin(), s.pages.begin() + drop);
+        return drop;
+    }
+
 private:
     struct Sequence {
         std::vector<Index> pages;
-        Index length = 0;
+        Index length = 0;  // tokens appended
+        Index first = 0;   // tokens released from the front (release_outside_window)
+        // Tokens in the pages: token first + t sits in page pages[t / P], slot t mod P.
+        Index stored() const noexcept { return length - first; }
     };
 
     // append and append_ragged after their shape checks: sequence seqs[b] takes counts[b] rows
@@ -448,8 +497,8 @@ private:
             const Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
             if (counts[b] == 0) continue;
             const Index have = static_cast<Index>(s.pages.size());
-            const Index want = (s.length + counts[b] + m_page_size - 1) / m_page_size;
-            const bool copy = s.length % m_page_size != 0 &&
+            const Index want = (s.stored() + counts[b] + m_page_size - 1) / m_page_size;
+            const bool copy = s.stored() % m_page_size != 0 &&
                               m_refs[static_cast<std::size_t>(s.pages.back())] -
                                       std::count(copied.begin(), copied.end(), s.pages.back()) >
                                   1;
@@ -458,7 +507,7 @@ private:
             if (needed + takes[static_cast<std::size_t>(b)] > free_pages())
                 detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
                                       "needs more pages than the pool has free: sequence " + std::to_string(seqs[b]) +
-                                          " (" + std::to_string(s.length) + " tokens) needs " +
+                                          " (" + std::to_string(s.stored()) + " tokens in pages) needs " +
                                           std::to_string(takes[static_cast<std::size_t>(b)]) + " more (its pages " +
                                           std::to_string(copy ? have - 1 : have) + " to " + std::to_string(want - 1) +
                                           (copy ? ", the first a copy of a shared page" : "") + ") for " +
@@ -475,7 +524,7 @@ private:
         for (Index b = 0; b < B; ++b) {
             Sequence& s = m_sequences[static_cast<std::size_t>(seqs[b])];
             if (counts[b] == 0) continue;
-            const Index fill = s.length % m_page_size;
+            const Index fill = s.stored() % m_page_size;
             if (fill != 0 && m_refs[static_cast<std::size_t>(s.pages.back())] > 1) {  // copy on write
                 const Index page = take_page();
                 copy_rows(s.pages.back() * m_page_size, page * m_page_size, fill);
@@ -483,7 +532,7 @@ private:
                 s.pages.back() = page;
             }
             for (Index t = 0; t < counts[b]; ++t) {
-                const Index pos = s.length + t;
+                const Index pos = s.stored() + t;
                 if (pos % m_page_size == 0) s.pages.push_back(take_page());
                 write_row(s.pages[static_cast<std::size_t>(pos / m_page_size)] * m_page_size + pos % m_page_size,
                           k.row(first_row[b] + t).data(), v.row(first_row[b] + t).data());

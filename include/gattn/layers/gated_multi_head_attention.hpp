@@ -499,7 +499,9 @@ public:
     /// with its end, and RoPE puts them at positions pool.length(seq) + t, so each sequence's
     /// rows equal forward(x, cache, out) with a KVCache holding the same tokens (up to the
     /// rounding of a batch's projections, docs/conventions.md). A G1 gate is applied after
-    /// SDPA rather than inside it (the same arithmetic).
+    /// SDPA rather than inside it (the same arithmetic). With a causal sliding window w, each
+    /// sequence of the step then releases the pages that no later token sees
+    /// (PagedKVPool::release_outside_window), so a sequence holds about w / P + 1 pages.
     /// \param x         [qo_indptr[B], D]; \param out [qo_indptr[B], D], written, sharing no
     ///                  element with x or the pool.
     /// \param qo_indptr B + 1 row offsets from 0, non-decreasing, ending at x.rows().
@@ -536,6 +538,9 @@ public:
         const PagedStep<PoolScalar> step{&pool, &seqs, &qo_indptr};
         run_activations(x, HeadLayout{B, H, Hkv}, out, sdpa_options(), nullptr,
                         static_cast<KVCache<PoolScalar>*>(nullptr), {}, positions, &step);
+        if (c.causal && c.sliding_window)  // the pages no later token of the layer can see
+            for (std::size_t b = 0; b < seqs.size(); ++b)
+                if (qo_indptr[b + 1] > qo_indptr[b]) pool.release_outside_window(seqs[b], *c.sliding_window);
     }
 
 private:
