@@ -303,12 +303,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // int8: the block's key and value scales of the current KV head (0 past the block), and the
     // weights times the value scales.
     alignas(64) T key_scale[L], value_scale[L], pv_scaled[kDecodeRows][L];
-    // int8 with VNNI: the query rows as 16-bit codes and their scales (decode_int8).
-    constexpr bool kInt8Dot = kInt8 && simd::avx512vnni::kEnabled;
+    // int8 with VNNI (decode_int8) or SDOT (decode_sdot, chosen at run time): the query rows as
+    // 16-bit codes (SDOT: two bytes each, in the same space) and their scales.
+    constexpr bool kSdot = kInt8 && simd::neon_dotprod::kEnabled;
+    constexpr bool kInt8Dot = kInt8 && (simd::avx512vnni::kEnabled || kSdot);
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
-    const bool int8_vnni = kInt8Dot && int8_family == Int8Kernel::Vnni;
-    const bool int8_dot = int8_vnni && decode_int8::takes(dk);
-    [[maybe_unused]] const bool int8_values = int8_vnni && decode_int8::takes_values(dv);
+    const bool int8_integer = kInt8Dot && int8_family == (kSdot ? Int8Kernel::Sdot : Int8Kernel::Vnni);
+    const bool int8_dot = int8_integer && (kSdot ? decode_sdot::takes(dk) : decode_int8::takes(dk));
+    [[maybe_unused]] const bool int8_values = int8_integer && !kSdot && decode_int8::takes_values(dv);
     // Row i = g·kRowsPerHead + t: codes at i·d_k, residual codes at (rows + i)·d_k; scale at i,
     // residual scale at rows + i.
     [[maybe_unused]] const Index q_rows = num_kv_heads * kRowsPerHead;
@@ -329,8 +331,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         for (Index g = 0; g < num_kv_heads && int8_dot; ++g)
             for (int t = 0; t < blks[g].count; ++t) {
                 const Index i = g * kRowsPerHead + t;
-                const auto qs =
-                    decode_int8::quantize_query(blks[g].q[t], dk, q_codes + i * dk, q_codes + (q_rows + i) * dk);
+                std::int16_t *codes = q_codes + i * dk, *residual = q_codes + (q_rows + i) * dk;
+                const auto qs = [&] {
+                    if constexpr (kSdot)
+                        return decode_sdot::quantize_query(blks[g].q[t], dk, reinterpret_cast<std::int8_t*>(codes),
+                                                           reinterpret_cast<std::int8_t*>(residual));
+                    else
+                        return decode_int8::quantize_query(blks[g].q[t], dk, codes, residual);
+                }();
                 q_scales[i] = qs.scale;
                 q_scales[q_rows + i] = qs.residual_scale;
                 any_residual = any_residual || qs.residual_scale != 0;
@@ -453,16 +461,25 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             if (int8_dot) {
                                 const std::int16_t* qc[R];
                                 for (int r = 0; r < R; ++r) qc[r] = q_codes + (g * kRowsPerHead + t0 + r) * dk;
-                                decode_int8::logits<R>(qc, q_scales + g * kRowsPerHead + t0, key + r0 * key_stride,
-                                                       key_stride, nk, dk, row_logits,
-                                                       prefetch_in_kernels ? &spread : nullptr);
+                                auto int8_logits = [&](const float* qs, B* out, auto* prefetch) {
+                                    if constexpr (kSdot) {
+                                        const std::int8_t* qb[R];
+                                        for (int r = 0; r < R; ++r) qb[r] = reinterpret_cast<const std::int8_t*>(qc[r]);
+                                        decode_sdot::logits<R>(qb, qs, key + r0 * key_stride, key_stride, nk, dk, out,
+                                                               prefetch);
+                                    } else {
+                                        decode_int8::logits<R>(qc, qs, key + r0 * key_stride, key_stride, nk, dk, out,
+                                                               prefetch);
+                                    }
+                                };
+                                int8_logits(q_scales + g * kRowsPerHead + t0, row_logits,
+                                            prefetch_in_kernels ? &spread : nullptr);
                                 const float* rs = q_scales + q_rows + g * kRowsPerHead + t0;
                                 if (any_residual && std::any_of(rs, rs + R, [](float x) { return x != 0; })) {
                                     // The residual codes' pass (K is in L1); 0 for rows without.
                                     for (int r = 0; r < R; ++r) qc[r] += q_rows * dk;
                                     B residual_logits[R];
-                                    decode_int8::logits<R>(qc, rs, key + r0 * key_stride, key_stride, nk, dk,
-                                                           residual_logits, static_cast<decltype(&spread)>(nullptr));
+                                    int8_logits(rs, residual_logits, static_cast<decltype(&spread)>(nullptr));
                                     for (int r = 0; r < R; ++r) row_logits[r] += residual_logits[r];
                                 }
                                 products_done = reduced = true;
@@ -549,7 +566,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 decode_bf16::values_skipping<R>(s, pw, nk, vb, value_stride, acc, dv);
                             values_done = true;
                         }
-                        if constexpr (kInt8Dot) {
+                        if constexpr (kInt8Dot && !kSdot) {
                             if (int8_values) {
                                 // A row with a weight that is not finite takes the float sum.
                                 auto float_values = [](auto... a) { group_values<float, 1, std::int8_t>(a...); };

@@ -19,13 +19,18 @@
 /// Kernels for decoding against an int8 KV cache (int8_kernel()), fastest first:
 ///  - Vnni: both products as exact integer sums (VPDPWSSD) of the codes and 16-bit codes of
 ///    the query and the weights; needs a unit built with AVX512-VNNI (and BW).
+///  - Sdot (ARM64): the logits as exact integer sums (SDOT) of the key codes and the query's
+///    16-bit codes split into two bytes; the value sum widens the codes to float. Compiled in
+///    every ARM64 build (a target attribute, the build stays ARMv8-A); needs a CPU with the
+///    dot-product instructions (HWCAP asimddp).
 ///  - WidenedFloat: the codes widened to float FMAs.
 ///
 /// ARM64 (AArch64): features come from Linux's HWCAP words (getauxval), the SVE vector length
 /// from prctl(PR_SVE_GET_VL). The float kernels use NEON (128-bit) on every ARM64 CPU: xsimd
 /// 8.1 has no SVE, so a CPU with wider SVE vectors still runs NEON, and instruction_sets() says
-/// so. bf16 and int8 caches are widened to float in NEON registers; bf16_kernel() and
-/// int8_kernel() name the BF16 and dot-product instructions the CPU has that no gattn kernel uses.
+/// so. bf16 caches are widened to float in NEON registers (bf16_kernel() names the BF16
+/// instructions the CPU has that no gattn kernel uses); int8 decoding runs SDOT where the CPU
+/// has it (int8_kernel()).
 
 #include <cstdint>
 #include <cstdio>
@@ -64,6 +69,7 @@ enum class Bf16Kernel {
 /// Kernel families for decoding against an int8 KV cache, fastest first.
 enum class Int8Kernel {
     Vnni,          ///< AVX512-VNNI (VPDPWSSD) for both products
+    Sdot,          ///< ARM64 dot product (SDOT) for the logits
     WidenedFloat,  ///< codes widened to float FMAs
 };
 
@@ -289,11 +295,23 @@ inline constexpr bool compiled_with_vnni() noexcept {
 #endif
 }
 
+/// Whether this translation unit contains the ARM64 SDOT int8 decoding kernel (every ARM64
+/// build with GCC or Clang: it is compiled with a target attribute and chosen at run time).
+inline constexpr bool compiled_with_sdot() noexcept {
+#if defined(__aarch64__) && defined(__ARM_NEON) && (defined(__GNUC__) || defined(__clang__))
+    return true;
+#else
+    return false;
+#endif
+}
+
 namespace detail {
 /// int8_kernel().kernel without the reasons (no allocation): what a decoding call dispatches on.
 inline Int8Kernel int8_kernel_family() noexcept {
-    return int8_kernel_limit() != Int8Kernel::WidenedFloat && compiled_with_vnni() ? Int8Kernel::Vnni
-                                                                                   : Int8Kernel::WidenedFloat;
+    if (int8_kernel_limit() == Int8Kernel::WidenedFloat) return Int8Kernel::WidenedFloat;
+    if (compiled_with_vnni()) return Int8Kernel::Vnni;
+    if (compiled_with_sdot() && cpu_features().asimddp) return Int8Kernel::Sdot;
+    return Int8Kernel::WidenedFloat;
 }
 }  // namespace detail
 
@@ -302,12 +320,19 @@ inline Int8Kernel int8_kernel_family() noexcept {
 /// 32 and its value sum d_v a multiple of 64; other sizes widen to float. Prefill (many
 /// queries) always widens the codes to float. May be called from several threads
 /// (set_int8_kernel_limit may not). Throws only std::bad_alloc (for the reason's text). ARM64:
-/// WidenedFloat, and the reason says whether the CPU has SDOT (no kernel uses it yet).
+/// Sdot where the CPU has the dot-product instructions (its logits need d_k a multiple of 16;
+/// the value sum always widens), else WidenedFloat and the reason says why.
 inline Int8KernelChoice int8_kernel() {
     Int8KernelChoice choice;
     choice.kernel = detail::int8_kernel_family();
 #if defined(__aarch64__)
-    choice.reason = detail::arm_refusal("dot product (SDOT)", cpu_features().asimddp);
+    if (choice.kernel == Int8Kernel::Sdot) return choice;
+    if (detail::int8_kernel_limit() == Int8Kernel::WidenedFloat)
+        choice.reason = "dot product (SDOT): excluded by set_int8_kernel_limit";
+    else if (!cpu_features().asimddp)
+        choice.reason = "dot product (SDOT): this CPU has none";
+    else
+        choice.reason = "dot product (SDOT): not compiled in (needs GCC or Clang)";
 #else
     if (choice.kernel == Int8Kernel::Vnni) return choice;
     // The same order as bf16_kernel(): the limit, the CPU, then the build.
@@ -330,9 +355,13 @@ inline const char* kernel_name(Bf16Kernel k) noexcept {
     }
 }
 
-/// "AVX512-VNNI" or "widened float".
+/// "AVX512-VNNI", "SDOT" or "widened float".
 inline const char* kernel_name(Int8Kernel k) noexcept {
-    return k == Int8Kernel::Vnni ? "AVX512-VNNI" : "widened float";
+    switch (k) {
+        case Int8Kernel::Vnni: return "AVX512-VNNI";
+        case Int8Kernel::Sdot: return "SDOT";
+        default: return "widened float";
+    }
 }
 
 /// One line for logs and benchmark context: "<kernel> (<reasons>)".
