@@ -31,8 +31,9 @@
 #            models and readers above them have no ARM-specific code and are left to the x86
 #            flavours. scripts/check_arm_vector.sh checks that the kernels' loops are NEON vector
 #            code, then the tests run under QEMU on two CPU models: max (SVE2 at 512 bits, BF16,
-#            I8MM, dot product) and cortex-a57 (NEON only; without the sweeps' shapes of 113 and
-#            250 queries), plus the instruction-set and CPU feature reports at a second SVE vector
+#            I8MM, dot product: int8 decoding runs the SDOT kernel) and cortex-a57 (NEON only:
+#            int8 decoding widens the codes; without the sweeps' shapes of 113 and 250 queries),
+#            plus the instruction-set and CPU feature reports at a second SVE vector
 #            length (256 bits). Each model's features are checked against what QEMU was asked
 #            for (GATTN_EXPECT_CPU_FEATURES). Under emulation the whole of test_ops takes about
 #            6 minutes of CPU per model, so this leaves out (gtest filter aarch64_skip below):
@@ -190,10 +191,12 @@ for flavour in $flavours; do
       aarch64_skip+=":SdpaDeterminism.ResultIsBitwiseIndependentOfThreadCount"
       aarch64_skip+=":PagedAttention.Double*:PagedAttention.Half*:PagedAttention.Bf16*"
       all_features="asimd asimddp sve sve2 bf16 i8mm"
-      # The kernels run the same NEON code on both models (none dispatches on HWCAP yet): the
-      # second also leaves out the sweeps' shapes of 113 and 250 queries (keys beyond one block
-      # stay, in KeysN113Dk128Dv40 and DecodeMqaDk128).
-      qemu_cpus=("max|$all_features sve_bits=512|-$aarch64_skip"
+      # The float kernels run the same NEON code on both models; int8 decoding dispatches on
+      # HWCAP: max runs the SDOT kernel (Int8Sdpa/Sdot) and leaves the widened one
+      # (Int8Sdpa/WidenedFloat) to cortex-a57, which has no dot product. The second also leaves
+      # out the sweeps' shapes of 113 and 250 queries (keys beyond one block stay, in
+      # KeysN113Dk128Dv40 and DecodeMqaDk128).
+      qemu_cpus=("max|$all_features sve_bits=512|-$aarch64_skip:Kernels/Int8Sdpa.*/WidenedFloat"
                  "cortex-a57|asimd|-$aarch64_skip:ShapesAndMasks/*/N250*:ShapesAndMasks/*/N113*:ShapesAndMasks/*/QLongerN113*:PagedAttention.Int8*:*DecodeFromMemoryOneRowPerKvHead*"
                  "max,sve-default-vector-length=32|$all_features sve_bits=256|Library.*")
       ;;

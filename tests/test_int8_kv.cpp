@@ -189,14 +189,33 @@ RowMatrix<float> random_rows(Index rows, Index cols, std::mt19937& rng, float sp
     return m;
 }
 
-/// The query as the reference takes it: where the decoding kernel's integer products run
-/// (AVX512-VNNI or AVX-VNNI), each head's row rounded to 16-bit codes, and residual codes for a
-/// row with an outlier (that kernel's quantize_query), else the float query.
+/// The query as the reference takes it: where the decoding kernel's integer products run, each
+/// head's row rounded to 16-bit codes, and residual codes for a row with an outlier (that
+/// kernel's quantize_query: AVX512-VNNI or AVX-VNNI, or SDOT's two bytes a code on ARM64), else
+/// the float query.
 Mat query_reference(const RowMatrix<float>& q, Index H, Index Hkv, Index Nq, Index dk) {
     Mat q_ref = q.cast<double>();
     const bool decode = (H / Hkv) * Nq <= gattn::kernel::FlashGeometry<float>::kQueries / 4;
     const gattn::Int8Kernel family = gattn::int8_kernel().kernel;
-    if (decode && family != gattn::Int8Kernel::WidenedFloat && gattn::kernel::decode_int8::takes(dk))
+#if defined(GATTN_HAS_SDOT_KERNEL)
+    if (decode && family == gattn::Int8Kernel::Sdot && gattn::kernel::decode_sdot::takes(dk)) {
+        for (Index r = 0; r < q.rows(); ++r)
+            for (Index h = 0; h < H; ++h) {
+                // Two bytes per code: high bytes, then low bytes.
+                std::vector<std::int8_t> codes(2 * static_cast<std::size_t>(dk)), residual(codes.size());
+                const auto s = gattn::kernel::decode_sdot::quantize_query(q.row(r).data() + h * dk, dk, codes.data(),
+                                                                          residual.data());
+                for (Index e = 0; e < dk; ++e) {
+                    const double c = 256.0 * codes[e] + codes[dk + e], rc = 256.0 * residual[e] + residual[dk + e];
+                    EXPECT_LE(std::abs(c), 32639.0);
+                    q_ref(r, h * dk + e) = double(s.scale) * c + double(s.residual_scale) * rc;
+                }
+            }
+        return q_ref;
+    }
+#endif
+    if (decode && family != gattn::Int8Kernel::WidenedFloat && family != gattn::Int8Kernel::Sdot &&
+        gattn::kernel::decode_int8::takes(dk))
         for (Index r = 0; r < q.rows(); ++r)
             for (Index h = 0; h < H; ++h) {
                 std::vector<std::int16_t> codes(static_cast<std::size_t>(dk)), residual(codes.size());
@@ -293,14 +312,18 @@ protected:
 };
 
 // Vnni runs in builds with AVX512-VNNI; AvxVnni where the unit has AVX-VNNI and the CPU too
-// (in an AVX-512 build through the limit, on 16-key blocks); each skips with the reason elsewhere.
+// (in an AVX-512 build through the limit, on 16-key blocks); Sdot on ARM64 CPUs with the dot
+// product; each skips with the reason elsewhere.
 INSTANTIATE_TEST_SUITE_P(Kernels, Int8Sdpa,
-                         ::testing::Values(gattn::Int8Kernel::Vnni, gattn::Int8Kernel::AvxVnni,
+                         ::testing::Values(gattn::Int8Kernel::Vnni, gattn::Int8Kernel::AvxVnni, gattn::Int8Kernel::Sdot,
                                            gattn::Int8Kernel::WidenedFloat),
                          [](const auto& info) {
-                             return std::string(info.param == gattn::Int8Kernel::Vnni      ? "Vnni"
-                                                : info.param == gattn::Int8Kernel::AvxVnni ? "AvxVnni"
-                                                                                           : "WidenedFloat");
+                             switch (info.param) {
+                                 case gattn::Int8Kernel::Vnni: return std::string("Vnni");
+                                 case gattn::Int8Kernel::AvxVnni: return std::string("AvxVnni");
+                                 case gattn::Int8Kernel::Sdot: return std::string("Sdot");
+                                 default: return std::string("WidenedFloat");
+                             }
                          });
 
 TEST_P(Int8Sdpa, MatchesTheReferenceOnTheDequantizedValues) {
@@ -354,8 +377,8 @@ TEST_P(Int8Sdpa, QueriesWithAnOutlierFeatureKeepTheirPrecision) {
 }
 
 TEST_P(Int8Sdpa, LongKeyHeadsSumPastInt32) {
-    // d_k = 1024, every query value equal (codes 32767) and every key code ±127: each dot
-    // product of the codes, 1024·32767·127 ≈ 4.3e9, is past int32 and must still come out right.
+    // d_k = 1024, every query value equal (codes 32767; SDOT: 32639) and every key code ±127: each
+    // dot product of the codes, 1024·32767·127 ≈ 4.3e9, is past int32 and must still come out right.
     const Index dk = 1024, dv = 64, Nk = 40;
     std::mt19937 rng(5);
     const RowMatrix<float> q = RowMatrix<float>::Constant(1, 2 * dk, 0.03f);  // 2 heads on 1 KV head
@@ -442,13 +465,64 @@ TEST_P(Int8Sdpa, ScalesAreRequired) {
     }
 }
 
+TEST(Int8Sdot, HandWorkedQueryCodesAndLogits) {
+#if defined(GATTN_HAS_SDOT_KERNEL)
+    if (!gattn::cpu_features().asimddp) GTEST_SKIP() << "this CPU has no dot-product instructions (SDOT)";
+    namespace sdot = gattn::kernel::decode_sdot;
+    // q = (1, −0.5, 0.25, 0, …): scale 1/32639, codes 32639 = 127·256 + 127,
+    // −16319.5 → −16320 (ties to even) = −64·256 + 64, 8159.75 → 8160 = 32·256 − 32.
+    const Index dk = 16;
+    std::vector<float> q(dk, 0.0f);
+    q[0] = 1.0f, q[1] = -0.5f, q[2] = 0.25f;
+    std::vector<std::int8_t> codes(2 * dk), residual(2 * dk, 7);
+    const auto s = sdot::quantize_query(q.data(), dk, codes.data(), residual.data());
+    EXPECT_EQ(s.scale, 1.0f / 32639.0f);
+    EXPECT_EQ(s.residual_scale, 0.0f);  // no outlier: Σ|q / max|q|| = 1.75 ≥ 16 / 32
+    const std::vector<int> hi = {127, -64, 32}, lo = {127, 64, -32};
+    for (Index d = 0; d < dk; ++d) {
+        EXPECT_EQ(codes[d], d < 3 ? hi[d] : 0) << "high byte " << d;
+        EXPECT_EQ(codes[dk + d], d < 3 ? lo[d] : 0) << "low byte " << d;
+        EXPECT_EQ(residual[d], 0) << d;
+    }
+    // Three keys (lane 3 stays 0): (2, 4, −8, 0, …), all 1, and −128 at feature 0. Their dot
+    // products with the codes: 65278 − 65280 − 65280 = −65282, 32639 − 16320 + 8160 = 24479,
+    // and −128·32639 = −4177792.
+    std::vector<std::int8_t> key(3 * dk, 0);
+    key[0] = 2, key[1] = 4, key[2] = -8;
+    for (Index d = 0; d < dk; ++d) key[dk + d] = 1;
+    key[2 * dk] = -128;
+    const std::int8_t* rows[1] = {codes.data()};
+    const float scales[1] = {s.scale};
+    gattn::simd::Batch<float> out[1];
+    sdot::logits<1>(rows, scales, key.data(), dk, 3, dk, out,
+                    static_cast<gattn::kernel::SpreadPrefetch<std::int8_t>*>(nullptr));
+    alignas(64) float got[gattn::simd::kLanes<float>];
+    out[0].store_aligned(got);
+    const double want[4] = {-65282.0 / 32639, 24479.0 / 32639, -4177792.0 / 32639, 0};
+    for (int i = 0; i < 4; ++i) EXPECT_NEAR(got[i], want[i], 1e-6 * (1 + std::abs(want[i]))) << "key " << i;
+#else
+    GTEST_SKIP() << "the SDOT kernel is ARM64 code";
+#endif
+}
+
 TEST(Int8Kernel, SaysWhichKernelRunsAndWhyNoFasterOne) {
     const gattn::Int8KernelChoice best = gattn::int8_kernel();
 #if defined(__aarch64__)
-    EXPECT_EQ(best.kernel, gattn::Int8Kernel::WidenedFloat);
-    EXPECT_EQ(best.reason, gattn::cpu_features().asimddp
-                               ? "dot product (SDOT): this CPU has it, but gattn has no kernel for it"
-                               : "dot product (SDOT): this CPU has none");
+    // Chosen at run time from HWCAP: SDOT wherever the CPU has the dot-product instructions.
+    EXPECT_TRUE(gattn::compiled_with_sdot());
+    if (gattn::cpu_features().asimddp) {
+        EXPECT_EQ(best.kernel, gattn::Int8Kernel::Sdot);
+        EXPECT_EQ(gattn::describe(best), "SDOT");
+    } else {
+        EXPECT_EQ(best.kernel, gattn::Int8Kernel::WidenedFloat);
+        EXPECT_EQ(gattn::describe(best), "widened float (dot product (SDOT): this CPU has none)");
+    }
+    {
+        gattn_test::Int8KernelLimit limit(gattn::Int8Kernel::WidenedFloat);
+        EXPECT_EQ(gattn::describe(gattn::int8_kernel()),
+                  "widened float (dot product (SDOT): excluded by set_int8_kernel_limit)");
+    }
+    EXPECT_EQ(gattn::int8_kernel().kernel, best.kernel) << "the limit is lifted";
 #else
     const gattn::CpuFeatures& f = gattn::cpu_features();
     EXPECT_EQ(best.reason.empty(), best.kernel == gattn::Int8Kernel::Vnni) << gattn::describe(best);

@@ -320,14 +320,17 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // int8: the block's key and value scales of the current KV head (0 past the block), and the
     // weights times the value scales.
     alignas(64) T key_scale[L], value_scale[L], pv_scaled[kDecodeRows][L];
-    // int8 with VNNI: the query rows as 16-bit codes and their scales (decode_int8 on zmm,
-    // decode_int8_ymm on ymm).
+    // int8 with VNNI (decode_int8 on zmm, decode_int8_ymm on ymm) or SDOT (decode_sdot, ARM64,
+    // chosen at run time): the query rows as 16-bit codes (SDOT: two bytes each, in the same
+    // space) and their scales.
     constexpr bool kInt8Zmm = kInt8 && simd::avx512vnni::kEnabled, kInt8Ymm = kInt8 && simd::avxvnni::kEnabled;
-    constexpr bool kInt8Dot = kInt8Zmm || kInt8Ymm;
+    constexpr bool kSdot = kInt8 && simd::neon_dotprod::kEnabled;
+    constexpr bool kInt8Dot = kInt8Zmm || kInt8Ymm || kSdot;
     constexpr Index kRowsPerHead = FlashGeometry<T>::kQueries;
     const bool int8_ymm = kInt8Ymm && int8_family == Int8Kernel::AvxVnni;
     const bool int8_vnni = (kInt8Zmm && int8_family == Int8Kernel::Vnni) || int8_ymm;
-    const bool int8_dot = int8_vnni && decode_int8::takes(dk);
+    const bool int8_sdot = kSdot && int8_family == Int8Kernel::Sdot;
+    const bool int8_dot = (int8_vnni && decode_int8::takes(dk)) || (int8_sdot && decode_sdot::takes(dk));
     [[maybe_unused]] const bool int8_values = int8_vnni && decode_int8::takes_values(dv);
     // Row i = g·kRowsPerHead + t: codes at i·d_k, residual codes at (rows + i)·d_k; scale at i,
     // residual scale at rows + i.
@@ -349,8 +352,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         for (Index g = 0; g < num_kv_heads && int8_dot; ++g)
             for (int t = 0; t < blks[g].count; ++t) {
                 const Index i = g * kRowsPerHead + t;
-                const auto qs =
-                    quantize_query_for(int8_family, blks[g].q[t], dk, q_codes + i * dk, q_codes + (q_rows + i) * dk);
+                std::int16_t *codes = q_codes + i * dk, *residual = q_codes + (q_rows + i) * dk;
+                const auto qs = [&] {
+                    if constexpr (kSdot)
+                        return decode_sdot::quantize_query(blks[g].q[t], dk, reinterpret_cast<std::int8_t*>(codes),
+                                                           reinterpret_cast<std::int8_t*>(residual));
+                    else
+                        return quantize_query_for(int8_family, blks[g].q[t], dk, codes, residual);
+                }();
                 q_scales[i] = qs.scale;
                 q_scales[q_rows + i] = qs.residual_scale;
                 any_residual = any_residual || qs.residual_scale != 0;
@@ -473,9 +482,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             if (int8_dot) {
                                 const std::int16_t* qc[R];
                                 for (int r = 0; r < R; ++r) qc[r] = q_codes + (g * kRowsPerHead + t0 + r) * dk;
-                                // Logits of R rows by the family's kernel (zmm or ymm).
+                                // Logits of R rows by the family's kernel (zmm, ymm or SDOT).
                                 auto int8_logits = [&](const float* qs, B* out, SpreadPrefetch<KV>* pf) {
                                     const KV* kb = key + r0 * key_stride;
+                                    if constexpr (kSdot) {
+                                        const std::int8_t* qb[R];
+                                        for (int r = 0; r < R; ++r) qb[r] = reinterpret_cast<const std::int8_t*>(qc[r]);
+                                        return decode_sdot::logits<R>(qb, qs, kb, key_stride, nk, dk, out, pf);
+                                    }
                                     if constexpr (kInt8Ymm)
                                         if (int8_ymm || !kInt8Zmm)
                                             return decode_int8_ymm::logits<R>(qc, qs, kb, key_stride, nk, dk, out, pf);
@@ -576,7 +590,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 decode_bf16::values_skipping<R>(s, pw, nk, vb, value_stride, acc, dv);
                             values_done = true;
                         }
-                        if constexpr (kInt8Dot) {
+                        if constexpr (kInt8Dot && !kSdot) {
                             if (int8_values) {
                                 // A row with a weight that is not finite takes the float sum.
                                 auto float_values = [](auto... a) { group_values<float, 1, std::int8_t>(a...); };

@@ -763,13 +763,17 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     std::vector<T> q_wide(kNarrow ? static_cast<std::size_t>(dk) : 0), k_wide(kNarrow || kInt8 ? dk : 0);
     // Decoding an int8 cache with integer logits: the query as the kernel took it (16-bit codes
     // and residual codes), so that the probabilities agree with the output and log-sum-exp.
-    // (decoding and the kernel family as attention_tasks chose them).
+    // (decoding and the kernel family as attention_tasks chose them; SDOT: the codes' two bytes
+    // each, in the same space.)
     const Index group = H / Hkv, ldq = query.outerStride();
     const bool decode = group * Nq <= kernel::FlashGeometry<T>::kQueries / 4;
     const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
-    const bool rounded_query = kInt8 && decode && kernel::decode_int8::takes(dk) &&
-                               ((simd::avx512vnni::kEnabled && int8_family == Int8Kernel::Vnni) ||
-                                (simd::avxvnni::kEnabled && int8_family == Int8Kernel::AvxVnni));
+    const bool rounded_query =
+        kInt8 && decode &&
+        ((((simd::avx512vnni::kEnabled && int8_family == Int8Kernel::Vnni) ||
+           (simd::avxvnni::kEnabled && int8_family == Int8Kernel::AvxVnni)) &&
+          kernel::decode_int8::takes(dk)) ||
+         (simd::neon_dotprod::kEnabled && int8_family == Int8Kernel::Sdot && kernel::decode_sdot::takes(dk)));
     std::vector<std::int16_t> q_codes(rounded_query ? 2 * static_cast<std::size_t>(dk) : 0);
     std::vector<float> q_rounded(rounded_query ? static_cast<std::size_t>(dk) : 0);
     // q·k for key row j of sequence b, KV head g.
@@ -799,6 +803,13 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                             kernel::quantize_query_for(int8_family, q, dk, q_codes.data(), q_codes.data() + dk);
                         kernel::decode_int8::dequantize_query(q_codes.data(), q_codes.data() + dk, qs, dk,
                                                               q_rounded.data());
+                        q = q_rounded.data();
+                    }
+                if constexpr (simd::neon_dotprod::kEnabled && kInt8)
+                    if (rounded_query) {
+                        auto* codes = reinterpret_cast<std::int8_t*>(q_codes.data());
+                        const auto qs = kernel::decode_sdot::quantize_query(q, dk, codes, codes + 2 * dk);
+                        kernel::decode_sdot::dequantize_query(codes, codes + 2 * dk, qs, dk, q_rounded.data());
                         q = q_rounded.data();
                     }
                 const Index g = h / group;

@@ -23,13 +23,18 @@
 ///    (AVX-VNNI: Intel Alder Lake and later client CPUs, AMD Zen 5); needs a unit built with
 ///    AVX-VNNI, AVX2 and FMA (-march=native on such a CPU, -march=alderlake, or -mavx2 -mfma
 ///    -mavxvnni) and a CPU that reports AVX-VNNI (CPUID).
+///  - Sdot (ARM64): the logits as exact integer sums (SDOT) of the key codes and the query's
+///    16-bit codes split into two bytes; the value sum widens the codes to float. Compiled in
+///    every ARM64 build (a target attribute, the build stays ARMv8-A); needs a CPU with the
+///    dot-product instructions (HWCAP asimddp).
 ///  - WidenedFloat: the codes widened to float FMAs.
 ///
 /// ARM64 (AArch64): features come from Linux's HWCAP words (getauxval), the SVE vector length
 /// from prctl(PR_SVE_GET_VL). The float kernels use NEON (128-bit) on every ARM64 CPU: xsimd
 /// 8.1 has no SVE, so a CPU with wider SVE vectors still runs NEON, and instruction_sets() says
-/// so. bf16 and int8 caches are widened to float in NEON registers; bf16_kernel() and
-/// int8_kernel() name the BF16 and dot-product instructions the CPU has that no gattn kernel uses.
+/// so. bf16 caches are widened to float in NEON registers (bf16_kernel() names the BF16
+/// instructions the CPU has that no gattn kernel uses); int8 decoding runs SDOT where the CPU
+/// has it (int8_kernel()).
 
 #include <cstdint>
 #include <cstdio>
@@ -69,6 +74,7 @@ enum class Bf16Kernel {
 enum class Int8Kernel {
     Vnni,          ///< AVX512-VNNI (VPDPWSSD) for both products
     AvxVnni,       ///< AVX-VNNI (VEX VPDPWSSD on 256-bit registers) for both products
+    Sdot,          ///< ARM64 dot product (SDOT) for the logits
     WidenedFloat,  ///< codes widened to float FMAs
 };
 
@@ -307,6 +313,16 @@ inline constexpr bool compiled_with_avxvnni() noexcept {
 #endif
 }
 
+/// Whether this translation unit contains the ARM64 SDOT int8 decoding kernel (every ARM64
+/// build with GCC or Clang: it is compiled with a target attribute and chosen at run time).
+inline constexpr bool compiled_with_sdot() noexcept {
+#if defined(__aarch64__) && defined(__ARM_NEON) && (defined(__GNUC__) || defined(__clang__))
+    return true;
+#else
+    return false;
+#endif
+}
+
 namespace detail {
 /// int8_kernel().kernel without the reasons (no allocation): what a decoding call dispatches on.
 inline Int8Kernel int8_kernel_family() noexcept {
@@ -314,6 +330,7 @@ inline Int8Kernel int8_kernel_family() noexcept {
     if (limit == Int8Kernel::Vnni && compiled_with_vnni()) return Int8Kernel::Vnni;
     if (limit != Int8Kernel::WidenedFloat && compiled_with_avxvnni() && cpu_features().avxvnni)
         return Int8Kernel::AvxVnni;
+    if (limit != Int8Kernel::WidenedFloat && compiled_with_sdot() && cpu_features().asimddp) return Int8Kernel::Sdot;
     return Int8Kernel::WidenedFloat;
 }
 }  // namespace detail
@@ -324,12 +341,19 @@ inline Int8Kernel int8_kernel_family() noexcept {
 /// d_v a multiple of 64; other sizes widen to float. Prefill (many
 /// queries) always widens the codes to float. May be called from several threads
 /// (set_int8_kernel_limit may not). Throws only std::bad_alloc (for the reason's text). ARM64:
-/// WidenedFloat, and the reason says whether the CPU has SDOT (no kernel uses it yet).
+/// Sdot where the CPU has the dot-product instructions (its logits need d_k a multiple of 16;
+/// the value sum always widens), else WidenedFloat and the reason says why.
 inline Int8KernelChoice int8_kernel() {
     Int8KernelChoice choice;
     choice.kernel = detail::int8_kernel_family();
 #if defined(__aarch64__)
-    choice.reason = detail::arm_refusal("dot product (SDOT)", cpu_features().asimddp);
+    if (choice.kernel == Int8Kernel::Sdot) return choice;
+    if (detail::int8_kernel_limit() == Int8Kernel::WidenedFloat)
+        choice.reason = "dot product (SDOT): excluded by set_int8_kernel_limit";
+    else if (!cpu_features().asimddp)
+        choice.reason = "dot product (SDOT): this CPU has none";
+    else
+        choice.reason = "dot product (SDOT): not compiled in (needs GCC or Clang)";
 #else
     if (choice.kernel == Int8Kernel::Vnni) return choice;
     // The same order as bf16_kernel(): the limit, the CPU, then the build.
@@ -361,11 +385,12 @@ inline const char* kernel_name(Bf16Kernel k) noexcept {
     }
 }
 
-/// "AVX512-VNNI", "AVX-VNNI" or "widened float".
+/// "AVX512-VNNI", "AVX-VNNI", "SDOT" or "widened float".
 inline const char* kernel_name(Int8Kernel k) noexcept {
     switch (k) {
         case Int8Kernel::Vnni: return "AVX512-VNNI";
         case Int8Kernel::AvxVnni: return "AVX-VNNI";
+        case Int8Kernel::Sdot: return "SDOT";
         default: return "widened float";
     }
 }

@@ -19,6 +19,7 @@
 /// | x86 AVX-VNNI | x86_avxvnni.hpp | VEX VPDPWSSD kernels on ymm: int8 decoding on AVX2 machines |
 /// | x86 AMX | x86_amx.hpp | TDPBF16PS tile code: bf16 prefill |
 /// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening |
+/// | ARM64 dot product (run-time, HWCAP asimddp) | arm_neon_dotprod.hpp | SDOT kernel: int8 decoding logits |
 ///
 /// Adding a tier: a header with its namespace simd::TIER (kEnabled, its kernels, and
 /// declarations of them for builds without it), one include here, and where it sets a shape, its
@@ -28,6 +29,7 @@
 #include <type_traits>
 
 #include "gattn/simd/arm_neon.hpp"
+#include "gattn/simd/arm_neon_dotprod.hpp"
 #include "gattn/simd/portable.hpp"
 #include "gattn/simd/x86_amx.hpp"
 #include "gattn/simd/x86_avx2.hpp"
