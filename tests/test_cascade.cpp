@@ -23,6 +23,7 @@
 #include "gattn/gattn.hpp"
 #include "gattn/ops/cascade_sdpa.hpp"
 #include "gattn/ops/paged_sdpa.hpp"
+#include "support/compare.hpp"
 
 namespace cascade_test {
 
@@ -208,6 +209,16 @@ TEST(CascadeAttention, ErrorsLeaveOutUnchanged) {
     gattn::SdpaOptions<float> alibi;
     alibi.alibi_slopes = {0.5f, 0.25f};
     expect_error(split.first, split.second, alibi, "options.alibi_slopes");
+    // An output inside the pool's own storage would overwrite keys or values.
+    const RowMatrix<float> values = pool.values();
+    Eigen::Map<RowMatrix<float>> inside(const_cast<float*>(pool.values().data()), 2, 2 * d);
+    try {
+        gattn::cascade_attention<float, float>(query, pool, split.first, split.second, 2, inside);
+        ADD_FAILURE() << "no error for an output in the pool";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("out"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(gattn_test::same_bytes(pool.values(), values));
 }
 
 }  // namespace cascade_test

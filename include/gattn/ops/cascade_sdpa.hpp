@@ -94,8 +94,9 @@ inline std::pair<PageTable, PageTable> split_shared_prefix(const PageTable& tabl
 /// \param out     [B·N_q, H·d_v], written only after every check and both calls succeed.
 /// \param options see above.
 /// \throws std::invalid_argument naming the argument: prefix.batch() ≠ 1, an empty prefix,
-///         query rows not a multiple of suffix.batch(), a rejected option; what
-///         PagedKVPool::check_table and paged_attention throw. On any error `out` is unchanged.
+///         query rows not a multiple of suffix.batch(), a rejected option, out sharing an
+///         element with the pool's storage; what PagedKVPool::check_table and paged_attention
+///         throw. On any error `out` is unchanged.
 template <class Storage, class Query, class Out = Query>
 void cascade_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& pool, const PageTable& prefix,
                        const PageTable& suffix, Index num_heads, MatrixRef<gattn::detail::identity_t<Out>> out,
@@ -128,6 +129,9 @@ void cascade_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& 
                                      "empty (or BottomRight causal alignment)");
     const Index H = num_heads, dv = pool.value_head_dim(), rows = query.rows();
     gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, H * dv);
+    // out may hold query (both calls read it before out is written), never the pool's storage.
+    if (gattn::detail::holds_pool_storage(out, pool))
+        gattn::detail::throw_invalid(fn, "out", "must not share an element with the pool's keys, values or scales");
 
     // Prefix: all rows as one non-causal sequence, with the sinks.
     SdpaOptions<T> prefix_options = options;
@@ -136,7 +140,6 @@ void cascade_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& 
     paged_attention<Storage, Query, T>(query, pool, prefix, H, out_a, prefix_options, {&lse_a});
     bool any_suffix = false;
     for (Index b = 0; b < B; ++b) any_suffix = any_suffix || suffix.pages(b) > 0;
-    RowMatrix<T> merged;
     if (any_suffix) {
         SdpaOptions<T> suffix_options = options;
         suffix_options.sinks.clear();
