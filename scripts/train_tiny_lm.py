@@ -70,6 +70,11 @@ Usage:
   /usr/bin/python3 scripts/train_tiny_lm.py --quick       # 20 steps into a temporary directory
   /usr/bin/python3 scripts/train_tiny_lm.py --references-only  # redo references, logs, README
   /usr/bin/python3 scripts/train_tiny_lm.py --check       # only check the existing files
+  /usr/bin/python3 scripts/train_tiny_lm.py --trainer-fixture DIR [--small]
+      # the C++ trainer's check (examples/train_tiny_lm): per model, the initial weights, the
+      # windows of the first 20 steps, the optimiser's settings and learning rates, and the
+      # losses of those steps in float64 and float32. --small: a reduced config (hidden 16,
+      # 2 layers, windows of 33 bytes, batch 2), as committed in tests/data/train_tiny_lm.
 """
 
 import argparse
