@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,27 @@ TEST_P(TrainTinyLm, ScheduleIsTheScripts) {
 
 INSTANTIATE_TEST_SUITE_P(Models, TrainTinyLm, ::testing::Values("baseline", "gated", "sinks"),
                          [](const auto& info) { return info.param; });
+
+TEST(TrainTinyLmErrors, BadWindowsAreRefusedAndChangeNothing) {
+    const auto f = train_tiny_lm::Fixture::load(kFixture + "gated");
+    train_tiny_lm::Model<double> model(f.config, f.initial_weights);
+    const auto before = model.parameters().front().value;
+    std::vector<std::int64_t> windows = f.windows.front();
+    windows.pop_back();  // not batch x (N + 1)
+    EXPECT_THROW(model.train_step(windows, f.hyper.batch, f.hyper), std::invalid_argument);
+    windows = f.windows.front();
+    windows[5] = 256;  // outside the vocabulary
+    try {
+        model.train_step(windows, f.hyper.batch, f.hyper);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("windows: expected tokens in [0, 256), got 256 at 5"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_THROW(model.train_step(f.windows.front(), 0, f.hyper), std::invalid_argument);
+    EXPECT_EQ(model.step(), 0);
+    EXPECT_EQ(model.parameters().front().value, before);
+}
 
 // The schedule past the warmup, by hand: steps = 1100, warmup 100, peak 3e-3, floor 3e-4.
 TEST(TrainTinyLmSchedule, CosineDecayByHand) {

@@ -227,9 +227,24 @@ public:
     /// Mean cross-entropy of predicting tokens[b][t + 1] from tokens[b][0..t] over windows
     /// (B windows of N + 1 tokens, row-major [B, N + 1]); with `train`, also fills every
     /// parameter's gradient (replacing what it held).
+    /// Throws std::invalid_argument, before anything changes, for batch < 1, windows not
+    /// [batch, N + 1] with N ≥ 1, or a token outside [0, vocab).
     double loss(const std::vector<std::int64_t>& windows, Index batch, bool train) {
-        const Index span = static_cast<Index>(windows.size()) / batch, N = span - 1, rows = batch * N;
         const Index D = m_config.hidden, V = m_config.vocab, L = m_config.layers;
+        const Index size = static_cast<Index>(windows.size());
+        if (batch < 1)
+            throw std::invalid_argument("train_tiny_lm::Model::loss: batch: expected >= 1, got " +
+                                        std::to_string(batch));
+        if (size % batch != 0 || size / batch < 2)
+            throw std::invalid_argument("train_tiny_lm::Model::loss: windows: expected batch (" +
+                                        std::to_string(batch) + ") x (N + 1) tokens with N >= 1, got " +
+                                        std::to_string(size));
+        for (std::size_t i = 0; i < windows.size(); ++i)
+            if (windows[i] < 0 || windows[i] >= V)
+                throw std::invalid_argument("train_tiny_lm::Model::loss: windows: expected tokens in [0, " +
+                                            std::to_string(V) + "), got " + std::to_string(windows[i]) + " at " +
+                                            std::to_string(i));
+        const Index span = size / batch, N = span - 1, rows = batch * N;
         const double eps = m_config.eps;
         std::vector<Index> inputs(static_cast<std::size_t>(rows)), targets(inputs.size());
         for (Index b = 0; b < batch; ++b)
@@ -515,6 +530,7 @@ public:
     /// random.shuffle.
     template <class T>
     void shuffle(std::vector<T>& x) {
+        if (x.size() < 2) return;
         for (std::size_t i = x.size() - 1; i >= 1; --i) std::swap(x[i], x[below(static_cast<std::uint32_t>(i + 1))]);
     }
 
