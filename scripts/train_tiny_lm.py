@@ -70,6 +70,11 @@ Usage:
   /usr/bin/python3 scripts/train_tiny_lm.py --quick       # 20 steps into a temporary directory
   /usr/bin/python3 scripts/train_tiny_lm.py --references-only  # redo references, logs, README
   /usr/bin/python3 scripts/train_tiny_lm.py --check       # only check the existing files
+  /usr/bin/python3 scripts/train_tiny_lm.py --trainer-fixture DIR [--small]
+      # the C++ trainer's check (examples/train_tiny_lm): per model, the initial weights, the
+      # windows of the first 20 steps, the optimiser's settings and learning rates, and the
+      # losses of those steps in float64 and float32. --small: a reduced config (hidden 16,
+      # 2 layers, windows of 33 bytes, batch 2), as committed in tests/data/train_tiny_lm.
 """
 
 import argparse
@@ -457,6 +462,32 @@ def learning_rate(step, steps):
     return PEAK_LR * (MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def make_optimizer(weights):
+    """AdamW over the weights: decay on matrices and the embedding, none on norm weights and sinks."""
+    groups = [{"params": [t for t in weights.values() if t.dim() > 1], "weight_decay": WEIGHT_DECAY},
+              {"params": [t for t in weights.values() if t.dim() == 1], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=PEAK_LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+
+
+def draw_batch(data, span, generator):
+    """BATCH random windows of `span` bytes of data (uint8) -> int64 [BATCH, span]."""
+    offsets = torch.randint(0, len(data) - span + 1, (BATCH,), generator=generator)
+    return data[offsets[:, None] + torch.arange(span)[None, :]].long()
+
+
+def train_step(weights, optimizer, batch, lr, dims):
+    """One optimiser step on a batch of windows [B, N + 1]; returns the mean loss before it."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    logits = forward(weights, batch[:, :-1], dims)
+    loss = F.cross_entropy(logits.reshape(-1, dims.V), batch[:, 1:].reshape(-1))
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(weights.values()), GRAD_CLIP)
+    optimizer.step()
+    return float(loss)
+
+
 def train_worker(name, steps, out_dir, results):
     torch.set_num_threads(1)  # both models get one core each, and the sums have a fixed order
     torch.manual_seed(0)
@@ -467,24 +498,13 @@ def train_worker(name, steps, out_dir, results):
     span = dims.context + 1
 
     weights = {n: t.requires_grad_() for n, t in init_weights(dims).items()}
-    groups = [{"params": [t for t in weights.values() if t.dim() > 1], "weight_decay": WEIGHT_DECAY},
-              {"params": [t for t in weights.values() if t.dim() == 1], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=PEAK_LR, betas=BETAS, weight_decay=WEIGHT_DECAY)
+    optimizer = make_optimizer(weights)
 
     start, cpu_start = time.monotonic(), time.process_time()
     losses, curve = [], []
     for step in range(1, steps + 1):
-        offsets = torch.randint(0, len(data) - span + 1, (BATCH,), generator=data_generator)
-        batch = data[offsets[:, None] + torch.arange(span)[None, :]].long()
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(step, steps)
-        logits = forward(weights, batch[:, :-1], dims)
-        loss = F.cross_entropy(logits.reshape(-1, dims.V), batch[:, 1:].reshape(-1))
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(list(weights.values()), GRAD_CLIP)
-        optimizer.step()
-        losses.append(float(loss))
+        batch = draw_batch(data, span, data_generator)
+        losses.append(train_step(weights, optimizer, batch, learning_rate(step, steps), dims))
         if step % LOG_EVERY == 0 or step == steps:
             recent = float(np.mean(losses[-LOG_EVERY:]))
             curve.append({"step": step, "train_loss": round(recent, 4)})
@@ -537,6 +557,62 @@ def train_models(names, steps, out_dir):
     if failed or len(summaries) != len(names):
         raise RuntimeError(f"training failed for {failed or 'a model'}")
     return summaries
+
+
+# ---------------------------------------------------------------------------
+# Fixture for the C++ trainer (examples/train_tiny_lm)
+# ---------------------------------------------------------------------------
+
+FIXTURE_STEPS = 20
+# --small: the same code path at a size whose fixture is small enough to commit.
+SMALL_CONFIG = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                "max_position_embeddings": 32, "layer_types": ["full_attention"] * 2}
+SMALL_BATCH = 2
+
+
+def write_fixture(out_dir, steps):
+    """For each model: its config.json; initial.safetensors, the float32 weights training starts
+    from; fixture.safetensors, the windows of the first FIXTURE_STEPS steps (I64 [steps, BATCH,
+    context + 1], drawn as train_worker draws them) and the mean training loss of each of those
+    steps from train_step in float64 and in float32 (F64 [steps]); training.json, the optimiser's
+    hyperparameters and the learning rate of each step (a run of `steps` steps)."""
+    torch.set_num_threads(1)
+    train_text, _, _, _ = split_corpus()
+    data = torch.frombuffer(bytearray(train_text), dtype=torch.uint8)
+    for name in MODELS:
+        torch.manual_seed(0)
+        config = model_config(name)
+        dims = Dims(config)
+        span = dims.context + 1
+        generator = torch.Generator().manual_seed(DATA_SEED)
+        batches = torch.stack([draw_batch(data, span, generator) for _ in range(FIXTURE_STEPS)])
+        initial = init_weights(dims)
+        rates = [learning_rate(step, steps) for step in range(1, FIXTURE_STEPS + 1)]
+        losses = {}
+        for dtype in (torch.float64, torch.float32):
+            weights = {n: t.to(dtype).clone().requires_grad_() for n, t in initial.items()}
+            optimizer = make_optimizer(weights)
+            losses[dtype] = [train_step(weights, optimizer, batches[i], rates[i], dims)
+                             for i in range(FIXTURE_STEPS)]
+        model_dir = out_dir / name
+        model_dir.mkdir(parents=True, exist_ok=True)
+        write_json(model_dir / "config.json", config)
+        (model_dir / "initial.safetensors").write_bytes(encode_safetensors(
+            {n: t.numpy().astype("<f4") for n, t in initial.items()}, {"format": "pt"}))
+        (model_dir / "fixture.safetensors").write_bytes(encode_safetensors({
+            "windows": batches.numpy().astype("<i8"),
+            "losses_float64": np.array(losses[torch.float64], dtype="<f8"),
+            "losses_float32": np.array(losses[torch.float32], dtype="<f8"),
+        }, {"torch": torch.__version__}))
+        write_json(model_dir / "training.json", {
+            "steps": steps, "fixture_steps": FIXTURE_STEPS, "batch": BATCH, "window": span,
+            "peak_lr": PEAK_LR, "min_lr_ratio": MIN_LR_RATIO,
+            "warmup_steps": min(WARMUP_STEPS, max(1, steps // 10)),
+            "weight_decay": WEIGHT_DECAY, "betas": list(BETAS), "adam_eps": 1e-8,
+            "grad_clip": GRAD_CLIP, "data_seed": DATA_SEED, "learning_rates": rates})
+        print(f"[{name:8s}] float64 losses {losses[torch.float64][0]:.6f} .. "
+              f"{losses[torch.float64][-1]:.6f} into {model_dir}", flush=True)
 
 
 # ---------------------------------------------------------------------------
@@ -976,7 +1052,21 @@ def main():
                              "output directory, trained with the same steps, and are kept")
     parser.add_argument("--out-dir", type=Path, default=None,
                         help="output directory (default assets/tiny_lm; a temporary one with --quick)")
+    parser.add_argument("--trainer-fixture", type=Path, default=None, metavar="DIR",
+                        help=f"write the C++ trainer's check (the first {FIXTURE_STEPS} steps' "
+                             "initial weights, windows, hyperparameters and float64/float32 "
+                             "losses of each model) into DIR, and nothing else")
+    parser.add_argument("--small", action="store_true",
+                        help="with --trainer-fixture: a reduced config (hidden 16, 2 layers, "
+                             f"context {SMALL_CONFIG['max_position_embeddings']}, batch {SMALL_BATCH})")
     args = parser.parse_args()
+    if args.trainer_fixture:
+        global BATCH
+        if args.small:
+            BASE_CONFIG.update(SMALL_CONFIG)
+            BATCH = SMALL_BATCH
+        write_fixture(args.trainer_fixture, args.steps or STEPS)
+        return 0
     if args.references_only:
         args.models = []
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
