@@ -11,12 +11,12 @@
 /// (row, KV head), ops/int8_rows.hpp). A sequence is its list of pages plus its length; every
 /// page but the last is full. A sliding-window layer's sequence releases the pages at its front
 /// that its window no longer sees (release_outside_window), so that it holds about w / P + 1
-/// pages however long it runs, as KVCache's window caches keep 2w rows. Pages are reference counted: fork() makes a sequence that shares
-/// its parent's pages, and a page shared by more than one sequence is never written: appending
-/// to a sequence whose partial last page is shared first copies that page (copy on write). A
-/// page whose count drops to 0 returns to the free list and is reused (last freed, first
-/// reused). SDPA reads the pages in place (ops/paged_sdpa.hpp), with bitwise the result of a
-/// KVCache holding the same tokens.
+/// pages however long it runs, as KVCache's window caches keep 2w rows. Pages are reference
+/// counted: fork() makes a sequence that shares its parent's pages, and a page shared by more
+/// than one sequence is never written: appending to a sequence whose partial last page is
+/// shared first copies that page (copy on write). A page whose count drops to 0 returns to the
+/// free list and is reused (last freed, first reused). SDPA reads the pages in place
+/// (ops/paged_sdpa.hpp), with bitwise the result of a KVCache holding the same tokens.
 ///
 /// Every function that changes the pool validates everything first: on an exception the pool
 /// is unchanged (its pages, counts, free list, sequences and stored rows).
@@ -427,9 +427,9 @@ public:
     /// window + 1, the first key its next token sees. Each such page's count goes down by one
     /// (freed when no other sequence holds it) and first_position(seq) moves past its tokens.
     /// Attention over the page table is unchanged: the masks align each sequence's queries with
-    /// the end of its keys, and ALiBi and the window depend only on distances. GatedMultiHeadAttention's
-    /// forward over a pool calls this after each step when its config has a causal sliding
-    /// window.
+    /// the end of its keys, and ALiBi and the window depend only on distances.
+    /// GatedMultiHeadAttention's forward over a pool calls this after each step when its config
+    /// has a causal sliding window.
     /// \returns the pages released.
     /// \throws std::invalid_argument when seq is not a sequence of the pool or window < 1.
     ///         Nothing is changed on error.
