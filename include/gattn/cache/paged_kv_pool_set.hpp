@@ -3,7 +3,8 @@
 
 /// \file
 /// The paged pools of a model: one PagedKVPool per layer, holding the same sequences in the
-/// same pages, so that one page table serves every layer (as vLLM's block tables do).
+/// same pages, so that one page table serves every layer (as vLLM's block tables do), except
+/// where a sliding-window layer has released pages its window no longer sees.
 
 #include <string>
 #include <utility>
@@ -16,8 +17,9 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// One PagedKVPool per layer (made by the layers' make_pool), whose sequences are allocated,
 /// forked, truncated and freed in every layer at once. Each layer's forward appends its own
 /// keys and values; after a model step every pool holds the same tokens in the same pages
-/// (pages are taken in the same order), and forward over the set's pools reads them through
-/// the same tables. A step that throws part-way (a later layer refusing its append) leaves the
+/// (pages are taken in the same order; a sliding-window layer's pool releases pages of its own,
+/// PagedKVPool::release_outside_window), and each layer's forward reads its pool through the
+/// pool's own page table. A step that throws part-way (a later layer refusing its append) leaves the
 /// earlier layers appended: truncate every sequence of the step back to its length before it.
 template <class Scalar>
 class PagedKVPoolSet {
