@@ -103,16 +103,37 @@ struct SpreadPrefetch {
 };
 
 /// A query row rounded to 16-bit codes (and residual codes) as the integer logits of `family`
-/// take it: decode_int8_ymm::quantize_query for AvxVnni, decode_int8::quantize_query for Vnni
-/// (the same rounding; the outlier test sums in another order). Only for a family compiled in.
+/// take it, into two buffers of d_k 16-bit slots: decode_int8_ymm::quantize_query for AvxVnni,
+/// decode_int8::quantize_query for Vnni (the same rounding; the outlier test sums in another
+/// order), decode_sdot::quantize_query for Sdot (each code as two bytes, all high bytes then all
+/// low bytes, in the same 2·d_k bytes). Only for a family compiled in.
 inline decode_int8::QueryScales quantize_query_for(Int8Kernel family, const float* q, Index dk, std::int16_t* codes,
                                                    std::int16_t* residual) noexcept {
+    if constexpr (simd::neon_dotprod::kEnabled)
+        if (family == Int8Kernel::Sdot) {
+            const auto s = decode_sdot::quantize_query(q, dk, reinterpret_cast<std::int8_t*>(codes),
+                                                       reinterpret_cast<std::int8_t*>(residual));
+            return {s.scale, s.residual_scale};
+        }
     if constexpr (simd::avxvnni::kEnabled)
         if (family == Int8Kernel::AvxVnni) return decode_int8_ymm::quantize_query(q, dk, codes, residual);
     if constexpr (simd::avx512vnni::kEnabled)
         if (family == Int8Kernel::Vnni) return decode_int8::quantize_query(q, dk, codes, residual);
     (void)family, (void)q, (void)dk, (void)codes, (void)residual;
     return {};
+}
+
+/// The query that quantize_query_for(family, …)'s codes stand for, out [d_k] in float: what the
+/// integer logits multiply the keys by (decode_sdot::dequantize_query for Sdot,
+/// decode_int8::dequantize_query otherwise).
+inline void dequantize_query_for(Int8Kernel family, const std::int16_t* codes, const std::int16_t* residual,
+                                 decode_int8::QueryScales scales, Index dk, float* out) noexcept {
+    if (family == Int8Kernel::Sdot)
+        decode_sdot::dequantize_query(reinterpret_cast<const std::int8_t*>(codes),
+                                      reinterpret_cast<const std::int8_t*>(residual),
+                                      {scales.scale, scales.residual_scale}, dk, out);
+    else
+        decode_int8::dequantize_query(codes, residual, scales, dk, out);
 }
 
 /// Keys per split-KV chunk: short enough that a 1k-key cache already gives two threads work
@@ -352,14 +373,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         for (Index g = 0; g < num_kv_heads && int8_dot; ++g)
             for (int t = 0; t < blks[g].count; ++t) {
                 const Index i = g * kRowsPerHead + t;
-                std::int16_t *codes = q_codes + i * dk, *residual = q_codes + (q_rows + i) * dk;
-                const auto qs = [&] {
-                    if constexpr (kSdot)
-                        return decode_sdot::quantize_query(blks[g].q[t], dk, reinterpret_cast<std::int8_t*>(codes),
-                                                           reinterpret_cast<std::int8_t*>(residual));
-                    else
-                        return quantize_query_for(int8_family, blks[g].q[t], dk, codes, residual);
-                }();
+                const auto qs =
+                    quantize_query_for(int8_family, blks[g].q[t], dk, q_codes + i * dk, q_codes + (q_rows + i) * dk);
                 q_scales[i] = qs.scale;
                 q_scales[q_rows + i] = qs.residual_scale;
                 any_residual = any_residual || qs.residual_scale != 0;

@@ -797,19 +797,11 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
         for (Index h = 0; h < H; ++h)
             for (Index i = 0; i < Nq; ++i) {
                 const Scalar* q = query.data() + (b * Nq + i) * ldq + h * dk;
-                if constexpr ((simd::avx512vnni::kEnabled || simd::avxvnni::kEnabled) && kInt8)
+                if constexpr (kInt8)
                     if (rounded_query) {
-                        const auto qs =
-                            kernel::quantize_query_for(int8_family, q, dk, q_codes.data(), q_codes.data() + dk);
-                        kernel::decode_int8::dequantize_query(q_codes.data(), q_codes.data() + dk, qs, dk,
-                                                              q_rounded.data());
-                        q = q_rounded.data();
-                    }
-                if constexpr (simd::neon_dotprod::kEnabled && kInt8)
-                    if (rounded_query) {
-                        auto* codes = reinterpret_cast<std::int8_t*>(q_codes.data());
-                        const auto qs = kernel::decode_sdot::quantize_query(q, dk, codes, codes + 2 * dk);
-                        kernel::decode_sdot::dequantize_query(codes, codes + 2 * dk, qs, dk, q_rounded.data());
+                        std::int16_t *codes = q_codes.data(), *residual = codes + dk;
+                        const auto qs = kernel::quantize_query_for(int8_family, q, dk, codes, residual);
+                        kernel::dequantize_query_for(int8_family, codes, residual, qs, dk, q_rounded.data());
                         q = q_rounded.data();
                     }
                 const Index g = h / group;
