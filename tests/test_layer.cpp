@@ -967,6 +967,32 @@ TEST(WindowCache, DecodingEqualsTheFullCache) {
     EXPECT_EQ(full.lengths()[0], 108);
 }
 
+/// One step of continuous batching: sequence b brings counts[b] random new rows, all in one
+/// forward over the pool, and each sequence's rows must equal the same rows run alone through
+/// its own KVCache (alone[b]) within atol.
+template <class PoolScalar>
+void paged_step_equals_alone(const gattn::GatedMultiHeadAttention<float>& layer, gattn::PagedKVPool<PoolScalar>& pool,
+                             const std::vector<gattn::SequenceId>& seqs, std::vector<gattn::KVCache<PoolScalar>>& alone,
+                             const std::vector<Index>& counts, std::mt19937& rng, double atol) {
+    const Index D = layer.config().d_model;
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    std::vector<Index> indptr{0};
+    for (Index n : counts) indptr.push_back(indptr.back() + n);
+    RowMatrix<float> x(indptr.back(), D), out(indptr.back(), D);
+    for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
+    layer.forward(x, indptr, pool, seqs, out);
+    for (std::size_t b = 0; b < seqs.size(); ++b) {
+        const Index n = counts[b], r0 = indptr[b];
+        if (n == 0) continue;
+        RowMatrix<float> y(n, D);
+        layer.forward(x.middleRows(r0, n), alone[b], y);
+        const std::string where = "sequence " + std::to_string(b) + ", tokens from " +
+                                  std::to_string(alone[b].tokens_seen()[0] - n);
+        gattn_test::expect_close(out.middleRows(r0, n), y.cast<double>(), atol, 1e-5, where);
+        EXPECT_EQ(pool.length(seqs[b]), alone[b].tokens_seen()[0]) << where;
+    }
+}
+
 /// Continuous batching over a paged pool: three sequences that start, decode and prefill in
 /// chunks at different steps, in one call per step, against each sequence run alone through a
 /// KVCache of its own (the same tokens in the same chunks). int8 pools quantize the keys and
@@ -981,24 +1007,8 @@ void check_layer_over_pool(const gattn::AttentionConfig& c, unsigned seed, doubl
     const std::vector<std::vector<Index>> schedule = {{5, 9, 0}, {1, 1, 7},  {1, 0, 1},
                                                       {3, 1, 1}, {1, 1, 20}, {1, 1, 1}};
     std::mt19937 rng(seed);
-    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-    for (const std::vector<Index>& counts : schedule) {
-        std::vector<Index> indptr{0};
-        for (Index n : counts) indptr.push_back(indptr.back() + n);
-        RowMatrix<float> x(indptr.back(), c.d_model), out(indptr.back(), c.d_model);
-        for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
-        layer.forward(x, indptr, pool, seqs, out);
-        for (std::size_t b = 0; b < 3; ++b) {
-            const Index n = counts[b], r0 = indptr[b];
-            if (n == 0) continue;
-            RowMatrix<float> y(n, c.d_model);
-            layer.forward(x.middleRows(r0, n), alone[b], y);
-            const std::string where = "sequence " + std::to_string(b) + ", tokens from " +
-                                      std::to_string(alone[b].tokens_seen()[0] - n);
-            gattn_test::expect_close(out.middleRows(r0, n), y.cast<double>(), atol, 1e-5, where);
-        }
-    }
-    for (std::size_t b = 0; b < 3; ++b) EXPECT_EQ(pool.length(seqs[b]), alone[b].tokens_seen()[0]);
+    for (const std::vector<Index>& counts : schedule)
+        paged_step_equals_alone(layer, pool, seqs, alone, counts, rng, atol);
 }
 
 TEST(LayerPaged, MixedBatchStepsEqualEachSequenceAlone) {
@@ -1034,25 +1044,13 @@ TEST(LayerPaged, SlidingWindowReleasesPagesAndEqualsAWindowCache) {
     for (int b = 0; b < 2; ++b) alone.push_back(layer.make_cache<float>(1, 200));
     ASSERT_EQ(alone[0].window(), 20);
     std::mt19937 rng(31);
-    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     for (int step = 0; step < 130; ++step) {
         // Sequence 0: a 30-token prompt, then one token a step; sequence 1 joins at step 40 with
         // a 17-token chunk.
         const std::vector<Index> counts{step == 0 ? 30 : 1, step < 40 ? 0 : step == 40 ? 17 : 1};
-        const std::vector<Index> indptr{0, counts[0], counts[0] + counts[1]};
-        RowMatrix<float> x(indptr.back(), c.d_model), out(indptr.back(), c.d_model);
-        for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
-        layer.forward(x, indptr, pool, seqs, out);
-        for (std::size_t b = 0; b < 2; ++b) {
-            const Index n = counts[b], r0 = indptr[b];
-            if (n == 0) continue;
-            RowMatrix<float> y(n, c.d_model);
-            layer.forward(x.middleRows(r0, n), alone[b], y);
-            gattn_test::expect_close(out.middleRows(r0, n), y.cast<double>(), 1e-6, 1e-5,
-                                     "step " + std::to_string(step) + ", sequence " + std::to_string(b));
-            EXPECT_LE(pool.pages(seqs[b]).size(), 3u) << "step " << step;
-            EXPECT_EQ(pool.length(seqs[b]), alone[b].tokens_seen()[0]);
-        }
+        SCOPED_TRACE("step " + std::to_string(step));
+        paged_step_equals_alone(layer, pool, seqs, alone, counts, rng, 1e-6);
+        for (gattn::SequenceId seq : seqs) EXPECT_LE(pool.pages(seq).size(), 3u);
     }
     EXPECT_EQ(pool.length(seqs[0]), 159);
     EXPECT_EQ(pool.first_position(seqs[0]), 128);  // pages 0..7 released: token 159 sees 140..159
