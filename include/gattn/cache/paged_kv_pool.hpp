@@ -429,7 +429,7 @@ public:
     /// Attention over the page table is unchanged: the masks align each sequence's queries with
     /// the end of its keys, and ALiBi and the window depend only on distances.
     /// GatedMultiHeadAttention's forward over a pool calls this after each step when its config
-    /// has a causal sliding window.
+    /// has a causal sliding window (vLLM likewise frees the blocks a sliding window has left).
     /// \returns the pages released.
     /// \throws std::invalid_argument when seq is not a sequence of the pool or window < 1.
     ///         Nothing is changed on error.
