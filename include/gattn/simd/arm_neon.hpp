@@ -3,9 +3,11 @@
 
 /// \file
 /// ARM64 NEON tier: the conversions the kernels' xsimd code has no instruction for, reading
-/// narrow storage (bf16, fp16, int8 codes) into float registers exactly. Compiled in on ARM64
-/// (kEnabled); elsewhere widen and widen_row are only declared, for drivers that name them in
-/// `if constexpr` branches they never instantiate. The tile shapes are the portable tier's.
+/// narrow storage (bf16, fp16, int8 codes) into float registers exactly, and the register
+/// operations that xsimd 8.1 leaves as calls or slow sequences on ARM64, which simd/compat.hpp
+/// calls: division (FDIV), bit casts, constant shifts. Compiled in on ARM64 (kEnabled);
+/// elsewhere the functions are only declared, for callers that name them in `if constexpr`
+/// branches they never instantiate. The tile shapes are the portable tier's.
 ///
 /// The float arithmetic itself is xsimd's NEON (neon64: 128-bit registers, FMLA); this header
 /// adds only the widening loads, each a few instructions: bf16 is the top half of a float
@@ -15,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "gattn/config.hpp"
 #include "gattn/types.hpp"
@@ -72,10 +75,62 @@ template <class B, class KV>
 inline B widen(const KV* p) noexcept {
     return B(widen4(p));
 }
+
+/// a / b for registers B of 4 floats, correctly rounded: one FDIV.
+template <class B>
+inline B div(const B& a, const B& b) noexcept {
+    return B(vdivq_f32(a, b));
+}
+
+/// The bits of integer register x (4 int32 or 2 int64 lanes) as a register B of floats or
+/// doubles: a reinterpretation, no instruction.
+template <class B, class IntBatch>
+inline B bits_as(const IntBatch& x) noexcept {
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>)
+        return B(vreinterpretq_f32_s32(x));
+    else
+        return B(vreinterpretq_f64_s64(x));
+}
+
+/// Each lane of integer register x (int32 or int64) shifted left by the constant N: one SHL.
+template <int N, class IntBatch>
+inline IntBatch shift_left(const IntBatch& x) noexcept {
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>)
+        return IntBatch(vshlq_n_s32(x, N));
+    else
+        return IntBatch(vshlq_n_s64(x, N));
+}
+
+/// Each lane of integer register x (int32 or int64) shifted right (arithmetic) by the constant
+/// N: one SSHR.
+template <int N, class IntBatch>
+inline IntBatch shift_right(const IntBatch& x) noexcept {
+    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>)
+        return IntBatch(vshrq_n_s32(x, N));
+    else
+        return IntBatch(vshrq_n_s64(x, N));
+}
+
+/// An empty asm statement that hides how register r was computed (simd::opaque): "w" takes
+/// any FP/SIMD register.
+template <class R>
+inline void hide(R& r) noexcept {
+    asm("" : "+w"(r));
+}
 #else
 void widen_row(const half* src, float* dst, std::ptrdiff_t n) noexcept;
 template <class B, class KV>
 B widen(const KV* p) noexcept;
+template <class B>
+B div(const B& a, const B& b) noexcept;
+template <class B, class IntBatch>
+B bits_as(const IntBatch& x) noexcept;
+template <int N, class IntBatch>
+IntBatch shift_left(const IntBatch& x) noexcept;
+template <int N, class IntBatch>
+IntBatch shift_right(const IntBatch& x) noexcept;
+template <class R>
+void hide(R& r) noexcept;
 #endif  // GATTN_HAS_NEON
 
 }  // namespace neon

@@ -7,6 +7,9 @@
 /// xsimd 8.1 lacks on AVX-512 (plain and masked), a correctly rounded float division on ARM64
 /// (div), the bit cast and constant shifts that xsimd 8.1 does not inline on ARM64 (bits_as,
 /// shift_left, shift_right), the compiler's prefetch hint, and a barrier against FMA contraction (opaque).
+/// Where a tier has an instruction for one of them, the tier's header holds it
+/// (simd/x86_avx512.hpp, simd/x86_avx2.hpp, simd/portable.hpp, simd/arm_neon.hpp) and this file
+/// calls it in an `if constexpr` branch: no instruction-set `#if` here.
 
 #include <Eigen/Core>
 #include <xsimd/xsimd.hpp>
@@ -17,6 +20,10 @@
 #include <type_traits>
 
 #include "gattn/config.hpp"
+#include "gattn/simd/arm_neon.hpp"
+#include "gattn/simd/portable.hpp"
+#include "gattn/simd/x86_avx2.hpp"
+#include "gattn/simd/x86_avx512.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
 namespace simd {
@@ -31,6 +38,19 @@ using Batch = xsimd::batch<T, Arch>;
 /// Lanes in one register of T.
 template <class T>
 inline constexpr std::size_t kLanes = Batch<T>::size;
+
+/// Whether xsimd is 8.x, whose ARM64 division, bit casts and constant shifts the NEON tier
+/// replaces (div, bits_as, shift_left, shift_right).
+inline constexpr bool kXsimd8 = XSIMD_VERSION_MAJOR < 9;
+
+/// Whether T is float or double.
+template <class T>
+inline constexpr bool kFloating = std::is_same_v<T, float> || std::is_same_v<T, double>;
+
+/// Whether integer register IntBatch has 32- or 64-bit signed lanes.
+template <class IntBatch>
+inline constexpr bool kIntLanes = std::is_same_v<typename IntBatch::value_type, std::int32_t> ||
+                                  std::is_same_v<typename IntBatch::value_type, std::int64_t>;
 
 /// Sum of the lanes (xsimd ≥ 9 calls it reduce_add, 8.1 hadd).
 template <class T>
@@ -67,26 +87,7 @@ inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
     constexpr std::size_t L = kLanes<T>;
     using Packet = typename Eigen::internal::packet_traits<T>::type;
     using Register = typename Batch<T>::register_type;
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<Register, __m512>) {
-        // Butterfly in registers (45 shuffles and adds, against a 16 × 16 transpose and 15
-        // adds): each stage adds two halves of pairs of registers, first within 128-bit lanes,
-        // then across them, halving the registers until lane i holds the sum of rows[i].
-        __m512 a[8], b[4], c[2];
-        for (int j = 0; j < 8; ++j) {
-            const __m512 x = rows[2 * j], y = rows[2 * j + 1];
-            a[j] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
-        }
-        for (int k = 0; k < 4; ++k)
-            b[k] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                 _mm512_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-        for (int k = 0; k < 2; ++k)
-            c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-        return Batch<T>(_mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                      _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1))));
-    }
-#endif
+    if constexpr (avx512::kEnabled && std::is_same_v<T, float> && L == 16) return avx512::reduce_sum_rows(rows);
     if constexpr (std::is_same_v<Packet, Register> && Eigen::internal::unpacket_traits<Packet>::size == L) {
         Eigen::internal::PacketBlock<Packet, static_cast<int>(L)> tile;
         for (std::size_t i = 0; i < L; ++i) tile.packet[i] = static_cast<Register>(rows[i]);
@@ -109,50 +110,41 @@ inline Batch<T> reduce_sum_rows(const Batch<T>* rows) noexcept {
 /// orders such stores before later ones (before another thread reads the memory).
 template <class T, class Packet>
 inline void stream_store(T* p, const Packet& v) noexcept {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<Packet, __m512>) return _mm512_stream_ps(p, v);
-    if constexpr (std::is_same_v<Packet, __m512d>) return _mm512_stream_pd(p, v);
-#endif
-#if defined(__AVX__)
-    if constexpr (std::is_same_v<Packet, __m256>) return _mm256_stream_ps(p, v);
-    if constexpr (std::is_same_v<Packet, __m256d>) return _mm256_stream_pd(p, v);
-#endif
-#if defined(__SSE2__)
-    if constexpr (std::is_same_v<Packet, __m128>) return _mm_stream_ps(p, v);
-    if constexpr (std::is_same_v<Packet, __m128d>) return _mm_stream_pd(p, v);
-#endif
-    Eigen::internal::pstore(p, v);
+    // Registers of floats or doubles (Eigen's packet of T): by their width.
+    if constexpr (kFloating<T> && avx512::kEnabled && sizeof(Packet) == 64)
+        avx512::stream_store(p, v);
+    else if constexpr (kFloating<T> && avx2::kAvx && sizeof(Packet) == 32)
+        avx2::stream_store(p, v);
+    else if constexpr (kFloating<T> && portable::kSse2 && sizeof(Packet) == 16)
+        portable::stream_store(p, v);
+    else
+        Eigen::internal::pstore(p, v);
 }
 
 GATTN_EIGEN_PACKETS_END
 
 /// Makes the calling thread's streaming stores (stream_store) visible before its later stores.
-inline void stream_fence() noexcept {
-#if defined(__SSE2__)
-    _mm_sfence();
-#endif
-}
+inline void stream_fence() noexcept { portable::stream_fence(); }
 
 /// a·b + c rounded once. xsimd 8.1 has no AVX-512 FMA: its 512-bit registers fall back to
 /// a·b + c, which g++ contracts into an FMA and clang 14 does not (two roundings and twice the
 /// instructions: prefill ran at 0.6× under clang). Here AVX-512 calls the instruction itself.
 template <class T>
 inline Batch<T> fma(const Batch<T>& a, const Batch<T>& b, const Batch<T>& c) noexcept {
-#if defined(__AVX512F__)  // registers are 512-bit: Batch<float> holds a __m512
-    if constexpr (std::is_same_v<T, float>) return Batch<T>(_mm512_fmadd_ps(a, b, c));
-    if constexpr (std::is_same_v<T, double>) return Batch<T>(_mm512_fmadd_pd(a, b, c));
-#endif
-    return xsimd::fma(a, b, c);
+    if constexpr (avx512::kEnabled && kFloating<T>)  // registers are 512-bit: Batch<float> holds a __m512
+        return avx512::fma(a, b, c);
+    else
+        return xsimd::fma(a, b, c);
 }
 
 /// a / b correctly rounded. xsimd 8.1 divides float registers on ARM64 by NEON's reciprocal
 /// estimate refined by two Newton steps (up to 2 ulp off); there this is one FDIV, as on x86.
 template <class T>
 inline Batch<T> div(const Batch<T>& a, const Batch<T>& b) noexcept {
-#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
-    if constexpr (std::is_same_v<T, float>) return Batch<T>(vdivq_f32(a, b));
-#endif
-    return a / b;
+    if constexpr (neon::kEnabled && kXsimd8 && std::is_same_v<T, float>)
+        return neon::div(a, b);
+    else
+        return a / b;
 }
 
 /// The bits of integer register x as a register of T (xsimd::bitwise_cast). xsimd 8.1 on NEON
@@ -160,35 +152,31 @@ inline Batch<T> div(const Batch<T>& a, const Batch<T>& b) noexcept {
 /// on ARM64 this is the reinterpretation itself (no instruction).
 template <class T, class IntBatch>
 inline Batch<T> bits_as(const IntBatch& x) noexcept {
-#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
-    if constexpr (std::is_same_v<T, float> && std::is_same_v<typename IntBatch::value_type, std::int32_t>)
-        return Batch<T>(vreinterpretq_f32_s32(x));
-    if constexpr (std::is_same_v<T, double> && std::is_same_v<typename IntBatch::value_type, std::int64_t>)
-        return Batch<T>(vreinterpretq_f64_s64(x));
-#endif
-    return xsimd::bitwise_cast<Batch<T>>(x);
+    if constexpr (neon::kEnabled && kXsimd8 && kIntLanes<IntBatch> &&
+                  sizeof(T) == sizeof(typename IntBatch::value_type))
+        return neon::bits_as<Batch<T>>(x);
+    else
+        return xsimd::bitwise_cast<Batch<T>>(x);
 }
 
 /// Each lane of integer register x shifted left by the constant N. xsimd 8.1 on NEON shifts by
 /// a run-time count, found by comparing it with every possible count; on ARM64 this is one SHL.
 template <int N, class IntBatch>
 inline IntBatch shift_left(const IntBatch& x) noexcept {
-#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
-    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>) return IntBatch(vshlq_n_s32(x, N));
-    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int64_t>) return IntBatch(vshlq_n_s64(x, N));
-#endif
-    return x << N;
+    if constexpr (neon::kEnabled && kXsimd8 && kIntLanes<IntBatch>)
+        return neon::shift_left<N>(x);
+    else
+        return x << N;
 }
 
 /// Each lane of integer register x shifted right (arithmetic) by the constant N: one SSHR on
 /// ARM64, as shift_left.
 template <int N, class IntBatch>
 inline IntBatch shift_right(const IntBatch& x) noexcept {
-#if defined(__aarch64__) && XSIMD_VERSION_MAJOR < 9
-    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int32_t>) return IntBatch(vshrq_n_s32(x, N));
-    if constexpr (std::is_same_v<typename IntBatch::value_type, std::int64_t>) return IntBatch(vshrq_n_s64(x, N));
-#endif
-    return x >> N;
+    if constexpr (neon::kEnabled && kXsimd8 && kIntLanes<IntBatch>)
+        return neon::shift_right<N>(x);
+    else
+        return x >> N;
 }
 
 /// c − a·b rounded once: fma(−a, b, c) (negation is exact; compilers emit one vfnmadd).
@@ -203,13 +191,10 @@ inline Batch<T> fnma(const Batch<T>& a, const Batch<T>& b, const Batch<T>& c) no
 template <class T>
 inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T>& a, const Batch<T>& b,
                            const Batch<T>& c) noexcept {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>)
-        return Batch<T>(_mm512_mask3_fmadd_ps(a, b, c, static_cast<__mmask16>(~static_cast<__mmask16>(skip))));
-    if constexpr (std::is_same_v<T, double>)
-        return Batch<T>(_mm512_mask3_fmadd_pd(a, b, c, static_cast<__mmask8>(~static_cast<__mmask8>(skip))));
-#endif
-    return xsimd::select(skip, c, simd::fma(a, b, c));
+    if constexpr (avx512::kEnabled && kFloating<T>)
+        return avx512::fma_unless(skip, a, b, c);
+    else
+        return xsimd::select(skip, c, simd::fma(a, b, c));
 }
 
 /// Returns x through an empty asm statement: the compiler no longer sees how x was computed,
@@ -219,21 +204,14 @@ inline Batch<T> fma_unless(const xsimd::batch_bool<T, Arch>& skip, const Batch<T
 /// g++ or clang; elsewhere it returns x unchanged.
 template <class T>
 inline Batch<T> opaque(const Batch<T>& x) noexcept {
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
     typename Batch<T>::register_type r = x;
-#if defined(__AVX512F__)
-    asm("" : "+v"(r));
-#else
-    asm("" : "+x"(r));
-#endif
+    if constexpr (avx512::kEnabled)
+        avx512::hide(r);
+    else if constexpr (portable::kSse2)
+        portable::hide(r);
+    else if constexpr (neon::kEnabled)
+        neon::hide(r);
     return Batch<T>(r);
-#elif (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
-    typename Batch<T>::register_type r = x;
-    asm("" : "+w"(r));  // any FP/SIMD register
-    return Batch<T>(r);
-#else
-    return x;
-#endif
 }
 
 /// Elements of T in one 64-byte cache line.

@@ -100,13 +100,12 @@ inline Batch<T> exp_impl(const Batch<T>& x) noexcept {
     }
 }
 
-#if defined(__AVX512F__)
 // σ(x) for float in about two thirds of the instructions of 1 / (1 + exp(−x)), which with
 // 512-bit registers (two vector ports) is bound by instruction count: e^−x by exp's reduction
 // and polynomial (expf_remainder), vscalefps applying 2^n (no integer exponent arithmetic),
-// and 1/d from vrcp14ps refined by one Newton step (2^−28 before rounding), not a division.
-// Where σ(x) < FLT_MIN (x < ln FLT_MIN) the lane is zeroed: there e^−x may overflow and the
-// Newton step give NaN. NaN compares unordered and is kept.
+// and 1/d from vrcp14ps refined by one Newton step (2^−28 before rounding), not a division
+// (simd/x86_avx512.hpp). Where σ(x) < FLT_MIN (x < ln FLT_MIN) the lane is zeroed: there e^−x
+// may overflow and the Newton step give NaN. NaN compares unordered and is kept.
 inline Batch<float> sigmoid_avx512(const Batch<float>& x) noexcept {
     using B = Batch<float>;
     const B lo(kLnFltMin);
@@ -114,12 +113,9 @@ inline Batch<float> sigmoid_avx512(const Batch<float>& x) noexcept {
     // n = round(t·log₂e): adding 1.5·2^23 rounds to an integer (|t·log₂e| < 2^22 where kept).
     const B shifter(12582912.0f);
     const B n = simd::fma(t, B(kLog2eF), shifter) - shifter;
-    const B d = B(_mm512_scalef_ps(expf_remainder(t, n), n)) + B(1.0f);  // 1 + e^−x
-    const __m512 r0 = _mm512_rcp14_ps(d);
-    const __m512 residual = _mm512_fnmadd_ps(d, r0, _mm512_set1_ps(1.0f));  // 1 − d·r0
-    return B(_mm512_maskz_fmadd_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), r0, residual, r0));
+    const B d = avx512::scalef(expf_remainder(t, n), n) + B(1.0f);  // 1 + e^−x
+    return avx512::reciprocal_unless_below(x, lo, d);
 }
-#endif
 
 }  // namespace detail
 
@@ -160,27 +156,26 @@ inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
         for (int k = 4; k >= 0; --k) q = simd::fma(q, r, B(c[k]));
         return simd::fma(q, r, B(1.0f));
     };
-#if defined(__AVX512DQ__)
-    // r = x − ⌊x⌋ (vreduceps, round down, exceptions suppressed): ±∞ gives 0, NaN stays NaN,
-    // and vscalefps multiplies by 2^⌊x⌋ (0 for x = −∞), so no clamp is needed. Its zeroing
-    // mask flushes x < −126 to 0 (NaN compares unordered and is kept) in the same instruction.
-    static constexpr float c[6] = {6.9314706325531006e-1f, 2.4022929370403290e-1f, 5.5485296994447708e-2f,
-                                   9.6754413098096848e-3f, 1.2467787601053715e-3f, 2.1613512944895774e-4f};
-    const B r(_mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
-    return B(_mm512_maskz_scalef_ps(_mm512_cmp_ps_mask(x, lo, _CMP_NLT_UQ), poly(r, c), x));
-#else
-    static constexpr float c[6] = {6.9314718246459961e-1f, 2.4022647738456726e-1f, 5.5503323674201965e-2f,
-                                   9.6184369176626205e-3f, 1.3398875016719103e-3f, 1.5353361959569156e-4f};
-    const B xc = xsimd::max(lo, x);  // NaN flows through (second operand)
-    const B n = xsimd::nearbyint(xc);
-    const B p = poly(xc - n, c);
-#if defined(__AVX512F__)
-    const B y(_mm512_scalef_ps(p, n));  // p·2^n in one instruction
-#else
-    const B y = detail::times_pow2<float, true>(p, xsimd::to_int(n));
-#endif
-    return xsimd::select(x < lo, B(0.0f), y);
-#endif
+    if constexpr (avx512::kDq) {
+        // r = x − ⌊x⌋ (vreduceps): ±∞ gives 0, NaN stays NaN, and vscalefps multiplies by
+        // 2^⌊x⌋ (0 for x = −∞), so no clamp is needed; x < −126 is flushed to 0 (NaN compares
+        // unordered and is kept).
+        static constexpr float c[6] = {6.9314706325531006e-1f, 2.4022929370403290e-1f, 5.5485296994447708e-2f,
+                                       9.6754413098096848e-3f, 1.2467787601053715e-3f, 2.1613512944895774e-4f};
+        return avx512::scalef_unless_below(x, lo, poly(avx512::floor_fraction(x), c), x);
+    } else {
+        static constexpr float c[6] = {6.9314718246459961e-1f, 2.4022647738456726e-1f, 5.5503323674201965e-2f,
+                                       9.6184369176626205e-3f, 1.3398875016719103e-3f, 1.5353361959569156e-4f};
+        const B xc = xsimd::max(lo, x);  // NaN flows through (second operand)
+        const B n = xsimd::nearbyint(xc);
+        const B p = poly(xc - n, c);
+        B y;
+        if constexpr (avx512::kEnabled)
+            y = avx512::scalef(p, n);  // p·2^n in one instruction
+        else
+            y = detail::times_pow2<float, true>(p, xsimd::to_int(n));
+        return xsimd::select(x < lo, B(0.0f), y);
+    }
 }
 
 /// σ(x) = 1 / (1 + e^−x), as accurate as e^−x: in float at most 3.2 ulp, measured over every
@@ -190,10 +185,10 @@ inline Batch<float> exp2_nonpositive(const Batch<float>& x) noexcept {
 /// (detail::sigmoid_avx512, the same worst error; 0 below ln FLT_MIN ≈ −87.34).
 template <class T>
 inline Batch<T> sigmoid(const Batch<T>& x) noexcept {
-#if defined(__AVX512F__)
-    if constexpr (std::is_same_v<T, float>) return detail::sigmoid_avx512(x);
-#endif
-    return simd::div<T>(Batch<T>(T(1)), Batch<T>(T(1)) + simd::exp<T>(-x));
+    if constexpr (avx512::kEnabled && std::is_same_v<T, float>)
+        return detail::sigmoid_avx512(x);
+    else
+        return simd::div<T>(Batch<T>(T(1)), Batch<T>(T(1)) + simd::exp<T>(-x));
 }
 
 /// SiLU(x) = x · σ(x).

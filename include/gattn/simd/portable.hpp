@@ -4,10 +4,17 @@
 /// \file
 /// The portable tier: what runs where no wider tier is compiled in (SSE2 and the other x86
 /// builds without AVX2 + FMA, ARM64's NEON, other CPUs), through xsimd's code for the
-/// translation unit's instruction set. It holds no intrinsics, only the tile shapes for 16
-/// registers of 128 bits, which the tiers that do not set their own take.
+/// translation unit's instruction set: the tile shapes for 16 registers of 128 bits, which the
+/// tiers that do not set their own take, and what every x86-64 CPU has (SSE2: streaming
+/// stores of 128-bit registers and their fence; the "x" register constraint of opaque).
+
+#include <type_traits>
 
 #include "gattn/config.hpp"
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 GATTN_BEGIN_ISA_NAMESPACE
 namespace simd {
@@ -25,6 +32,37 @@ struct FlashTiles {
 struct DecodeTiles {
     static constexpr int kRows = 2, kValueRegisters = 8;
 };
+
+#if defined(__SSE2__)
+inline constexpr bool kSse2 = true;  ///< built for x86 with SSE2 (every x86-64 CPU)
+
+/// Stores register v (4 floats or 2 doubles, as T) at p, aligned to 16 bytes, with a
+/// non-temporal hint.
+template <class T, class Packet>
+inline void stream_store(T* p, const Packet& v) noexcept {
+    if constexpr (std::is_same_v<T, float>)
+        _mm_stream_ps(p, v);
+    else
+        _mm_stream_pd(p, v);
+}
+
+/// Orders the calling thread's streaming stores before its later stores (sfence).
+inline void stream_fence() noexcept { _mm_sfence(); }
+
+/// An empty asm statement that hides how register r was computed (simd::opaque): "x" takes
+/// an xmm/ymm register.
+template <class R>
+inline void hide(R& r) noexcept {
+    asm("" : "+x"(r));
+}
+#else
+inline constexpr bool kSse2 = false;
+template <class T, class Packet>
+void stream_store(T* p, const Packet& v) noexcept;
+inline void stream_fence() noexcept {}
+template <class R>
+void hide(R& r) noexcept;
+#endif
 
 }  // namespace portable
 }  // namespace simd

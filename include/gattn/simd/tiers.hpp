@@ -11,14 +11,14 @@
 ///
 /// | tier | header | what it holds |
 /// |---|---|---|
-/// | portable (SSE2, NEON arithmetic, scalar) | portable.hpp | tile shapes for 16 × 128-bit registers |
-/// | x86 AVX2 + FMA | x86_avx2.hpp | tile shapes for 16 × 256-bit registers, int8 widening |
-/// | x86 AVX-512 | x86_avx512.hpp | tile shapes for 32 × 512-bit registers, int8/bf16/fp16 widening |
+/// | portable (SSE2, NEON arithmetic, scalar) | portable.hpp | tile shapes for 16 × 128-bit registers, SSE2 streaming stores |
+/// | x86 AVX2 + FMA | x86_avx2.hpp | tile shapes for 16 × 256-bit registers, int8/bf16/fp16 widening |
+/// | x86 AVX-512 | x86_avx512.hpp | tile shapes for 32 × 512-bit registers, int8/bf16/fp16 widening, FMAs, exp/sigmoid steps |
 /// | x86 AVX512-BF16 | x86_avx512bf16.hpp | VDPBF16PS kernels: bf16 prefill and decoding |
 /// | x86 AVX512-VNNI | x86_avx512vnni.hpp | VPDPWSSD kernels: int8 decoding |
 /// | x86 AVX-VNNI | x86_avxvnni.hpp | VEX VPDPWSSD kernels on ymm: int8 decoding on AVX2 machines |
 /// | x86 AMX | x86_amx.hpp | TDPBF16PS tile code: bf16 prefill |
-/// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening |
+/// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening, division, bit casts, shifts |
 /// | ARM64 dot product (run-time, HWCAP asimddp) | arm_neon_dotprod.hpp | SDOT kernel: int8 decoding logits |
 ///
 /// Adding a tier: a header with its namespace simd::TIER (kEnabled, its kernels, and

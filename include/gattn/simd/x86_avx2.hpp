@@ -3,7 +3,8 @@
 
 /// \file
 /// x86 AVX2 (+ FMA) tier: 16 registers of 256 bits. The float flash kernel's tile shape for
-/// them (FlashTiles) and the narrow KV-cache values widened to float as they load: int8 codes
+/// them (FlashTiles), streaming stores of 256-bit registers (AVX), and the narrow KV-cache
+/// values widened to float as they load: int8 codes
 /// (VPMOVSXBD, VCVTDQ2PS), bf16 (a 16-bit shift) and fp16 (VCVTPH2PS where the unit is built
 /// with F16C, as -march=haswell and later; else integer operations, exact for every fp16
 /// value). The float arithmetic itself is xsimd's AVX2 code. Compiled in where the translation
@@ -19,7 +20,7 @@
 #include "gattn/config.hpp"
 #include "gattn/types.hpp"
 
-#if defined(__AVX2__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -51,6 +52,24 @@ struct FlashTiles {
     // mask registers in AVX2): 3 rows, 9 accumulators + 3 P + 3 masks + 1 broadcast.
     static constexpr int kMaskedRows = 3;
 };
+
+#if defined(__AVX__)
+inline constexpr bool kAvx = true;  ///< built with AVX (256-bit float registers)
+
+/// Stores register v (8 floats or 4 doubles, as T) at p, aligned to 32 bytes, with a
+/// non-temporal hint.
+template <class T, class Packet>
+inline void stream_store(T* p, const Packet& v) noexcept {
+    if constexpr (std::is_same_v<T, float>)
+        _mm256_stream_ps(p, v);
+    else
+        _mm256_stream_pd(p, v);
+}
+#else
+inline constexpr bool kAvx = false;
+template <class T, class Packet>
+void stream_store(T* p, const Packet& v) noexcept;
+#endif
 
 #if defined(__F16C__)
 inline constexpr bool kF16c = true;  ///< built with F16C: fp16 widens with VCVTPH2PS
