@@ -88,6 +88,7 @@ struct Options {
     std::uint64_t seed = 1;
     int threads = 1;
     bool resume = false;
+    bool steps_given = false, batch_given = false;  // on the command line (else a resumed run's own)
 };
 
 void write_text(const fs::path& path, const std::string& text) {
@@ -121,7 +122,29 @@ void save(train_tiny_lm::Model<S>& model, const Options& o, const std::mt19937_6
     write_text(dir / "training_log.json", log.dump(1) + "\n");
 }
 
-int train(const Options& o) {
+/// --resume: the checkpoint's schedule length and batch, which the resumed run keeps (a
+/// different --steps would change the learning rate of every later step, a different --batch
+/// the windows drawn); given on the command line, they must agree.
+nlohmann::json read_checkpoint(Options& o) {
+    const fs::path path = fs::path(o.out) / "checkpoint.json";
+    std::ifstream in(path);
+    if (!in) throw gattn::io_error("train_tiny_lm: --resume: cannot open " + path.string());
+    const nlohmann::json ck = nlohmann::json::parse(in);
+    auto keep = [&](const char* name, Index& value, bool given) {
+        const Index saved = ck.at(name).get<Index>();
+        if (given && value != saved)
+            throw std::invalid_argument(std::string("--") + name + " " + std::to_string(value) + " differs from " +
+                                        path.string() + "'s " + std::to_string(saved) +
+                                        "; a resumed run keeps its schedule (leave --" + name + " out)");
+        value = saved;
+    };
+    keep("steps", o.steps, o.steps_given);
+    keep("batch", o.batch, o.batch_given);
+    return ck;
+}
+
+int train(Options o) {
+    const nlohmann::json checkpoint = o.resume ? read_checkpoint(o) : nlohmann::json();
     using S = float;
     gattn::set_num_threads(o.threads);
     const fs::path dir(o.out);
@@ -145,12 +168,9 @@ int train(const Options& o) {
                           {"threads", o.threads}, {"records", nlohmann::json::array()}};
     std::unique_ptr<train_tiny_lm::Model<S>> model;
     if (o.resume) {
-        std::ifstream in(dir / "checkpoint.json");
-        if (!in) throw gattn::io_error("train_tiny_lm: --resume: cannot open " + (dir / "checkpoint.json").string());
-        const nlohmann::json ck = nlohmann::json::parse(in);
         model = std::make_unique<train_tiny_lm::Model<S>>(config, (dir / "checkpoint.safetensors").string());
-        model->load_moments((dir / "checkpoint.safetensors").string(), ck.at("step").get<Index>());
-        std::istringstream state(ck.at("rng").get<std::string>());
+        model->load_moments((dir / "checkpoint.safetensors").string(), checkpoint.at("step").get<Index>());
+        std::istringstream state(checkpoint.at("rng").get<std::string>());
         state >> rng;
         std::ifstream log_in(dir / "training_log.json");
         if (log_in) log = nlohmann::json::parse(log_in);
@@ -215,9 +235,12 @@ int main(int argc, char** argv) {
     app.add_option("--config", o.config, "config.json of the model to train");
     app.add_option("--weights", o.weights, "initial weights (safetensors, HF names)");
     app.add_option("--out", o.out, "output directory");
-    app.add_option("--steps", o.steps, "length of the learning-rate schedule")->check(CLI::PositiveNumber);
+    auto* steps =
+        app.add_option("--steps", o.steps, "length of the learning-rate schedule (--resume: the checkpoint's)")
+            ->check(CLI::PositiveNumber);
     app.add_option("--until", o.until, "stop after this step (default: --steps); --resume continues");
-    app.add_option("--batch", o.batch, "windows per step")->check(CLI::PositiveNumber);
+    auto* batch =
+        app.add_option("--batch", o.batch, "windows per step (--resume: the checkpoint's)")->check(CLI::PositiveNumber);
     app.add_option("--eval-every", o.eval_every, "held-out loss every this many steps")->check(CLI::PositiveNumber);
     app.add_option("--checkpoint-every", o.checkpoint_every, "checkpoint every this many steps")
         ->check(CLI::PositiveNumber);
@@ -226,6 +249,8 @@ int main(int argc, char** argv) {
     app.add_option("--fortunes", o.fortunes, "the fortune files (Debian package fortunes)");
     app.add_flag("--resume", o.resume, "continue from --out's checkpoint");
     CLI11_PARSE(app, argc, argv);
+    o.steps_given = steps->count() > 0;
+    o.batch_given = batch->count() > 0;
     try {
         if (!check_dir.empty()) return check(check_dir);
         if (o.config.empty() || o.out.empty() || (o.weights.empty() && !o.resume)) {
