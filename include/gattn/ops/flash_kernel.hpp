@@ -82,7 +82,17 @@ struct FlashGeometry {
     static constexpr int kRows = simd::FlashTiles::kRows;
     static constexpr int kMaskedRows = simd::FlashTiles::kMaskedRows;
     static constexpr int kQueries = kCols * kLanes;  // Br: queries per block
-    static constexpr int kKeys = 64;                 // Bc: keys per block
+    // (head, query) pairs of a KV head up to which a sequence of several query rows runs the
+    // decoding kernel (ops/sdpa.hpp; the tier's, see simd/tiers.hpp).
+    static constexpr int kDecodePairs = simd::FlashTiles::kDecodePairs;
+    // A block with only CE < kCols registers of queries (fewer queries than Br: a short prompt,
+    // a cascade's prefix rows of one KV head) runs its unmasked key blocks on tiles of CE
+    // registers and more rows: about the kRows·kCols accumulators of a whole tile, at most 12
+    // rows (every extra row is one more K or V row read at once). Each (key, query) product
+    // still runs over d in the same order, so the results are those of the whole tile.
+    template <int CE>
+    static constexpr int kLiveRows = CE == kCols ? kRows : std::min(12, kRows* kCols / CE);
+    static constexpr int kKeys = 64;  // Bc: keys per block
     // Query blocks that walk the keys together: each key block (and the memory pages of its
     // rows, which in a [N, H·d] layout are one page per row) is used by all of them while it
     // is in L2 and in the TLB, so K and V come from L3 once per group instead of once per
@@ -257,15 +267,17 @@ struct LogitTransform {
 /// read again for the max.
 /// C0 > 0 (masked tiles only): the first C0 registers of queries see none of the R keys, so
 /// their products are skipped and their Sᵀ entries set to −∞ (the diagonal blocks of causal
-/// attention).
-template <class T, int R, bool Masked, int C0 = 0>
+/// attention). CE < kCols (unmasked tiles only): registers from CE on hold no query; their
+/// products are skipped and their Sᵀ entries not written.
+template <class T, int R, bool Masked, int C0 = 0, int CE = FlashGeometry<T>::kCols>
 inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0, const T* lane_begin,
                         const T* lane_end, simd::Batch<T>* bmax, const T* next_key,
                         const LogitTransform<T>* tf) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
-    constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
+    constexpr int C = CE, L = G::kLanes, W = G::kQueries;
     static_assert(C0 == 0 || Masked, "only masked tiles skip query registers");
+    static_assert(CE == G::kCols || !Masked, "only unmasked tiles end early");
     B acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = C0; c < C; ++c) acc[r][c] = B(T(0));
@@ -310,13 +322,15 @@ struct KeyRun {
 /// Oᵀ[j + r][·] = α·Oᵀ[j + r][·] + Σ_kk V[k0 + kk][j + r] · Pᵀ[kk][·] for r in [0, R).
 /// Masked: the keys come as runs (KeyRun); a key is skipped by a select (not a multiply by 0)
 /// only in the registers that have lanes it is hidden from, so the diagonal blocks of causal
-/// attention pay one masked register per key, not four.
-template <class T, int R, bool Masked>
+/// attention pay one masked register per key, not four. CE < kCols (unmasked only): only the
+/// first CE registers of queries.
+template <class T, int R, bool Masked, int CE = FlashGeometry<T>::kCols>
 inline void values_tile(const T* value, Index value_stride, const T* pt, Index nk, const simd::Batch<T>* alpha, T* ot,
                         const KeyRun* runs, int run_count) noexcept {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
-    constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
+    constexpr int C = CE, L = G::kLanes, W = G::kQueries;
+    static_assert(CE == G::kCols || !Masked, "only unmasked tiles end early");
     B acc[R][C];
     for (int r = 0; r < R; ++r)
         for (int c = 0; c < C; ++c) acc[r][c] = B(T(0));
@@ -363,8 +377,9 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
 /// Sᵀ rows for keys [j0, j0 + nk): tiles of R keys, then the rest with R − 1. A tile prefetches
 /// the next whole tile's key rows, the last ones the R rows at `after` (within the keys).
 /// Masked: dead[kk] is the number of leading query registers that see no key j0 + kk.
-/// tf: the block's softcap and ALiBi, or null for none.
-template <class T, int R, bool Masked>
+/// tf: the block's softcap and ALiBi, or null for none. CE: as scores_tile; a run of rows
+/// longer than kRows leaves its last keys to tiles of kRows and fewer.
+template <class T, int R, bool Masked, int CE = FlashGeometry<T>::kCols>
 inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T* st, Index j0, Index nk,
                         const T* lane_begin, const T* lane_end, simd::Batch<T>* bmax, const T* after, const int* dead,
                         const LogitTransform<T>* tf) noexcept {
@@ -382,28 +397,33 @@ inline void scores_rows(const T* key, Index key_stride, const T* qt, Index dk, T
                                                                      lane_end, bmax, next, tf);
             });
         } else {
-            scores_tile<T, R, false>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
-                                     lane_begin, lane_end, bmax, next, tf);
+            scores_tile<T, R, false, 0, CE>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
+                                            lane_begin, lane_end, bmax, next, tf);
         }
     }
     if constexpr (R > 1) {
+        constexpr int next_rows = R > G::kRows ? G::kRows : R - 1;
         if (kk < nk)
-            scores_rows<T, R - 1, Masked>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries, j0 + kk,
-                                          nk - kk, lane_begin, lane_end, bmax, after, Masked ? dead + kk : nullptr, tf);
+            scores_rows<T, next_rows, Masked, CE>(key + kk * key_stride, key_stride, qt, dk, st + kk * G::kQueries,
+                                                  j0 + kk, nk - kk, lane_begin, lane_end, bmax, after,
+                                                  Masked ? dead + kk : nullptr, tf);
     }
 }
 
-template <class T, int R, bool Masked>
+/// Oᵀ rows [0, d_v) by values_tile: tiles of R rows, then the rest with fewer (kRows and
+/// fewer after a longer run, as scores_rows). CE: as values_tile.
+template <class T, int R, bool Masked, int CE = FlashGeometry<T>::kCols>
 inline void values_rows(const T* value, Index value_stride, const T* pt, Index nk, const simd::Batch<T>* alpha, T* ot,
                         Index dv, const KeyRun* runs, int run_count) noexcept {
     using G = FlashGeometry<T>;
     Index j = 0;
     for (; j + R <= dv; j += R)
-        values_tile<T, R, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, runs, run_count);
+        values_tile<T, R, Masked, CE>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, runs, run_count);
     if constexpr (R > 1) {
+        constexpr int next_rows = R > G::kRows ? G::kRows : R - 1;
         if (j < dv)
-            values_rows<T, R - 1, Masked>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, dv - j, runs,
-                                          run_count);
+            values_rows<T, next_rows, Masked, CE>(value + j, value_stride, pt, nk, alpha, ot + j * G::kQueries, dv - j,
+                                                  runs, run_count);
     }
 }
 
@@ -551,9 +571,14 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     // starts there.
     const LogitTransform<T>* tf = state.transform.active() ? &state.transform : nullptr;
     if (tf) state.transform.at_keys(k0);
+    // Registers that hold queries (the others are padding): the unmasked tiles skip the rest.
+    const int live = std::max(1, (blk.count + L - 1) / L);
     if (full) {
-        scores_rows<T, G::kRows, false>(key_block, key_stride, qt, dk, st, 0, nk, nullptr, nullptr, bmax, key_block,
-                                        nullptr, tf);
+        with_constant<C>(live - 1, [&](auto last) {
+            constexpr int CE = decltype(last)::value + 1;
+            scores_rows<T, G::template kLiveRows<CE>, false, CE>(key_block, key_stride, qt, dk, st, 0, nk, nullptr,
+                                                                 nullptr, bmax, key_block, nullptr, tf);
+        });
     } else {
         // Each lane's visible range relative to k0, clamped to [−1, Bc + 1]: small integers, exact
         // in T however large N_k is, so one vector compare per register masks a key. Padding
@@ -614,7 +639,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         }
     }
     if (k0 == 0)
-        for (int t = 0; t < W; ++t) state.first_score[t] = st[t];
+        for (int t = 0; t < live * L; ++t) state.first_score[t] = st[t];
 
     B alpha[C], shift[C], lsum[C];
     for (int c = 0; c < C; ++c) {
@@ -629,7 +654,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     if (full) {
         for (Index kk = 0; kk < nk; ++kk) {
             T* row = st + kk * W;
-            for (int c = 0; c < C; ++c) {
+            for (int c = 0; c < live; ++c) {
                 const B p = softmax_exp<T>(B::load_aligned(row + c * L) - shift[c]);
                 p.store_aligned(row + c * L);
                 lsum[c] += p;
@@ -658,7 +683,11 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     }
     for (int c = 0; c < C; ++c) state.l[c] = simd::fma(state.l[c], alpha[c], lsum[c]);
     if (full) {
-        values_rows<T, G::kRows, false>(value_block, value_stride, st, nk, alpha, ot, dv, nullptr, 0);
+        with_constant<C>(live - 1, [&](auto last) {
+            constexpr int CE = decltype(last)::value + 1;
+            values_rows<T, G::template kLiveRows<CE>, false, CE>(value_block, value_stride, st, nk, alpha, ot, dv,
+                                                                 nullptr, 0);
+        });
     } else if constexpr (G::kMaskedRows == G::kRows) {
         values_rows<T, G::kRows, true>(value_block, value_stride, st, nk, alpha, ot, dv, runs, run_count);
     } else {

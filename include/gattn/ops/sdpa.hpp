@@ -401,8 +401,13 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
     using Geometry = kernel::FlashGeometry<T>;
     const Index group = H / Hkv;
-    // A sequence with no query rows takes no task.
-    auto decodes = [&](Index b) { return query_count(b) > 0 && group * query_count(b) <= Geometry::kQueries / 4; };
+    // A sequence with no query rows takes no task. Decoding: up to kDecodePairs pairs, or a
+    // token step (one query row: its key chunks give every thread work) of up to a quarter of
+    // a block; more pairs fill the lanes of tiles with fewer query registers (kLiveRows).
+    auto decodes = [&](Index b) {
+        const Index rows = query_count(b), pairs = group * rows;
+        return rows > 0 && (pairs <= Geometry::kDecodePairs || (rows == 1 && pairs <= Geometry::kQueries / 4));
+    };
     auto query_blocks = [&](Index b) { return (group * query_count(b) + Geometry::kQueries - 1) / Geometry::kQueries; };
     // Decoding tasks (sequence b, chunk c) are numbered chunk_begin[b] + c: chunks of
     // kChunkKeys of the sequence's L_b keys (a chunk past a shorter mask.key_lengths entry sees

@@ -25,6 +25,7 @@ struct FlashTiles {
     static constexpr int kCols = 2;
     static constexpr int kRows = 6;  // 6 × 2 = 12 accumulators of 16 registers
     static constexpr int kMaskedRows = kRows;
+    static constexpr int kDecodePairs = 2;  // a quarter of a block's 8 float queries (SSE2, NEON)
 };
 
 /// Decoding (kernel::decode_chunk): query rows that share each K and V register load, and the
