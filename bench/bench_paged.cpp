@@ -198,7 +198,12 @@ BENCHMARK(BM_MixedBatch)
 /// Counters: speedup = unshared time / cascade time; bytes_read (cascade: prefix once plus the
 /// suffixes; unshared_bytes_read: every sequence's prefix and suffix); pool_bytes (the pool,
 /// which holds the prefix once); prefix_of_peak: the prefix call's FLOP rate (4·B·H·prefix·d
-/// FLOPs: q·k and p·v) over the FMA peak (gattn_bench::fma_chains) timed in turn with it.
+/// FLOPs: q·k and p·v) over the FMA peak (gattn_bench::fma_chains) timed in turn with it;
+/// prefix_GB/s: the prefix's K and V bytes over the prefix call's time, and stream_GB/s: the same
+/// bytes summed by Eigen in turn with it (how fast this core reads them from where they are:
+/// memory once they exceed the caches). Where prefix_GB/s is near stream_GB/s the prefix part
+/// is bound by memory: its FLOPs per byte (B·H / H_kv / 2 per key and feature: 16 for batch 16,
+/// 8 on 8 heads) times stream_GB/s is its ceiling.
 /// Args: batch, prefix tokens, suffix tokens, query heads, KV heads, head dim.
 void BM_SharedPrefixDecode(benchmark::State& state) {
     set_threads(1);
@@ -237,8 +242,9 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
         });
     // The prefix part alone (the stacked rows over the prefix's pages) against the FMA peak.
     gattn::RowMatrix<float> out_prefix(B, H * d), lse;
-    double t_prefix = 0, t_peak = 0;
+    double t_prefix = 0, t_peak = 0, t_stream = 0;
     const long steps = gattn_bench::kPeakSteps / 8;
+    const Index prefix_rows = prefix / P * P;  // the prefix's pages are the pool's first
     for (int rep = 0; rep < 5; ++rep) {
         const auto t0 = std::chrono::steady_clock::now();
         gattn::paged_attention<float, float>(q, pool, split.first, H, out_prefix, {}, {&lse});
@@ -246,8 +252,12 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
         const auto t1 = std::chrono::steady_clock::now();
         benchmark::DoNotOptimize(gattn_bench::fma_chains(steps));
         const auto t2 = std::chrono::steady_clock::now();
+        float sum = pool.keys().topRows(prefix_rows).sum() + pool.values().topRows(prefix_rows).sum();
+        benchmark::DoNotOptimize(sum);
+        const auto t3 = std::chrono::steady_clock::now();
         t_prefix += std::chrono::duration<double>(t1 - t0).count();
         t_peak += std::chrono::duration<double>(t2 - t1).count();
+        t_stream += std::chrono::duration<double>(t3 - t2).count();
     }
     const double n = static_cast<double>(state.iterations()), row_bytes = double(Hkv * 2 * d * sizeof(float));
     state.counters["cascade_us"] = t_cascade / n * 1e6;
@@ -261,6 +271,9 @@ void BM_SharedPrefixDecode(benchmark::State& state) {
     state.counters["prefix_GFLOP/s"] = prefix_rate / 1e9;
     state.counters["peak_GFLOP/s"] = peak_rate / 1e9;
     state.counters["prefix_of_peak"] = prefix_rate / peak_rate;
+    const double prefix_bytes = double(prefix_rows) * row_bytes;
+    state.counters["prefix_GB/s"] = prefix_bytes * 5 / t_prefix / 1e9;
+    state.counters["stream_GB/s"] = prefix_bytes * 5 / t_stream / 1e9;
     state.counters["max_abs_diff"] = (out_cascade - out_plain).cwiseAbs().maxCoeff();
 }
 
