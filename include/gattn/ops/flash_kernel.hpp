@@ -208,7 +208,7 @@ struct FlashScratch {
             if (m.size() < rows * cols) m.resize(rows, cols);
         };
         if (copies_values(value_stride, dv) || int8) grow(value_rows, G::kKeys, dv);
-        if (int8 || G::narrow_l1()) grow(key_rows, G::kKeys, dk);
+        grow(key_rows, G::kKeys, dk);  // 64 rows: copied K rows are a small part of any call
         if (staged) grow(stage, G::kQueries, dv);
         for (int i = 0; i < group_blocks; ++i) {
             grow(qt[i], dk, G::kQueries);
@@ -780,6 +780,11 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
     GATTN_DEBUG_ASSERT(count >= 1 && count <= G::kGroupBlocks);
     FlashState<T> state[G::kGroupBlocks];
     Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
+    // A block with fewer queries than kCols registers runs QK tiles of more rows (kLiveRows, up to
+    // 12): with their next tile's prefetched rows, more lines than an L1 set holds when the rows
+    // lie 4 KiB apart, so K rows that are not contiguous are copied together for it.
+    bool tall_tiles = false;
+    for (int i = 0; i < count; ++i) tall_tiles = tall_tiles || blocks[i].count <= (G::kCols - 1) * G::kLanes;
     for (int i = 0; i < count; ++i) {
         flash_begin(blocks[i], dk, dv, scale, s.qt[i].data(), s.ot[i].data(), state[i]);
         if (state[i].union_begin >= state[i].union_end) continue;
@@ -830,7 +835,7 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
                 value_block = s.value_rows.data();
                 vs = dv;
             }
-            if (G::copies_keys(key_stride, dk)) {
+            if (G::copies_keys(key_stride, dk) || (tall_tiles && key_stride != dk)) {
                 for (Index r = 0; r < nk; ++r)
                     std::memcpy(s.key_rows.data() + r * dk, key_block + r * key_stride, sizeof(T) * dk);
                 key_block = s.key_rows.data();
