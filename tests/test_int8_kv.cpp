@@ -195,7 +195,7 @@ RowMatrix<float> random_rows(Index rows, Index cols, std::mt19937& rng, float sp
 /// the float query.
 Mat query_reference(const RowMatrix<float>& q, Index H, Index Hkv, Index Nq, Index dk) {
     Mat q_ref = q.cast<double>();
-    const bool decode = (H / Hkv) * Nq <= gattn::kernel::FlashGeometry<float>::kQueries / 4;
+    const bool decode = gattn::detail::runs_decoding<float>(Nq, H / Hkv);
     const gattn::Int8Kernel family = gattn::int8_kernel().kernel;
 #if defined(GATTN_HAS_SDOT_KERNEL)
     if (decode && family == gattn::Int8Kernel::Sdot && gattn::kernel::decode_sdot::takes(dk)) {

@@ -398,7 +398,7 @@ void check_paged_equals_contiguous(Index page_size, const Variant& variant, Inde
     const std::vector<Index> lengths{1100, 0, 700, 37};
     Setup setup(page_size, lengths, rng);
     const Index B = 4, Hkv = Setup::kHkv, dk = Setup::kDk, dv = Setup::kDv;
-    const Index max_pairs = gattn::kernel::FlashGeometry<T>::kQueries / 4;
+    const Index max_pairs = gattn::kernel::FlashGeometry<T>::kDecodePairs;  // decoding several rows
     const Index group = prefill ? 4 : std::min<Index>(4, max_pairs), H = Hkv * group;
     const Index Nq = prefill ? prefill : max_pairs >= 8 ? 2 : 1;
     const Index Nk = setup.max_len;

@@ -269,6 +269,28 @@ TYPED_TEST(SdpaTyped, LargeLogitsStayFinite) {
     expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "SdpaLargeLogits/lse");
 }
 
+/// A query's output does not depend on how many queries share its block: N_q rows that fill
+/// part of a block (tiles of fewer query registers, FlashGeometry::kLiveRows) give bitwise the
+/// outputs and log-sum-exp of the same rows leading a whole block (non-causal: the extra rows
+/// change nothing for the first ones).
+TYPED_TEST(SdpaTyped, FewQueriesGiveTheRowsOfAFullBlock) {
+    using S = TypeParam;
+    using G = gattn::kernel::FlashGeometry<S>;
+    const Index H = 4, Hkv = 4, dk = 64, dv = 48, Nk = 150, full = G::kQueries;
+    const gattn::RowMatrix<S> q = random_matrix(full, H * dk, 91).cast<S>();
+    const gattn::RowMatrix<S> k = random_matrix(Nk, Hkv * dk, 92).cast<S>();
+    const gattn::RowMatrix<S> v = random_matrix(Nk, Hkv * dv, 93).cast<S>();
+    gattn::RowMatrix<S> out_full(full, H * dv), lse_full;
+    gattn::scaled_dot_product_attention<S>(q, k, v, gattn::HeadLayout{1, H, Hkv}, out_full, {}, {&lse_full});
+    for (Index nq : {Index(G::kDecodePairs) + 1, Index(G::kLanes) + 1, full - Index(G::kLanes) + 1, full - 1}) {
+        if (nq <= G::kDecodePairs || nq >= full) continue;  // the decoding kernel, or a whole block
+        gattn::RowMatrix<S> out(nq, H * dv), lse;
+        gattn::scaled_dot_product_attention<S>(q.topRows(nq), k, v, gattn::HeadLayout{1, H, Hkv}, out, {}, {&lse});
+        EXPECT_TRUE(out == out_full.topRows(nq)) << "N_q = " << nq;
+        EXPECT_TRUE(lse == lse_full.topRows(nq)) << "N_q = " << nq;
+    }
+}
+
 /// Rows with no visible key (every mechanism that can cause one) are exactly 0, lse −∞,
 /// probabilities and first-key probability 0, and never NaN.
 TYPED_TEST(SdpaTyped, FullyMaskedRowsAreZero) {

@@ -362,6 +362,18 @@ struct SequenceRows {
     kernel::PageMap map = {};             ///< key j's row: map.row(j) rows after key 0's page origin
 };
 
+/// Whether attention_tasks runs a sequence of `rows` ≥ 1 query rows, `group` query heads per KV
+/// head, on the decoding kernel (keys in lanes) rather than the tiles: up to
+/// FlashGeometry::kDecodePairs (head, query) pairs, or a token step (one query row, whose key
+/// chunks give every thread work) of up to a quarter of a block. More pairs fill the lanes of
+/// tiles with fewer query registers (FlashGeometry::kLiveRows).
+template <class T>
+inline bool runs_decoding(Index rows, Index group) noexcept {
+    using Geometry = kernel::FlashGeometry<T>;
+    const Index pairs = group * rows;
+    return pairs <= Geometry::kDecodePairs || (rows == 1 && pairs <= Geometry::kQueries / 4);
+}
+
 /// The row strides attention_tasks reads keys and values with, the same for every sequence.
 struct KeyValueLayout {
     Index key_stride = 0;        ///< elements between key rows
@@ -401,13 +413,8 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     // (sequence, chunk) covering all KV heads. The choice depends on shapes only.
     using Geometry = kernel::FlashGeometry<T>;
     const Index group = H / Hkv;
-    // A sequence with no query rows takes no task. Decoding: up to kDecodePairs pairs, or a
-    // token step (one query row: its key chunks give every thread work) of up to a quarter of
-    // a block; more pairs fill the lanes of tiles with fewer query registers (kLiveRows).
-    auto decodes = [&](Index b) {
-        const Index rows = query_count(b), pairs = group * rows;
-        return rows > 0 && (pairs <= Geometry::kDecodePairs || (rows == 1 && pairs <= Geometry::kQueries / 4));
-    };
+    // A sequence with no query rows takes no task.
+    auto decodes = [&](Index b) { return query_count(b) > 0 && runs_decoding<T>(query_count(b), group); };
     auto query_blocks = [&](Index b) { return (group * query_count(b) + Geometry::kQueries - 1) / Geometry::kQueries; };
     // Decoding tasks (sequence b, chunk c) are numbered chunk_begin[b] + c: chunks of
     // kChunkKeys of the sequence's L_b keys (a chunk past a shorter mask.key_lengths entry sees
@@ -771,7 +778,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     // (decoding and the kernel family as attention_tasks chose them; SDOT: the codes' two bytes
     // each, in the same space.)
     const Index group = H / Hkv, ldq = query.outerStride();
-    const bool decode = group * Nq <= kernel::FlashGeometry<T>::kQueries / 4;
+    const bool decode = runs_decoding<T>(Nq, group);
     const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
     const bool rounded_query =
         kInt8 && decode &&
