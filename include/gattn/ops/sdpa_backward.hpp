@@ -23,7 +23,9 @@
 /// group), and adds each query tile's dQ += dS·K as it goes (5 tile products). Otherwise two
 /// passes: dQ by (sequence, query head, query tile) over its visible key tiles, then dK and dV
 /// by (sequence, KV head, key tile), recomputing P (7 products). Both add the same products
-/// in the same order, so the gradients are bitwise the same for any thread count.
+/// in the same order, so the gradients are bitwise the same for any thread count. The tile
+/// products run on kernel::tile_product (ops/tile_product.hpp), with a key tile's Kᵀ and Vᵀ
+/// copied once for all the query tiles it meets.
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +39,7 @@
 #endif
 
 #include "gattn/ops/sdpa.hpp"
+#include "gattn/ops/tile_product.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
 namespace detail {
@@ -48,37 +51,19 @@ inline constexpr int kBackwardTile = 64;
 template <class T>
 using BackwardTile = RowMatrix<T>;
 
-/// dst += lhs·rhs (dst row-major with unit inner stride; lhs and rhs any direct-access
-/// matrices or their transposes), by Eigen's GEMM kernel on the calling thread: Eigen's own
-/// parallel GEMM, which it may start when called from a one-thread team, would block the depth
-/// by the thread count and so round differently.
-template <class Lhs, class Rhs, class Dst>
-inline void gemm_add(const Lhs& lhs, const Rhs& rhs, Dst&& dst) {
-    using D = std::decay_t<Dst>;
-    using T = typename D::Scalar;
-    namespace ei = Eigen::internal;
-    static_assert(static_cast<bool>(D::Flags & Eigen::RowMajorBit), "the destination is row-major");
-    constexpr int kLhs = (Lhs::Flags & Eigen::RowMajorBit) ? Eigen::RowMajor : Eigen::ColMajor;
-    constexpr int kRhs = (Rhs::Flags & Eigen::RowMajorBit) ? Eigen::RowMajor : Eigen::ColMajor;
-    const Index m = dst.rows(), n = dst.cols(), k = lhs.cols();
-    GATTN_DEBUG_ASSERT(lhs.rows() == m && rhs.rows() == k && rhs.cols() == n);
-    if (m == 0 || n == 0 || k == 0) return;
-    ei::gemm_blocking_space<Eigen::RowMajor, T, T, Eigen::Dynamic, Eigen::Dynamic, Eigen::Dynamic> blocking(m, n, k, 1,
-                                                                                                            true);
-    ei::general_matrix_matrix_product<Index, T, kLhs, false, T, kRhs, false, Eigen::RowMajor, 1>::run(
-        m, n, k, lhs.data(), lhs.outerStride(), rhs.data(), rhs.outerStride(), dst.data(), 1, dst.outerStride(), T(1),
-        blocking, nullptr);
-}
-
 /// One thread's scratch for the backward tiles.
+/// s and dp are whole tiles (row stride kBackwardTile); k_t and v_t hold the key tile's Kᵀ and
+/// Vᵀ, [d][kBackwardTile], with 0 past its keys.
 template <class T>
 struct BackwardScratch {
-    BackwardTile<T> q, d_out, k, q_seen, s, dp, acc_a, acc_b;
+    BackwardTile<T> q, d_out, k, q_seen, s, dp, acc_a, acc_b, k_t, v_t;
     std::vector<T> d, lse, factor_row;
     std::vector<KeyRange> range;
     std::vector<unsigned char> seen, row_seen;  ///< per key / per query row of the tile: sees or is seen
     BackwardScratch()
-        : d(kBackwardTile),
+        : s(kBackwardTile, kBackwardTile),
+          dp(kBackwardTile, kBackwardTile),
+          d(kBackwardTile),
           lse(kBackwardTile),
           factor_row(kBackwardTile),
           range(kBackwardTile),
@@ -246,50 +231,74 @@ inline QueryTile<T> backward_load_queries(const BackwardCall<T>& call, BackwardS
             Map(sc.d_out.data(), rows, dv, Eigen::OuterStride<>(dv)), all};
 }
 
-/// One (query tile, key tile) step: P and dS of the tile into sc.s and sc.dp, from Q, dO and
-/// the key tile's K and V (in place).
+/// Kᵀ and Vᵀ of a key tile of `cols` keys into sc.k_t and sc.v_t, 0 past the keys: once per
+/// key tile, for the products of every query tile against it.
 template <class T, class KMap>
-inline void backward_tile(const BackwardCall<T>& call, BackwardScratch<T>& sc, const QueryTile<T>& qt, const KMap& kt,
-                          const KMap& vt, Index b, Index h, Index i0, Index k0, int rows, int cols,
-                          unsigned char* seen) {
-    sc.s.setZero(rows, cols);
-    sc.dp.setZero(rows, cols);
-    gemm_add(qt.q, kt.transpose(), sc.s);
-    gemm_add(qt.d_out, vt.transpose(), sc.dp);
+inline void backward_load_keys(BackwardScratch<T>& sc, const KMap& kt, const KMap& vt, int cols) {
+    sc.k_t.resize(kt.cols(), kBackwardTile);
+    sc.v_t.resize(vt.cols(), kBackwardTile);
+    sc.k_t.leftCols(cols) = kt.transpose();
+    sc.v_t.leftCols(cols) = vt.transpose();
+    sc.k_t.rightCols(kBackwardTile - cols).setZero();
+    sc.v_t.rightCols(kBackwardTile - cols).setZero();
+}
+
+/// One (query tile, key tile) step: P and dS of the tile into sc.s and sc.dp, from Q, dO and
+/// the key tile's Kᵀ and Vᵀ (backward_load_keys). Columns from `cols` to the next whole
+/// register hold products with the zero padding; nothing reads them.
+template <class T>
+inline void backward_tile(const BackwardCall<T>& call, BackwardScratch<T>& sc, const QueryTile<T>& qt, Index b, Index h,
+                          Index i0, Index k0, int rows, int cols, unsigned char* seen) {
+    constexpr int L = static_cast<int>(simd::kLanes<T>), W = kBackwardTile;
+    const int n = (cols + L - 1) / L * L;
+    kernel::tile_product<T, false>(rows, n, qt.q.cols(), qt.q.data(), qt.q.outerStride(), 1, sc.k_t.data(), W,
+                                   sc.s.data(), W);
+    kernel::tile_product<T, false>(rows, n, qt.d_out.cols(), qt.d_out.data(), qt.d_out.outerStride(), 1, sc.v_t.data(),
+                                   W, sc.dp.data(), W);
     backward_tile_gradients<T>(call, sc, b, h, i0, k0, rows, cols, seen);
 }
 
-/// dQ of a query tile += dS·K over one key tile, with the keys no row of the tile sees entering
-/// as 0 (their rows may hold anything).
-template <class T, class KMap, class Acc>
-inline void backward_add_dq(BackwardScratch<T>& sc, const KMap& kt, int cols, Acc&& acc) {
+/// dQ[rows × d_k] (row stride dq_stride) += dS·K over one key tile, with the keys no row of the
+/// tile sees entering as 0 (their rows may hold anything).
+template <class T, class KMap>
+inline void backward_add_dq(BackwardScratch<T>& sc, const KMap& kt, int rows, int cols, T* dq, Index dq_stride) {
     bool all_seen = true;
     for (int c = 0; c < cols; ++c) all_seen = all_seen && sc.seen[static_cast<std::size_t>(c)];
-    if (all_seen) {
-        gemm_add(sc.dp, kt, acc);
-        return;
+    const T* k = kt.data();
+    Index k_stride = kt.outerStride();
+    if (!all_seen) {
+        sc.k = kt;
+        for (int c = 0; c < cols; ++c)
+            if (!sc.seen[static_cast<std::size_t>(c)]) sc.k.row(c).setZero();
+        k = sc.k.data();
+        k_stride = sc.k.cols();
     }
-    sc.k = kt;
-    for (int c = 0; c < cols; ++c)
-        if (!sc.seen[static_cast<std::size_t>(c)]) sc.k.row(c).setZero();
-    gemm_add(sc.dp, sc.k, acc);
+    kernel::tile_product<T, true>(rows, static_cast<int>(kt.cols()), cols, sc.dp.data(), kBackwardTile, 1, k, k_stride,
+                                  dq, dq_stride);
 }
 
-/// dK of a key tile += dSᵀ·Q over one query tile, with the query rows that see no key of the
-/// tile entering as 0 (a row hidden from every key by the masks, whose log-sum-exp is a sink's,
-/// may hold anything).
-template <class T, class QMap, class Acc>
-inline void backward_add_dk(BackwardScratch<T>& sc, const QMap& q, int rows, Acc&& acc) {
+/// dK of a key tile (sc.acc_a, [cols × d_k]) += dSᵀ·Q and dV (sc.acc_b, [cols × d_v]) += Pᵀ·dO
+/// over one query tile, with the query rows that see no key of the tile entering dK as 0 (a
+/// row hidden from every key by the masks, whose log-sum-exp is a sink's, may hold anything;
+/// its P row and dO row are 0).
+template <class T>
+inline void backward_add_dk_dv(BackwardScratch<T>& sc, const QueryTile<T>& qt, int rows, int cols) {
+    constexpr Index W = kBackwardTile;
     bool all_seen = true;
     for (int t = 0; t < rows; ++t) all_seen = all_seen && sc.row_seen[static_cast<std::size_t>(t)];
-    if (all_seen) {
-        gemm_add(sc.dp.transpose(), q, acc);
-        return;
+    const T* q = qt.q.data();
+    Index q_stride = qt.q.outerStride();
+    if (!all_seen) {
+        sc.q_seen = qt.q;
+        for (int t = 0; t < rows; ++t)
+            if (!sc.row_seen[static_cast<std::size_t>(t)]) sc.q_seen.row(t).setZero();
+        q = sc.q_seen.data();
+        q_stride = sc.q_seen.cols();
     }
-    sc.q_seen = q;
-    for (int t = 0; t < rows; ++t)
-        if (!sc.row_seen[static_cast<std::size_t>(t)]) sc.q_seen.row(t).setZero();
-    gemm_add(sc.dp.transpose(), sc.q_seen, acc);
+    kernel::tile_product<T, true>(cols, static_cast<int>(sc.acc_b.cols()), rows, sc.s.data(), 1, W, qt.d_out.data(),
+                                  qt.d_out.outerStride(), sc.acc_b.data(), sc.acc_b.cols());
+    kernel::tile_product<T, true>(cols, static_cast<int>(sc.acc_a.cols()), rows, sc.dp.data(), 1, W, q, q_stride,
+                                  sc.acc_a.data(), sc.acc_a.cols());
 }
 
 /// Validates a backward call (everything the forward checks, plus the saved tensors, dO and the
@@ -457,6 +466,7 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                           Eigen::OuterStride<>(value.outerStride()));
             sc.acc_a.setZero(cols, dk);  // dK
             sc.acc_b.setZero(cols, dv);  // dV
+            gd::backward_load_keys<T>(sc, kt, vt, cols);
             for (Index h = g * group; h < (g + 1) * group; ++h)
                 for (Index qb = 0; qb < q_blocks; ++qb) {
                     const Index i0 = qb * tile;
@@ -472,13 +482,12 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                         gd::backward_load_queries<T>(call, sc, query, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
                     if (!(qt.keys.begin < k0 + cols && k0 < qt.keys.end)) continue;
                     if (dq) std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
-                    gd::backward_tile<T>(call, sc, qt, kt, vt, b, h, i0, k0, rows, cols, dq ? sc.seen.data() : nullptr);
-                    gd::gemm_add(sc.s.transpose(), qt.d_out, sc.acc_b);
-                    gd::backward_add_dk<T>(sc, qt.q, rows, sc.acc_a);
+                    gd::backward_tile<T>(call, sc, qt, b, h, i0, k0, rows, cols, dq ? sc.seen.data() : nullptr);
+                    gd::backward_add_dk_dv<T>(sc, qt, rows, cols);
                     if (dq)
-                        gd::backward_add_dq<T>(sc, kt, cols,
-                                               DqMap(d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk,
-                                                     rows, dk, Eigen::OuterStride<>(d_query.outerStride())));
+                        gd::backward_add_dq<T>(sc, kt, rows, cols,
+                                               d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk,
+                                               d_query.outerStride());
                 }
             for (int c = 0; c < cols; ++c) {
                 d_key.row(b * Nk + k0 + c).segment(g * dk, dk) = sc.acc_a.row(c);
@@ -516,9 +525,10 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                                   Eigen::OuterStride<>(key.outerStride()));
                     const KMap vt(value.data() + (b * Nk + k0) * value.outerStride() + g * dv, cols, dv,
                                   Eigen::OuterStride<>(value.outerStride()));
+                    gd::backward_load_keys<T>(sc, kt, vt, cols);
                     std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
-                    gd::backward_tile<T>(call, sc, qt, kt, vt, b, h, i0, k0, rows, cols, sc.seen.data());
-                    gd::backward_add_dq<T>(sc, kt, cols, dq);
+                    gd::backward_tile<T>(call, sc, qt, b, h, i0, k0, rows, cols, sc.seen.data());
+                    gd::backward_add_dq<T>(sc, kt, rows, cols, dq.data(), d_query.outerStride());
                 }
             }
             // Pass 2: dK and dV by (sequence, KV head, key tile).

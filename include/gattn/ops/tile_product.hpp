@@ -1,0 +1,85 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// \file
+/// Products of small tiles, C = A·B or C += A·B, in registers: the five products of each tile
+/// of the backward pass (ops/sdpa_backward.hpp). B's rows are read as vectors (row-major, any
+/// row stride); A is read one element at a time and broadcast, through a row stride and a
+/// depth stride, so A may be a row-major tile or the transpose of one and neither is packed.
+/// C is computed in blocks of kRows rows × kCols registers (the forward's tile geometry,
+/// simd::FlashTiles), each held in registers over the whole depth, so a k-step loads kCols
+/// vectors of B and broadcasts kRows elements of A for kRows·kCols fused multiply-adds.
+///
+/// Every element of C adds its depth terms in order 0, 1, …, k − 1 by fused multiply-adds,
+/// starting from 0 or from C's old value: the result depends neither on the blocking nor on
+/// which thread runs it. Columns past the last whole register are summed element by element in
+/// the same order.
+
+#include <algorithm>
+#include <type_traits>
+
+#include "gattn/ops/flash_kernel.hpp"
+#include "gattn/simd/math.hpp"
+#include "gattn/simd/tiers.hpp"
+#include "gattn/types.hpp"
+
+GATTN_BEGIN_ISA_NAMESPACE
+namespace kernel {
+
+/// One block of C: R rows × V registers, over `depth` k-steps. a(r, k) = a[r·a_row + k·a_depth],
+/// B's row k at b + k·b_row, C's row r at c + r·c_row.
+template <class T, int R, int V, bool Accumulate>
+inline void product_block(const T* a, Index a_row, Index a_depth, const T* b, Index b_row, Index depth, T* c,
+                          Index c_row) noexcept {
+    if constexpr (R > 0 && V > 0) {
+        using B = simd::Batch<T>;
+        constexpr Index L = static_cast<Index>(simd::kLanes<T>);
+        B acc[R][V];
+        for (int r = 0; r < R; ++r)
+            for (int v = 0; v < V; ++v) acc[r][v] = Accumulate ? B::load_unaligned(c + r * c_row + v * L) : B(T(0));
+        for (Index k = 0; k < depth; ++k) {
+            const T* bk = b + k * b_row;
+            const T* ak = a + k * a_depth;
+            B bv[V];
+            for (int v = 0; v < V; ++v) bv[v] = B::load_unaligned(bk + v * L);
+            for (int r = 0; r < R; ++r) {
+                const B ar(ak[r * a_row]);
+                for (int v = 0; v < V; ++v) acc[r][v] = simd::fma(ar, bv[v], acc[r][v]);
+            }
+        }
+        for (int r = 0; r < R; ++r)
+            for (int v = 0; v < V; ++v) acc[r][v].store_unaligned(c + r * c_row + v * L);
+    }
+}
+
+/// C[m × n] = A[m × depth]·B[depth × n] (Accumulate: C += A·B), with a(i, k) =
+/// a[i·a_row + k·a_depth], B's row k at b + k·b_row (n contiguous elements) and C's row i at
+/// c + i·c_row. C must not overlap A or B.
+template <class T, bool Accumulate>
+inline void tile_product(int m, int n, Index depth, const T* a, Index a_row, Index a_depth, const T* b, Index b_row,
+                         T* c, Index c_row) noexcept {
+    constexpr int R = simd::FlashTiles::kRows, V = simd::FlashTiles::kCols;
+    constexpr int L = static_cast<int>(simd::kLanes<T>);
+    const int vectors = n / L;
+    for (int i = 0; i < m; i += R) {
+        const T* ai = a + i * a_row;
+        T* ci = c + i * c_row;
+        with_constant<R + 1>(std::min(R, m - i), [&](auto rows) {
+            constexpr int RR = decltype(rows)::value;
+            for (int v = 0; v < vectors; v += V)
+                with_constant<V + 1>(std::min(V, vectors - v), [&](auto cols) {
+                    product_block<T, RR, decltype(cols)::value, Accumulate>(ai, a_row, a_depth, b + v * L, b_row, depth,
+                                                                            ci + v * L, c_row);
+                });
+        });
+        for (int r = i; r < std::min(m, i + R); ++r)
+            for (int j = vectors * L; j < n; ++j) {
+                T sum = Accumulate ? c[r * c_row + j] : T(0);
+                for (Index k = 0; k < depth; ++k) sum += a[r * a_row + k * a_depth] * b[k * b_row + j];
+                c[r * c_row + j] = sum;
+            }
+    }
+}
+
+}  // namespace kernel
+GATTN_END_ISA_NAMESPACE
