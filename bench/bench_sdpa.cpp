@@ -15,7 +15,8 @@
 //
 // BM_SdpaBackward runs the forward (with its log-sum-exp) and the backward pass in turn in every
 // iteration: GFLOP/s of the backward counts its five products, 10·N²·d per head (half for
-// causal), and bwd_vs_fwd = backward time / forward time.
+// causal), and bwd_vs_fwd = backward time / forward time. BM_SdpaBackwardBf16: the bfloat16
+// backward against the float backward of the same values (bf16_vs_float = time ratio).
 //
 // Run: build/bench/bench/bench_sdpa --benchmark_counters_tabular=true
 // Threads: the benchmarks with /threads:2 set omp_set_num_threads(2) (needs an OpenMP build).
@@ -190,6 +191,48 @@ void BM_SdpaBackward(benchmark::State& state) {
     state.counters["bwd_ms"] = 1e3 * t_bwd / iterations;
     state.SetLabel(gattn::simd::arch_name());
     set_threads(1);
+}
+
+/// The bfloat16 backward (inputs, output and gradients in bf16, accumulation in float) against
+/// the float backward of the same values, in turn within every iteration (Args: N, d, causal,
+/// threads); counter bf16_vs_float = bf16 time / float time.
+void BM_SdpaBackwardBf16(benchmark::State& state) {
+    using Bf16 = gattn::RowMatrix<gattn::bfloat16>;
+    const gattn::Index n = state.range(0), d = state.range(1), h = kBackwardHeads;
+    const bool causal = state.range(2) != 0;
+    set_threads(static_cast<int>(state.range(3)));
+    const Bf16 q = Matrix::Random(n, h * d).cast<gattn::bfloat16>(),
+               k = Matrix::Random(n, h * d).cast<gattn::bfloat16>(),
+               v = Matrix::Random(n, h * d).cast<gattn::bfloat16>(),
+               d_out = Matrix::Random(n, h * d).cast<gattn::bfloat16>();
+    const Matrix qf = q.cast<float>(), kf = k.cast<float>(), vf = v.cast<float>(), d_outf = d_out.cast<float>();
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = causal;
+    const gattn::HeadLayout heads{1, h, h};
+    Bf16 out(n, h * d), dq(n, h * d), dk(n, h * d), dv(n, h * d);
+    Matrix outf(n, h * d), dqf(n, h * d), dkf(n, h * d), dvf(n, h * d), lse, lsef;
+    gattn::SdpaOutputs<float> extra, extraf;
+    extra.log_sum_exp = &lse;
+    extraf.log_sum_exp = &lsef;
+    gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, heads, out, opt, extra);
+    gattn::scaled_dot_product_attention<float>(qf, kf, vf, heads, outf, opt, extraf);
+    const auto [t_float, t_bf16] = gattn_bench::time_in_turn(
+        state,
+        [&] {
+            gattn::scaled_dot_product_attention_backward<float>(qf, kf, vf, heads, outf, lsef, d_outf, dqf, dkf, dvf,
+                                                                opt);
+            benchmark::DoNotOptimize(dqf.data());
+        },
+        [&] {
+            gattn::scaled_dot_product_attention_backward<gattn::bfloat16>(q, k, v, heads, out, lse, d_out, dq, dk, dv,
+                                                                          opt);
+            benchmark::DoNotOptimize(dq.data());
+        });
+    const double iterations = static_cast<double>(state.iterations());
+    const double flops = 10.0 * double(n) * double(n) * double(d) * double(h) * (causal ? 0.5 : 1.0);
+    state.counters["GFLOP/s"] = flops * iterations / t_bf16 / 1e9;
+    state.counters["bf16_vs_float"] = t_bf16 / t_float;
+    state.SetLabel(gattn::simd::arch_name());
 }
 
 /// The bf16 kernel limit a benchmark's argument names: 0 none (the fastest this CPU and build
@@ -589,6 +632,12 @@ BENCHMARK(BM_GattnVsCareful)
     ->Args({2048, 128, 1})
     ->ArgNames({"N", "d", "causal"})
     ->MinTime(3.0)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_SdpaBackwardBf16)
+    ->ArgsProduct({{2048}, {64, 128}, {0, 1}, {1, 2}})
+    ->ArgNames({"N", "d", "causal", "threads"})
+    ->MinTime(0.5)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_SdpaBackward)

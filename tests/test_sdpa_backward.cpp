@@ -2,7 +2,7 @@
 // The SDPA backward pass: central finite differences of the double forward for every option
 // (masks alone and combined, GQA/MQA, d_v ≠ d_k, sinks and their gradient, softcap, ALiBi);
 // a plain double reference backward written out here (materialised P, textbook formulas)
-// against the float and double paths on shapes that cross the 64-row tiles; NaN in keys no
+// against the float, double, bfloat16 and half paths on shapes that cross the 64-row tiles; NaN in keys no
 // query sees; bitwise thread-count invariance; the error cases, with nothing written.
 
 #include <gtest/gtest.h>
@@ -238,6 +238,35 @@ Result<S> run_gattn(const Problem& p, const Data& d) {
     return r;
 }
 
+/// gattn's 16-bit forward and backward (S = bfloat16 or half): the tensors in S, the
+/// log-sum-exp, the options and the sinks' gradient in float; everything returned in double.
+template <class S>
+Reference run_gattn_narrow(const Problem& p, const Data& d) {
+    using M = gattn::RowMatrix<S>;
+    std::vector<float> bias_cast;
+    const gattn::SdpaOptions<float> o = options_of<float>(p, d, bias_cast);
+    const gattn::HeadLayout heads{p.B, p.H, p.Hkv};
+    const M q = d.q.cast<S>(), k = d.k.cast<S>(), v = d.v.cast<S>(), d_out = d.d_out.cast<S>();
+    M out(p.B * p.Nq, p.H * p.dv);
+    gattn::RowMatrix<float> lse;
+    gattn::SdpaOutputs<float> extra;
+    extra.log_sum_exp = &lse;
+    gattn::scaled_dot_product_attention<S>(q, k, v, heads, out, o, extra);
+    M dq = M::Constant(q.rows(), q.cols(), S(-777.0f)), dk = M::Constant(k.rows(), k.cols(), S(-777.0f)),
+      dv = M::Constant(v.rows(), v.cols(), S(-777.0f));
+    std::vector<float> d_sinks;
+    gattn::scaled_dot_product_attention_backward<S>(q, k, v, heads, out, lse, d_out, dq, dk, dv, o,
+                                                    p.sinks.empty() ? nullptr : &d_sinks);
+    Reference r;
+    r.out = out.template cast<double>();
+    r.lse = lse.cast<double>();
+    r.dq = dq.template cast<double>();
+    r.dk = dk.template cast<double>();
+    r.dv = dv.template cast<double>();
+    r.d_sinks.assign(d_sinks.begin(), d_sinks.end());
+    return r;
+}
+
 /// L = Σ d_out ⊙ out, by gattn's double forward.
 double loss(const Problem& p, const Data& d) {
     std::vector<double> bias_cast;
@@ -426,6 +455,44 @@ TEST_P(SdpaBackwardTiles, MatchesTheReference) {
 INSTANTIATE_TEST_SUITE_P(Tiles, SdpaBackwardTiles, ::testing::ValuesIn(tiled_problems()),
                          [](const auto& info) { return info.param.name; });
 
+// 16-bit storage, on the tiled shapes: the inputs rounded to S first (so they are exact in every
+// type), and the double reference of those inputs. With u = 2⁻⁸ (bfloat16) or 2⁻¹¹ (half), the
+// unit roundoff of S: each gradient element is rounded to S once, at most u of itself; before
+// that it is the float gradient of the same inputs (errors ~1e-6), except D = rowsum(dO ⊙ O),
+// which uses the forward's output rounded to S (u), whose own weights the 16-bit forward may
+// round (u), so dℓ = P·(dP − D) gains up to 2u·|D| and dQ, dK up to about 2u·scale·|D|·|K|
+// (|Q|) wherever dP − D is small. dV = Pᵀ·dO does not use D: u plus the float error. The bounds
+// are those per tensor, as a fraction of its largest element: dV 1.5u, dQ and dK 4u, the
+// sinks' gradient (−Σ e^(s − lse)·D) 4u. The worst seen is 0.78u (bfloat16 and half alike).
+template <class S>
+void expect_narrow_matches_reference(double u, const char* type) {
+    for (const Problem& p : tiled_problems()) {
+        Data d = make_data(p, 29);
+        for (Mat* m : {&d.q, &d.k, &d.v, &d.d_out}) *m = m->cast<S>().template cast<double>();
+        const Reference ref = reference(p, d);
+        const Reference g = run_gattn_narrow<S>(p, d);
+        const double ev = relative_error(g.dv, ref.dv), eq = relative_error(g.dq, ref.dq),
+                     ek = relative_error(g.dk, ref.dk);
+        EXPECT_LT(ev, 1.5 * u) << type << " " << p.name << ": dV";
+        EXPECT_LT(eq, 4 * u) << type << " " << p.name << ": dQ";
+        EXPECT_LT(ek, 4 * u) << type << " " << p.name << ": dK";
+        if (!p.sinks.empty()) {
+            double largest = 0;
+            for (double x : ref.d_sinks) largest = std::max(largest, std::abs(x));
+            for (std::size_t h = 0; h < p.sinks.size(); ++h)
+                EXPECT_LE(std::abs(g.d_sinks[h] - ref.d_sinks[h]), 4 * u * largest) << type << " " << p.name;
+        }
+    }
+}
+
+TEST(SdpaBackwardNarrow, Bfloat16MatchesTheReference) {
+    expect_narrow_matches_reference<gattn::bfloat16>(std::ldexp(1.0, -8), "bfloat16");
+}
+
+TEST(SdpaBackwardNarrow, HalfMatchesTheReference) {
+    expect_narrow_matches_reference<gattn::half>(std::ldexp(1.0, -11), "half");
+}
+
 // Keys that no query sees (left padding by the boolean mask, keys past the key lengths) may
 // hold NaN: they are never read into a gradient, and their own dK and dV are 0.
 TEST(SdpaBackward, NaNInKeysNoQuerySeesDoesNotLeak) {
@@ -467,6 +534,12 @@ TEST(SdpaBackward, NaNInKeysNoQuerySeesDoesNotLeak) {
     EXPECT_LT(relative_error(g.dv, ref.dv), 1e-12);
     EXPECT_EQ(g.dk.topRows(5).cwiseAbs().maxCoeff(), 0.0);
     EXPECT_EQ(g.dv.bottomRows(10).cwiseAbs().maxCoeff(), 0.0);
+    // bfloat16 widens K and V per tile: the hidden rows still reach no gradient.
+    const Reference g16 = run_gattn_narrow<gattn::bfloat16>(p, d);
+    ASSERT_TRUE(g16.dq.allFinite() && g16.dk.allFinite() && g16.dv.allFinite());
+    EXPECT_LT(relative_error(g16.dq, ref.dq), 1e-2);
+    EXPECT_EQ(g16.dk.topRows(5).cwiseAbs().maxCoeff(), 0.0);
+    EXPECT_EQ(g16.dv.bottomRows(10).cwiseAbs().maxCoeff(), 0.0);
 }
 
 // Query rows that a −∞ bias row or the boolean mask hides from every key, in a call with finite
@@ -560,6 +633,15 @@ TEST(SdpaBackward, BitwiseIndependentOfThreads) {
         EXPECT_TRUE(same(one.dv, two.dv)) << q.B * q.Hkv << " (sequence, KV head) pairs";
         EXPECT_TRUE(one.d_sinks == two.d_sinks);
         EXPECT_GT(one.dq.cwiseAbs().maxCoeff(), 0.0f);
+        // bfloat16 (always two passes), widened exactly to double.
+        gattn::set_num_threads(1);
+        const Reference one16 = run_gattn_narrow<gattn::bfloat16>(q, d);
+        gattn::set_num_threads(2);
+        const Reference two16 = run_gattn_narrow<gattn::bfloat16>(q, d);
+        gattn::set_num_threads(keep);
+        EXPECT_TRUE(one16.dq == two16.dq && one16.dk == two16.dk && one16.dv == two16.dv) << "bfloat16";
+        EXPECT_TRUE(one16.d_sinks == two16.d_sinks) << "bfloat16";
+        EXPECT_GT(one16.dq.cwiseAbs().maxCoeff(), 0.0);
     }
 }
 
@@ -693,6 +775,42 @@ Problem random_problem(std::uint64_t seed) {
     const double err = (a - b).cwiseAbs().maxCoeff(), bound = tol * (b.cwiseAbs().maxCoeff() + floor);
     if (err <= bound) return ::testing::AssertionSuccess();
     return ::testing::AssertionFailure() << what << ": max error " << err << " > " << bound;
+}
+
+// bfloat16: a NaN in d_out and a log-sum-exp of the wrong shape are refused as in float, and
+// the gradients keep their bytes.
+TEST(SdpaBackwardNarrow, ErrorsNameTheArgumentAndWriteNothing) {
+    using M = gattn::RowMatrix<gattn::bfloat16>;
+    Problem p;
+    p.B = 1, p.Nq = 3, p.Nk = 4, p.H = 2, p.Hkv = 1, p.dk = 2, p.dv = 3;
+    const Data d = make_data(p, 4);
+    const M q = d.q.cast<gattn::bfloat16>(), k = d.k.cast<gattn::bfloat16>(), v = d.v.cast<gattn::bfloat16>();
+    M out(3, 6), d_out = d.d_out.cast<gattn::bfloat16>();
+    gattn::RowMatrix<float> lse;
+    gattn::SdpaOutputs<float> extra;
+    extra.log_sum_exp = &lse;
+    const gattn::HeadLayout heads{p.B, p.H, p.Hkv};
+    gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, heads, out, {}, extra);
+    const M dq0 = M::Constant(3, 4, gattn::bfloat16(5.0f)), dk0 = M::Constant(4, 2, gattn::bfloat16(6.0f)),
+            dv0 = M::Constant(4, 3, gattn::bfloat16(7.0f));
+    M dq = dq0, dk = dk0, dv = dv0;
+    d_out(1, 2) = gattn::bfloat16(std::numeric_limits<float>::quiet_NaN());
+    try {
+        gattn::scaled_dot_product_attention_backward<gattn::bfloat16>(q, k, v, heads, out, lse, d_out, dq, dk, dv);
+        ADD_FAILURE() << "NaN in d_out: no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("d_out must be finite, got nan at (1, 2)"), std::string::npos) << e.what();
+    }
+    d_out(1, 2) = gattn::bfloat16(0.5f);
+    try {
+        gattn::scaled_dot_product_attention_backward<gattn::bfloat16>(q, k, v, heads, out, lse.leftCols(1), d_out, dq,
+                                                                      dk, dv);
+        ADD_FAILURE() << "log-sum-exp of the wrong shape: no exception";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("log_sum_exp must have shape [3, 2], got [3, 1]"), std::string::npos)
+            << e.what();
+    }
+    EXPECT_TRUE(dq == dq0 && dk == dk0 && dv == dv0);
 }
 
 TEST(SdpaBackwardRandom, EveryOptionCombinationMatchesFiniteDifferences) {

@@ -53,10 +53,11 @@ using BackwardTile = RowMatrix<T>;
 
 /// One thread's scratch for the backward tiles.
 /// s and dp are whole tiles (row stride kBackwardTile); k_t and v_t hold the key tile's Kᵀ and
-/// Vᵀ, [d][kBackwardTile], with 0 past its keys.
+/// Vᵀ, [d][kBackwardTile], with 0 past its keys; k_wide and v_wide its 16-bit K and V rows
+/// widened.
 template <class T>
 struct BackwardScratch {
-    BackwardTile<T> q, d_out, k, q_seen, s, dp, acc_a, acc_b, k_t, v_t;
+    BackwardTile<T> q, d_out, k, q_seen, s, dp, acc_a, acc_b, k_t, v_t, k_wide, v_wide;
     std::vector<T> d, lse, factor_row;
     std::vector<KeyRange> range;
     std::vector<unsigned char> seen, row_seen;  ///< per key / per query row of the tile: sees or is seen
@@ -184,14 +185,14 @@ struct QueryTile {
 
 /// Loads a tile's query rows: their key ranges, log-sum-exp and D, and Q and dO in place, or
 /// as copies with the rows that see nothing (padding, empty range, log-sum-exp −∞) set to 0
-/// when there are such rows.
-template <class T>
-inline QueryTile<T> backward_load_queries(const BackwardCall<T>& call, BackwardScratch<T>& sc, ConstMatrixRef<T> query,
-                                          ConstMatrixRef<T> lse, ConstMatrixRef<T> d_out, Index b, Index h, Index i0,
+/// when there are such rows. 16-bit rows (S ≠ T) are always copied, widened to T.
+template <class T, class S>
+inline QueryTile<T> backward_load_queries(const BackwardCall<T>& call, BackwardScratch<T>& sc, ConstMatrixRef<S> query,
+                                          ConstMatrixRef<T> lse, ConstMatrixRef<S> d_out, Index b, Index h, Index i0,
                                           int rows, Index dk, Index dv) {
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     KeyRange all{call.Nk, 0};
-    bool copy = false;
+    bool copy = !std::is_same_v<S, T>;
     for (int t = 0; t < rows; ++t) {
         const Index i = i0 + t, row = b * call.Nq + i;
         KeyRange r = visible_key_range(*call.mask, b, i, call.Nq, call.Nk);
@@ -208,12 +209,13 @@ inline QueryTile<T> backward_load_queries(const BackwardCall<T>& call, BackwardS
         all.end = std::max(all.end, r.end);
     }
     if (all.end <= all.begin) all = {0, 0};
-    const T* q0 = query.data() + (b * call.Nq + i0) * query.outerStride() + h * dk;
-    const T* o0 = d_out.data() + (b * call.Nq + i0) * d_out.outerStride() + h * dv;
+    const S* q0 = query.data() + (b * call.Nq + i0) * query.outerStride() + h * dk;
+    const S* o0 = d_out.data() + (b * call.Nq + i0) * d_out.outerStride() + h * dv;
     using Map = typename QueryTile<T>::Map;
-    if (!copy)
-        return {Map(q0, rows, dk, Eigen::OuterStride<>(query.outerStride())),
-                Map(o0, rows, dv, Eigen::OuterStride<>(d_out.outerStride())), all};
+    if constexpr (std::is_same_v<S, T>)
+        if (!copy)
+            return {Map(q0, rows, dk, Eigen::OuterStride<>(query.outerStride())),
+                    Map(o0, rows, dv, Eigen::OuterStride<>(d_out.outerStride())), all};
     sc.q.resize(rows, dk);
     sc.d_out.resize(rows, dv);
     for (int t = 0; t < rows; ++t) {
@@ -223,22 +225,39 @@ inline QueryTile<T> backward_load_queries(const BackwardCall<T>& call, BackwardS
             sc.d_out.row(t).setZero();
             sc.d[static_cast<std::size_t>(t)] = T(0);
         } else {
-            sc.q.row(t) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(q0 + t * query.outerStride(), dk);
-            sc.d_out.row(t) = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>(o0 + t * d_out.outerStride(), dv);
+            if constexpr (std::is_same_v<S, T>) {
+                using Row = Eigen::Map<const Eigen::Matrix<T, 1, Eigen::Dynamic>>;
+                sc.q.row(t) = Row(q0 + t * query.outerStride(), dk);
+                sc.d_out.row(t) = Row(o0 + t * d_out.outerStride(), dv);
+            } else {
+                kernel::widen_row(q0 + t * query.outerStride(), sc.q.row(t).data(), dk);
+                kernel::widen_row(o0 + t * d_out.outerStride(), sc.d_out.row(t).data(), dv);
+            }
         }
     }
     return {Map(sc.q.data(), rows, dk, Eigen::OuterStride<>(dk)),
             Map(sc.d_out.data(), rows, dv, Eigen::OuterStride<>(dv)), all};
 }
 
-/// Kᵀ and Vᵀ of a key tile of `cols` keys into sc.k_t and sc.v_t, 0 past the keys: once per
-/// key tile, for the products of every query tile against it.
+/// Kᵀ and Vᵀ of a key tile of `cols` keys into sc.k_t and sc.v_t (widened to T), 0 past the
+/// keys: once per key tile, for the products of every query tile against it.
 template <class T, class KMap>
 inline void backward_load_keys(BackwardScratch<T>& sc, const KMap& kt, const KMap& vt, int cols) {
     sc.k_t.resize(kt.cols(), kBackwardTile);
     sc.v_t.resize(vt.cols(), kBackwardTile);
-    sc.k_t.leftCols(cols) = kt.transpose();
-    sc.v_t.leftCols(cols) = vt.transpose();
+    if constexpr (std::is_same_v<typename KMap::Scalar, T>) {
+        sc.k_t.leftCols(cols) = kt.transpose();
+        sc.v_t.leftCols(cols) = vt.transpose();
+    } else {
+        sc.k_wide.resize(cols, kt.cols());
+        sc.v_wide.resize(cols, vt.cols());
+        for (int c = 0; c < cols; ++c) {
+            kernel::widen_row(kt.row(c).data(), sc.k_wide.row(c).data(), kt.cols());
+            kernel::widen_row(vt.row(c).data(), sc.v_wide.row(c).data(), vt.cols());
+        }
+        sc.k_t.leftCols(cols) = sc.k_wide.transpose();
+        sc.v_t.leftCols(cols) = sc.v_wide.transpose();
+    }
     sc.k_t.rightCols(kBackwardTile - cols).setZero();
     sc.v_t.rightCols(kBackwardTile - cols).setZero();
 }
@@ -259,15 +278,24 @@ inline void backward_tile(const BackwardCall<T>& call, BackwardScratch<T>& sc, c
 }
 
 /// dQ[rows × d_k] (row stride dq_stride) += dS·K over one key tile, with the keys no row of the
-/// tile sees entering as 0 (their rows may hold anything).
+/// tile sees entering as 0 (their rows may hold anything). 16-bit K rows come widened
+/// (sc.k_wide, backward_load_keys).
 template <class T, class KMap>
 inline void backward_add_dq(BackwardScratch<T>& sc, const KMap& kt, int rows, int cols, T* dq, Index dq_stride) {
     bool all_seen = true;
     for (int c = 0; c < cols; ++c) all_seen = all_seen && sc.seen[static_cast<std::size_t>(c)];
-    const T* k = kt.data();
-    Index k_stride = kt.outerStride();
+    const T* k = nullptr;
+    Index k_stride = 0;
+    if constexpr (std::is_same_v<typename KMap::Scalar, T>) {
+        k = kt.data();
+        k_stride = kt.outerStride();
+    } else {
+        k = sc.k_wide.data();
+        k_stride = sc.k_wide.cols();
+    }
     if (!all_seen) {
-        sc.k = kt;
+        sc.k = Eigen::Map<const BackwardTile<T>, 0, Eigen::OuterStride<>>(k, cols, kt.cols(),
+                                                                          Eigen::OuterStride<>(k_stride));
         for (int c = 0; c < cols; ++c)
             if (!sc.seen[static_cast<std::size_t>(c)]) sc.k.row(c).setZero();
         k = sc.k.data();
@@ -303,12 +331,12 @@ inline void backward_add_dk_dv(BackwardScratch<T>& sc, const QueryTile<T>& qt, i
 
 /// Validates a backward call (everything the forward checks, plus the saved tensors, dO and the
 /// gradients); returns {d_k, d_v}.
-template <class T>
-inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, ConstMatrixRef<T> key,
-                                                      ConstMatrixRef<T> value, const HeadLayout& heads,
-                                                      ConstMatrixRef<T> out, ConstMatrixRef<T> log_sum_exp,
-                                                      ConstMatrixRef<T> d_out, const MatrixRef<T>& d_query,
-                                                      const MatrixRef<T>& d_key, const MatrixRef<T>& d_value,
+template <class S, class T = compute_t<S>>
+inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<S> query, ConstMatrixRef<S> key,
+                                                      ConstMatrixRef<S> value, const HeadLayout& heads,
+                                                      ConstMatrixRef<S> out, ConstMatrixRef<T> log_sum_exp,
+                                                      ConstMatrixRef<S> d_out, const MatrixRef<S>& d_query,
+                                                      const MatrixRef<S>& d_key, const MatrixRef<S>& d_value,
                                                       const SdpaOptions<T>& options, const std::vector<T>* d_sinks) {
     constexpr const char* fn = "gattn::scaled_dot_product_attention_backward";
     const auto dims = validate_sdpa<T>(fn, query.rows(), query.cols(), key.rows(), key.cols(), value.rows(),
@@ -327,7 +355,7 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
         throw_invalid(fn, "d_sinks", "must be null when options.sinks is empty (no sinks to differentiate)");
     if (d_sinks == &options.sinks) throw_invalid(fn, "d_sinks", "must not be options.sinks");
     const auto& bias = options.mask.bias;
-    auto check_gradient = [&](const MatrixRef<T>& g, const char* name) {
+    auto check_gradient = [&](const MatrixRef<S>& g, const char* name) {
         if (views_overlap(g, query) || views_overlap(g, key) || views_overlap(g, value) || views_overlap(g, out) ||
             views_overlap(g, log_sum_exp) || views_overlap(g, d_out) ||
             (!bias.empty() && overlaps_any(g.data(), span_of(g), bias.data, numel(bias))))
@@ -343,9 +371,9 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
     if (views_overlap(d_key, d_value)) throw_invalid(fn, "d_key", "must not share an element with d_value");
     for (Index r = 0; r < d_out.rows(); ++r)
         for (Index c = 0; c < d_out.cols(); ++c)
-            if (!std::isfinite(d_out(r, c)))
+            if (!std::isfinite(static_cast<T>(d_out(r, c))))
                 throw_invalid(fn, "d_out",
-                              "must be finite, got " + number_string(double(d_out(r, c))) + " at (" +
+                              "must be finite, got " + number_string(double(static_cast<T>(d_out(r, c)))) + " at (" +
                                   std::to_string(r) + ", " + std::to_string(c) + ")");
     return dims;
 }
@@ -386,34 +414,42 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<T> query, C
 ///         it), a gradient sharing an element with an input, the bias or another gradient, and
 ///         d_sinks given without sinks or being options.sinks. Nothing is written before
 ///         validation passes.
-/// Scalar: float or double; everything runs in Scalar. The saved log-sum-exp is a Scalar, so
-/// P = e^(ℓ − lse) carries a relative error up to |lse| times half Scalar's epsilon: in float,
-/// 6e-5 at |lse| = 1000, and near the ALiBi bound float gradients are meaningless. Compiled
+/// Scalar: float or double, in which everything runs; or 16-bit storage (gattn::bfloat16,
+/// gattn::half) of query, key, value, out, d_out and the gradients, with the log-sum-exp, the
+/// options and d_sinks in float (as the 16-bit forward gives them): each tile's rows are
+/// widened to float, every product and sum runs in float on the float kernels, and each
+/// gradient element is rounded to Scalar once, at the end (two passes, whatever the threads).
+/// The 16-bit gradients are then the float gradients of the widened inputs within Scalar's
+/// rounding (2⁻⁸ relative for bf16, 2⁻¹¹ for half), plus what D loses to the forward's rounded
+/// output (docs/conventions.md, "Backward pass (SDPA)"). The saved log-sum-exp is a float or
+/// double, so P = e^(ℓ − lse) carries a relative error up to |lse| times half its epsilon: in
+/// float, 6e-5 at |lse| = 1000, and near the ALiBi bound float gradients are meaningless. Compiled
 /// with OpenMP, the work is split over (sequence, KV head) tasks when there are enough of them
 /// for the threads, else over (sequence, head, query tile) and then (sequence, KV head, key
 /// tile) tasks; the gradients are bitwise the same for any thread count.
 template <class Scalar>
 void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
                                            ConstMatrixRef<Scalar> value, const HeadLayout& heads,
-                                           ConstMatrixRef<Scalar> out, ConstMatrixRef<Scalar> log_sum_exp,
+                                           ConstMatrixRef<Scalar> out, ConstMatrixRef<compute_t<Scalar>> log_sum_exp,
                                            ConstMatrixRef<Scalar> d_out, MatrixRef<Scalar> d_query,
                                            MatrixRef<Scalar> d_key, MatrixRef<Scalar> d_value,
-                                           const SdpaOptions<Scalar>& options = {},
-                                           std::vector<Scalar>* d_sinks = nullptr) {
-    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double>,
-                  "GATTN_BACKWARD_SCALAR_MUST_BE_FLOAT_OR_DOUBLE");
-    using T = Scalar;
+                                           const SdpaOptions<compute_t<Scalar>>& options = {},
+                                           std::vector<compute_t<Scalar>>* d_sinks = nullptr) {
+    static_assert(std::is_same_v<Scalar, float> || std::is_same_v<Scalar, double> || is_narrow_storage_v<Scalar>,
+                  "GATTN_BACKWARD_SCALAR_MUST_BE_FLOAT_DOUBLE_BFLOAT16_OR_HALF");
+    using T = compute_t<Scalar>;
+    constexpr bool narrow = is_narrow_storage_v<Scalar>;
     namespace gd = gattn::detail;
-    const auto dims = gd::validate_sdpa_backward<T>(query, key, value, heads, out, log_sum_exp, d_out, d_query, d_key,
-                                                    d_value, options, d_sinks);
+    const auto dims = gd::validate_sdpa_backward<Scalar>(query, key, value, heads, out, log_sum_exp, d_out, d_query,
+                                                         d_key, d_value, options, d_sinks);
     const Index dk = dims.first, dv = dims.second;
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads, group = H / Hkv;
     const Index Nq = B == 0 ? 0 : query.rows() / B;
     const Index Nk = B == 0 ? 0 : key.rows() / B;
     constexpr Index tile = gd::kBackwardTile;
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-    using KMap = Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>>;
-    using DqMap = Eigen::Map<gd::BackwardTile<T>, 0, Eigen::OuterStride<>>;
+    using KMap = Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
+    using DqMap = Eigen::Map<RowMatrix<Scalar>, 0, Eigen::OuterStride<>>;
 
     gd::BackwardCall<T> call;
     call.mask = &options.mask;
@@ -438,7 +474,9 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
     // dQ rows and its keys' dK and dV rows. Otherwise two passes (dQ by query tiles, then dK and
     // dV by key tiles). Both add the same tile products in the same order (dQ over key tiles,
     // dK and dV over query heads and tiles, ascending), so the choice changes no bit.
-    const bool one_pass = B * Hkv % threads == 0 || B * Hkv >= 4 * threads;
+    // 16-bit gradients take two passes: dQ then sums a whole row of key tiles in a T tile
+    // before it is rounded, once.
+    const bool one_pass = !narrow && (B * Hkv % threads == 0 || B * Hkv >= 4 * threads);
 
 #ifdef _OPENMP
 #pragma omp parallel if (parallel)
@@ -449,12 +487,19 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
 #pragma omp for schedule(static)
 #endif
         for (Index row = 0; row < B * Nq; ++row)
-            for (Index h = 0; h < H; ++h)
-                row_d[static_cast<std::size_t>(row * H + h)] =
-                    log_sum_exp(row, h) == kNegInf
-                        ? T(0)
-                        : simd::dot(d_out.data() + row * d_out.outerStride() + h * dv,
-                                    out.data() + row * out.outerStride() + h * dv, static_cast<std::size_t>(dv));
+            for (Index h = 0; h < H; ++h) {
+                T& d = row_d[static_cast<std::size_t>(row * H + h)];
+                const Scalar* g = d_out.data() + row * d_out.outerStride() + h * dv;
+                const Scalar* o = out.data() + row * out.outerStride() + h * dv;
+                if (log_sum_exp(row, h) == kNegInf) {
+                    d = T(0);
+                } else if constexpr (narrow) {
+                    d = T(0);
+                    for (Index c = 0; c < dv; ++c) d += static_cast<T>(g[c]) * static_cast<T>(o[c]);
+                } else {
+                    d = simd::dot(g, o, static_cast<std::size_t>(dv));
+                }
+            }
         // dK and dV of key tile kb of KV head g in sequence b over the group's query heads and
         // tiles; with dq, also each query tile's dQ += dS·K (the one-pass form).
         auto key_tile = [&](Index b, Index g, Index kb, bool dq) {
@@ -478,20 +523,21 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                         any = std::max(r.begin, k0) < std::min(r.end, k0 + cols);
                     }
                     if (!any) continue;
-                    const gd::QueryTile<T> qt =
-                        gd::backward_load_queries<T>(call, sc, query, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
+                    const gd::QueryTile<T> qt = gd::backward_load_queries<T, Scalar>(call, sc, query, log_sum_exp,
+                                                                                     d_out, b, h, i0, rows, dk, dv);
                     if (!(qt.keys.begin < k0 + cols && k0 < qt.keys.end)) continue;
                     if (dq) std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
                     gd::backward_tile<T>(call, sc, qt, b, h, i0, k0, rows, cols, dq ? sc.seen.data() : nullptr);
                     gd::backward_add_dk_dv<T>(sc, qt, rows, cols);
-                    if (dq)
-                        gd::backward_add_dq<T>(sc, kt, rows, cols,
-                                               d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk,
-                                               d_query.outerStride());
+                    if constexpr (!narrow)  // (16-bit gradients never run one pass)
+                        if (dq)
+                            gd::backward_add_dq<T>(sc, kt, rows, cols,
+                                                   d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk,
+                                                   d_query.outerStride());
                 }
             for (int c = 0; c < cols; ++c) {
-                d_key.row(b * Nk + k0 + c).segment(g * dk, dk) = sc.acc_a.row(c);
-                d_value.row(b * Nk + k0 + c).segment(g * dv, dv) = sc.acc_b.row(c);
+                d_key.row(b * Nk + k0 + c).segment(g * dk, dk) = sc.acc_a.row(c).template cast<Scalar>();
+                d_value.row(b * Nk + k0 + c).segment(g * dv, dv) = sc.acc_b.row(c).template cast<Scalar>();
             }
         };
         if (one_pass) {
@@ -515,10 +561,20 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                 const Index g = h / group, i0 = qb * tile;
                 const int rows = static_cast<int>(std::min(tile, Nq - i0));
                 const gd::QueryTile<T> qt =
-                    gd::backward_load_queries<T>(call, sc, query, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
+                    gd::backward_load_queries<T, Scalar>(call, sc, query, log_sum_exp, d_out, b, h, i0, rows, dk, dv);
                 DqMap dq(d_query.data() + (b * Nq + i0) * d_query.outerStride() + h * dk, rows, dk,
                          Eigen::OuterStride<>(d_query.outerStride()));
-                dq.setZero();
+                // 16-bit dQ sums in a T tile (sc.acc_a is free until pass 2) and is rounded once.
+                T* dq_sum = nullptr;
+                Index dq_stride = d_query.outerStride();
+                if constexpr (narrow) {
+                    sc.acc_a.setZero(rows, dk);
+                    dq_sum = sc.acc_a.data();
+                    dq_stride = dk;
+                } else {
+                    dq.setZero();
+                    dq_sum = dq.data();
+                }
                 for (Index k0 = (qt.keys.begin / tile) * tile; k0 < qt.keys.end; k0 += tile) {
                     const int cols = static_cast<int>(std::min(tile, Nk - k0));
                     const KMap kt(key.data() + (b * Nk + k0) * key.outerStride() + g * dk, cols, dk,
@@ -528,8 +584,9 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
                     gd::backward_load_keys<T>(sc, kt, vt, cols);
                     std::fill(sc.seen.begin(), sc.seen.end(), static_cast<unsigned char>(0));
                     gd::backward_tile<T>(call, sc, qt, b, h, i0, k0, rows, cols, sc.seen.data());
-                    gd::backward_add_dq<T>(sc, kt, rows, cols, dq.data(), d_query.outerStride());
+                    gd::backward_add_dq<T>(sc, kt, rows, cols, dq_sum, dq_stride);
                 }
+                if constexpr (narrow) dq = sc.acc_a.template cast<Scalar>();
             }
             // Pass 2: dK and dV by (sequence, KV head, key tile).
 #ifdef _OPENMP
