@@ -69,6 +69,8 @@ Usage:
   /usr/bin/python3 scripts/train_tiny_lm.py --models sinks  # train one model, keep the others
   /usr/bin/python3 scripts/train_tiny_lm.py --quick       # 20 steps into a temporary directory
   /usr/bin/python3 scripts/train_tiny_lm.py --references-only  # redo references, logs, README
+  /usr/bin/python3 scripts/train_tiny_lm.py --import-trained RUN  # the models examples/train_tiny_lm
+      # trained into RUN/{baseline,gated,sinks}/: copied, then references, logs and README
   /usr/bin/python3 scripts/train_tiny_lm.py --check       # only check the existing files
   /usr/bin/python3 scripts/train_tiny_lm.py --trainer-fixture DIR [--small]
       # the C++ trainer's check (examples/train_tiny_lm): per model, the initial weights, the
@@ -85,6 +87,7 @@ import queue
 import random
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -559,6 +562,45 @@ def train_models(names, steps, out_dir):
     return summaries
 
 
+def import_trained(run_dir, out_dir):
+    """Copy the models that examples/train_tiny_lm (gattn's C++ trainer) wrote into
+    run_dir/{baseline,gated,sinks}/ into out_dir, checked against this script's shapes; return
+    ({name: summary} from their training logs, {steps, batch, window, seed} they share)."""
+    summaries, settings = {}, []
+    for name in MODELS:
+        src = run_dir / name
+        log = json.loads((src / "training_log.json").read_text())
+        records, steps = log["records"], log["steps"]
+        if [r["step"] for r in records] != list(range(1, steps + 1)):
+            raise SystemExit(f"{src}: {len(records)} of {steps} steps trained")
+        settings.append({k: log[k] for k in ("steps", "batch", "window", "seed")})
+        _, model, dtypes = read_safetensors(src / "model.safetensors")
+        if {n: tuple(a.shape) for n, a in model.items()} != weight_shapes(Dims(model_config(name))) or \
+                set(dtypes.values()) != {"F32"}:
+            raise SystemExit(f"{src}/model.safetensors: not the {name} model's F32 tensors")
+        (out_dir / name).mkdir(parents=True, exist_ok=True)
+        (out_dir / name / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+        losses = [r["loss"] for r in records]
+        evals = [r for r in records if "heldout_loss" in r]
+        if not evals or evals[-1]["step"] != steps:
+            raise SystemExit(f"{src}: no held-out loss at step {steps} (--eval-every)")
+        summaries[name] = {
+            "steps": steps,
+            "seconds": round(records[-1]["seconds"], 1),
+            "step_seconds": round(sum(r["step_seconds"] for r in records), 1),
+            "final_train_loss": round(float(np.mean(losses[-LOG_EVERY:])), 4),
+            "heldout_loss": round(evals[-1]["heldout_loss"], 4),
+            "heldout_predictions": evals[-1]["heldout_predictions"],
+            "parameters": int(sum(a.size for a in model.values())),
+            "loss_curve": [{"step": s, "train_loss": round(float(np.mean(losses[max(0, s - LOG_EVERY):s])), 4)}
+                           for s in range(LOG_EVERY, steps + 1, LOG_EVERY)],
+            "heldout_curve": [{"step": r["step"], "heldout_loss": round(r["heldout_loss"], 4)} for r in evals],
+        }
+    if any(x != settings[0] for x in settings):
+        raise SystemExit(f"the models were trained with different settings: {settings}")
+    return summaries, settings[0]
+
+
 # ---------------------------------------------------------------------------
 # Fixture for the C++ trainer (examples/train_tiny_lm)
 # ---------------------------------------------------------------------------
@@ -897,7 +939,7 @@ def readme(log, prompt, refs):
     rotary = int(c["head_dim"] * c["partial_rotary_factor"])
     rows = "\n".join(
         f"| {name} | {log[name]['steps']} | {log[name]['seconds']:.0f} s | "
-        f"{log[name]['cpu_seconds']:.0f} s | "
+        f"{log[name]['step_seconds' if 'trainer' in t else 'cpu_seconds']:.0f} s | "
         f"{log[name]['final_train_loss']:.4f} | {log[name]['heldout_loss']:.4f} | "
         f"{float(refs[name]['heldout_nll'][0]):.4f} | {float(refs[name]['min_top2_margin'][0]):.3f} |"
         for name in MODELS)
@@ -909,6 +951,47 @@ def readme(log, prompt, refs):
         f"{name} (longest repeat {log[name]['sample_longest_repeat']} bytes):\n\n    " +
         log[name]["sample_text"].replace("\n", "\n    ")
         for name in MODELS)
+    schedule = (f"{t['steps']} steps of AdamW (betas {BETAS[0]}, {BETAS[1]}; weight decay {WEIGHT_DECAY} on "
+                f"matrices and the embedding, none on norm weights), batches of {t['batch']} random windows "
+                f"of {t['window']} bytes of the training text")
+    lr = (f"learning rate {PEAK_LR:g} after {t['warmup_steps']} linear warmup steps, cosine decay to "
+          f"{PEAK_LR * MIN_LR_RATIO:g}, gradient norm clipped to {GRAD_CLIP:g}")
+    init = (f"Init: normal(0, {INIT_STD}) for the embedding and every matrix, norm weights and sink "
+            f"logits 0; the gated model's query rows and first {c['intermediate_size']} MLP units are "
+            "the baseline's, its gate rows come from a second generator and the ungated models' other "
+            "MLP units from a third.")
+    if "trainer" in t:
+        training = f"""## Training
+
+Trained by gattn: `examples/train_tiny_lm` (C++; attention forward and backward through
+gattn, the rest written with Eigen; see its README), float32, one thread per model:
+
+    /usr/bin/python3 scripts/train_tiny_lm.py --trainer-fixture build/fixture   # initial weights
+    build/examples/examples/train_tiny_lm --config build/fixture/gated/config.json \\
+        --weights build/fixture/gated/initial.safetensors --out run/gated --steps {t['steps']} --eval-every 250
+    /usr/bin/python3 scripts/train_tiny_lm.py --import-trained run   # run/{{baseline,gated,sinks}}
+
+""" + textwrap.fill(
+            f"{init} {schedule}, drawn by `std::mt19937_64` from seed {t['seed']} (the same windows for "
+            f"the three models), {lr}. `training_log.json` has the training loss every {LOG_EVERY} steps "
+            f"(mean of the last {LOG_EVERY}) and the held-out loss at every evaluation. "
+            "`scripts/train_tiny_lm.sh` trains the same three models in PyTorch instead (1500 steps by "
+            "default, 45 to 100 minutes on 2 cores).", 95)
+        time_column = "time in steps"
+        time_note = "so does the time in steps, which\nleaves out the held-out evaluations."
+    else:
+        training = f"""## Training
+
+    scripts/train_tiny_lm.sh    # checks the Debian packages, then runs
+                                # /usr/bin/python3 scripts/train_tiny_lm.py
+
+""" + textwrap.fill(
+            f"torch {t['torch']}, float32, one CPU thread per model, the models trained at once (or one "
+            f"at a time with `--models`: the weights do not depend on it). {init} {schedule}, {lr}. A "
+            "rerun with the same torch on the same kind of CPU gives the same weights. "
+            f"`training_log.json` has the loss every {LOG_EVERY} steps.", 95)
+        time_column = "CPU time"
+        time_note = "the CPU time is the training loop's."
     return f"""# Tiny byte-level language models: plain attention, the output gate, learned sinks
 
 Three small decoder-only language models trained on the same text, identical except for how a
@@ -976,28 +1059,13 @@ with the gate taken from the raw `q_proj` output (gated) or `o_proj(attention)` 
 sinks). sinks: head h's weights are e^s_j / (e^sinks[h] + Σ_i e^s_i) over its visible scores s
 (gpt-oss's eager attention: softmax over the scores and a sink column, the column dropped).
 
-## Training
+{training}
 
-    scripts/train_tiny_lm.sh    # checks the Debian packages, then runs
-                                # /usr/bin/python3 scripts/train_tiny_lm.py
-
-torch {t['torch']}, float32, one CPU thread per model, the models trained at once (or one at
-a time with `--models`: the weights do not depend on it). Init: normal(0, {INIT_STD}) for the
-embedding and every matrix, norm weights and sink logits 0; the gated model's query rows and
-first {c['intermediate_size']} MLP units are the baseline's, its gate rows come from a second
-generator and the ungated models' other MLP units from a third. {t['steps']} steps of
-AdamW (betas {BETAS[0]}, {BETAS[1]}; weight decay {WEIGHT_DECAY} on matrices and the embedding,
-none on norm weights), batches of {t['batch']} random windows of {t['window']} bytes of the
-training text, learning rate {PEAK_LR:g} after {t['warmup_steps']} linear warmup steps, cosine
-decay to {PEAK_LR * MIN_LR_RATIO:g}, gradient norm clipped to {GRAD_CLIP:g}. A rerun with the
-same torch on the same kind of CPU gives the same weights. `training_log.json` has the loss
-every {LOG_EVERY} steps.
-
-| model | steps | wall time | CPU time | train loss | held-out loss | heldout_nll | min top-2 margin |
+| model | steps | wall time | {time_column} | train loss | held-out loss | heldout_nll | min top-2 margin |
 |---|---|---|---|---|---|---|---|
 {rows}
 
-The wall time depends on what else the machine runs; the CPU time is the training loop's.
+The wall time depends on what else the machine runs; {time_note}
 Losses are in nats per byte. Train loss: mean training-batch loss over the last {LOG_EVERY}
 steps. Held-out loss: every full 256-byte window of `heldout.txt`, in float32, with the
 convention of `heldout_nll` below (which covers only the first 8 windows, in float64).
@@ -1047,6 +1115,10 @@ def main():
     parser.add_argument("--references-only", action="store_true",
                         help="train nothing: recompute the references, logs and README from the "
                              "weights in the output directory")
+    parser.add_argument("--import-trained", type=Path, default=None, metavar="RUN_DIR",
+                        help="train nothing: take the models examples/train_tiny_lm wrote into "
+                             "RUN_DIR/{baseline,gated,sinks}/ (with their training logs), then "
+                             "compute the references, logs and README as after training")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="models to train (default: all); the others must already be in the "
                              "output directory, trained with the same steps, and are kept")
@@ -1067,10 +1139,15 @@ def main():
             BATCH = SMALL_BATCH
         write_fixture(args.trainer_fixture, args.steps or STEPS)
         return 0
-    if args.references_only:
+    if args.references_only or args.import_trained:
         args.models = []
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
+    trainer = None
     out_dir = args.out_dir or (Path(tempfile.mkdtemp(prefix="tiny_lm_")) if args.quick else OUT_DIR)
+    if args.import_trained:
+        steps = json.loads((args.import_trained / MODELS[0] / "training_log.json").read_text())["steps"]
+    elif args.references_only and not args.steps:
+        steps = json.loads((out_dir / "training_log.json").read_text())["training"]["steps"]
     torch.set_num_threads(1)  # keep float64 reductions in a fixed order
 
     if not args.check:
@@ -1081,12 +1158,16 @@ def main():
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "heldout.txt").write_bytes(heldout_text)
         summaries = {}
-        if set(args.models) != set(MODELS):  # keep the other models' weights and training logs
+        if args.import_trained:
+            summaries, trainer = import_trained(args.import_trained, out_dir)
+        elif set(args.models) != set(MODELS):  # keep the other models' weights and training logs
             previous = json.loads((out_dir / "training_log.json").read_text())
             if previous["training"]["steps"] != steps:
                 raise SystemExit(f"the kept models were trained for {previous['training']['steps']} "
                                  f"steps, not {steps}")
             summaries = {name: previous[name] for name in MODELS if name not in args.models}
+            if "trainer" in previous["training"]:  # keep the C++ trainer's settings
+                trainer = {k: previous["training"][k] for k in ("steps", "batch", "window", "seed")}
             for summary in summaries.values():  # recomputed below
                 for key in ("heldout_nll_8_windows_float64", "min_top2_margin", "generated_text",
                             "sample_text", "sample_longest_repeat"):
@@ -1111,6 +1192,9 @@ def main():
                          "torch": torch.__version__},
             "prompt": prompt,
         }
+        if trainer:  # trained by examples/train_tiny_lm; torch only computed the references
+            log["training"].update(trainer, trainer="examples/train_tiny_lm")
+            del log["training"]["torch"]
         for name in MODELS:
             log[name] = summaries[name]
             log[name]["heldout_nll_8_windows_float64"] = round(float(refs[name]["heldout_nll"][0]), 6)
