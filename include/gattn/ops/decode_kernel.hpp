@@ -450,6 +450,21 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         if (spread_prefetch) {
             spread.step(-1);  // what rows that saw no key of the last block left
             spread.start(std::min(j0 + 2 * L, k_end), std::min(j0 + 3 * L, k_end), steps_per_block);
+            if constexpr (kInt8) {
+                // Their scales too: in a paged cache each page's scales lie apart from the
+                // last page's, and the hardware prefetchers do not follow (a block lies in one
+                // page, so its rows' scales are contiguous).
+                if (pages.pages && spread.next < spread.end) {
+                    const Index first = pages.row(spread.next) * scales.stride;
+                    const Index count = (spread.end - spread.next) * scales.stride;
+                    for (Index e = 0; e < count; e += simd::kLineElems<float>) {
+                        simd::prefetch(scales.key + first + e);
+                        simd::prefetch(scales.value + first + e);
+                    }
+                    simd::prefetch(scales.key + first + count - 1);  // the last line, when not aligned
+                    simd::prefetch(scales.value + first + count - 1);
+                }
+            }
         } else if (load_ahead && pages.pages) {
             // A paged cache: prefetch instructions two blocks ahead. That block may lie in
             // another page, where the loads below waited for memory at every change of page
