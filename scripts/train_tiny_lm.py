@@ -1166,7 +1166,10 @@ def main():
                 raise SystemExit(f"the kept models were trained for {previous['training']['steps']} "
                                  f"steps, not {steps}")
             summaries = {name: previous[name] for name in MODELS if name not in args.models}
-            if "trainer" in previous["training"]:  # keep the C++ trainer's settings
+            if "trainer" in previous["training"]:  # kept models from the C++ trainer
+                if args.models:
+                    raise SystemExit("the kept models were trained by examples/train_tiny_lm: train "
+                                     "all three here, or import all three (--import-trained)")
                 trainer = {k: previous["training"][k] for k in ("steps", "batch", "window", "seed")}
             for summary in summaries.values():  # recomputed below
                 for key in ("heldout_nll_8_windows_float64", "min_top2_margin", "generated_text",
