@@ -389,7 +389,7 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<S> query, C
 /// GQA/MQA (dK and dV sum over each KV head's query heads), d_v ≠ d_k, sinks, logit softcap,
 /// ALiBi. The probabilities are recomputed per 64 × 64 tile from the saved log-sum-exp: extra
 /// memory is a few tiles per thread, plus D = rowsum(dO ⊙ O), B·N_q·H values (as many as the
-/// log-sum-exp).
+/// log-sum-exp), and a key range per 64-query tile.
 ///
 /// \param query, key, value, heads as given to the forward call.
 /// \param out          [B·N_q, H·d_v]: the forward's output.
