@@ -421,12 +421,13 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<S> query, C
 /// gradient element is rounded to Scalar once, at the end (two passes, whatever the threads).
 /// The 16-bit gradients are then the float gradients of the widened inputs within Scalar's
 /// rounding (2⁻⁸ relative for bf16, 2⁻¹¹ for half), plus what D loses to the forward's rounded
-/// output (docs/conventions.md, "Backward pass (SDPA)"). The saved log-sum-exp is a float or
-/// double, so P = e^(ℓ − lse) carries a relative error up to |lse| times half its epsilon: in
-/// float, 6e-5 at |lse| = 1000, and near the ALiBi bound float gradients are meaningless. Compiled
-/// with OpenMP, the work is split over (sequence, KV head) tasks when there are enough of them
-/// for the threads, else over (sequence, head, query tile) and then (sequence, KV head, key
-/// tile) tasks; the gradients are bitwise the same for any thread count.
+/// output (docs/conventions.md, "Backward pass (SDPA)"); a half gradient beyond ±65504 is ±∞.
+/// The saved log-sum-exp is a float or double, so P = e^(ℓ − lse) carries a relative error up
+/// to |lse| times half its epsilon: in float, 6e-5 at |lse| = 1000, and near the ALiBi bound
+/// float gradients are meaningless. Compiled with OpenMP, the work is split over (sequence,
+/// KV head) tasks when there are enough of them for the threads, else over (sequence, head,
+/// query tile) and then (sequence, KV head, key tile) tasks; the gradients are bitwise the same
+/// for any thread count.
 template <class Scalar>
 void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
                                            ConstMatrixRef<Scalar> value, const HeadLayout& heads,
