@@ -578,8 +578,6 @@ def import_trained(run_dir, out_dir):
         if {n: tuple(a.shape) for n, a in model.items()} != weight_shapes(Dims(model_config(name))) or \
                 set(dtypes.values()) != {"F32"}:
             raise SystemExit(f"{src}/model.safetensors: not the {name} model's F32 tensors")
-        (out_dir / name).mkdir(parents=True, exist_ok=True)
-        (out_dir / name / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
         losses = [r["loss"] for r in records]
         evals = [r for r in records if "heldout_loss" in r]
         if not evals or evals[-1]["step"] != steps:
@@ -598,6 +596,9 @@ def import_trained(run_dir, out_dir):
         }
     if any(x != settings[0] for x in settings):
         raise SystemExit(f"the models were trained with different settings: {settings}")
+    for name in MODELS:  # only once all three passed: a refused import leaves out_dir as it was
+        (out_dir / name).mkdir(parents=True, exist_ok=True)
+        (out_dir / name / "model.safetensors").write_bytes((run_dir / name / "model.safetensors").read_bytes())
     return summaries, settings[0]
 
 
