@@ -327,7 +327,7 @@ namespace detail {
 /// int8_kernel().kernel without the reasons (no allocation): what a decoding call dispatches on.
 inline Int8Kernel int8_kernel_family() noexcept {
     const Int8Kernel limit = int8_kernel_limit();
-    if (limit == Int8Kernel::Vnni && compiled_with_vnni()) return Int8Kernel::Vnni;
+    if (limit == Int8Kernel::Vnni && compiled_with_vnni() && cpu_features().avx512vnni) return Int8Kernel::Vnni;
     if (limit != Int8Kernel::WidenedFloat && compiled_with_avxvnni() && cpu_features().avxvnni)
         return Int8Kernel::AvxVnni;
     if (limit != Int8Kernel::WidenedFloat && compiled_with_sdot() && cpu_features().asimddp) return Int8Kernel::Sdot;
