@@ -2,16 +2,17 @@
 # Checks that the ARM64 kernels compiled into a test executable are vector code: disassembles
 # it (aarch64-linux-gnu-objdump, or $OBJDUMP) and, for each kernel below, counts in the
 # functions that hold its loops the vector multiply-adds (FMLA on .4s registers, or for the
-# dot-product kernel SDOT into .4s) and, for the narrow caches, the NEON instructions that
-# widen them to float. Fails when a kernel's
-# functions are missing or one of its counts is 0: a scalar loop (e.g. a type that xsimd or the
-# compiler stopped vectorising) would have none. Scalar FMADDs (the kernels' tails) are shown.
+# dot-product kernels SDOT or BFDOT into .4s) and, for the narrow caches, the NEON instructions
+# that widen them to float. Fails when a kernel's functions are missing or one of its counts is
+# 0: a scalar loop (e.g. a type that xsimd or the compiler stopped vectorising) would have none.
+# Scalar FMADDs (the kernels' tails) are shown.
 # Usage: check_arm_vector.sh <ARM64 test executable holding the kernels, e.g. tests/test_ops>
 #   float prefill       flash_step<float>, scores_rows<float, R> and values_rows<float, R>
 #   float decode        decode_chunk<float, float> and group_values<float, R, float>
 #   bf16/fp16 decode    the same for caches of bf16 (widened by SHLL) and fp16 (by FCVTL)
 #   int8 decode         group_values<float, R, int8> (codes widened by SXTL and SCVTF)
 #   int8 SDOT logits    decode_sdot::logits<R, …> (ARMv8.2 dot product, chosen at run time)
+#   bf16 BFDOT decode   decode_bfdot::logits<R> and values<R> (BF16, chosen at run time)
 # Functions are matched by name, demangled or (where binutils cannot demangle one) mangled.
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: $0 <ARM64 test executable>" >&2; exit 2; }
@@ -28,6 +29,7 @@ kernels=(
   "fp16 cache decode|kernel::decode_chunk<float, Eigen::half,|group_values(<float, [0-9]+, Eigen::half>|IfLi[0-9]+EN5Eigen4halfE)|fcvtl"
   "int8 cache decode|group_values(<float, [0-9]+, signed char>|IfLi[0-9]+EaE)|sxtl scvtf"
   "int8 SDOT logits|decode_sdot::logits<[0-9]+,|11decode_sdot6logitsILi[0-9]+E||sdot"
+  "bf16 BFDOT decode|decode_bfdot::(logits|values)<[0-9]+>|12decode_bfdot(6logits|6values)ILi[0-9]+E||bfdot"
 )
 
 listing=$(mktemp)

@@ -31,10 +31,10 @@
 #            models and readers above them have no ARM-specific code and are left to the x86
 #            flavours. scripts/check_arm_vector.sh checks that the kernels' loops are NEON vector
 #            code, then the tests run under QEMU on two CPU models: max (SVE2 at 512 bits, BF16,
-#            I8MM, dot product: int8 decoding runs the SDOT kernel) and cortex-a57 (NEON only:
-#            int8 decoding widens the codes; without the sweeps' shapes of 113 and 250 queries),
-#            plus the instruction-set and CPU feature reports at a second SVE vector
-#            length (256 bits). Each model's features are checked against what QEMU was asked
+#            I8MM, dot product: int8 decoding runs the SDOT kernel, bf16 decoding the BFDOT one)
+#            and cortex-a57 (NEON only: both widen to float; without the sweeps' shapes of 113
+#            and 250 queries), plus the instruction-set and CPU feature reports at a second SVE
+#            vector length (256 bits). Each model's features are checked against what QEMU was asked
 #            for (GATTN_EXPECT_CPU_FEATURES). Under emulation the whole of test_ops takes about
 #            6 minutes of CPU per model, so this leaves out (gtest filter aarch64_skip below):
 #            the sweeps' largest shape (N = 250, grouped GQA blocks) in double, bf16 and fp16
@@ -191,9 +191,10 @@ for flavour in $flavours; do
       aarch64_skip+=":SdpaDeterminism.ResultIsBitwiseIndependentOfThreadCount"
       aarch64_skip+=":PagedAttention.Double*:PagedAttention.Half*:PagedAttention.Bf16*"
       all_features="asimd asimddp sve sve2 bf16 i8mm"
-      # The float kernels run the same NEON code on both models; int8 decoding dispatches on
-      # HWCAP: max runs the SDOT kernel (Int8Sdpa/Sdot) and leaves the widened one
-      # (Int8Sdpa/WidenedFloat) to cortex-a57, which has no dot product. The second also leaves
+      # The float kernels run the same NEON code on both models; int8 and bf16 decoding
+      # dispatch on HWCAP: max runs the SDOT kernel (Int8Sdpa/Sdot) and leaves the widened one
+      # (Int8Sdpa/WidenedFloat) to cortex-a57, which has no dot product; max runs bf16 with
+      # BFDOT and widened (both in test_narrow_sdpa's lists), cortex-a57 widened only. The second also leaves
       # out the sweeps' shapes of 113 and 250 queries (keys beyond one block stay, in
       # KeysN113Dk128Dv40 and DecodeMqaDk128).
       qemu_cpus=("max|$all_features sve_bits=512|-$aarch64_skip:Kernels/Int8Sdpa.*/WidenedFloat"

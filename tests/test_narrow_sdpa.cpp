@@ -23,6 +23,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef _OPENMP
@@ -56,7 +57,8 @@ std::vector<Bf16Kernel> runnable_kernels() {
     std::vector<Bf16Kernel> ks;
     const Bf16Kernel best = gattn::bf16_kernel().kernel;
     if (best == Bf16Kernel::Amx) ks.push_back(Bf16Kernel::Amx);
-    if (best != Bf16Kernel::WidenedFloat) ks.push_back(Bf16Kernel::Avx512Bf16);
+    if (best == Bf16Kernel::Amx || best == Bf16Kernel::Avx512Bf16) ks.push_back(Bf16Kernel::Avx512Bf16);
+    if (best == Bf16Kernel::Bfdot) ks.push_back(Bf16Kernel::Bfdot);  // ARM64: decoding only
     ks.push_back(Bf16Kernel::WidenedFloat);
     return ks;
 }
@@ -81,8 +83,18 @@ NarrowTol tolerance(Bf16Kernel k) {
     return t;
 }
 
+/// Whether bf16 decoding with kernel k runs products on bf16 pairs (P rounded to bf16) at these
+/// head sizes: VDPBF16PS (AMX and AVX512-BF16 builds) for multiples of 32, BFDOT for multiples of 8.
+bool decodes_with_dot(Bf16Kernel k, Index dk, Index dv) {
+    if (k == Bf16Kernel::Bfdot) return dk % 8 == 0 && dv % 8 == 0;
+    return k != Bf16Kernel::WidenedFloat && dk % 32 == 0 && dv % 32 == 0;
+}
+
 const char* kernel_label(Bf16Kernel k) {
-    return k == Bf16Kernel::Avx512Bf16 ? "Avx512Bf16" : k == Bf16Kernel::Amx ? "Amx" : "Widened";
+    return k == Bf16Kernel::Avx512Bf16 ? "Avx512Bf16"
+           : k == Bf16Kernel::Amx      ? "Amx"
+           : k == Bf16Kernel::Bfdot    ? "Bfdot"
+                                       : "Widened";
 }
 
 template <class S>
@@ -224,8 +236,9 @@ TEST(NarrowSdpa, KeyPastAnOddLengthDoesNotLeak) {
 /// Decoding (a few queries per KV head) reads a 16-bit cache where it lies: several 512-key
 /// chunks merged through the log-sum-exp, GQA, key lengths ending mid-chunk (and mid key pair)
 /// with NaN and ∞ in the unused slots, a window; bitwise the same on 1 and 2 threads. Head
-/// sizes that are multiples of 32 run the VDPBF16PS decoding kernel (AVX512-BF16: P rounded
-/// to bf16, the tiles' tolerance); others widen to float (float math on exact inputs).
+/// sizes that the dot-product kernels take (VDPBF16PS: multiples of 32; ARM64's BFDOT:
+/// multiples of 8) run them (P rounded to bf16, the tiles' tolerance); others widen to float
+/// (float math on exact inputs).
 TEST(NarrowSdpa, DecodingOverLongCacheMatchesReference) {
     const Index B = 2, Nq = 1, H = 8, Hkv = 2;
     // 26000 keys: more K and V than kDecodeFromMemoryBytes, read ahead with loads.
@@ -260,9 +273,9 @@ TEST(NarrowSdpa, DecodingOverLongCacheMatchesReference) {
                     extra.log_sum_exp = &lse;
                     gattn::RowMatrix<float> out(B * Nq, H * d);
                     gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out, opt, extra);
-                    const NarrowTol t = d % 32 == 0 ? tolerance<bfloat16, float>(k) : tolerance<float, float>(k);
-                    const NarrowTol t16 = d % 32 == 0 ? tolerance<bfloat16, bfloat16>(k)
-                                                      : tolerance<float, bfloat16>(k);
+                    const bool dot = decodes_with_dot(k, d, d);
+                    const NarrowTol t = dot ? tolerance<bfloat16, float>(k) : tolerance<float, float>(k);
+                    const NarrowTol t16 = dot ? tolerance<bfloat16, bfloat16>(k) : tolerance<float, bfloat16>(k);
                     expect_close(out, ref.out, t.atol, t.rtol, "NarrowDecode/out", t.nmse);
                     expect_close(lse, ref.log_sum_exp, t.lse_atol, 1e-5, "NarrowDecode/lse");
                     const gattn::RowMatrix<bfloat16> out16 =
@@ -278,6 +291,59 @@ TEST(NarrowSdpa, DecodingOverLongCacheMatchesReference) {
 #endif
                 }
             }
+}
+
+/// Where the CPU has a dot-product kernel for bf16 (VDPBF16PS, or BFDOT on ARM64), decoding runs
+/// it, not the widened path: its weights are rounded to bf16, so its output differs from the
+/// widened kernel's, and both stay within their tolerances of the float64 reference. MHA and
+/// GQA, a partial last key block, keys past a length holding NaN, a masked key mid-block.
+TEST(NarrowSdpa, DecodingRunsTheDotProductKernel) {
+    const Bf16Kernel best = gattn::bf16_kernel().kernel;
+    if (best == Bf16Kernel::WidenedFloat)
+        GTEST_SKIP() << "no bf16 dot-product kernel here: " << gattn::bf16_kernel().reason;
+    const Bf16Kernel dot_kernel = best == Bf16Kernel::Bfdot ? Bf16Kernel::Bfdot : Bf16Kernel::Avx512Bf16;
+    const Index B = 2, Nk = 203, d = 64;
+    // Up to 2 (head, query) pairs per KV head: the decoding kernel on every tier (NEON runs
+    // more pairs on tiles).
+    for (auto [H, Hkv] : {std::pair<Index, Index>{8, 8}, {4, 2}}) {
+        SCOPED_TRACE(std::to_string(H) + " heads on " + std::to_string(Hkv));
+        Mat q = rounded<bfloat16>(random_matrix(B, H * d, 41)),
+            key = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 42)),
+            v = rounded<bfloat16>(random_matrix(B * Nk, Hkv * d, 43));
+        const std::vector<Index> lengths = {Nk - 6, Nk};
+        for (Index j = lengths[0]; j < Nk; ++j) {
+            key.row(j).setConstant(kNaN);
+            v.row(j).setConstant(kNaN);
+        }
+        gattn::SdpaOptions<float> opt;
+        opt.mask.key_lengths = lengths;
+        // Key 101 of the second sequence hidden by a bias of −∞ ([B, H, 1, N_k]), its value row NaN.
+        std::vector<double> bias(static_cast<std::size_t>(B * H * Nk), 0.0);
+        for (Index h = 0; h < H; ++h) bias[static_cast<std::size_t>((H + h) * Nk + 101)] = -kInf;
+        v.row(Nk + 101).setConstant(kNaN);
+        const std::vector<float> bias_f(bias.begin(), bias.end());
+        opt.mask.bias = {bias_f.data(), B, H, 1, Nk};
+        RefMasks rm;
+        rm.key_lengths = lengths;
+        rm.bias = bias;
+        const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
+        const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
+        gattn::RowMatrix<float> out_dot(B, H * d), out_wide(B, H * d);
+        {
+            KernelLimit limit(dot_kernel);
+            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out_dot, opt);
+        }
+        {
+            KernelLimit limit(Bf16Kernel::WidenedFloat);
+            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out_wide, opt);
+        }
+        const NarrowTol t_dot = tolerance<bfloat16, float>(dot_kernel),
+                        t_wide = tolerance<float, float>(Bf16Kernel::WidenedFloat);
+        expect_close(out_dot, ref.out, t_dot.atol, t_dot.rtol, "DotDecode/out", t_dot.nmse);
+        expect_close(out_wide, ref.out, t_wide.atol, t_wide.rtol, "WidenedDecode/out", t_wide.nmse);
+        EXPECT_FALSE(out_dot == out_wide)
+            << kernel_label(dot_kernel) << " gave the widened kernel's output bit for bit: did it run?";
+    }
 }
 
 /// Rows with no visible key give 0 and log-sum-exp −∞, never NaN, in every output type.
@@ -397,16 +463,26 @@ TEST(NarrowSdpa, BadShapesThrowAndLeaveOutputUntouched) {
     EXPECT_TRUE((out.cast<float>().array() == 2.0f).all());
 }
 
-/// The kernel report follows the CPU, the build and the limit. ARM64: bf16 is widened to float,
-/// and the report says whether the CPU has the BF16 instructions that no kernel uses.
+/// The kernel report follows the CPU, the build and the limit. ARM64: BFDOT decodes where the
+/// CPU has BF16, and the report says that prefill widens; elsewhere it says why not.
 TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
     const gattn::CpuFeatures& f = gattn::cpu_features();
 #if defined(__aarch64__)
     const gattn::KernelChoice arm = gattn::bf16_kernel();
-    EXPECT_EQ(arm.kernel, Bf16Kernel::WidenedFloat);
+    EXPECT_EQ(gattn::detail::bf16_kernel_family(), arm.kernel);  // what SDPA dispatches on
+    if (f.bf16) {
+        EXPECT_EQ(arm.kernel, Bf16Kernel::Bfdot);
+        EXPECT_EQ(arm.reason, "BF16: decoding only; prefill tiles and projections widen to float (no BFMMLA kernel)");
+        EXPECT_EQ(gattn::describe(arm).rfind("BFDOT (", 0), 0u) << gattn::describe(arm);
+    } else {
+        EXPECT_EQ(arm.kernel, Bf16Kernel::WidenedFloat);
+        EXPECT_EQ(arm.reason, "BF16 (BFDOT): this CPU has none");
+    }
+    KernelLimit limit(Bf16Kernel::WidenedFloat);
+    const gattn::KernelChoice widened = gattn::bf16_kernel();
+    EXPECT_EQ(widened.kernel, Bf16Kernel::WidenedFloat);
     EXPECT_EQ(gattn::detail::bf16_kernel_family(), Bf16Kernel::WidenedFloat);
-    EXPECT_EQ(arm.reason, f.bf16 ? "BF16 (BFDOT, BFMMLA): this CPU has it, but gattn has no kernel for it"
-                                 : "BF16 (BFDOT, BFMMLA): this CPU has none");
+    EXPECT_EQ(widened.reason, "BF16 (BFDOT): excluded by set_bf16_kernel_limit");
 #else
     const gattn::KernelChoice best = gattn::bf16_kernel();
     if (f.amx_bf16 && gattn::compiled_with_amx() && gattn::detail::amx_tile_permission()) {

@@ -42,7 +42,8 @@ std::vector<Choice> runnable() {
     std::vector<Choice> cs;
     const Bf16Kernel best = gattn::bf16_kernel().kernel;
     if (best == Bf16Kernel::Amx) cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Amx});
-    if (best != Bf16Kernel::WidenedFloat) cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Avx512Bf16});
+    if (best == Bf16Kernel::Amx || best == Bf16Kernel::Avx512Bf16)
+        cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Avx512Bf16});
     cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::WidenedFloat});
     if (gattn::compiled_with_onednn() &&
         gattn::PackedLinear<bfloat16>(gattn::RowMatrix<bfloat16>::Zero(1, 1)).backend() == gattn::LinearBackend::OneDnn)

@@ -108,7 +108,7 @@ struct NarrowScratch {
     PairMatrix pt;                                // AVX512-BF16: [Bc/2, Br] Pᵀ key pairs
     RowMatrix<float> st;                          // AVX512-BF16: [Bc, Br] Sᵀ (base-2 logits)
     RowMatrix<float> ot[G::kGroupBlocks];         // AVX512-BF16: [d_v, Br] Oᵀ (unnormalised)
-    std::vector<const S*> q_ptrs;                 // AVX512-BF16 decoding: [H_kv·Br] query rows
+    std::vector<const S*> q_ptrs;                 // VDPBF16PS or BFDOT decoding: [H_kv·Br] query rows
 
     static NarrowScratch& for_this_thread() {
         thread_local NarrowScratch scratch;

@@ -17,16 +17,17 @@
 ///
 /// A bf16 cache is read in place: either each register is widened exactly to float as it is
 /// loaded, or (AVX512-BF16, head sizes multiples of 32) both products run as VDPBF16PS on the
-/// bf16 rows, with P rounded to bf16 (decode_bf16): half the instructions, no widening.
+/// bf16 rows, with P rounded to bf16 (decode_bf16): half the instructions, no widening; on
+/// ARM64 with BF16 (head sizes multiples of 8) the same with BFDOT (decode_bfdot).
 /// An int8 cache (ops/int8_rows.hpp) is read in place too: each key's scales multiply its logit
 /// and its weight in the value sum. With AVX512-VNNI, or AVX-VNNI on an AVX2 machine, the
 /// logits (d_k a multiple of 32) are integer products (VPDPWSSD) of the key codes and the query
 /// rounded to 16-bit integers, and the value sum (d_v a multiple of 64) integer products of the
 /// value codes and the weights rounded to 16-bit integers per block (decode_int8,
 /// decode_int8_ymm); otherwise the codes are widened to float as they load.
-/// The VDPBF16PS and VPDPWSSD micro-kernels live in their tiers' headers
-/// (simd/x86_avx512bf16.hpp, simd/x86_avx512vnni.hpp, simd/x86_avxvnni.hpp); this file drives
-/// them.
+/// The VDPBF16PS, BFDOT, VPDPWSSD and SDOT micro-kernels live in their tiers' headers
+/// (simd/x86_avx512bf16.hpp, simd/arm_neon_bf16.hpp, simd/x86_avx512vnni.hpp,
+/// simd/x86_avxvnni.hpp, simd/arm_neon_dotprod.hpp); this file drives them.
 
 #include <algorithm>
 #include <cmath>
@@ -321,9 +322,10 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
 /// decode_int8 takes the head sizes, WidenedFloat widens the codes (set_int8_kernel_limit),
 /// chosen once per SDPA call; a family this unit was not compiled with widens too.
 ///
-/// kDot (bf16 cache, AVX512-BF16, decode_bf16::takes(dk, dv)): both products with VDPBF16PS on
-/// the bf16 query rows q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row
-/// sums l add the rounded weights. The states' sums are in feature order on return.
+/// kDot (bf16 cache; AVX512-BF16 and decode_bf16::takes(dk, dv), or ARM64 BF16 and
+/// decode_bfdot::takes(dk, dv)): both products with VDPBF16PS or BFDOT on the bf16 query rows
+/// q16[g·kQueries + t] (row t of blks[g]); P is rounded to bf16 and the row sums l add the
+/// rounded weights. The states' sums are in feature order on return.
 ///
 /// pages (a paged cache, ops/paged_sdpa.hpp): key j's K and V rows, and its int8 scales, are
 /// row pages.row(j) of key_base and value_base; a page holds a multiple of the lanes, so that
@@ -381,8 +383,10 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                 any_residual = any_residual || qs.residual_scale != 0;
             }
     }
-    static_assert(!kDot || simd::avx512bf16::kEnabled, "the VDPBF16PS decoding kernel needs AVX512-BF16");
-    static_assert(!kDot || (std::is_same_v<T, float> && std::is_same_v<KV, bfloat16>), "VDPBF16PS: float, bf16");
+    // kDot: BFDOT on ARM64, else VDPBF16PS.
+    constexpr bool kBfdot = kDot && simd::neon_bf16::kEnabled;
+    static_assert(!kDot || simd::avx512bf16::kEnabled || kBfdot, "the bf16 decoding kernel needs AVX512-BF16 or BF16");
+    static_assert(!kDot || (std::is_same_v<T, float> && std::is_same_v<KV, bfloat16>), "bf16 products: float, bf16");
     [[maybe_unused]] alignas(64) std::uint16_t pw[kDecodeRows][16];  // kDot: P rounded to bf16
     const Index dk_vec = kDot || int8_dot ? dk : dk / L * L;
     alignas(64) T s[kDecodeRows][L], p[kDecodeRows][L];  // logits (−∞: skipped) and weights
@@ -511,10 +515,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                 with_constant<kDecodeRows + 1>(rows, [&](auto rows_constant) {
                     constexpr int R = decltype(rows_constant)::value;
                     if constexpr (R > 0) {
-                        // The logits' dot products: VDPBF16PS (bf16), VPDPWSSD (int8, reduced
-                        // across lanes into row_logits), or FMAs.
+                        // The logits' dot products: VDPBF16PS or BFDOT (bf16; BFDOT reduced
+                        // across lanes into row_logits), VPDPWSSD (int8, reduced), or FMAs.
                         bool products_done = false, reduced = false;
-                        if constexpr (kDot) {
+                        if constexpr (kBfdot) {
+                            decode_bfdot::logits<R>(q16 + g * FlashGeometry<T>::kQueries + t0, key + r0 * key_stride,
+                                                    key_stride, nk, dk, row_logits);
+                            products_done = reduced = true;
+                        } else if constexpr (kDot) {
                             decode_bf16::logits<R>(q16 + g * FlashGeometry<T>::kQueries + t0, key + r0 * key_stride,
                                                    key_stride, nk, dk, dots);
                             products_done = true;
@@ -615,14 +623,25 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             m = m_new;
                             B pv = simd::exp_nonpositive<T>(sv - B(m_new));
                             // P rounded to bf16 once: the value sum and l use the same weights.
-                            if constexpr (kDot) pv = decode_bf16::round_weights(pv, pw[r]);
+                            if constexpr (kBfdot)
+                                pv = decode_bfdot::round_weights(pv, pw[r]);
+                            else if constexpr (kDot)
+                                pv = decode_bf16::round_weights(pv, pw[r]);
                             pv.store_aligned(p[r]);
                             st.l[t] += simd::reduce_sum(pv);
                             if constexpr (kInt8) (pv * B::load_aligned(value_scale)).store_aligned(pv_scaled[r]);
                         }
-                        // The value sum: VDPBF16PS (bf16), VPDPWSSD (int8), or FMAs.
+                        // The value sum: BFDOT or VDPBF16PS (bf16), VPDPWSSD (int8), or FMAs.
                         bool values_done = false;
-                        if constexpr (kDot) {
+                        if constexpr (kBfdot) {
+                            const bfloat16* vb = value + r0 * value_stride;
+                            if (!decode_bfdot::any_skipped<R>(s, nk) ||
+                                decode_bfdot::skipped_values_finite<R>(s, nk, vb, value_stride, dv))
+                                decode_bfdot::values<R>(pw, nk, vb, value_stride, acc, dv);
+                            else
+                                decode_bfdot::values_skipping<R>(s, pw, nk, vb, value_stride, acc, dv);
+                            values_done = true;
+                        } else if constexpr (kDot) {
                             const bfloat16* vb = value + r0 * value_stride;
                             if (!decode_bf16::any_skipped<R>(s, nk) ||
                                 decode_bf16::skipped_values_finite<R>(s, nk, vb, value_stride, dv))
@@ -656,7 +675,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             }
         }
     }
-    if constexpr (kDot)
+    if constexpr (kDot && !kBfdot)
         for (Index g = 0; g < num_kv_heads; ++g)
             for (int t = 0; t < blks[g].count; ++t) decode_bf16::unpermute(states[g].acc.data() + t * dv, dv);
 }

@@ -510,15 +510,20 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<T>> partial(static_cast<std::size_t>(at(chunk_begin, B) * Hkv));
-    // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why).
-    const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
-                                                                      : Bf16Kernel::WidenedFloat;
+    // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why); ARM64's
+    // BFDOT decodes, its prefill tiles widen (narrow_kernel).
+    const Bf16Kernel bf16_family = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
+                                                                    : Bf16Kernel::WidenedFloat;
+    const Bf16Kernel narrow_kernel = bf16_family == Bf16Kernel::Bfdot ? Bf16Kernel::WidenedFloat : bf16_family;
     // An int8 cache's decoding kernel, chosen once per call (int8_kernel() says why).
     [[maybe_unused]] const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
     // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32; also under AMX, whose
-    // 16-row tiles would sit mostly idle on a decoding step's few queries); else widened.
-    [[maybe_unused]] const bool decode_dot = simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
-                                             kernel::decode_bf16::takes(dk, dv);
+    // 16-row tiles would sit mostly idle on a decoding step's few queries) or BFDOT (ARM64, head
+    // sizes multiples of 8); else widened.
+    [[maybe_unused]] const bool decode_dot =
+        (simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
+         kernel::decode_bf16::takes(dk, dv)) ||
+        (simd::neon_bf16::kEnabled && bf16_family == Bf16Kernel::Bfdot && kernel::decode_bfdot::takes(dk, dv));
 #ifdef _OPENMP
 #pragma omp parallel if (tasks > 1 && total_rows * H * Nk * (dk + dv) > (Index(1) << 18))
 #endif
@@ -579,9 +584,10 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                 }
                 const Index c0 = chunk * kernel::kChunkKeys,
                             c1 = std::min(lengths[static_cast<std::size_t>(b)], c0 + kernel::kChunkKeys);
-                if constexpr (simd::avx512bf16::kEnabled && std::is_same_v<Scalar, bfloat16>) {
+                if constexpr ((simd::avx512bf16::kEnabled || simd::neon_bf16::kEnabled) &&
+                              std::is_same_v<Scalar, bfloat16>) {
                     if (decode_dot) {
-                        // The bf16 query rows as given: VDPBF16PS on them and the cache rows.
+                        // The bf16 query rows as given: VDPBF16PS or BFDOT on them and the cache rows.
                         const Scalar** q16 = scratch.q_ptrs.data();
                         for (Index g = 0; g < Hkv; ++g)
                             for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];

@@ -14,6 +14,10 @@
 ///  - Avx512Bf16: VDPBF16PS products of bf16 pairs into float accumulators
 ///    (ops/bf16_flash_kernel.hpp); needs a translation unit built with AVX512-BF16
 ///    (e.g. -march=native on Zen 4/5, Cooper Lake, Sapphire Rapids) and a CPU that has it.
+///  - Bfdot (ARM64): decoding over a bf16 cache (few queries per KV head) with BFDOT products
+///    of bf16 pairs into float lanes (simd/arm_neon_bf16.hpp); prefill tiles and PackedLinear
+///    widen to float. Compiled in every ARM64 build (a target attribute, the build stays
+///    ARMv8-A); needs a CPU with the BF16 instructions (HWCAP2 bf16).
 ///  - WidenedFloat: inputs widened to float block by block inside the float kernel.
 ///
 /// Kernels for decoding against an int8 KV cache (int8_kernel()), fastest first:
@@ -32,9 +36,9 @@
 /// ARM64 (AArch64): features come from Linux's HWCAP words (getauxval), the SVE vector length
 /// from prctl(PR_SVE_GET_VL). The float kernels use NEON (128-bit) on every ARM64 CPU: xsimd
 /// 8.1 has no SVE, so a CPU with wider SVE vectors still runs NEON, and instruction_sets() says
-/// so. bf16 caches are widened to float in NEON registers (bf16_kernel() names the BF16
-/// instructions the CPU has that no gattn kernel uses); int8 decoding runs SDOT where the CPU
-/// has it (int8_kernel()).
+/// so. bf16 decoding runs BFDOT where the CPU has it, and bf16 prefill widens to float in NEON
+/// registers (bf16_kernel() says so); int8 decoding runs SDOT where the CPU has it
+/// (int8_kernel()).
 
 #include <cstdint>
 #include <cstdio>
@@ -67,6 +71,7 @@ namespace gattn {
 enum class Bf16Kernel {
     Amx,           ///< AMX tiles (TDPBF16PS)
     Avx512Bf16,    ///< AVX512-BF16 (VDPBF16PS)
+    Bfdot,         ///< ARM64 BF16 (BFDOT) for decoding; prefill and projections widen to float
     WidenedFloat,  ///< bf16 widened to float inside the float kernel
 };
 
@@ -183,8 +188,9 @@ inline const CpuFeatures& cpu_features() noexcept {
 }
 
 /// Limits bf16 SDPA (each call) and PackedLinear (at its construction) to `slowest_allowed` or
-/// slower families: Avx512Bf16 keeps AMX out, WidenedFloat runs the float kernels on widened
-/// inputs. For comparisons and tests; set it before calls, from one thread (it is not
+/// slower families: Avx512Bf16 keeps AMX out, Bfdot keeps both out (on ARM64 every limit but
+/// WidenedFloat allows BFDOT), WidenedFloat runs the float kernels on widened inputs. For
+/// comparisons and tests; set it before calls, from one thread (it is not
 /// synchronised). Default: Amx (no limit).
 inline void set_bf16_kernel_limit(Bf16Kernel slowest_allowed) noexcept {
     detail::bf16_kernel_limit() = slowest_allowed;
@@ -217,6 +223,16 @@ inline constexpr bool compiled_with_amx() noexcept {
 #endif
 }
 
+/// Whether this translation unit contains the ARM64 BFDOT bf16 decoding kernel (every ARM64
+/// build with GCC or Clang: it is compiled with a target attribute and chosen at run time).
+inline constexpr bool compiled_with_bfdot() noexcept {
+#if defined(__aarch64__) && defined(__ARM_NEON) && (defined(__GNUC__) || defined(__clang__))
+    return true;
+#else
+    return false;
+#endif
+}
+
 namespace detail {
 /// Asks Linux once per process for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM,
 /// XFEATURE_XTILEDATA; Linux 5.16 and later); true when granted. Other systems: false.
@@ -241,10 +257,15 @@ inline const char* amx_refusal() noexcept {
     return "";
 }
 
-/// ARM64: the reason line for instructions `what` that no kernel of gattn uses yet, saying
-/// whether this CPU has them.
-inline std::string arm_refusal(const char* what, bool cpu_has) {
-    return std::string(what) + (cpu_has ? ": this CPU has it, but gattn has no kernel for it" : ": this CPU has none");
+/// bf16_kernel().kernel without the reasons (no allocation): what an SDPA call dispatches on.
+inline Bf16Kernel bf16_kernel_family() noexcept {
+    const Bf16Kernel limit = bf16_kernel_limit();
+    if (*amx_refusal() == '\0') return Bf16Kernel::Amx;
+    if ((limit == Bf16Kernel::Amx || limit == Bf16Kernel::Avx512Bf16) && cpu_features().avx512bf16 &&
+        compiled_with_avx512bf16())
+        return Bf16Kernel::Avx512Bf16;
+    if (limit != Bf16Kernel::WidenedFloat && cpu_features().bf16 && compiled_with_bfdot()) return Bf16Kernel::Bfdot;
+    return Bf16Kernel::WidenedFloat;
 }
 }  // namespace detail
 
@@ -252,12 +273,21 @@ inline std::string arm_refusal(const char* what, bool cpu_has) {
 /// one (CPU lacks it, this unit was not compiled with the flags, the limit set by
 /// set_bf16_kernel_limit, Linux refused the AMX tile permission). fp16 inputs always run
 /// WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not). The first
-/// call on a CPU with AMX asks Linux for the tile permission. ARM64: WidenedFloat, and the
-/// reason says whether the CPU has the BF16 instructions (no kernel uses them yet).
+/// call on a CPU with AMX asks Linux for the tile permission. ARM64: Bfdot where the CPU has
+/// the BF16 instructions, whose reason says that prefill (many queries per KV head) widens to
+/// float; else WidenedFloat and the reason says why.
 inline KernelChoice bf16_kernel() {
     KernelChoice choice;
 #if defined(__aarch64__)
-    choice.reason = detail::arm_refusal("BF16 (BFDOT, BFMMLA)", cpu_features().bf16);
+    choice.kernel = detail::bf16_kernel_family();
+    if (choice.kernel == Bf16Kernel::Bfdot)
+        choice.reason = "BF16: decoding only; prefill tiles and projections widen to float (no BFMMLA kernel)";
+    else if (detail::bf16_kernel_limit() == Bf16Kernel::WidenedFloat)
+        choice.reason = "BF16 (BFDOT): excluded by set_bf16_kernel_limit";
+    else if (!cpu_features().bf16)
+        choice.reason = "BF16 (BFDOT): this CPU has none";
+    else
+        choice.reason = "BF16 (BFDOT): not compiled in (needs GCC or Clang)";
     return choice;
 #else
     const CpuFeatures& f = cpu_features();
@@ -270,7 +300,7 @@ inline KernelChoice bf16_kernel() {
         return choice;
     }
     add("AMX: " + amx);
-    if (limit == Bf16Kernel::WidenedFloat) {
+    if (limit == Bf16Kernel::WidenedFloat || limit == Bf16Kernel::Bfdot) {
         add("AVX512-BF16: excluded by set_bf16_kernel_limit");
     } else if (!f.avx512bf16) {
         add("AVX512-BF16: this CPU has none");
@@ -283,16 +313,6 @@ inline KernelChoice bf16_kernel() {
     return choice;
 #endif
 }
-
-namespace detail {
-/// bf16_kernel().kernel without the reasons (no allocation): what an SDPA call dispatches on.
-inline Bf16Kernel bf16_kernel_family() noexcept {
-    if (*amx_refusal() == '\0') return Bf16Kernel::Amx;
-    if (bf16_kernel_limit() != Bf16Kernel::WidenedFloat && cpu_features().avx512bf16 && compiled_with_avx512bf16())
-        return Bf16Kernel::Avx512Bf16;
-    return Bf16Kernel::WidenedFloat;
-}
-}  // namespace detail
 
 /// Whether this translation unit contains the AVX512-VNNI int8 decoding kernel.
 inline constexpr bool compiled_with_vnni() noexcept {
@@ -376,11 +396,12 @@ inline Int8KernelChoice int8_kernel() {
     return choice;
 }
 
-/// "AMX", "AVX512-BF16" or "widened float".
+/// "AMX", "AVX512-BF16", "BFDOT" or "widened float".
 inline const char* kernel_name(Bf16Kernel k) noexcept {
     switch (k) {
         case Bf16Kernel::Amx: return "AMX";
         case Bf16Kernel::Avx512Bf16: return "AVX512-BF16";
+        case Bf16Kernel::Bfdot: return "BFDOT";
         default: return "widened float";
     }
 }

@@ -20,6 +20,7 @@
 /// | x86 AMX | x86_amx.hpp | TDPBF16PS tile code: bf16 prefill |
 /// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening, division, bit casts, shifts |
 /// | ARM64 dot product (run-time, HWCAP asimddp) | arm_neon_dotprod.hpp | SDOT kernel: int8 decoding logits |
+/// | ARM64 BF16 (run-time, HWCAP2 bf16) | arm_neon_bf16.hpp | BFDOT kernels: bf16 decoding |
 ///
 /// Adding a tier: a header with its namespace simd::TIER (kEnabled, its kernels, and
 /// declarations of them for builds without it), one include here, and where it sets a shape, its
@@ -29,6 +30,7 @@
 #include <type_traits>
 
 #include "gattn/simd/arm_neon.hpp"
+#include "gattn/simd/arm_neon_bf16.hpp"
 #include "gattn/simd/arm_neon_dotprod.hpp"
 #include "gattn/simd/portable.hpp"
 #include "gattn/simd/x86_amx.hpp"
