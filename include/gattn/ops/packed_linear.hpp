@@ -143,8 +143,7 @@ public:
         if (backend == LinearBackend::Default) backend = detail::default_linear_backend();
         if (backend != LinearBackend::HeaderOnly && try_onednn(weight, bias, backend == LinearBackend::OneDnn)) return;
         m_bias = bias;
-        m_kernel = std::is_same_v<Storage, bfloat16> ? detail::bf16_kernel_family() : Bf16Kernel::WidenedFloat;
-        if (m_kernel == Bf16Kernel::Bfdot) m_kernel = Bf16Kernel::WidenedFloat;  // ARM64's BFDOT decodes only
+        m_kernel = std::is_same_v<Storage, bfloat16> ? detail::bf16_tile_family() : Bf16Kernel::WidenedFloat;
         if (m_kernel == Bf16Kernel::WidenedFloat) {
             m_rows = weight;
             return;

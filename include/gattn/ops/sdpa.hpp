@@ -510,11 +510,12 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<T>> partial(static_cast<std::size_t>(at(chunk_begin, B) * Hkv));
-    // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why); ARM64's
-    // BFDOT decodes, its prefill tiles widen (narrow_kernel).
+    // 16-bit storage: the kernel families, chosen once per call (bf16_kernel() says why): the
+    // decoding one (bf16_family) and the prefill tiles' (narrow_kernel; ARM64's BFDOT decodes only).
     const Bf16Kernel bf16_family = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
                                                                     : Bf16Kernel::WidenedFloat;
-    const Bf16Kernel narrow_kernel = bf16_family == Bf16Kernel::Bfdot ? Bf16Kernel::WidenedFloat : bf16_family;
+    const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_tile_family()
+                                                                      : Bf16Kernel::WidenedFloat;
     // An int8 cache's decoding kernel, chosen once per call (int8_kernel() says why).
     [[maybe_unused]] const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
     // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32; also under AMX, whose

@@ -98,6 +98,18 @@ namespace detail {
 GATTN_TARGET_BF16 inline bfloat16x8_t load8(const bfloat16* p) noexcept {
     return vreinterpretq_bf16_u16(vld1q_u16(reinterpret_cast<const std::uint16_t*>(p)));
 }
+
+/// a[r][0..1] (features f..f+3, f+4..f+7) += the weights of key pair Pair (lane Pair of p[r])
+/// times the pair's rows x and y at those 8 features, interleaved into feature pairs.
+template <int Pair, int R>
+GATTN_TARGET_BF16 inline void add_key_pair(float32x4_t (*a)[2], const bfloat16x4_t* p, uint16x8_t x,
+                                           uint16x8_t y) noexcept {
+    const bfloat16x8_t lo = vreinterpretq_bf16_u16(vzip1q_u16(x, y)), hi = vreinterpretq_bf16_u16(vzip2q_u16(x, y));
+    for (int r = 0; r < R; ++r) {
+        a[r][0] = vbfdotq_lane_f32(a[r][0], lo, p[r], Pair);
+        a[r][1] = vbfdotq_lane_f32(a[r][1], hi, p[r], Pair);
+    }
+}
 }  // namespace detail
 
 /// logits[r] lane kk = Σ_d q_r[d]·key[kk][d] for R rows and the keys kk < nk ≤ 4 of the block
@@ -148,30 +160,18 @@ GATTN_TARGET_BF16 inline void values(const std::uint16_t (*pw)[16], Index nk, co
     };
     for (Index j = 0; j < dv; j += 8 * C) {
         const int chunks = static_cast<int>(std::min<Index>(C, (dv - j) / 8));
-        float32x4_t a[R][2 * C];
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < 2 * chunks; ++c) a[r][c] = vld1q_f32(acc[r] + j + 4 * c);
+        float32x4_t a[C][R][2];  // per chunk of 8 features and row: features 0–3, 4–7
+        for (int c = 0; c < chunks; ++c)
+            for (int r = 0; r < R; ++r)
+                for (int h = 0; h < 2; ++h) a[c][r][h] = vld1q_f32(acc[r] + j + 8 * c + 4 * h);
         for (int c = 0; c < chunks; ++c) {
             const Index f = j + 8 * c;
-            const uint16x8_t v0 = row(0, f, true), v1 = row(1, f, second);
-            const bfloat16x8_t lo01 = vreinterpretq_bf16_u16(vzip1q_u16(v0, v1));
-            const bfloat16x8_t hi01 = vreinterpretq_bf16_u16(vzip2q_u16(v0, v1));
-            for (int r = 0; r < R; ++r) {
-                a[r][2 * c] = vbfdotq_lane_f32(a[r][2 * c], lo01, p[r], 0);
-                a[r][2 * c + 1] = vbfdotq_lane_f32(a[r][2 * c + 1], hi01, p[r], 0);
-            }
-            if (third) {
-                const uint16x8_t v2 = row(2, f, true), v3 = row(3, f, fourth);
-                const bfloat16x8_t lo23 = vreinterpretq_bf16_u16(vzip1q_u16(v2, v3));
-                const bfloat16x8_t hi23 = vreinterpretq_bf16_u16(vzip2q_u16(v2, v3));
-                for (int r = 0; r < R; ++r) {
-                    a[r][2 * c] = vbfdotq_lane_f32(a[r][2 * c], lo23, p[r], 1);
-                    a[r][2 * c + 1] = vbfdotq_lane_f32(a[r][2 * c + 1], hi23, p[r], 1);
-                }
-            }
+            detail::add_key_pair<0, R>(a[c], p, row(0, f, true), row(1, f, second));
+            if (third) detail::add_key_pair<1, R>(a[c], p, row(2, f, true), row(3, f, fourth));
         }
-        for (int r = 0; r < R; ++r)
-            for (int c = 0; c < 2 * chunks; ++c) vst1q_f32(acc[r] + j + 4 * c, a[r][c]);
+        for (int c = 0; c < chunks; ++c)
+            for (int r = 0; r < R; ++r)
+                for (int h = 0; h < 2; ++h) vst1q_f32(acc[r] + j + 8 * c + 4 * h, a[c][r][h]);
     }
 }
 

@@ -223,15 +223,19 @@ inline constexpr bool compiled_with_amx() noexcept {
 #endif
 }
 
+namespace detail {
+/// Whether this unit compiles ARM64 kernels above the ARMv8-A baseline (SDOT, BFDOT): every
+/// ARM64 build with GCC or Clang, through target attributes; they run where the CPU has them.
+#if defined(__aarch64__) && defined(__ARM_NEON) && (defined(__GNUC__) || defined(__clang__))
+inline constexpr bool kArmTargetKernels = true;
+#else
+inline constexpr bool kArmTargetKernels = false;
+#endif
+}  // namespace detail
+
 /// Whether this translation unit contains the ARM64 BFDOT bf16 decoding kernel (every ARM64
 /// build with GCC or Clang: it is compiled with a target attribute and chosen at run time).
-inline constexpr bool compiled_with_bfdot() noexcept {
-#if defined(__aarch64__) && defined(__ARM_NEON) && (defined(__GNUC__) || defined(__clang__))
-    return true;
-#else
-    return false;
-#endif
-}
+inline constexpr bool compiled_with_bfdot() noexcept { return detail::kArmTargetKernels; }
 
 namespace detail {
 /// Asks Linux once per process for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM,
@@ -266,6 +270,13 @@ inline Bf16Kernel bf16_kernel_family() noexcept {
         return Bf16Kernel::Avx512Bf16;
     if (limit != Bf16Kernel::WidenedFloat && cpu_features().bf16 && compiled_with_bfdot()) return Bf16Kernel::Bfdot;
     return Bf16Kernel::WidenedFloat;
+}
+
+/// The family that bf16 prefill tiles and PackedLinear run: bf16_kernel_family(), with ARM64's
+/// Bfdot (a decoding kernel only) as WidenedFloat.
+inline Bf16Kernel bf16_tile_family() noexcept {
+    const Bf16Kernel k = bf16_kernel_family();
+    return k == Bf16Kernel::Bfdot ? Bf16Kernel::WidenedFloat : k;
 }
 }  // namespace detail
 
@@ -335,13 +346,7 @@ inline constexpr bool compiled_with_avxvnni() noexcept {
 
 /// Whether this translation unit contains the ARM64 SDOT int8 decoding kernel (every ARM64
 /// build with GCC or Clang: it is compiled with a target attribute and chosen at run time).
-inline constexpr bool compiled_with_sdot() noexcept {
-#if defined(__aarch64__) && defined(__ARM_NEON) && (defined(__GNUC__) || defined(__clang__))
-    return true;
-#else
-    return false;
-#endif
-}
+inline constexpr bool compiled_with_sdot() noexcept { return detail::kArmTargetKernels; }
 
 namespace detail {
 /// int8_kernel().kernel without the reasons (no allocation): what a decoding call dispatches on.
