@@ -13,6 +13,8 @@
 #   int8 decode         group_values<float, R, int8> (codes widened by SXTL and SCVTF)
 #   int8 SDOT logits    decode_sdot::logits<R, …> (ARMv8.2 dot product, chosen at run time)
 #   bf16 BFDOT decode   decode_bfdot::logits<R> and values<R> (BF16, chosen at run time)
+#   float SVE decode    decode_sve::logits<R> and values<R> (SVE, chosen at run time; FMLA on
+#                       z registers)
 # Functions are matched by name, demangled or (where binutils cannot demangle one) mangled.
 set -euo pipefail
 [ $# -eq 1 ] || { echo "usage: $0 <ARM64 test executable>" >&2; exit 2; }
@@ -21,7 +23,8 @@ objdump="${OBJDUMP:-aarch64-linux-gnu-objdump}"
 command -v "$objdump" >/dev/null || { echo "$objdump not found (Debian: binutils-aarch64-linux-gnu)" >&2; exit 2; }
 
 # name | function pattern (extended regular expression) | widening instructions ("" for none)
-# [| vector instruction counted on .4s registers, default fmla]
+# [| vector instruction counted on .4s registers, default fmla; "<op>@z" counts it on SVE .s
+# registers]
 kernels=(
   "float prefill|kernel::(flash_step<float>|scores_rows<float, [0-9]+|values_rows<float, [0-9]+)|"
   "float decode|kernel::decode_chunk<float, float,|group_values(<float, [0-9]+, float>|IfLi[0-9]+EfE)|"
@@ -30,6 +33,7 @@ kernels=(
   "int8 cache decode|group_values(<float, [0-9]+, signed char>|IfLi[0-9]+EaE)|sxtl scvtf"
   "int8 SDOT logits|decode_sdot::logits<[0-9]+,|11decode_sdot6logitsILi[0-9]+E||sdot"
   "bf16 BFDOT decode|decode_bfdot::(logits|values)<[0-9]+>|12decode_bfdot(6logits|6values)ILi[0-9]+E||bfdot"
+  "float SVE decode|decode_sve::(logits|values)<[0-9]+>|10decode_sve(6logits|6values)ILi[0-9]+E||fmla@z"
 )
 
 listing=$(mktemp)
@@ -42,19 +46,24 @@ for entry in "${kernels[@]}"; do
   IFS='|' read -r name _ <<<"$entry"
   op=fmla
   # An entry whose pattern ends in "||<op>" counts <op> instead of FMLA.
-  if [[ "$entry" =~ \|\|([a-z]+)$ ]]; then
+  if [[ "$entry" =~ \|\|([a-z@]+)$ ]]; then
     op="${BASH_REMATCH[1]}"
     entry="${entry%|*}"
+  fi
+  registers='\.4s'
+  if [[ "$op" == *@z ]]; then
+    op="${op%@z}"
+    registers='^z[0-9]+\.s'
   fi
   widen="${entry##*|}"
   pattern="${entry#*|}"
   pattern="${pattern%|*}"
   # Per function whose label matches: FMLA on .4s, scalar FMADD, and each widening mnemonic.
   read -r functions fmla fmadd widen_counts < <(
-    awk -v pat="$pattern" -v widen="$widen" -v op="$op" '
+    awk -v pat="$pattern" -v widen="$widen" -v op="$op" -v regs="$registers" '
       BEGIN { nw = split(widen, w, " "); for (i = 1; i <= nw; ++i) cw[i] = 0 }
       /^[0-9a-f]+ <.*>:$/ { inside = ($0 ~ pat); if (inside) ++functions; next }
-      inside && $2 == op && $3 ~ /\.4s/ { ++fmla }
+      inside && $2 == op && $3 ~ regs { ++fmla }
       inside && $2 == "fmadd" && $3 ~ /^s[0-9]/ { ++fmadd }
       inside { for (i = 1; i <= nw; ++i) if ($2 == w[i] || $2 == w[i] "2") ++cw[i] }
       END {

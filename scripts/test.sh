@@ -29,13 +29,15 @@
 #            kernels, SDPA in every storage type with every mask kind, paged and cascade
 #            attention, the backward pass, projections and the shared fault cases. The layers,
 #            models and readers above them have no ARM-specific code and are left to the x86
-#            flavours. scripts/check_arm_vector.sh checks that the kernels' loops are NEON vector
-#            code, then the tests run under QEMU on two CPU models: max (SVE2 at 512 bits, BF16,
-#            I8MM, dot product: int8 decoding runs the SDOT kernel, bf16 decoding the BFDOT one)
-#            and cortex-a57 (NEON only: both widen to float; without the sweeps' shapes of 113
-#            and 250 queries), plus the instruction-set and CPU feature reports at a second SVE
-#            vector length (256 bits). Each model's features are checked against what QEMU was asked
-#            for (GATTN_EXPECT_CPU_FEATURES). Under emulation the whole of test_ops takes about
+#            flavours. scripts/check_arm_vector.sh checks that the kernels' loops are vector
+#            code (NEON, SVE), then the tests run under QEMU on two CPU models: max (SVE2 at 512
+#            bits, BF16, I8MM, dot product: float decoding runs the SVE kernel, int8 decoding the
+#            SDOT one, bf16 decoding the BFDOT one) and cortex-a57 (NEON only: both widen to float; without the sweeps' shapes of 113
+#            and 250 queries), plus at a second SVE vector length (256 bits) the instruction-set
+#            and CPU feature reports and float decoding with every mask kind, paged and
+#            cascade (float decoding runs SVE at both lengths, NEON on cortex-a57). Each
+#            model's features are checked against what QEMU was asked for
+#            (GATTN_EXPECT_CPU_FEATURES). Under emulation the whole of test_ops takes about
 #            6 minutes of CPU per model, so this leaves out (gtest filter aarch64_skip below):
 #            the sweeps' largest shape (N = 250, grouped GQA blocks) in double, bf16 and fp16
 #            (float keeps it; every mask kind stays at every other shape);
@@ -191,7 +193,8 @@ for flavour in $flavours; do
       aarch64_skip+=":SdpaDeterminism.ResultIsBitwiseIndependentOfThreadCount"
       aarch64_skip+=":PagedAttention.Double*:PagedAttention.Half*:PagedAttention.Bf16*"
       all_features="asimd asimddp sve sve2 bf16 i8mm"
-      # The float kernels run the same NEON code on both models; int8 and bf16 decoding
+      # The float prefill tiles run the same NEON code on both models; float decoding runs SVE
+      # on max (NEON on cortex-a57, and beside SVE in SdpaDecoding); int8 and bf16 decoding
       # dispatch on HWCAP: max runs the SDOT kernel (Int8Sdpa/Sdot) and leaves the widened one
       # (Int8Sdpa/WidenedFloat) to cortex-a57, which has no dot product; max runs bf16 with
       # BFDOT and widened (both in test_narrow_sdpa's lists), cortex-a57 widened only. The second also leaves
@@ -199,7 +202,7 @@ for flavour in $flavours; do
       # KeysN113Dk128Dv40 and DecodeMqaDk128).
       qemu_cpus=("max|$all_features sve_bits=512|-$aarch64_skip:Kernels/Int8Sdpa.*/WidenedFloat"
                  "cortex-a57|asimd|-$aarch64_skip:ShapesAndMasks/*/N250*:ShapesAndMasks/*/N113*:ShapesAndMasks/*/QLongerN113*:PagedAttention.Int8*:*DecodeFromMemoryOneRowPerKvHead*"
-                 "max,sve-default-vector-length=32|$all_features sve_bits=256|Library.*")
+                 "max,sve-default-vector-length=32|$all_features sve_bits=256|Library.*:SdpaDecoding.*:SdpaTyped/Float*:ShapesAndMasks/SdpaSweep.FloatMatchesReference/*:PagedAttention.Float*:CascadeAttention.*")
       ;;
     clang)
       arch=""

@@ -334,13 +334,14 @@ TEST(Kernels, IsaNamespaceMatchesTheCompiledArchitecture) {
 
 /// The instruction-set report names what this unit was compiled for (from the compiler's own
 /// macros) and calls a build slow exactly when the CPU's vectors are twice as wide or more.
-/// ARM64: NEON in every build, never slow; an SVE CPU is named with its vector length, and when
-/// that is wider than NEON's the report says that no SVE kernel uses it.
+/// ARM64: NEON in every build (with SVE for float decoding where compiled in), never slow; an
+/// SVE CPU is named with its vector length, and when that is wider than NEON's the report says
+/// that float decoding runs SVE and the rest NEON, or why not.
 TEST(Library, InstructionSetReport) {
     const gattn::InstructionSets s = gattn::instruction_sets();
 #if defined(__aarch64__)
     const gattn::CpuFeatures& f = gattn::cpu_features();
-    EXPECT_STREQ(s.compiled, "NEON");
+    EXPECT_STREQ(s.compiled, gattn::compiled_with_sve() ? "NEON, SVE (float decoding)" : "NEON");
     EXPECT_FALSE(s.slow_build);
     if (f.sve) {
         EXPECT_EQ(f.sve_bits % 128, 0) << f.sve_bits;
@@ -353,8 +354,16 @@ TEST(Library, InstructionSetReport) {
     }
     EXPECT_EQ(std::string(s.unused).empty(), f.sve_bits <= 128) << s.unused;
     const std::string line = gattn::describe(s);
-    EXPECT_NE(line.find(std::string("compiled for NEON, CPU has ") + s.cpu), std::string::npos) << line;
-    EXPECT_EQ(line.find("gattn has no SVE kernels") != std::string::npos, f.sve_bits > 128) << line;
+    EXPECT_NE(line.find(std::string("compiled for ") + s.compiled + ", CPU has " + s.cpu), std::string::npos) << line;
+    const bool sve_runs = f.sve_bits > 128 && gattn::compiled_with_sve();
+    EXPECT_EQ(gattn::detail::sve_float_decoding(), sve_runs);
+    EXPECT_EQ(line.find("float decoding runs SVE") != std::string::npos, sve_runs) << line;
+    // set_sve_kernels(false) keeps NEON and says so.
+    gattn::set_sve_kernels(false);
+    EXPECT_FALSE(gattn::detail::sve_float_decoding());
+    const std::string off = gattn::describe(gattn::instruction_sets());
+    gattn::set_sve_kernels(true);
+    EXPECT_EQ(off.find("excluded by set_sve_kernels(false)") != std::string::npos, sve_runs) << off;
     EXPECT_EQ(line.find("-march=native"), std::string::npos) << line;
 #else
 #if defined(__AVX512F__)

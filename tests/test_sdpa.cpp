@@ -793,6 +793,51 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryOneRowPerKvHead) {
     check_decode_against_reference<TypeParam>(7003, 4, 4, 64, 94, "DecodeFromMemoryMha");
 }
 
+/// Where float decoding runs the SVE kernel (ARM64, SVE vectors over 128 bits), it runs there,
+/// not NEON's: its logits sum the features in another order, so its output differs from NEON's
+/// in some bits, and both stay within float tolerance of the float64 reference. MHA and GQA (at
+/// most 2 (head, query) pairs per KV head: the decoding kernel on every tier), head sizes that
+/// leave a partial vector (d_k = 72, d_v = 40), a partial last key block, keys past a length
+/// holding NaN, and a −∞ bias over a NaN value row mid-block.
+TEST(SdpaDecoding, RunsTheSveKernelWhereItsVectorsAreWider) {
+    if (!gattn::detail::sve_float_decoding())
+        GTEST_SKIP() << "float decoding runs SVE on ARM64 CPUs with SVE vectors over 128 bits; here "
+                     << gattn::describe(gattn::instruction_sets());
+    const Index B = 2, Nk = 203, dk = 72, dv = 40;
+    for (auto [H, Hkv] : {std::pair<Index, Index>{8, 8}, {4, 2}}) {
+        SCOPED_TRACE(std::to_string(H) + " heads on " + std::to_string(Hkv));
+        const Mat q = random_matrix(B, H * dk, 51);
+        Mat k = random_matrix(B * Nk, Hkv * dk, 52), v = random_matrix(B * Nk, Hkv * dv, 53);
+        const std::vector<Index> lengths = {Nk - 6, Nk};
+        for (Index j = lengths[0]; j < Nk; ++j) {
+            k.row(j).setConstant(kNaN);
+            v.row(j).setConstant(kNaN);
+        }
+        // Key 101 of the second sequence hidden by a bias of −∞ ([B, H, 1, N_k]), its value row NaN.
+        std::vector<double> bias(static_cast<std::size_t>(B * H * Nk), 0.0);
+        for (Index h = 0; h < H; ++h)
+            bias[static_cast<std::size_t>((H + h) * Nk + 101)] = -std::numeric_limits<double>::infinity();
+        v.row(Nk + 101).setConstant(kNaN);
+        RefMasks rm;
+        rm.key_lengths = lengths;
+        rm.bias = bias;
+        const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, Hkv, {}, rm);
+        const std::vector<float> bias_f(bias.begin(), bias.end());
+        gattn::SdpaOptions<float> opt;
+        opt.mask.key_lengths = lengths;
+        opt.mask.bias = {bias_f.data(), B, H, 1, Nk};
+        const gattn::RowMatrix<float> qf = q.cast<float>(), kf = k.cast<float>(), vf = v.cast<float>();
+        gattn::RowMatrix<float> out_sve(B, H * dv), out_neon(B, H * dv);
+        gattn::scaled_dot_product_attention<float>(qf, kf, vf, {B, H, Hkv}, out_sve, opt);
+        gattn::set_sve_kernels(false);
+        gattn::scaled_dot_product_attention<float>(qf, kf, vf, {B, H, Hkv}, out_neon, opt);
+        gattn::set_sve_kernels(true);
+        expect_close(out_sve, ref.out, Tol<float>::atol, Tol<float>::rtol, "SveDecode/out", Tol<float>::nmse);
+        expect_close(out_neon, ref.out, Tol<float>::atol, Tol<float>::rtol, "NeonDecode/out", Tol<float>::nmse);
+        EXPECT_FALSE(out_sve == out_neon) << "the SVE kernel gave NEON's output bit for bit: did it run?";
+    }
+}
+
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
     ValidationFixture f;
     // A float softcap lies in [FLT_MIN, FLT_MAX / (2·log₂e)]: 1e-40 is subnormal (1/c overflows),

@@ -25,9 +25,11 @@
 /// rounded to 16-bit integers, and the value sum (d_v a multiple of 64) integer products of the
 /// value codes and the weights rounded to 16-bit integers per block (decode_int8,
 /// decode_int8_ymm); otherwise the codes are widened to float as they load.
-/// The VDPBF16PS, BFDOT, VPDPWSSD and SDOT micro-kernels live in their tiers' headers
+/// A float cache on ARM64 with SVE vectors wider than 128 bits runs both products in SVE
+/// (decode_sve): the same blocks of 4 keys, features in vectors of the CPU's length.
+/// The VDPBF16PS, BFDOT, VPDPWSSD, SDOT and SVE micro-kernels live in their tiers' headers
 /// (simd/x86_avx512bf16.hpp, simd/arm_neon_bf16.hpp, simd/x86_avx512vnni.hpp,
-/// simd/x86_avxvnni.hpp, simd/arm_neon_dotprod.hpp); this file drives them.
+/// simd/x86_avxvnni.hpp, simd/arm_neon_dotprod.hpp, simd/arm_sve.hpp); this file drives them.
 
 #include <algorithm>
 #include <cmath>
@@ -330,12 +332,16 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
 /// pages (a paged cache, ops/paged_sdpa.hpp): key j's K and V rows, and its int8 scales, are
 /// row pages.row(j) of key_base and value_base; a page holds a multiple of the lanes, so that
 /// each key block lies in one page.
+///
+/// sve (ARM64, float cache, the caller's run-time choice): both products in SVE vectors of the
+/// CPU's length (decode_sve), over all of d_k and d_v.
 template <class T, class KV = T, bool kDot = false>
 void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_kv_heads, Index k_begin, Index k_end,
                   const KV* key_base, Index key_stride, const KV* value_base, Index value_stride, Index dk, Index dv,
                   T scale, bool from_memory, [[maybe_unused]] const KV* const* q16 = nullptr,
                   [[maybe_unused]] const Int8Scales& scales = {},
-                  [[maybe_unused]] Int8Kernel int8_family = Int8Kernel::Vnni, const PageMap& pages = {}) {
+                  [[maybe_unused]] Int8Kernel int8_family = Int8Kernel::Vnni, const PageMap& pages = {},
+                  [[maybe_unused]] bool sve = false) {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -388,7 +394,11 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     static_assert(!kDot || simd::avx512bf16::kEnabled || kBfdot, "the bf16 decoding kernel needs AVX512-BF16 or BF16");
     static_assert(!kDot || (std::is_same_v<T, float> && std::is_same_v<KV, bfloat16>), "bf16 products: float, bf16");
     [[maybe_unused]] alignas(64) std::uint16_t pw[kDecodeRows][16];  // kDot: P rounded to bf16
-    const Index dk_vec = kDot || int8_dot ? dk : dk / L * L;
+    // sve: a float cache with SVE (decode_sve, chosen at run time by the caller).
+    static_assert(simd::sve::kEnabled == compiled_with_sve(), "simd/arm_sve.hpp and simd/cpu.hpp disagree");
+    constexpr bool kSve = simd::sve::kEnabled && std::is_same_v<T, float> && std::is_same_v<KV, float>;
+    sve = kSve && sve;
+    const Index dk_vec = kDot || int8_dot || sve ? dk : dk / L * L;
     alignas(64) T s[kDecodeRows][L], p[kDecodeRows][L];  // logits (−∞: skipped) and weights
     B dots[kDecodeRows][L], row_logits[kDecodeRows];
     const bool capped = blks[0].softcap > T(0);  // one softcap per call
@@ -527,6 +537,13 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                                    key_stride, nk, dk, dots);
                             products_done = true;
                         }
+                        if constexpr (kSve) {
+                            if (sve) {
+                                decode_sve::logits<R>(blk.q + t0, key + r0 * key_stride, key_stride, nk, dk,
+                                                      row_logits);
+                                products_done = reduced = true;
+                            }
+                        }
                         if constexpr (kInt8Dot) {
                             if (int8_dot) {
                                 const std::int16_t* qc[R];
@@ -649,6 +666,12 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             else
                                 decode_bf16::values_skipping<R>(s, pw, nk, vb, value_stride, acc, dv);
                             values_done = true;
+                        }
+                        if constexpr (kSve) {
+                            if (sve) {
+                                decode_sve::values<R>(s, p, nk, value + r0 * value_stride, value_stride, acc, dv);
+                                values_done = true;
+                            }
                         }
                         if constexpr (kInt8Dot && !kSdot) {
                             if (int8_values) {

@@ -525,6 +525,10 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
         (simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
          kernel::decode_bf16::takes(dk, dv)) ||
         (simd::neon_bf16::kEnabled && bf16_family == Bf16Kernel::Bfdot && kernel::decode_bfdot::takes(dk, dv));
+    // A float cache on ARM64 with SVE vectors wider than NEON's: both products in SVE
+    // (instruction_sets().unused says why not).
+    const bool decode_sve = simd::sve::kEnabled && std::is_same_v<KVElem, float> && std::is_same_v<T, float> &&
+                            gattn::detail::sve_float_decoding();
 #ifdef _OPENMP
 #pragma omp parallel if (tasks > 1 && total_rows * H * Nk * (dk + dv) > (Index(1) << 18))
 #endif
@@ -600,7 +604,7 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                 }
                 kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, r.keys, kv.key_stride, r.values,
                                                 kv.value_stride, dk, dv, scale, decode_from_memory, nullptr,
-                                                int8_scales(r, 0), int8_family, r.map);
+                                                int8_scales(r, 0), int8_family, r.map, decode_sve);
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.

@@ -179,6 +179,12 @@ inline Int8Kernel& int8_kernel_limit() noexcept {
     return limit;
 }
 
+/// Whether float decoding may run the ARM64 SVE kernel (set_sve_kernels).
+inline bool& sve_kernels_allowed() noexcept {
+    static bool allowed = true;
+    return allowed;
+}
+
 }  // namespace detail
 
 /// The CPU's features (read once).
@@ -202,6 +208,11 @@ inline void set_bf16_kernel_limit(Bf16Kernel slowest_allowed) noexcept {
 inline void set_int8_kernel_limit(Int8Kernel slowest_allowed) noexcept {
     detail::int8_kernel_limit() = slowest_allowed;
 }
+
+/// Lets float decoding on ARM64 run the SVE kernel where the CPU's SVE vectors are wider than
+/// NEON's (true, the default), or keeps it on NEON (false). For comparisons and tests; set it
+/// before calls, from one thread (it is not synchronised). No effect elsewhere.
+inline void set_sve_kernels(bool allowed) noexcept { detail::sve_kernels_allowed() = allowed; }
 
 /// Whether this translation unit contains the AVX512-BF16 kernel (built with -march=native on a
 /// CPU that has it, -march=znver4/sapphirerapids/cooperlake, or -march=x86-64-v4 -mavx512bf16).
@@ -236,6 +247,32 @@ inline constexpr bool kArmTargetKernels = false;
 /// Whether this translation unit contains the ARM64 BFDOT bf16 decoding kernel (every ARM64
 /// build with GCC or Clang: it is compiled with a target attribute and chosen at run time).
 inline constexpr bool compiled_with_bfdot() noexcept { return detail::kArmTargetKernels; }
+
+/// Whether this translation unit contains the ARM64 SVE float decoding kernel (every ARM64
+/// build with GCC, through a target attribute; with Clang, builds that enable SVE: Clang 14's
+/// arm_sve.h needs it). The condition of simd/arm_sve.hpp's kEnabled.
+inline constexpr bool compiled_with_sve() noexcept {
+#if defined(__aarch64__) && ((defined(__GNUC__) && !defined(__clang__)) || defined(__ARM_FEATURE_SVE))
+    return true;
+#else
+    return false;
+#endif
+}
+
+namespace detail {
+/// Why float decoding does not run the SVE kernel here (empty when it does).
+inline const char* sve_refusal() noexcept {
+    const CpuFeatures& f = cpu_features();
+    if (!f.sve) return "this CPU has no SVE";
+    if (f.sve_bits <= 128) return "SVE vectors of 128 bits give nothing over NEON";
+    if (!sve_kernels_allowed()) return "SVE kernel excluded by set_sve_kernels(false)";
+    if (!compiled_with_sve()) return "no SVE kernel compiled in (needs GCC, or Clang with SVE enabled)";
+    return "";
+}
+
+/// Whether float decoding runs the SVE kernel (decode_sve) here.
+inline bool sve_float_decoding() noexcept { return *sve_refusal() == '\0'; }
+}  // namespace detail
 
 namespace detail {
 /// Asks Linux once per process for the AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM,
@@ -440,7 +477,8 @@ struct InstructionSets {
     /// build with -march=native.
     bool slow_build = false;
     /// Why wider vectors the CPU has go unused whatever the build flags, empty when none do
-    /// (ARM64 with SVE: gattn has no SVE kernels, NEON runs).
+    /// (ARM64 with SVE vectors over 128 bits: only float decoding runs SVE, the rest NEON; or
+    /// why not even that).
     const char* unused = "";
 };
 
@@ -461,11 +499,15 @@ inline const char* sve_name(const CpuFeatures& f) noexcept {
 inline InstructionSets instruction_sets() noexcept {
     InstructionSets s;
 #if defined(__aarch64__)
-    // xsimd 8.1 has NEON only: every build runs the same 128-bit kernels.
-    s.compiled = "NEON";
+    // xsimd 8.1 has NEON only: every build runs the same 128-bit tiles; float decoding runs
+    // SVE where its vectors are wider (arm_sve.hpp).
+    s.compiled = compiled_with_sve() ? "NEON, SVE (float decoding)" : "NEON";
     const CpuFeatures& f = cpu_features();
     s.cpu = f.sve ? detail::sve_name(f) : "NEON";
-    if (f.sve_bits > 128) s.unused = "gattn has no SVE kernels: NEON runs";
+    if (f.sve_bits > 128)
+        s.unused = detail::sve_float_decoding()
+                       ? "float decoding runs SVE; prefill tiles, projections and narrow caches run NEON"
+                       : detail::sve_refusal();
     return s;
 #else
 #if defined(__AVX512F__)

@@ -21,6 +21,7 @@
 /// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening, division, bit casts, shifts |
 /// | ARM64 dot product (run-time, HWCAP asimddp) | arm_neon_dotprod.hpp | SDOT kernel: int8 decoding logits |
 /// | ARM64 BF16 (run-time, HWCAP2 bf16) | arm_neon_bf16.hpp | BFDOT kernels: bf16 decoding |
+/// | ARM64 SVE (run-time, HWCAP sve, vectors over 128 bits) | arm_sve.hpp | float decoding in the CPU's vector length |
 ///
 /// Adding a tier: a header with its namespace simd::TIER (kEnabled, its kernels, and
 /// declarations of them for builds without it), one include here, and where it sets a shape, its
@@ -32,6 +33,7 @@
 #include "gattn/simd/arm_neon.hpp"
 #include "gattn/simd/arm_neon_bf16.hpp"
 #include "gattn/simd/arm_neon_dotprod.hpp"
+#include "gattn/simd/arm_sve.hpp"
 #include "gattn/simd/portable.hpp"
 #include "gattn/simd/x86_amx.hpp"
 #include "gattn/simd/x86_avx2.hpp"
