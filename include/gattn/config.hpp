@@ -103,3 +103,16 @@
 #ifndef GATTN_DEBUG_ASSERT
 #define GATTN_DEBUG_ASSERT(cond) assert(cond)
 #endif
+
+/// Before a loop whose trip count is a compile-time constant, over an array of vector
+/// registers (a kernel's tile of accumulators) or a few scalars: unrolls it completely, so that
+/// the array lives in registers. GCC at -O2 unrolls only loops whose copies do not grow the
+/// code, which left such arrays on the stack, a load and a store around every multiply-add:
+/// float prefill ran at a quarter of its -O3 speed, decoding at 0.6 (AMD Zen 5, one thread).
+#if defined(__clang__)
+#define GATTN_UNROLL _Pragma("unroll")
+#elif defined(__GNUC__)
+#define GATTN_UNROLL _Pragma("GCC unroll 64")
+#else
+#define GATTN_UNROLL
+#endif

@@ -211,8 +211,11 @@ inline void group_logits(const T* const* q, const KV* key, Index key_stride, Ind
     for (; kk + G <= nk; kk += G) {
         const KV* k = key + kk * key_stride;
         B a[R][G];
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int i = 0; i < G; ++i) a[r][i] = B(T(0));
+        }
         for (Index d = 0; d < dk_vec; d += L) {
             // Each K and q vector is loaded once into a register (opaque): g++ would otherwise
             // fold the loads into the FMAs, loading each vector once per use, R or 4 times;
@@ -220,29 +223,39 @@ inline void group_logits(const T* const* q, const KV* key, Index key_stride, Ind
             // A single row uses each K vector once: folded into its FMA, it takes no register.
             if constexpr (G == 8) {
                 const B qd = simd::opaque<T>(B::load_unaligned(q[0] + d));
+                GATTN_UNROLL
                 for (int i = 0; i < G; ++i) a[0][i] = simd::fma(qd, load_widened<T>(k + i * key_stride + d), a[0][i]);
             } else {
                 B kv[G];
+                GATTN_UNROLL
                 for (int i = 0; i < G; ++i) kv[i] = simd::opaque<T>(load_widened<T>(k + i * key_stride + d));
+                GATTN_UNROLL
                 for (int r = 0; r < R; ++r) {
                     const B qd = simd::opaque<T>(B::load_unaligned(q[r] + d));
+                    GATTN_UNROLL
                     for (int i = 0; i < G; ++i) a[r][i] = simd::fma(qd, kv[i], a[r][i]);
                 }
             }
         }
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int i = 0; i < G; ++i) dots[r][kk + i] = a[r][i];
+        }
     }
     for (; kk + 4 <= nk && G == 8; kk += 4) {  // four keys left of eight
         const KV* k = key + kk * key_stride;
         B a[4] = {B(T(0)), B(T(0)), B(T(0)), B(T(0))};
         for (Index d = 0; d < dk_vec; d += L) {
             const B qd = simd::opaque<T>(B::load_unaligned(q[0] + d));
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) a[i] = simd::fma(qd, load_widened<T>(k + i * key_stride + d), a[i]);
         }
+        GATTN_UNROLL
         for (int i = 0; i < 4; ++i) dots[0][kk + i] = a[i];
     }
-    for (; kk < L; ++kk)
+    for (; kk < L; ++kk) {
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             B a(T(0));
             if (kk < nk) {
@@ -252,6 +265,7 @@ inline void group_logits(const T* const* q, const KV* key, Index key_stride, Ind
             }
             dots[r][kk] = a;
         }
+    }
 }
 
 /// acc_r[j] += Σ_kk p[r][kk]·V[kk][j] for R rows, over kk < nk in order, one fused
@@ -267,37 +281,48 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
     constexpr int C = std::min(8, kDecodeValueRegisters / (R > 2 ? 4 : R));  // registers of d_v per row
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     bool skips = false;
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r)
         for (Index kk = 0; kk < nk; ++kk) skips = skips || score[r][kk] == kNegInf;
     Index j = 0;
     auto blocks = [&](auto tests) {
         for (; j + C * L <= dv; j += C * L) {
             B a[R][C];
-            for (int r = 0; r < R; ++r)
+            GATTN_UNROLL
+            for (int r = 0; r < R; ++r) {
+                GATTN_UNROLL
                 for (int c = 0; c < C; ++c) a[r][c] = B::load_unaligned(acc[r] + j + c * L);
+            }
             for (Index kk = 0; kk < nk; ++kk) {
                 const KV* v = value + kk * value_stride + j;
                 B vb[C];
                 // Loaded once for the R rows (opaque, as in group_logits); a single row's loads
                 // fold into its FMAs (C accumulators and C loaded vectors would not fit in 16
                 // registers, and an accumulator would go through memory every key).
+                GATTN_UNROLL
                 for (int c = 0; c < C; ++c)
                     vb[c] = R == 1 ? load_widened<T>(v + c * L) : simd::opaque<T>(load_widened<T>(v + c * L));
+                GATTN_UNROLL
                 for (int r = 0; r < R; ++r) {
                     if (decltype(tests)::value && score[r][kk] == kNegInf) continue;
                     const B pk(p[r][kk]);
+                    GATTN_UNROLL
                     for (int c = 0; c < C; ++c) a[r][c] = simd::fma(pk, vb[c], a[r][c]);
                 }
             }
-            for (int r = 0; r < R; ++r)
+            GATTN_UNROLL
+            for (int r = 0; r < R; ++r) {
+                GATTN_UNROLL
                 for (int c = 0; c < C; ++c) a[r][c].store_unaligned(acc[r] + j + c * L);
+            }
         }
     };
     if (skips)
         blocks(std::true_type{});
     else
         blocks(std::false_type{});
-    for (; j + L <= dv; j += L)
+    for (; j + L <= dv; j += L) {
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             B a = B::load_unaligned(acc[r] + j);
             for (Index kk = 0; kk < nk; ++kk)
@@ -305,11 +330,14 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
                     a = simd::fma(B(p[r][kk]), load_widened<T>(value + kk * value_stride + j), a);
             a.store_unaligned(acc[r] + j);
         }
-    for (; j < dv; ++j)
+    }
+    for (; j < dv; ++j) {
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r)
             for (Index kk = 0; kk < nk; ++kk)
                 if (score[r][kk] != kNegInf)
                     acc[r][j] = std::fma(p[r][kk], static_cast<T>(value[kk * value_stride + j]), acc[r][j]);
+    }
 }
 
 /// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
@@ -547,12 +575,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                         if constexpr (kInt8Dot) {
                             if (int8_dot) {
                                 const std::int16_t* qc[R];
+                                GATTN_UNROLL
                                 for (int r = 0; r < R; ++r) qc[r] = q_codes + (g * kRowsPerHead + t0 + r) * dk;
                                 // Logits of R rows by the family's kernel (zmm, ymm or SDOT).
                                 auto int8_logits = [&](const float* qs, B* out, SpreadPrefetch<KV>* pf) {
                                     const KV* kb = key + r0 * key_stride;
                                     if constexpr (kSdot) {
                                         const std::int8_t* qb[R];
+                                        GATTN_UNROLL
                                         for (int r = 0; r < R; ++r) qb[r] = reinterpret_cast<const std::int8_t*>(qc[r]);
                                         return decode_sdot::logits<R>(qb, qs, kb, key_stride, nk, dk, out, pf);
                                     }
@@ -567,9 +597,11 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 const float* rs = q_scales + q_rows + g * kRowsPerHead + t0;
                                 if (any_residual && std::any_of(rs, rs + R, [](float x) { return x != 0; })) {
                                     // The residual codes' pass (K is in L1); 0 for rows without.
+                                    GATTN_UNROLL
                                     for (int r = 0; r < R; ++r) qc[r] += q_rows * dk;
                                     B residual_logits[R];
                                     int8_logits(rs, residual_logits, nullptr);
+                                    GATTN_UNROLL
                                     for (int r = 0; r < R; ++r) row_logits[r] += residual_logits[r];
                                 }
                                 products_done = reduced = true;
@@ -577,6 +609,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                         }
                         if (!products_done)
                             group_logits<T, R, KV>(blk.q + t0, key + r0 * key_stride, key_stride, nk, dk_vec, dots);
+                        GATTN_UNROLL
                         for (int r = 0; r < R; ++r) {
                             // Logits of row t from its dot-product registers, masked (−∞: key
                             // skipped), then the online-softmax update of the row's m, l, acc.

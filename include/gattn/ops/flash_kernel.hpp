@@ -279,24 +279,37 @@ inline void scores_tile(const T* key, Index key_stride, const T* qt, Index dk, T
     static_assert(C0 == 0 || Masked, "only masked tiles skip query registers");
     static_assert(CE == G::kCols || !Masked, "only unmasked tiles end early");
     B acc[R][C];
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int c = C0; c < C; ++c) acc[r][c] = B(T(0));
+    }
     for (Index d = 0; d < dk; ++d) {
         // The rows of the next tile, a cache line each time these rows enter a new line: rows
         // H·d apart are one page each, which the hardware prefetchers do not follow.
-        if (d % simd::kLineElems<T> == 0)
+        if (d % simd::kLineElems<T> == 0) {
+            GATTN_UNROLL
             for (int r = 0; r < R; ++r) simd::prefetch(next_key + r * key_stride + d);
+        }
         B qv[C];
+        GATTN_UNROLL
         for (int c = C0; c < C; ++c) qv[c] = B::load_aligned(qt + d * W + c * L);
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             const B kb(key[r * key_stride + d]);
+            GATTN_UNROLL
             for (int c = C0; c < C; ++c) acc[r][c] = simd::fma(kb, qv[c], acc[r][c]);
         }
     }
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int c = 0; c < C0; ++c) B(-std::numeric_limits<T>::infinity()).store_aligned(st + r * W + c * L);
+    }
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) {
         const B j(static_cast<T>(j0 + r));
+        GATTN_UNROLL
         for (int c = C0; c < C; ++c) {
             B v = acc[r][c];
             if (tf) v = tf->apply(v, c, j);
@@ -332,21 +345,29 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
     constexpr int C = CE, L = G::kLanes, W = G::kQueries;
     static_assert(CE == G::kCols || !Masked, "only unmasked tiles end early");
     B acc[R][C];
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int c = 0; c < C; ++c) acc[r][c] = B(T(0));
+    }
     // Keys [k_begin, k_end) into the registers of queries c ≥ C0, masked below CP (P < 0: a
     // masked key; NaN compares false and is kept).
     auto add_keys = [&](Index k_begin, Index k_end, auto first_live, auto first_plain) {
         constexpr int C0 = decltype(first_live)::value, CP = decltype(first_plain)::value;
         for (Index kk = k_begin; kk < k_end; ++kk) {
             B pv[C];
+            GATTN_UNROLL
             for (int c = C0; c < C; ++c) pv[c] = B::load_aligned(pt + kk * W + c * L);
             typename B::batch_bool_type skip[C];
+            GATTN_UNROLL
             for (int c = C0; c < CP; ++c) skip[c] = pv[c] < B(T(0));
             const T* v = value + kk * value_stride;
+            GATTN_UNROLL
             for (int r = 0; r < R; ++r) {
                 const B vb(v[r]);
+                GATTN_UNROLL
                 for (int c = C0; c < CP; ++c) acc[r][c] = simd::fma_unless(skip[c], vb, pv[c], acc[r][c]);
+                GATTN_UNROLL
                 for (int c = CP; c < C; ++c) acc[r][c] = simd::fma(vb, pv[c], acc[r][c]);
             }
         }
@@ -367,11 +388,14 @@ inline void values_tile(const T* value, Index value_stride, const T* pt, Index n
     } else {
         add_keys(0, nk, std::integral_constant<int, 0>{}, std::integral_constant<int, 0>{});
     }
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int c = 0; c < C; ++c) {
             T* o = ot + r * W + c * L;
             simd::fma(B::load_aligned(o), alpha[c], acc[r][c]).store_aligned(o);
         }
+    }
 }
 
 /// Sᵀ rows for keys [j0, j0 + nk): tiles of R keys, then the rest with R − 1. A tile prefetches
@@ -484,9 +508,11 @@ void pack_queries(const FlashBlock<T>& blk, Index dk, T scale, T* qt) {
     for (int t0 = 0; t0 < W; t0 += P) {
         for (Index d0 = 0; d0 < d_vec; d0 += P) {
             ei::PacketBlock<Packet, P> tile;
+            GATTN_UNROLL
             for (int i = 0; i < P; ++i)
                 tile.packet[i] = t0 + i < blk.count ? ei::ploadu<Packet>(blk.q[t0 + i] + d0) : zero;
             ei::ptranspose(tile);
+            GATTN_UNROLL
             for (int i = 0; i < P; ++i) ei::pstoreu(qt + (d0 + i) * W + t0, ei::pmul(tile.packet[i], s));
         }
         for (int t = t0; t < t0 + P; ++t)
@@ -510,6 +536,7 @@ void unpack_outputs(int count, T* const* rows, const T* ot, Index dv, const T* i
             aligned[i] = stream && reinterpret_cast<std::uintptr_t>(rows[t0 + i]) % (P * sizeof(T)) == 0;
         for (Index j0 = 0; j0 < j_vec; j0 += P) {
             ei::PacketBlock<Packet, P> tile;
+            GATTN_UNROLL
             for (int i = 0; i < P; ++i) tile.packet[i] = ei::ploadu<Packet>(ot + (j0 + i) * W + t0);
             ei::ptranspose(tile);
             for (int i = 0; i < lanes; ++i) {
@@ -561,6 +588,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     const Index nk = std::min<Index>(G::kKeys, state.union_end - k0);
     const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end;
     B bmax[C];
+    GATTN_UNROLL
     for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
     // Partial blocks: per key kk, the leading query registers that see it in no lane (dead); keys
     // that the registers see alike form runs (KeyRun).
@@ -586,6 +614,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         alignas(64) T lane_begin[W], lane_end[W];
         // Per query register: the union and the intersection of its lanes' ranges.
         Index col_begin[C], col_end[C], col_all_begin[C], col_all_end[C];
+        GATTN_UNROLL
         for (int c = 0; c < C; ++c) {
             col_begin[c] = col_all_end[c] = std::numeric_limits<Index>::max();
             col_end[c] = col_all_begin[c] = std::numeric_limits<Index>::min();
@@ -624,6 +653,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         // Boolean mask and additive bias, per lane; then the block max again. A key the range
         // (causal, window, key length) or the boolean mask hides ignores its bias, whatever it
         // holds (NaN or +∞ there must not reach the row).
+        GATTN_UNROLL
         for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
         for (Index kk = 0; kk < nk; ++kk) {
             T* row = st + kk * W;
@@ -635,6 +665,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
                 else if (blk.bias_row[t])
                     row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
             }
+            GATTN_UNROLL
             for (int c = 0; c < C; ++c) bmax[c] = xsimd::max(bmax[c], B::load_aligned(row + c * L));
         }
     }
@@ -642,6 +673,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         for (int t = 0; t < live * L; ++t) state.first_score[t] = st[t];
 
     B alpha[C], shift[C], lsum[C];
+    GATTN_UNROLL
     for (int c = 0; c < C; ++c) {
         const B m_new = xsimd::max(state.m[c], bmax[c]);
         // A lane with no visible key so far keeps m = −∞: shift by 0 so that no
@@ -681,6 +713,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
                 }
             });
     }
+    GATTN_UNROLL
     for (int c = 0; c < C; ++c) state.l[c] = simd::fma(state.l[c], alpha[c], lsum[c]);
     if (full) {
         with_constant<C>(live - 1, [&](auto last) {
@@ -701,6 +734,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
             values_rows<T, G::kRows, false>(value_block, value_stride, st, plain_keys, alpha, ot, dv, nullptr, 0);
         if (plain < run_count) {
             B one[C];
+            GATTN_UNROLL
             for (int c = 0; c < C; ++c) one[c] = B(T(1));
             values_rows<T, G::kMaskedRows, true>(value_block, value_stride, st, nk, plain_keys > 0 ? one : alpha, ot,
                                                  dv, runs + plain, run_count - plain);
@@ -718,6 +752,7 @@ void flash_finish(const FlashBlock<T, S, O>& blk, const FlashState<T>& state, co
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     alignas(64) T m_lane[W], l_lane[W];
+    GATTN_UNROLL
     for (int c = 0; c < C; ++c) {
         state.m[c].store_aligned(m_lane + c * L);
         state.l[c].store_aligned(l_lane + c * L);

@@ -35,20 +35,29 @@ inline void product_block(const T* a, Index a_row, Index a_depth, const T* b, In
         using B = simd::Batch<T>;
         constexpr Index L = static_cast<Index>(simd::kLanes<T>);
         B acc[R][V];
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int v = 0; v < V; ++v) acc[r][v] = Accumulate ? B::load_unaligned(c + r * c_row + v * L) : B(T(0));
+        }
         for (Index k = 0; k < depth; ++k) {
             const T* bk = b + k * b_row;
             const T* ak = a + k * a_depth;
             B bv[V];
+            GATTN_UNROLL
             for (int v = 0; v < V; ++v) bv[v] = B::load_unaligned(bk + v * L);
+            GATTN_UNROLL
             for (int r = 0; r < R; ++r) {
                 const B ar(ak[r * a_row]);
+                GATTN_UNROLL
                 for (int v = 0; v < V; ++v) acc[r][v] = simd::fma(ar, bv[v], acc[r][v]);
             }
         }
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int v = 0; v < V; ++v) acc[r][v].store_unaligned(c + r * c_row + v * L);
+        }
     }
 }
 

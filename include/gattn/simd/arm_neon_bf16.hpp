@@ -56,6 +56,7 @@ inline constexpr bool takes(Index dk, Index dv) noexcept { return dk % 8 == 0 &&
 /// Whether row r < R skips a key kk < nk of the block (score −∞).
 template <int R>
 inline bool any_skipped(const float (*score)[4], Index nk) noexcept {
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r)
         for (Index kk = 0; kk < nk; ++kk)
             if (score[r][kk] == -std::numeric_limits<float>::infinity()) return true;
@@ -69,6 +70,7 @@ inline bool skipped_values_finite(const float (*score)[4], Index nk, const bfloa
                                   Index dv) noexcept {
     for (Index kk = 0; kk < nk; ++kk) {
         bool skipped = false;
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) skipped = skipped || score[r][kk] == -std::numeric_limits<float>::infinity();
         if (!skipped) continue;
         const bfloat16* v = value + kk * value_stride;
@@ -83,6 +85,7 @@ inline bool skipped_values_finite(const float (*score)[4], Index nk, const bfloa
 template <int R>
 inline void values_skipping(const float (*score)[4], const std::uint16_t (*pw)[16], Index nk, const bfloat16* value,
                             Index value_stride, float* const* acc, Index dv) noexcept {
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r)
         for (Index kk = 0; kk < nk; ++kk) {
             if (score[r][kk] == -std::numeric_limits<float>::infinity()) continue;
@@ -105,6 +108,7 @@ template <int Pair, int R>
 GATTN_TARGET_BF16 inline void add_key_pair(float32x4_t (*a)[2], const bfloat16x4_t* p, uint16x8_t x,
                                            uint16x8_t y) noexcept {
     const bfloat16x8_t lo = vreinterpretq_bf16_u16(vzip1q_u16(x, y)), hi = vreinterpretq_bf16_u16(vzip2q_u16(x, y));
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) {
         a[r][0] = vbfdotq_lane_f32(a[r][0], lo, p[r], Pair);
         a[r][1] = vbfdotq_lane_f32(a[r][1], hi, p[r], Pair);
@@ -120,22 +124,30 @@ GATTN_TARGET_BF16 inline void logits(const bfloat16* const* q, const bfloat16* k
                                      Index dk, simd::Batch<float>* logits) noexcept {
     using B = simd::Batch<float>;
     float32x4_t a[R][4];
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int i = 0; i < 4; ++i) a[r][i] = vdupq_n_f32(0.0f);
+    }
     // Keys past nk read key 0's row again (in the block, always readable); their lanes are cleared.
     const bfloat16* k[4];
+    GATTN_UNROLL
     for (int i = 0; i < 4; ++i) k[i] = key + (i < nk ? i : 0) * key_stride;
     for (Index d = 0; d < dk; d += 8) {
         bfloat16x8_t kv[4];
+        GATTN_UNROLL
         for (int i = 0; i < 4; ++i) kv[i] = detail::load8(k[i] + d);
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             const bfloat16x8_t qd = detail::load8(q[r] + d);
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) a[r][i] = vbfdotq_f32(a[r][i], qd, kv[i]);
         }
     }
     alignas(16)
         const std::uint32_t live_bits[4] = {nk > 0 ? ~0u : 0u, nk > 1 ? ~0u : 0u, nk > 2 ? ~0u : 0u, nk > 3 ? ~0u : 0u};
     const uint32x4_t live = vld1q_u32(live_bits);
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) {
         const float32x4_t dots = vpaddq_f32(vpaddq_f32(a[r][0], a[r][1]), vpaddq_f32(a[r][2], a[r][3]));
         logits[r] = B(vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(dots), live)));
@@ -151,6 +163,7 @@ GATTN_TARGET_BF16 inline void values(const std::uint16_t (*pw)[16], Index nk, co
                                      float* const* acc, Index dv) noexcept {
     constexpr int C = 4;  // 32 features per pass: 8·R accumulators
     bfloat16x4_t p[R];
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) p[r] = vreinterpret_bf16_u16(vld1_u16(pw[r]));
     // A key past nk stands in with zeros (its weight is 0; its row may be outside the cache).
     const bool second = nk > 1, third = nk > 2, fourth = nk > 3;
@@ -161,17 +174,25 @@ GATTN_TARGET_BF16 inline void values(const std::uint16_t (*pw)[16], Index nk, co
     for (Index j = 0; j < dv; j += 8 * C) {
         const int chunks = static_cast<int>(std::min<Index>(C, (dv - j) / 8));
         float32x4_t a[C][R][2];  // per chunk of 8 features and row: features 0–3, 4–7
-        for (int c = 0; c < chunks; ++c)
-            for (int r = 0; r < R; ++r)
+        for (int c = 0; c < chunks; ++c) {
+            GATTN_UNROLL
+            for (int r = 0; r < R; ++r) {
+                GATTN_UNROLL
                 for (int h = 0; h < 2; ++h) a[c][r][h] = vld1q_f32(acc[r] + j + 8 * c + 4 * h);
+            }
+        }
         for (int c = 0; c < chunks; ++c) {
             const Index f = j + 8 * c;
             detail::add_key_pair<0, R>(a[c], p, row(0, f, true), row(1, f, second));
             if (third) detail::add_key_pair<1, R>(a[c], p, row(2, f, true), row(3, f, fourth));
         }
-        for (int c = 0; c < chunks; ++c)
-            for (int r = 0; r < R; ++r)
+        for (int c = 0; c < chunks; ++c) {
+            GATTN_UNROLL
+            for (int r = 0; r < R; ++r) {
+                GATTN_UNROLL
                 for (int h = 0; h < 2; ++h) vst1q_f32(acc[r] + j + 8 * c + 4 * h, a[c][r][h]);
+            }
+        }
     }
 }
 

@@ -98,6 +98,7 @@ inline float round_to_codes(const float* x, Index n, float top, std::int8_t* cod
         std::int32_t h[4], l[4];
         vst1q_s32(h, hi);
         vst1q_s32(l, lo);
+        GATTN_UNROLL
         for (int i = 0; i < 4; ++i) {
             codes[e + i] = static_cast<std::int8_t>(h[i]);
             codes[n + e + i] = static_cast<std::int8_t>(l[i]);
@@ -160,16 +161,23 @@ GATTN_TARGET_DOTPROD inline void logits(const std::int8_t* const* q, const float
     using B = simd::Batch<float>;
     if (prefetch) prefetch->step(prefetch->per_step);
     int32x4_t hi[R][4], lo[R][4];
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int i = 0; i < 4; ++i) hi[r][i] = lo[r][i] = vdupq_n_s32(0);
+    }
     // Keys past nk read key 0's row again (in the block, always readable); their lanes are cleared.
     const std::int8_t* k[4];
+    GATTN_UNROLL
     for (int i = 0; i < 4; ++i) k[i] = key + (i < nk ? i : 0) * key_stride;
     for (Index d = 0; d < dk; d += 16) {
         int8x16_t kv[4];
+        GATTN_UNROLL
         for (int i = 0; i < 4; ++i) kv[i] = vld1q_s8(k[i] + d);
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             const int8x16_t qh = vld1q_s8(q[r] + d), ql = vld1q_s8(q[r] + dk + d);
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) {
                 hi[r][i] = vdotq_s32(hi[r][i], qh, kv[i]);
                 lo[r][i] = vdotq_s32(lo[r][i], ql, kv[i]);
@@ -179,6 +187,7 @@ GATTN_TARGET_DOTPROD inline void logits(const std::int8_t* const* q, const float
     alignas(16)
         const std::uint32_t live_bits[4] = {nk > 0 ? ~0u : 0u, nk > 1 ? ~0u : 0u, nk > 2 ? ~0u : 0u, nk > 3 ? ~0u : 0u};
     const uint32x4_t live = vld1q_u32(live_bits);
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) {
         const int32x4_t h = vpaddq_s32(vpaddq_s32(hi[r][0], hi[r][1]), vpaddq_s32(hi[r][2], hi[r][3]));
         const int32x4_t l = vpaddq_s32(vpaddq_s32(lo[r][0], lo[r][1]), vpaddq_s32(lo[r][2], lo[r][3]));

@@ -108,6 +108,7 @@ GATTN_TARGET_SVE inline void values(const float (*score)[4], const float (*p)[4]
                                     Index value_stride, float* const* acc, Index dv) noexcept {
     static_assert(R >= 1 && R <= 2, "decode_sve takes 1 or 2 rows");
     bool live[2][4] = {};
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r)
         for (Index kk = 0; kk < nk; ++kk) live[r][kk] = score[r][kk] != -std::numeric_limits<float>::infinity();
     const Index step = static_cast<Index>(svcntw());

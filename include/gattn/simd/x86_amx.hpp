@@ -125,11 +125,14 @@ inline void scores(const bfloat16* key, Index key_stride, const std::uint32_t* q
 /// when a lane's max moved. Tiles 0-3: Oᵀ, 2 feature tiles × 2 query tiles; 4-5: Vᵀ; 6-7: Pᵀ.
 inline void values(const std::uint32_t* vt, const std::uint32_t* pt, const B* alpha, float* ot, Index dv) noexcept {
     bool rescale = false;
+    GATTN_UNROLL
     for (int q = 0; q < C; ++q) rescale = rescale || xsimd::any(alpha[q] != B(1.0f));
     if (rescale)
-        for (Index j = 0; j < dv; ++j)
+        for (Index j = 0; j < dv; ++j) {
+            GATTN_UNROLL
             for (int q = 0; q < C; ++q)
                 (B::load_aligned(ot + j * W + q * L) * alpha[q]).store_aligned(ot + j * W + q * L);
+        }
     constexpr int P = Bc / 2;
     constexpr Index vstride = P * 4, stride = W * 4;  // bytes per row of vt; of pt and ot
     const Index ftiles = (dv + kTileRows - 1) / kTileRows;
@@ -198,8 +201,10 @@ class LinearAmxTiles {
 public:
     explicit LinearAmxTiles(Index rows) noexcept {
         kernel::bf16::amx::TileConfig config;
-        if (rows < kAmxRows)
+        if (rows < kAmxRows) {
+            GATTN_UNROLL
             for (int t = 0; t < 5; ++t) config.rows[t] = static_cast<std::uint8_t>(rows);
+        }
         _tile_loadconfig(&config);
     }
     ~LinearAmxTiles() { _tile_release(); }
@@ -257,8 +262,10 @@ inline void linear_amx_row_tile(const std::uint32_t* a, Index lda, const std::ui
     _tile_zero(3);
     for (Index k = 0; k < kblocks; ++k) {
         const std::uint32_t* bk = b + k * kAmxTile;
-        if (k + kAmxPrefetchSteps < kblocks)
+        if (k + kAmxPrefetchSteps < kblocks) {
+            GATTN_UNROLL
             for (int t = 0; t < 4; ++t) linear_amx_prefetch(bk + t * stream + kAmxPrefetchSteps * kAmxTile, 16, 16);
+        }
         _tile_loadd(4, a + k * kAmxPairs, stride_a);
         _tile_loadd(5, bk, kStrideB);
         _tile_loadd(6, bk + stream, kStrideB);

@@ -84,13 +84,16 @@ inline B fma_unless(const Mask& skip, const B& a, const B& b, const B& c) noexce
 template <class B>
 inline B reduce_sum_rows(const B* rows) noexcept {
     __m512 a[8], b[4], c[2];
+    GATTN_UNROLL
     for (int j = 0; j < 8; ++j) {
         const __m512 x = rows[2 * j], y = rows[2 * j + 1];
         a[j] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
     }
+    GATTN_UNROLL
     for (int k = 0; k < 4; ++k)
         b[k] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
                              _mm512_shuffle_ps(a[2 * k], a[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    GATTN_UNROLL
     for (int k = 0; k < 2; ++k)
         c[k] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                              _mm512_shuffle_f32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));

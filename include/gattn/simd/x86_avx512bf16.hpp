@@ -89,11 +89,13 @@ inline std::uint32_t pair_at(const bfloat16* row, Index p, Index n) noexcept {
 /// unpack-32, unpack-64, 128-bit-lane shuffle sequence: 64 instructions).
 inline void transpose16x16(__m512i* r) noexcept {
     __m512i t[16];
+    GATTN_UNROLL
     for (int i = 0; i < 8; ++i) {
         t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
     }
     // r[4i + c], 128-bit lane l: rows 4i..4i + 3 of column 4l + c.
+    GATTN_UNROLL
     for (int i = 0; i < 4; ++i) {
         r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
         r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
@@ -101,6 +103,7 @@ inline void transpose16x16(__m512i* r) noexcept {
         r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
     }
     // A 4 × 4 transpose of 128-bit lanes among r[c], r[4 + c], r[8 + c], r[12 + c].
+    GATTN_UNROLL
     for (int c = 0; c < 4; ++c) {
         const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xEE);
         const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
@@ -110,6 +113,7 @@ inline void transpose16x16(__m512i* r) noexcept {
         t[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
         t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
     }
+    GATTN_UNROLL
     for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
@@ -122,8 +126,10 @@ inline void pack_query_pairs(const Block& blk, Index dk, std::uint32_t* qp) noex
     for (int t0 = 0; t0 < vector_queries; t0 += 16)
         for (Index p0 = 0; p0 < vector_pairs; p0 += 16) {
             __m512i r[16];
+            GATTN_UNROLL
             for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(blk.q[t0 + i] + 2 * p0);
             transpose16x16(r);
+            GATTN_UNROLL
             for (int j = 0; j < 16; ++j) _mm512_storeu_si512(qp + (p0 + j) * W + t0, r[j]);
         }
     for (int t = 0; t < W; ++t) {
@@ -151,6 +157,7 @@ inline bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk
     for (Index p0 = 0; p0 < vector_pairs; p0 += 16)
         for (Index j0 = 0; j0 < vector_dv; j0 += 16) {
             __m512i r[16];
+            GATTN_UNROLL
             for (int i = 0; i < 16; ++i) {
                 const bfloat16* a = value + (2 * (p0 + i)) * value_stride + j0;
                 const __m512i ab =
@@ -160,6 +167,7 @@ inline bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk
                 non_finite |= _mm512_cmpeq_epi16_mask(_mm512_and_si512(r[i], exponent), exponent);
             }
             transpose16x16(r);
+            GATTN_UNROLL
             for (int j = 0; j < 16; ++j) _mm512_storeu_si512(vt + (j0 + j) * P + p0, r[j]);
         }
     std::uint16_t any = non_finite != 0;
@@ -182,6 +190,7 @@ template <bool Masked, class Transform>
 inline void finish_scores(const __m512* acc, float* st_row, Index j0, const float* lane_begin, const float* lane_end,
                           B* bmax, float c, const Transform* tf) noexcept {
     const B j(static_cast<float>(j0));
+    GATTN_UNROLL
     for (int q = 0; q < C; ++q) {
         B v = B(acc[q]) * B(c);
         if (tf) v = tf->apply(v, q, j);
@@ -202,30 +211,42 @@ inline void scores_tile(const bfloat16* key, Index key_stride, const std::uint32
                         float* st, Index j0, const float* lane_begin, const float* lane_end, B* bmax, float c,
                         const bfloat16* next_key, const Transform* tf) noexcept {
     __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int q = 0; q < C; ++q) acc[r][q] = p_begin > 0 ? _mm512_load_ps(st + r * W + q * L) : _mm512_setzero_ps();
+    }
     const Index full_pairs = dk / 2;
     for (Index p = p_begin; p < full_pairs; ++p) {
-        if (p % 32 == 0)
+        if (p % 32 == 0) {
+            GATTN_UNROLL
             for (int r = 0; r < R; ++r) simd::prefetch(next_key + r * key_stride + 2 * p);
+        }
         __m512i qv[C];
+        GATTN_UNROLL
         for (int q = 0; q < C; ++q) qv[q] = _mm512_load_si512(qp + p * W + q * L);
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             std::uint32_t k;
             std::memcpy(&k, key + r * key_stride + 2 * p, 4);
             const __m512i kb = _mm512_set1_epi32(static_cast<int>(k));
+            GATTN_UNROLL
             for (int q = 0; q < C; ++q) acc[r][q] = dp(acc[r][q], kb, qv[q]);
         }
     }
     if (dk % 2 != 0) {  // last feature alone, paired with 0
         const Index p = full_pairs;
         __m512i qv[C];
+        GATTN_UNROLL
         for (int q = 0; q < C; ++q) qv[q] = _mm512_load_si512(qp + p * W + q * L);
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             const __m512i kb = _mm512_set1_epi32(static_cast<int>(bits16(key[r * key_stride + 2 * p])));
+            GATTN_UNROLL
             for (int q = 0; q < C; ++q) acc[r][q] = dp(acc[r][q], kb, qv[q]);
         }
     }
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) finish_scores<Masked>(acc[r], st + r * W, j0 + r, lane_begin, lane_end, bmax, c, tf);
 }
 
@@ -252,21 +273,30 @@ inline void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index 
                         float* ot) noexcept {
     constexpr int P = Bc / 2;
     __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int q = 0; q < C; ++q) acc[r][q] = _mm512_setzero_ps();
+    }
     for (Index p = 0; p < pairs; ++p) {
         __m512i pv[C];
+        GATTN_UNROLL
         for (int q = 0; q < C; ++q) pv[q] = _mm512_load_si512(pt + p * W + q * L);
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             const __m512i vb = _mm512_set1_epi32(static_cast<int>(vt[r * P + p]));
+            GATTN_UNROLL
             for (int q = 0; q < C; ++q) acc[r][q] = dp(acc[r][q], vb, pv[q]);
         }
     }
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int q = 0; q < C; ++q) {
             float* o = ot + r * W + q * L;
             simd::fma(B::load_aligned(o), alpha[q], B(acc[r][q])).store_aligned(o);
         }
+    }
 }
 
 template <int R>
@@ -286,6 +316,7 @@ inline void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, In
                             Index dv) noexcept {
     constexpr int P = Bc / 2;
     alignas(64) float a[W];
+    GATTN_UNROLL
     for (int q = 0; q < C; ++q) alpha[q].store_aligned(a + q * L);
     auto half = [](std::uint32_t pair, Index k) { return static_cast<std::uint16_t>(k % 2 == 0 ? pair : pair >> 16); };
     auto to_float = [](std::uint16_t h) {
@@ -362,23 +393,32 @@ inline void logits(const bfloat16* const* q, const bfloat16* key, Index key_stri
     Index kk = 0;
     for (; kk < 16; kk += 4) {
         __m512 a[R][4];
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_ps();
+        }
         if (kk < nk) {
             const int keys = static_cast<int>(std::min<Index>(4, nk - kk));
             const bfloat16* k = key + kk * key_stride;
             for (Index d = 0; d < dk; d += 32) {
                 __m512i kv[4];
+                GATTN_UNROLL
                 for (int i = 0; i < 4; ++i)
                     kv[i] = i < keys ? _mm512_loadu_si512(k + i * key_stride + d) : _mm512_setzero_si512();
+                GATTN_UNROLL
                 for (int r = 0; r < R; ++r) {
                     const __m512i qd = _mm512_loadu_si512(q[r] + d);
+                    GATTN_UNROLL
                     for (int i = 0; i < 4; ++i) a[r][i] = bf16::dp(a[r][i], qd, kv[i]);
                 }
             }
         }
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) dots[r][kk + i] = B(a[r][i]);
+        }
     }
 }
 
@@ -392,6 +432,7 @@ inline void values(const std::uint16_t (*pw)[16], Index nk, const bfloat16* valu
     for (Index j = 0; j < dv; j += 32 * C) {
         const int chunks = static_cast<int>(std::min<Index>(C, (dv - j) / 32));
         __m512 a[R][2 * C];
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r)
             for (int c = 0; c < 2 * chunks; ++c) a[r][c] = _mm512_loadu_ps(acc[r] + j + 16 * c);
         for (Index pr = 0; pr < pairs; ++pr) {
@@ -404,6 +445,7 @@ inline void values(const std::uint16_t (*pw)[16], Index nk, const bfloat16* valu
                 lo[c] = _mm512_unpacklo_epi16(x, y);
                 hi[c] = _mm512_unpackhi_epi16(x, y);
             }
+            GATTN_UNROLL
             for (int r = 0; r < R; ++r) {
                 std::uint32_t word;
                 std::memcpy(&word, pw[r] + 2 * pr, sizeof word);
@@ -414,6 +456,7 @@ inline void values(const std::uint16_t (*pw)[16], Index nk, const bfloat16* valu
                 }
             }
         }
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r)
             for (int c = 0; c < 2 * chunks; ++c) _mm512_storeu_ps(acc[r] + j + 16 * c, a[r][c]);
     }
@@ -425,6 +468,7 @@ template <int R>
 inline void values_skipping(const float (*score)[16], const std::uint16_t (*pw)[16], Index nk, const bfloat16* value,
                             Index value_stride, float* const* acc, Index dv) noexcept {
     constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r)
         for (Index kk = 0; kk < nk; ++kk) {
             if (score[r][kk] == kNegInf) continue;
@@ -446,6 +490,7 @@ inline bool skipped_values_finite(const float (*score)[16], Index nk, const bflo
     const __m512i exponent = _mm512_set1_epi16(0x7F80);
     for (Index kk = 0; kk < nk; ++kk) {
         bool skipped = false;
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) skipped = skipped || score[r][kk] == kNegInf;
         if (!skipped) continue;
         const bfloat16* v = value + kk * value_stride;
@@ -461,6 +506,7 @@ inline bool skipped_values_finite(const float (*score)[16], Index nk, const bflo
 /// 32-wide block is at permuted(d), gathered from the block's two registers.
 inline void unpermute(float* acc, Index dv) noexcept {
     alignas(64) std::int32_t lo[16], hi[16];
+    GATTN_UNROLL
     for (int i = 0; i < 16; ++i) {
         lo[i] = static_cast<std::int32_t>(permuted(i));
         hi[i] = static_cast<std::int32_t>(permuted(16 + i));
@@ -479,6 +525,7 @@ inline bool any_skipped(const float (*score)[16], Index nk) noexcept {
     const __mmask16 keys = nk >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nk) - 1u);
     const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
     __mmask16 skipped = 0;
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) skipped |= _mm512_mask_cmp_ps_mask(keys, _mm512_load_ps(score[r]), neg_inf, _CMP_EQ_OQ);
     return skipped != 0;
 }
@@ -552,21 +599,29 @@ inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::ui
                         float* out, Index out_stride, Index n) noexcept {
     constexpr int C = 4, L = 16;
     __m512 acc[R][C];
-    for (int r = 0; r < R; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
         for (int c = 0; c < C; ++c) acc[r][c] = _mm512_setzero_ps();
+    }
     for (Index p = 0; p < pairs; ++p) {
         __m512i w[C];
+        GATTN_UNROLL
         for (int c = 0; c < C; ++c) w[c] = _mm512_load_si512(panel + p * kLinearPanel + c * L);
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             const __m512i xb = _mm512_set1_epi32(static_cast<int>(x_pairs[r * pairs + p]));
+            GATTN_UNROLL
             for (int c = 0; c < C; ++c) acc[r][c] = kernel::bf16::dp(acc[r][c], xb, w[c]);
         }
     }
+    GATTN_UNROLL
     for (int c = 0; c < C; ++c) {
         const Index j = c * L;
         if (j >= n) break;
         const __mmask16 m = n - j >= L ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << (n - j)) - 1u);
         const __m512 b = bias ? _mm512_maskz_loadu_ps(m, bias + j) : _mm512_setzero_ps();
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride + j, m, _mm512_add_ps(acc[r][c], b));
     }
 }

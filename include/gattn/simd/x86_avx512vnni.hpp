@@ -144,12 +144,15 @@ inline QueryScales quantize_query(const float* q, Index dk, std::int16_t* codes,
 /// butterfly of simd::reduce_sum_rows on integers, exact while no sum leaves int32.
 inline __m512i reduce_rows(const __m512i* rows) noexcept {
     __m512i a[8], b[4], c[2];
+    GATTN_UNROLL
     for (int j = 0; j < 8; ++j)
         a[j] = _mm512_add_epi32(_mm512_unpacklo_epi32(rows[2 * j], rows[2 * j + 1]),
                                 _mm512_unpackhi_epi32(rows[2 * j], rows[2 * j + 1]));
+    GATTN_UNROLL
     for (int k = 0; k < 4; ++k)
         b[k] = _mm512_add_epi32(_mm512_unpacklo_epi64(a[2 * k], a[2 * k + 1]),
                                 _mm512_unpackhi_epi64(a[2 * k], a[2 * k + 1]));
+    GATTN_UNROLL
     for (int k = 0; k < 2; ++k)
         c[k] = _mm512_add_epi32(_mm512_shuffle_i32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                                 _mm512_shuffle_i32x4(b[2 * k], b[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -175,32 +178,45 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
     for (; kk + 4 <= nk; kk += 4) {
         if (prefetch) prefetch->step(prefetch->per_step);
         __m512i a[R][4];
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) a[r][i] = _mm512_setzero_si512();
+        }
         for (Index d = 0; d < dk; d += 32) {
             __m512i kv[4];
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) kv[i] = load(kk + i, d);
+            GATTN_UNROLL
             for (int r = 0; r < R; ++r) {
                 const __m512i qd = _mm512_loadu_si512(q[r] + d);
+                GATTN_UNROLL
                 for (int i = 0; i < 4; ++i) a[r][i] = dpwssd(a[r][i], qd, kv[i]);
             }
         }
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) dots[r][kk + i] = a[r][i];
+        }
     }
-    for (; kk < 16; ++kk)
+    for (; kk < 16; ++kk) {
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             __m512i a = _mm512_setzero_si512();
             if (kk < nk)
                 for (Index d = 0; d < dk; d += 32) a = dpwssd(a, _mm512_loadu_si512(q[r] + d), load(kk, d));
             dots[r][kk] = a;
         }
+    }
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) {
         const B s(q_scale[r]);
         if (dk <= 512) {
             logits[r] = B(_mm512_cvtepi32_ps(reduce_rows(dots[r]))) * s;
         } else {
             B lanes[16];
+            GATTN_UNROLL
             for (int i = 0; i < 16; ++i) lanes[i] = B(_mm512_cvtepi32_ps(dots[r][i]));
             logits[r] = simd::reduce_sum_rows<float>(lanes) * s;
         }
@@ -226,6 +242,7 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
     alignas(64) std::int16_t codes[R][16];  // the rounded weights (0 past nk)
     float unit[R];                          // max |w| of each row
     const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) {
         const __mmask16 live = _mm512_cmp_ps_mask(_mm512_load_ps(score[r]), neg_inf, _CMP_NEQ_UQ);
         const __m512 x = _mm512_maskz_mov_ps(live, _mm512_load_ps(w[r]));
@@ -246,8 +263,11 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
     const Index pairs = (nk + 1) / 2;
     for (Index j = 0; j < dv; j += 64) {
         __m512i a[R][4];
-        for (int r = 0; r < R; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
             for (int c = 0; c < 4; ++c) a[r][c] = _mm512_setzero_si512();
+        }
         for (Index pr = 0; pr < pairs; ++pr) {
             if (prefetch) prefetch->step(prefetch->per_step);
             const std::int8_t* v0 = value + 2 * pr * value_stride + j;
@@ -261,13 +281,16 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
                                   _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
                                   _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
                                   _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+            GATTN_UNROLL
             for (int r = 0; r < R; ++r) {
                 std::int32_t word;
                 std::memcpy(&word, codes[r] + 2 * pr, sizeof word);
                 const __m512i pp = _mm512_set1_epi32(word);
+                GATTN_UNROLL
                 for (int c = 0; c < 4; ++c) a[r][c] = dpwssd(a[r][c], pp, v[c]);
             }
         }
+        GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
             // Σ·(1 / 32767)·max |w| in two steps: max |w| / 32767 would lose bits below 2⁻¹²⁶·32767.
             const __m512 u = _mm512_set1_ps(unit[r]), inv = _mm512_set1_ps(1.0f / 32767.0f);
@@ -276,6 +299,7 @@ inline void values(const float (*score)[16], const float (*w)[16], Index nk, con
                                   _mm512_shuffle_i64x2(a[r][0], a[r][1], 0xEE),
                                   _mm512_shuffle_i64x2(a[r][2], a[r][3], 0x44),
                                   _mm512_shuffle_i64x2(a[r][2], a[r][3], 0xEE)};
+            GATTN_UNROLL
             for (int c = 0; c < 4; ++c) {
                 float* o = acc[r] + j + 16 * c;
                 _mm512_storeu_ps(o,

@@ -173,20 +173,30 @@ inline void dot_rows(const std::int16_t* const* q, const std::int8_t* key, Index
     for (; kk + 4 <= nk; kk += 4) {
         if (prefetch) prefetch->step(prefetch->per_step);
         __m256i a[RR][4];
-        for (int r = 0; r < RR; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < RR; ++r) {
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) a[r][i] = _mm256_setzero_si256();
+        }
         for (Index d = 0; d < dk; d += 16) {
             __m256i kv[4];
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) kv[i] = load(kk + i, d);
+            GATTN_UNROLL
             for (int r = 0; r < RR; ++r) {
                 const __m256i qd = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + d));
+                GATTN_UNROLL
                 for (int i = 0; i < 4; ++i) a[r][i] = dpwssd(a[r][i], qd, kv[i]);
             }
         }
-        for (int r = 0; r < RR; ++r)
+        GATTN_UNROLL
+        for (int r = 0; r < RR; ++r) {
+            GATTN_UNROLL
             for (int i = 0; i < 4; ++i) dots[r][kk + i] = a[r][i];
+        }
     }
-    for (; kk < 8; ++kk)
+    for (; kk < 8; ++kk) {
+        GATTN_UNROLL
         for (int r = 0; r < RR; ++r) {
             __m256i a = _mm256_setzero_si256();
             if (kk < nk)
@@ -194,6 +204,7 @@ inline void dot_rows(const std::int16_t* const* q, const std::int8_t* key, Index
                     a = dpwssd(a, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[r] + d)), load(kk, d));
             dots[r][kk] = a;
         }
+    }
 }
 
 /// decode_int8::logits for an L-key block (L = 8 or 16, the float lanes of the build; 16 as
@@ -211,6 +222,7 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
     for (Index h = 0; h < L; h += 8) {
         const Index n = std::clamp<Index>(nk - h, 0, 8);
         if (n == 0) {  // no key in this half (16-key blocks)
+            GATTN_UNROLL
             for (int r = 0; r < R; ++r) _mm256_store_ps(out[r] + h, _mm256_setzero_ps());
             continue;
         }
@@ -229,6 +241,7 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
                     x = _mm256_cvtepi32_ps(reduce_rows(dots[r - r0]));
                 } else {
                     __m256 lanes[8];
+                    GATTN_UNROLL
                     for (int i = 0; i < 8; ++i) lanes[i] = _mm256_cvtepi32_ps(dots[r - r0][i]);
                     x = reduce_rows(lanes);
                 }
@@ -236,6 +249,7 @@ inline void logits(const std::int16_t* const* q, const float* q_scale, const std
             }
         }
     }
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) logits[r] = B::load_aligned(out[r]);
 }
 
@@ -247,8 +261,11 @@ template <int RR, Index L, class Prefetch>
 inline void value_pass(const std::int16_t (*codes)[L], const float* unit, Index nk, const std::int8_t* value,
                        Index value_stride, float* const* acc, Index j, Prefetch* prefetch) noexcept {
     __m256i a[RR][4];
-    for (int r = 0; r < RR; ++r)
+    GATTN_UNROLL
+    for (int r = 0; r < RR; ++r) {
+        GATTN_UNROLL
         for (int c = 0; c < 4; ++c) a[r][c] = _mm256_setzero_si256();
+    }
     const Index pairs = (nk + 1) / 2;
     for (Index pr = 0; pr < pairs; ++pr) {
         if (prefetch) prefetch->step(prefetch->per_step);
@@ -263,16 +280,20 @@ inline void value_pass(const std::int16_t (*codes)[L], const float* unit, Index 
                               _mm256_cvtepi8_epi16(_mm256_castsi256_si128(hi)),
                               _mm256_cvtepi8_epi16(_mm256_extracti128_si256(lo, 1)),
                               _mm256_cvtepi8_epi16(_mm256_extracti128_si256(hi, 1))};
+        GATTN_UNROLL
         for (int r = 0; r < RR; ++r) {
             std::int32_t word;
             std::memcpy(&word, codes[r] + 2 * pr, sizeof word);
             const __m256i pp = _mm256_set1_epi32(word);
+            GATTN_UNROLL
             for (int c = 0; c < 4; ++c) a[r][c] = dpwssd(a[r][c], pp, v[c]);
         }
     }
+    GATTN_UNROLL
     for (int r = 0; r < RR; ++r) {
         // Σ·(1 / 32767)·max |w| in two steps: max |w| / 32767 would lose bits below 2⁻¹²⁶·32767.
         const __m256 u = _mm256_set1_ps(unit[r]), inv = _mm256_set1_ps(1.0f / 32767.0f);
+        GATTN_UNROLL
         for (int c = 0; c < 4; ++c) {
             float* o = acc[r] + j + 8 * c;
             _mm256_storeu_ps(o,
@@ -297,6 +318,7 @@ inline void values(const float (*score)[L], const float (*w)[L], Index nk, const
     float unit[R];                         // max |w| of each row
     const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     const __m256 big = _mm256_set1_ps(std::numeric_limits<float>::max());
+    GATTN_UNROLL
     for (int r = 0; r < R; ++r) {
         __m256 x[L / 8];
         __m256 top = _mm256_setzero_ps();
