@@ -206,7 +206,7 @@ inline void group_logits(const T* const* q, const KV* key, Index key_stride, Ind
                          simd::Batch<T> (*dots)[simd::kLanes<T>]) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
-    constexpr int G = R == 1 && L >= 8 ? 8 : 4;  // keys at a time
+    constexpr int G = R == 1 && L >= 8 ? 8 : L >= 4 ? 4 : static_cast<int>(L);  // keys at a time, at most a block
     Index kk = 0;
     for (; kk + G <= nk; kk += G) {
         const KV* k = key + kk * key_stride;
