@@ -211,7 +211,9 @@ for flavour in $flavours; do
     asan)
       arch=""
       grep -qw avx2 /proc/cpuinfo 2>/dev/null && arch="-mavx2 -mfma"
-      san="-fsanitize=address,undefined -fno-sanitize=vptr -fno-sanitize-recover=all -fno-omit-frame-pointer"
+      # GATTN_NO_UNROLL: the kernels' loops left to the compiler (same results; the forced
+      # unrolling took 40 % more compile time here, where speed does not matter).
+      san="-fsanitize=address,undefined -fno-sanitize=vptr -fno-sanitize-recover=all -fno-omit-frame-pointer -DGATTN_NO_UNROLL"
       cmake_args=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
                   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" "-DCMAKE_CXX_FLAGS=$san"
                   "-DCMAKE_EXE_LINKER_FLAGS=$san"
@@ -228,7 +230,7 @@ for flavour in $flavours; do
       ;;
     tsan)
       arch=""
-      san="-fsanitize=thread -fno-omit-frame-pointer"
+      san="-fsanitize=thread -fno-omit-frame-pointer -DGATTN_NO_UNROLL"
       cmake_args=(-DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo
                   "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g" "-DCMAKE_CXX_FLAGS=$san"
                   "-DCMAKE_EXE_LINKER_FLAGS=$san"

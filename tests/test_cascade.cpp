@@ -203,6 +203,22 @@ TEST(CascadeAttention, ErrorsLeaveOutUnchanged) {
     three.indptr.push_back(three.indptr.back() + 1);
     three.last_page_len.push_back(1);
     expect_error(split.first, three, {}, "suffix");
+    // Causal with 2 new rows per sequence needs at least 1 suffix token each: here the whole
+    // sequences (32 tokens, 2 full pages) are the prefix, which row 0 must not see entirely.
+    const SequenceId c = pool.fork(root), e = pool.fork(root);
+    const auto whole = gattn::split_shared_prefix(pool.page_table({c, e}), P);
+    const RowMatrix<float> four_rows = random_rows<float>(4, 2 * d, rng);
+    RowMatrix<float> out4 = RowMatrix<float>::Constant(4, 2 * d, 7.0f);
+    const RowMatrix<float> before4 = out4;
+    gattn::SdpaOptions<float> causal;
+    causal.mask.causal = true;
+    try {
+        gattn::cascade_attention<float, float>(four_rows, pool, whole.first, whole.second, 2, out4, causal);
+        ADD_FAILURE() << "no error for a causal batch whose new tokens are in the prefix";
+    } catch (const std::invalid_argument& err) {
+        EXPECT_NE(std::string(err.what()).find("suffix"), std::string::npos) << err.what();
+    }
+    EXPECT_EQ(out4, before4);
     gattn::SdpaOptions<float> window;
     window.mask.sliding_window = 8;
     expect_error(split.first, split.second, window, "options.mask.sliding_window");

@@ -109,7 +109,11 @@
 /// the array lives in registers. GCC at -O2 unrolls only loops whose copies do not grow the
 /// code, which left such arrays on the stack, a load and a store around every multiply-add:
 /// float prefill ran at a quarter of its -O3 speed, decoding at 0.6 (AMD Zen 5, one thread).
-#if defined(__clang__)
+/// Define GATTN_NO_UNROLL to leave the loops to the compiler (faster builds, e.g. under
+/// sanitizers, where speed does not matter; the results are the same).
+#if defined(GATTN_NO_UNROLL)
+#define GATTN_UNROLL
+#elif defined(__clang__)
 #define GATTN_UNROLL _Pragma("unroll")
 #elif defined(__GNUC__)
 #define GATTN_UNROLL _Pragma("GCC unroll 64")

@@ -94,7 +94,9 @@ inline std::pair<PageTable, PageTable> split_shared_prefix(const PageTable& tabl
 /// \param out     [B·N_q, H·d_v], written only after every check and both calls succeed.
 /// \param options see above.
 /// \throws std::invalid_argument naming the argument: prefix.batch() ≠ 1, an empty prefix,
-///         query rows not a multiple of suffix.batch(), a rejected option, out sharing an
+///         query rows not a multiple of suffix.batch(), under mask.causal a suffix shorter
+///         than N_q − 1 tokens (the prefix would hold new tokens that earlier rows must not
+///         see), a rejected option, out sharing an
 ///         element with the pool's storage; what PagedKVPool::check_table and paged_attention
 ///         throw. On any error `out` is unchanged.
 template <class Storage, class Query, class Out = Query>
@@ -127,6 +129,18 @@ void cascade_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& 
         gattn::detail::throw_invalid(fn, rejected,
                                      "cannot be split between the shared prefix and the suffixes: must be "
                                      "empty (or BottomRight causal alignment)");
+    // Causal: query row i of N_q sees keys up to L − N_q + i, so the whole prefix is visible to
+    // every row only when each suffix holds the new tokens but the last (at least N_q − 1).
+    const Index new_rows = query.rows() / B;
+    if (m.causal)
+        for (Index b = 0; b < B; ++b)
+            if (suffix.length(b, P) < new_rows - 1)
+                gattn::detail::throw_invalid(fn, "suffix",
+                                             "sequence " + std::to_string(b) + " holds " +
+                                                 std::to_string(suffix.length(b, P)) +
+                                                 " tokens after the prefix; causal attention of " +
+                                                 std::to_string(new_rows) + " new query rows needs at least " +
+                                                 std::to_string(new_rows - 1) + " (their tokens must follow it)");
     const Index H = num_heads, dv = pool.value_head_dim(), rows = query.rows();
     gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, H * dv);
     // out may hold query (both calls read it before out is written), never the pool's storage.
