@@ -1,8 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 // SDPA on 16-bit storage (bf16, fp16) against the float64 reference on the same rounded inputs:
 // every shape and mask of the float sweep (prefill tiles and, for few queries per KV head, the
-// decoding kernel reading the 16-bit cache in place), through each kernel this machine can run (AVX512-BF16
-// where compiled and present, widened float always), with bf16, fp16 and float outputs; NaN in
+// decoding kernel reading the 16-bit cache in place), through each kernel this machine can run (AMX and
+// AVX512-BF16 where compiled and present, BFDOT on ARM64 with BF16, widened float always), with bf16, fp16 and float outputs; NaN in
 // masked keys, including keys only some queries of a key block see; fully masked rows; thread
 // count invariance; the kernel report.
 //
@@ -11,7 +11,7 @@
 //    inputs);
 //  - any bf16 or fp16 output: one rounding of the float result, |err| ≤ 2⁻⁸·|ref| (bf16) or
 //    2⁻¹¹·|ref| (fp16), plus the float kernel's error;
-//  - AVX512-BF16: P rounded to bf16 before the PV product (relative error ≤ 2⁻⁸ per weight) moves
+//  - AVX512-BF16, AMX, BFDOT: P rounded to bf16 before the PV product (relative error ≤ 2⁻⁸ per weight) moves
 //    an output by at most 2⁻⁷·max|v| and the log-sum-exp by at most 2⁻⁸ (the row sum adds the
 //    rounded weights). NMSE bounds (2e-5 for bf16 outputs) sit about 3× above the worst observed.
 
@@ -58,7 +58,7 @@ std::vector<Bf16Kernel> runnable_kernels() {
     const Bf16Kernel best = gattn::bf16_kernel().kernel;
     if (best == Bf16Kernel::Amx) ks.push_back(Bf16Kernel::Amx);
     if (best == Bf16Kernel::Amx || best == Bf16Kernel::Avx512Bf16) ks.push_back(Bf16Kernel::Avx512Bf16);
-    if (best == Bf16Kernel::Bfdot) ks.push_back(Bf16Kernel::Bfdot);  // ARM64: decoding only
+    if (best == Bf16Kernel::Bfdot) ks.push_back(Bf16Kernel::Bfdot);  // ARM64
     ks.push_back(Bf16Kernel::WidenedFloat);
     return ks;
 }
@@ -346,6 +346,50 @@ TEST(NarrowSdpa, DecodingRunsTheDotProductKernel) {
     }
 }
 
+/// Where the CPU has a dot-product kernel for bf16 (VDPBF16PS, or BFDOT on ARM64), the prefill
+/// tiles run it: its output differs from the widened kernel's and both stay within their
+/// tolerances of the float64 reference. Causal GQA over three key blocks (the last partial),
+/// an odd d_k (a last feature paired with 0, pairs past the last whole register), d_v ≠ d_k,
+/// keys past a length holding NaN.
+TEST(NarrowSdpa, PrefillRunsTheDotProductKernel) {
+    const Bf16Kernel best = gattn::bf16_kernel().kernel;
+    if (best == Bf16Kernel::WidenedFloat)
+        GTEST_SKIP() << "no bf16 dot-product kernel here: " << gattn::bf16_kernel().reason;
+    const Bf16Kernel dot_kernel = best == Bf16Kernel::Bfdot ? Bf16Kernel::Bfdot : Bf16Kernel::Avx512Bf16;
+    const Index B = 2, N = 150, H = 4, Hkv = 2, dk = 37, dv = 40;
+    Mat q = rounded<bfloat16>(random_matrix(B * N, H * dk, 51)),
+        key = rounded<bfloat16>(random_matrix(B * N, Hkv * dk, 52)),
+        v = rounded<bfloat16>(random_matrix(B * N, Hkv * dv, 53));
+    const std::vector<Index> lengths = {N, N - 9};
+    for (Index j = N + lengths[1]; j < 2 * N; ++j) {
+        key.row(j).setConstant(kNaN);
+        v.row(j).setConstant(kNaN);
+    }
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = true;
+    opt.mask.key_lengths = lengths;
+    RefMasks rm;
+    rm.causal = true;
+    rm.key_lengths = lengths;
+    const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
+    const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
+    gattn::RowMatrix<float> out_dot(B * N, H * dv), out_wide(B * N, H * dv);
+    {
+        KernelLimit limit(dot_kernel);
+        gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out_dot, opt);
+    }
+    {
+        KernelLimit limit(Bf16Kernel::WidenedFloat);
+        gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out_wide, opt);
+    }
+    const NarrowTol t_dot = tolerance<bfloat16, float>(dot_kernel),
+                    t_wide = tolerance<float, float>(Bf16Kernel::WidenedFloat);
+    expect_close(out_dot, ref.out, t_dot.atol, t_dot.rtol, "DotPrefill/out", t_dot.nmse);
+    expect_close(out_wide, ref.out, t_wide.atol, t_wide.rtol, "WidenedPrefill/out", t_wide.nmse);
+    EXPECT_FALSE(out_dot == out_wide) << kernel_label(dot_kernel)
+                                      << " gave the widened kernel's output bit for bit: did it run?";
+}
+
 /// Rows with no visible key give 0 and log-sum-exp −∞, never NaN, in every output type.
 TEST(NarrowSdpa, FullyMaskedRowsAreZero) {
     const Index B = 2, N = 40, H = 2, d = 24;
@@ -463,8 +507,8 @@ TEST(NarrowSdpa, BadShapesThrowAndLeaveOutputUntouched) {
     EXPECT_TRUE((out.cast<float>().array() == 2.0f).all());
 }
 
-/// The kernel report follows the CPU, the build and the limit. ARM64: BFDOT decodes where the
-/// CPU has BF16, and the report says that prefill widens; elsewhere it says why not.
+/// The kernel report follows the CPU, the build and the limit. ARM64: BFDOT runs SDPA where the
+/// CPU has BF16, and the report says that the projections widen; elsewhere it says why not.
 TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
     const gattn::CpuFeatures& f = gattn::cpu_features();
 #if defined(__aarch64__)
@@ -472,7 +516,7 @@ TEST(NarrowSdpa, KernelReportExplainsTheChoice) {
     EXPECT_EQ(gattn::detail::bf16_kernel_family(), arm.kernel);  // what SDPA dispatches on
     if (f.bf16) {
         EXPECT_EQ(arm.kernel, Bf16Kernel::Bfdot);
-        EXPECT_EQ(arm.reason, "BF16: decoding only; prefill tiles and projections widen to float (no BFMMLA kernel)");
+        EXPECT_EQ(arm.reason, "BF16: SDPA only; projections (PackedLinear) widen to float");
         EXPECT_EQ(gattn::describe(arm).rfind("BFDOT (", 0), 0u) << gattn::describe(arm);
     } else {
         EXPECT_EQ(arm.kernel, Bf16Kernel::WidenedFloat);

@@ -4,7 +4,7 @@
 /// \file
 /// SDPA kernels for query, key and value stored in 16 bits (bf16, fp16), computing in float.
 ///
-/// Three kernels run a group of query blocks of one KV head against its keys, with the same
+/// Four kernels run a group of query blocks of one KV head against its keys, with the same
 /// blocking, masks and online softmax as the float kernel (ops/flash_kernel.hpp): queries in
 /// the SIMD lanes, Sᵀ[key][query] and Oᵀ[feature][query] tiles, Br = FlashGeometry<float>'s
 /// queries per block, Bc = 64 keys per block.
@@ -28,17 +28,21 @@
 ///    TDPBF16PS also treats bf16 subnormals as 0 and
 ///    flushes subnormal results; its sums run in another order than VDPBF16PS's, so the two
 ///    kernels agree to float rounding, not bitwise.
-///  - Widened float (bf16 without AVX512-BF16, and fp16 always): each key block's K and V rows
+///  - BFDOT (ARM64 with BF16, bf16 only): the AVX512-BF16 kernel's steps on NEON's block of 8
+///    queries, with BFDOT by element for both products (simd/arm_neon_bf16.hpp); l adds the
+///    rounded weights in float.
+///  - Widened float (bf16 without a dot-product kernel, and fp16 always): each key block's K and V rows
 ///    and each query block's Q rows are widened to float in a per-thread scratch, then run
 ///    through the float kernel's steps unchanged. Exact widening; results equal the float
 ///    kernel on the widened inputs.
-/// Both write each output row in float to a staging row, run the caller's epilogue there, and
+/// All write each output row in float to a staging row, run the caller's epilogue there, and
 /// round it once to the storage type (round to nearest even), or copy it to a float output.
 ///
 /// Decoding (few queries per KV head) has its own kernel, ops/decode_kernel.hpp, with a
 /// VDPBF16PS variant for bf16 caches (decode_bf16).
 /// This file drives the kernels (blocks, masks, online softmax); their instruction-set code is
-/// in the tiers' headers: simd/x86_avx512bf16.hpp (VDPBF16PS) and simd/x86_amx.hpp (tiles).
+/// in the tiers' headers: simd/x86_avx512bf16.hpp (VDPBF16PS), simd/x86_amx.hpp (tiles) and
+/// simd/arm_neon_bf16.hpp (BFDOT).
 ///
 /// Masked keys: keys outside every lane's range are not read. Inside a partial block, VDPBF16PS
 /// cannot skip a key per lane, so a key hidden from a lane has P = −0 there; when a partial
@@ -221,9 +225,69 @@ void widened_attention_blocks(const FlashBlock<float, S, O>* blocks, int count, 
 
 namespace bf16 {
 
-static_assert(!simd::avx512bf16::kEnabled || (C == FlashGeometry<float>::kCols && W == FlashGeometry<float>::kQueries &&
-                                              Bc == FlashGeometry<float>::kKeys),
-              "the AVX512-BF16 micro-kernels' block is the float kernel's");
+static_assert(!(simd::avx512bf16::kEnabled || simd::neon_bf16::kEnabled) ||
+                  (C == FlashGeometry<float>::kCols && W == FlashGeometry<float>::kQueries &&
+                   Bc == FlashGeometry<float>::kKeys && L == FlashGeometry<float>::kLanes),
+              "the bf16 micro-kernels' block is the float kernel's");
+
+/// Sᵀ rows of the keys [0, nk) of a block: tiles of R keys (the tier's scores_tile), then the
+/// rest with R − 1.
+template <int R, bool Masked, class Transform>
+inline void scores_rows(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, Index p_begin,
+                        float* st, Index j0, Index nk, const float* lane_begin, const float* lane_end, B* bmax, float c,
+                        const Transform* tf) noexcept {
+    Index kk = 0;
+    for (; kk + R <= nk; kk += R) {
+        const bfloat16* next = kk + 2 * R <= nk ? key + (kk + R) * key_stride : key;
+        scores_tile<R, Masked>(key + kk * key_stride, key_stride, qp, dk, p_begin, st + kk * W, j0 + kk, lane_begin,
+                               lane_end, bmax, c, next, tf);
+    }
+    if constexpr (R > 1) {
+        if (kk < nk)
+            scores_rows<R - 1, Masked>(key + kk * key_stride, key_stride, qp, dk, p_begin, st + kk * W, j0 + kk,
+                                       nk - kk, lane_begin, lane_end, bmax, c, tf);
+    }
+}
+
+/// Oᵀ rows [0, d_v): tiles of R features (the tier's values_tile), then the rest with R − 1.
+template <int R>
+inline void values_rows(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot,
+                        Index dv) noexcept {
+    constexpr int P = Bc / 2;
+    Index j = 0;
+    for (; j + R <= dv; j += R) values_tile<R>(vt + j * P, pt, pairs, alpha, ot + j * W);
+    if constexpr (R > 1) {
+        if (j < dv) values_rows<R - 1>(vt + j * P, pt, pairs, alpha, ot + j * W, dv - j);
+    }
+}
+
+/// The PV product lane by lane, skipping the keys a lane does not see (P = −0, bits 0x8000):
+/// for partial key blocks whose V holds a non-finite value.
+inline void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, Index nk, const B* alpha, float* ot,
+                            Index dv) noexcept {
+    constexpr int P = Bc / 2;
+    alignas(64) float a[W];
+    GATTN_UNROLL
+    for (int q = 0; q < C; ++q) alpha[q].store_aligned(a + q * L);
+    auto half = [](std::uint32_t pair, Index k) { return static_cast<std::uint16_t>(k % 2 == 0 ? pair : pair >> 16); };
+    auto to_float = [](std::uint16_t h) {
+        const std::uint32_t w = std::uint32_t(h) << 16;
+        float f;
+        std::memcpy(&f, &w, 4);
+        return f;
+    };
+    for (int t = 0; t < W; ++t)
+        for (Index j = 0; j < dv; ++j) {
+            float acc = 0.0f;
+            for (Index k = 0; k < nk; ++k) {
+                const std::uint16_t pb = half(pt[(k / 2) * W + t], k);
+                if (pb == 0x8000u) continue;  // a key this lane does not see
+                acc += to_float(pb) * to_float(half(vt[j * P + k / 2], k));
+            }
+            float& o = ot[j * W + t];
+            o = std::fma(o, a[t], acc);
+        }
+}
 
 /// One key block [k0, k0 + nk) of a query block; vt holds its packed V (non_finite_values:
 /// whether any is ±∞ or NaN). Same steps as kernel::flash_step, in base 2.
@@ -427,6 +491,13 @@ void narrow_attention_blocks(Bf16Kernel which, const FlashBlock<float, S, O>* bl
             }
         }
         if (which != Bf16Kernel::WidenedFloat) {
+            bf16_attention_blocks<false>(blocks, count, key, key_stride, value, value_stride, dk, dv, scale, ns,
+                                         on_block, pages);
+            return;
+        }
+    }
+    if constexpr (simd::neon_bf16::kEnabled && std::is_same_v<S, bfloat16>) {
+        if (which == Bf16Kernel::Bfdot) {
             bf16_attention_blocks<false>(blocks, count, key, key_stride, value, value_stride, dk, dv, scale, ns,
                                          on_block, pages);
             return;

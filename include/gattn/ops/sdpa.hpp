@@ -510,20 +510,17 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     };
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<T>> partial(static_cast<std::size_t>(at(chunk_begin, B) * Hkv));
-    // 16-bit storage: the kernel families, chosen once per call (bf16_kernel() says why): the
-    // decoding one (bf16_family) and the prefill tiles' (narrow_kernel; ARM64's BFDOT decodes only).
+    // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why), for
+    // decoding and the prefill tiles alike.
     const Bf16Kernel bf16_family = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_kernel_family()
                                                                     : Bf16Kernel::WidenedFloat;
-    const Bf16Kernel narrow_kernel = std::is_same_v<Scalar, bfloat16> ? gattn::detail::bf16_tile_family()
-                                                                      : Bf16Kernel::WidenedFloat;
     // An int8 cache's decoding kernel, chosen once per call (int8_kernel() says why).
     [[maybe_unused]] const Int8Kernel int8_family = kInt8 ? gattn::detail::int8_kernel_family() : Int8Kernel::Vnni;
     // Decoding a bf16 cache with VDPBF16PS (head sizes multiples of 32; also under AMX, whose
     // 16-row tiles would sit mostly idle on a decoding step's few queries) or BFDOT (ARM64, head
     // sizes multiples of 8); else widened.
     [[maybe_unused]] const bool decode_dot =
-        (simd::avx512bf16::kEnabled && narrow_kernel != Bf16Kernel::WidenedFloat &&
-         kernel::decode_bf16::takes(dk, dv)) ||
+        (simd::avx512bf16::kEnabled && bf16_family != Bf16Kernel::WidenedFloat && kernel::decode_bf16::takes(dk, dv)) ||
         (simd::neon_bf16::kEnabled && bf16_family == Bf16Kernel::Bfdot && kernel::decode_bfdot::takes(dk, dv));
     // A float cache on ARM64 with SVE vectors wider than NEON's: both products in SVE
     // (instruction_sets().unused says why not).
@@ -546,7 +543,7 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
         if constexpr (kNarrow) {
             if (any_decode) scratch.reserve_decode(dk, dv, Hkv);
             if (any_prefill)
-                scratch.reserve(dk, dv, static_cast<int>(per_task), narrow_kernel != Bf16Kernel::WidenedFloat);
+                scratch.reserve(dk, dv, static_cast<int>(per_task), bf16_family != Bf16Kernel::WidenedFloat);
         } else {
             if (any_decode) scratch.reserve_blocks(Hkv);
             if (any_prefill)
@@ -621,7 +618,7 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                 };
                 const SequenceRows<KVElem> r = sequence_rows(b);
                 if constexpr (kNarrow)
-                    kernel::narrow_attention_blocks(narrow_kernel, blk, count, r.keys + g * dk, kv.key_stride,
+                    kernel::narrow_attention_blocks(bf16_family, blk, count, r.keys + g * dk, kv.key_stride,
                                                     r.values + g * dv, kv.value_stride, dk, dv, scale, scratch,
                                                     on_block, r.map);
                 else

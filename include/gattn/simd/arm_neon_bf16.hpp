@@ -7,7 +7,8 @@
 /// Holds both products of decoding over a bf16 cache (kernel::decode_bfdot, driven by
 /// ops/decode_kernel.hpp): bf16 queries and keys as they are stored, P rounded to bf16 for the
 /// value sum, float accumulation. The same contract as the AVX512-BF16 kernel
-/// (x86_avx512bf16.hpp, decode_bf16), on four keys a block.
+/// (x86_avx512bf16.hpp, decode_bf16), on four keys a block. And the micro-kernels of the bf16
+/// prefill tiles (kernel::bf16, driven by ops/bf16_flash_kernel.hpp as on x86).
 ///
 /// The build stays at the baseline ARMv8-A: the BFDOT code is compiled with a target attribute
 /// (arch=armv8.2-a+bf16) and runs only where the CPU reports the instructions
@@ -214,5 +215,203 @@ simd::Batch<float> round_weights(const simd::Batch<float>& p, std::uint16_t* pw)
 #endif  // GATTN_HAS_BFDOT_KERNEL
 
 }  // namespace decode_bfdot
+
+#if defined(__aarch64__)
+/// The micro-kernels of the bf16 prefill kernel on ARM64 (BFDOT), which ops/bf16_flash_kernel.hpp
+/// drives as it drives the AVX512-BF16 ones (simd/x86_avx512bf16.hpp), with the same layouts on
+/// NEON's block of W = 8 queries: Q packed as pairs of features [d_k/2][W], Vᵀ as pairs of keys
+/// [d_v][Bc/2], Pᵀ as pairs of keys [Bc/2][W], Sᵀ and Oᵀ in float [keys or d_v][W]. BFDOT's
+/// by-element form multiplies a register of four queries' pairs by one pair of another
+/// register, so one load of a K row's 8 features (or of a Vᵀ row's 4 key pairs) serves four
+/// instructions per query register.
+namespace bf16 {
+
+using B = simd::Batch<float>;
+constexpr int C = 2;      // query registers per block (simd::portable::FlashTiles::kCols)
+constexpr int L = 4;      // lanes per register
+constexpr int W = C * L;  // queries per block (FlashGeometry's kQueries)
+constexpr int Bc = 64;    // keys per block (FlashGeometry's kKeys)
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+#if defined(GATTN_HAS_BFDOT_KERNEL)
+/// qp[p][t] = (q_t[2p], q_t[2p + 1]) for the block's lanes (the second half 0 past an odd d_k),
+/// 0 in padding lanes.
+template <class Block>
+inline void pack_query_pairs(const Block& blk, Index dk, std::uint32_t* qp) noexcept {
+    const Index pairs = (dk + 1) / 2;
+    for (int t = 0; t < W; ++t) {
+        const auto* q = t < blk.count ? reinterpret_cast<const std::uint16_t*>(blk.q[t]) : nullptr;
+        for (Index p = 0; p < pairs; ++p)
+            qp[p * W + t] = q ? std::uint32_t(q[2 * p]) | std::uint32_t(2 * p + 1 < dk ? q[2 * p + 1] : 0) << 16 : 0;
+    }
+}
+
+/// vt[j][p] = (V[2p][j], V[2p + 1][j]) for keys < nk, 0 for the key past an odd nk. Returns
+/// whether a value is non-finite (exponent all ones).
+inline bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk, Index dv,
+                             std::uint32_t* vt) noexcept {
+    constexpr int P = Bc / 2;
+    std::uint16_t any = 0;
+    for (Index p = 0; p < (nk + 1) / 2; ++p) {
+        const auto* a = reinterpret_cast<const std::uint16_t*>(value + 2 * p * value_stride);
+        const auto* b = 2 * p + 1 < nk ? reinterpret_cast<const std::uint16_t*>(value + (2 * p + 1) * value_stride)
+                                       : nullptr;
+        for (Index j = 0; j < dv; ++j) {
+            const std::uint16_t lo = a[j], hi = b ? b[j] : std::uint16_t(0);
+            any |= static_cast<std::uint16_t>(((lo & 0x7F80u) == 0x7F80u) | ((hi & 0x7F80u) == 0x7F80u));
+            vt[j * P + p] = std::uint32_t(lo) | (std::uint32_t(hi) << 16);
+        }
+    }
+    return any != 0;
+}
+
+namespace detail {
+/// Four pairs of 32-bit values at p as a bf16 register.
+GATTN_TARGET_BF16 inline bfloat16x8_t load_pairs(const std::uint32_t* p) noexcept {
+    return vreinterpretq_bf16_u32(vld1q_u32(p));
+}
+
+/// acc[q] += BFDOT of the query registers qv[i][q] with pair i of x, for the four pairs i.
+GATTN_TARGET_BF16 inline void dot_four_pairs(float32x4_t* acc, const bfloat16x8_t (*qv)[C], bfloat16x8_t x) noexcept {
+    GATTN_UNROLL
+    for (int q = 0; q < C; ++q) {
+        acc[q] = vbfdotq_laneq_f32(acc[q], qv[0][q], x, 0);
+        acc[q] = vbfdotq_laneq_f32(acc[q], qv[1][q], x, 1);
+        acc[q] = vbfdotq_laneq_f32(acc[q], qv[2][q], x, 2);
+        acc[q] = vbfdotq_laneq_f32(acc[q], qv[3][q], x, 3);
+    }
+}
+}  // namespace detail
+
+/// Sᵀ[kk][·] = c · Σ_p K[kk]·Q pairs for kk in [0, R) keys × C registers; masked lanes −∞;
+/// folds into the block max (p_begin: 0, no tile unit here).
+template <int R, bool Masked, class Transform>
+GATTN_TARGET_BF16 inline void scores_tile(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk,
+                                          Index p_begin, float* st, Index j0, const float* lane_begin,
+                                          const float* lane_end, B* bmax, float c, const bfloat16* next_key,
+                                          const Transform* tf) noexcept {
+    (void)p_begin;
+    float32x4_t acc[R][C];
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
+        for (int q = 0; q < C; ++q) acc[r][q] = vdupq_n_f32(0.0f);
+    }
+    const Index quads = dk / 8;  // 8 features (4 pairs) a K load
+    for (Index f = 0; f < quads; ++f) {
+        if (f % 4 == 0) {
+            GATTN_UNROLL
+            for (int r = 0; r < R; ++r) simd::prefetch(next_key + r * key_stride + 8 * f);
+        }
+        bfloat16x8_t qv[4][C];
+        GATTN_UNROLL
+        for (int i = 0; i < 4; ++i) {
+            GATTN_UNROLL
+            for (int q = 0; q < C; ++q) qv[i][q] = detail::load_pairs(qp + (4 * f + i) * W + q * L);
+        }
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r)
+            detail::dot_four_pairs(acc[r], qv, decode_bfdot::detail::load8(key + r * key_stride + 8 * f));
+    }
+    for (Index p = 4 * quads; p < (dk + 1) / 2; ++p) {  // the last pairs one by one (an odd d_k: with 0)
+        bfloat16x8_t qv[C];
+        GATTN_UNROLL
+        for (int q = 0; q < C; ++q) qv[q] = detail::load_pairs(qp + p * W + q * L);
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            const auto* k = reinterpret_cast<const std::uint16_t*>(key + r * key_stride);
+            const std::uint32_t pair = std::uint32_t(k[2 * p]) | std::uint32_t(2 * p + 1 < dk ? k[2 * p + 1] : 0) << 16;
+            const bfloat16x8_t kb = vreinterpretq_bf16_u32(vdupq_n_u32(pair));
+            GATTN_UNROLL
+            for (int q = 0; q < C; ++q) acc[r][q] = vbfdotq_f32(acc[r][q], qv[q], kb);
+        }
+    }
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        const B j(static_cast<float>(j0 + r));
+        GATTN_UNROLL
+        for (int q = 0; q < C; ++q) {
+            B v = B(acc[r][q]) * B(c);
+            if (tf) v = tf->apply(v, q, j);
+            if constexpr (Masked) {
+                const auto visible = (B::load_aligned(lane_begin + q * L) <= j) &
+                                     (j < B::load_aligned(lane_end + q * L));
+                v = xsimd::select(visible, v, B(kNegInf));
+            }
+            v.store_aligned(st + r * W + q * L);
+            bmax[q] = xsimd::max(bmax[q], v);
+        }
+    }
+}
+
+/// Oᵀ[j + r][·] = α·Oᵀ[j + r][·] + Σ_p Vᵀ pairs · Pᵀ pairs for r in [0, R).
+template <int R>
+GATTN_TARGET_BF16 inline void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha,
+                                          float* ot) noexcept {
+    constexpr int P = Bc / 2;
+    float32x4_t acc[R][C];
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
+        for (int q = 0; q < C; ++q) acc[r][q] = vdupq_n_f32(0.0f);
+    }
+    Index p = 0;
+    for (; p + 4 <= pairs; p += 4) {
+        bfloat16x8_t pv[4][C];
+        GATTN_UNROLL
+        for (int i = 0; i < 4; ++i) {
+            GATTN_UNROLL
+            for (int q = 0; q < C; ++q) pv[i][q] = detail::load_pairs(pt + (p + i) * W + q * L);
+        }
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) detail::dot_four_pairs(acc[r], pv, detail::load_pairs(vt + r * P + p));
+    }
+    for (; p < pairs; ++p) {
+        bfloat16x8_t pv[C];
+        GATTN_UNROLL
+        for (int q = 0; q < C; ++q) pv[q] = detail::load_pairs(pt + p * W + q * L);
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            const bfloat16x8_t vb = vreinterpretq_bf16_u32(vdupq_n_u32(vt[r * P + p]));
+            GATTN_UNROLL
+            for (int q = 0; q < C; ++q) acc[r][q] = vbfdotq_f32(acc[r][q], pv[q], vb);
+        }
+    }
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
+        for (int q = 0; q < C; ++q) {
+            float* o = ot + r * W + q * L;
+            simd::fma(B::load_aligned(o), alpha[q], B(acc[r][q])).store_aligned(o);
+        }
+    }
+}
+
+/// The weights pa (key 2p) and pb (key 2p + 1) of one register of queries rounded to bf16
+/// (BFCVTN: nearest even) and stored interleaved at dst (each lane's pair of keys in one 32-bit
+/// value); returns lsum plus the rounded weights, widened back (exact) and added in float, so
+/// that l adds what multiplies V. (A BFDOT against a register of bf16 ones, as on x86, makes
+/// GCC 12 emit an FP16 FMOV for the constant, which BF16 alone does not have.)
+GATTN_TARGET_BF16 inline B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B& lsum) noexcept {
+    const uint16x4_t a = vreinterpret_u16_bf16(vcvt_bf16_f32(pa)), b = vreinterpret_u16_bf16(vcvt_bf16_f32(pb));
+    vst1q_u32(dst, vreinterpretq_u32_u16(vcombine_u16(vzip1_u16(a, b), vzip2_u16(a, b))));
+    const float32x4_t wa = vreinterpretq_f32_u32(vshll_n_u16(a, 16)), wb = vreinterpretq_f32_u32(vshll_n_u16(b, 16));
+    return lsum + B(vaddq_f32(wa, wb));
+}
+#else
+template <class Block>
+void pack_query_pairs(const Block& blk, Index dk, std::uint32_t* qp) noexcept;
+bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk, Index dv, std::uint32_t* vt) noexcept;
+template <int R, bool Masked, class Transform>
+void scores_tile(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, Index p_begin, float* st,
+                 Index j0, const float* lane_begin, const float* lane_end, B* bmax, float c, const bfloat16* next_key,
+                 const Transform* tf) noexcept;
+template <int R>
+void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot) noexcept;
+B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B& lsum) noexcept;
+#endif  // GATTN_HAS_BFDOT_KERNEL
+
+}  // namespace bf16
+#endif  // __aarch64__
 }  // namespace kernel
 GATTN_END_ISA_NAMESPACE

@@ -57,11 +57,13 @@ inline std::uint16_t bits16(const S& x) noexcept {
 namespace bf16 {
 
 using B = simd::Batch<float>;
+#if !defined(__aarch64__)                           // (ARM64's BFDOT kernel has its own block: simd/arm_neon_bf16.hpp)
 constexpr int C = simd::avx512::FlashTiles::kCols;  // query registers per block
 constexpr int L = 16;                               // lanes per register
 constexpr int W = C * L;                            // queries per block (FlashGeometry's kQueries)
 constexpr int Bc = 64;                              // keys per block (FlashGeometry's kKeys)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+#endif
 
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
 static_assert(sizeof(B) == 64, "the AVX512-BF16 kernel uses 512-bit registers");
@@ -250,23 +252,6 @@ inline void scores_tile(const bfloat16* key, Index key_stride, const std::uint32
     for (int r = 0; r < R; ++r) finish_scores<Masked>(acc[r], st + r * W, j0 + r, lane_begin, lane_end, bmax, c, tf);
 }
 
-template <int R, bool Masked, class Transform>
-inline void scores_rows(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, Index p_begin,
-                        float* st, Index j0, Index nk, const float* lane_begin, const float* lane_end, B* bmax, float c,
-                        const Transform* tf) noexcept {
-    Index kk = 0;
-    for (; kk + R <= nk; kk += R) {
-        const bfloat16* next = kk + 2 * R <= nk ? key + (kk + R) * key_stride : key;
-        scores_tile<R, Masked>(key + kk * key_stride, key_stride, qp, dk, p_begin, st + kk * W, j0 + kk, lane_begin,
-                               lane_end, bmax, c, next, tf);
-    }
-    if constexpr (R > 1) {
-        if (kk < nk)
-            scores_rows<R - 1, Masked>(key + kk * key_stride, key_stride, qp, dk, p_begin, st + kk * W, j0 + kk,
-                                       nk - kk, lane_begin, lane_end, bmax, c, tf);
-    }
-}
-
 /// Oᵀ[j + r][·] = α·Oᵀ[j + r][·] + Σ_p Vᵀ pairs · Pᵀ pairs for r in [0, R).
 template <int R>
 inline void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha,
@@ -299,45 +284,6 @@ inline void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index 
     }
 }
 
-template <int R>
-inline void values_rows(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot,
-                        Index dv) noexcept {
-    constexpr int P = Bc / 2;
-    Index j = 0;
-    for (; j + R <= dv; j += R) values_tile<R>(vt + j * P, pt, pairs, alpha, ot + j * W);
-    if constexpr (R > 1) {
-        if (j < dv) values_rows<R - 1>(vt + j * P, pt, pairs, alpha, ot + j * W, dv - j);
-    }
-}
-
-/// The PV product lane by lane, skipping the keys a lane does not see (P = −0, bits 0x8000):
-/// for partial key blocks whose V holds a non-finite value.
-inline void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, Index nk, const B* alpha, float* ot,
-                            Index dv) noexcept {
-    constexpr int P = Bc / 2;
-    alignas(64) float a[W];
-    GATTN_UNROLL
-    for (int q = 0; q < C; ++q) alpha[q].store_aligned(a + q * L);
-    auto half = [](std::uint32_t pair, Index k) { return static_cast<std::uint16_t>(k % 2 == 0 ? pair : pair >> 16); };
-    auto to_float = [](std::uint16_t h) {
-        const std::uint32_t w = std::uint32_t(h) << 16;
-        float f;
-        std::memcpy(&f, &w, 4);
-        return f;
-    };
-    for (int t = 0; t < W; ++t)
-        for (Index j = 0; j < dv; ++j) {
-            float acc = 0.0f;
-            for (Index k = 0; k < nk; ++k) {
-                const std::uint16_t pb = half(pt[(k / 2) * W + t], k);
-                if (pb == 0x8000u) continue;  // a key this lane does not see
-                acc += to_float(pb) * to_float(half(vt[j * P + k / 2], k));
-            }
-            float& o = ot[j * W + t];
-            o = std::fma(o, a[t], acc);
-        }
-}
-
 /// The weights pa (key 2p) and pb (key 2p + 1) of one register of queries rounded to bf16 and
 /// stored interleaved at dst (each lane's pair of keys in one 32-bit value); returns lsum plus
 /// the rounded weights' sums (a VDPBF16PS against ones), so that l adds what multiplies V.
@@ -349,19 +295,16 @@ inline B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B&
     _mm512_store_si512(dst, packed);
     return B(dp(lsum, packed, ones));
 }
-#else
+#elif !defined(__aarch64__)
 template <class Block>
 void pack_query_pairs(const Block& blk, Index dk, std::uint32_t* qp) noexcept;
 bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk, Index dv, std::uint32_t* vt) noexcept;
 template <int R, bool Masked, class Transform>
-void scores_rows(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, Index p_begin, float* st,
-                 Index j0, Index nk, const float* lane_begin, const float* lane_end, B* bmax, float c,
+void scores_tile(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, Index p_begin, float* st,
+                 Index j0, const float* lane_begin, const float* lane_end, B* bmax, float c, const bfloat16* next_key,
                  const Transform* tf) noexcept;
 template <int R>
-void values_rows(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot,
-                 Index dv) noexcept;
-void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, Index nk, const B* alpha, float* ot,
-                     Index dv) noexcept;
+void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot) noexcept;
 B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B& lsum) noexcept;
 #endif  // GATTN_HAS_AVX512BF16_KERNEL
 
