@@ -14,6 +14,7 @@
 #   int8 SDOT logits    decode_sdot::logits<R, …> (ARMv8.2 dot product, chosen at run time)
 #   bf16 BFDOT decode   decode_bfdot::logits<R> and values<R> (BF16, chosen at run time)
 #   bf16 BFDOT prefill  bf16::scores_tile<R, …> and values_tile<R> (BF16, chosen at run time)
+#   bf16 BFDOT linear   PackedLinear's linear_tile<R> and linear_pair<…> (BF16, chosen at run time)
 #   float SVE decode    decode_sve::logits<R> and values<R> (SVE, chosen at run time; FMLA on
 #                       z registers)
 # Functions are matched by name, demangled or (where binutils cannot demangle one) mangled.
@@ -35,6 +36,7 @@ kernels=(
   "int8 SDOT logits|decode_sdot::logits<[0-9]+,|11decode_sdot6logitsILi[0-9]+E||sdot"
   "bf16 BFDOT decode|decode_bfdot::(logits|values)<[0-9]+>|12decode_bfdot(6logits|6values)ILi[0-9]+E||bfdot"
   "bf16 BFDOT prefill|bf16::(scores_tile<[0-9]+,|values_tile<[0-9]+>)|4bf16(11scores_tile|11values_tile)ILi[0-9]+E||bfdot"
+  "bf16 BFDOT linear|detail::(linear_tile|linear_pair)<[0-9]+|6detail(11linear_tile|11linear_pair)ILi[0-9]+||bfdot"
   "float SVE decode|decode_sve::(logits|values)<[0-9]+>|10decode_sve(6logits|6values)ILi[0-9]+E||fmla@z"
 )
 

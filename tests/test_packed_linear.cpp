@@ -44,6 +44,7 @@ std::vector<Choice> runnable() {
     if (best == Bf16Kernel::Amx) cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Amx});
     if (best == Bf16Kernel::Amx || best == Bf16Kernel::Avx512Bf16)
         cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Avx512Bf16});
+    if (best == Bf16Kernel::Bfdot) cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::Bfdot});  // ARM64
     cs.push_back({gattn::LinearBackend::HeaderOnly, Bf16Kernel::WidenedFloat});
     if (gattn::compiled_with_onednn() &&
         gattn::PackedLinear<bfloat16>(gattn::RowMatrix<bfloat16>::Zero(1, 1)).backend() == gattn::LinearBackend::OneDnn)
@@ -51,7 +52,7 @@ std::vector<Choice> runnable() {
     return cs;
 }
 
-/// Whether lin rounds float x to bf16 (the AMX and AVX512-BF16 kernels, oneDNN) or widens its
+/// Whether lin rounds float x to bf16 (the AMX, AVX512-BF16 and BFDOT kernels, oneDNN) or widens its
 /// weights.
 template <class S>
 bool rounds_x(const gattn::PackedLinear<S>& lin) {
@@ -258,6 +259,9 @@ TEST(PackedLinear, BackendIsReported) {
     const gattn::RowMatrix<bfloat16> w = random_matrix(8, 6, 8).cast<bfloat16>();
     const gattn::PackedLinear<bfloat16> lin(w);
     const gattn::PackedLinear<half> lin16(w.cast<float>().cast<half>());
+    // The header-only kernel is SDPA's bf16 family (BFDOT on ARM64 with BF16).
+    EXPECT_EQ(gattn::PackedLinear<bfloat16>(w, gattn::Vector<float>(), gattn::LinearBackend::HeaderOnly).kernel(),
+              gattn::bf16_kernel().kernel);
     EXPECT_EQ(lin16.backend(), gattn::LinearBackend::HeaderOnly);
     EXPECT_NE(lin16.describe().find("oneDNN: used for bf16 weights only"), std::string::npos) << lin16.describe();
     EXPECT_THROW(gattn::PackedLinear<half>(w.cast<float>().cast<half>(), gattn::Vector<float>(),

@@ -33,13 +33,16 @@
 ///    to bf16 (nearest even) when it is float, and each output is Σ over input pairs of
 ///    VDPBF16PS products, in float, in input order, plus the bias in float. Tiles of 6 rows of x
 ///    × 64 outputs (24 accumulators); the panels are split over the OpenMP threads.
-///  - Widened float (fp16 weights; bf16 without AVX512-BF16): the weights stay as given; each
+///  - BFDOT (ARM64 with BF16), bf16 weights: the AVX512-BF16 kernel's packing and rounding;
+///    each panel in slices of 16 outputs (8 above 4 rows), the pairs four at a time by BFDOT by
+///    element (simd/arm_neon_bf16.hpp), tiles of up to 6 rows of x.
+///  - Widened float (fp16 weights; bf16 without a dot-product kernel): the weights stay as given; each
 ///    panel of 64 output rows is widened exactly to float in a per-thread scratch and multiplied
 ///    by float x with Eigen (one thread per panel): a matrix-vector product per row up to
 ///    kLinearGemvRows rows, a GEMM above.
 /// Each kernel computes each output on one thread in a fixed order: the result does not depend
 /// on the thread count, and, up to kLinearGemvRows rows (decoding a batch; AMX: at any row
-/// count), a row's result does not depend on the other rows. AMX and AVX512-BF16 sum the same
+/// count; BFDOT: at any row count), a row's result does not depend on the other rows. AMX and AVX512-BF16 sum the same
 /// products in different orders and roundings, so their results differ in the last bits.
 ///
 /// Optional backend: with GATTN_WITH_ONEDNN defined and libdnnl linked (CMake
@@ -143,7 +146,7 @@ public:
         if (backend == LinearBackend::Default) backend = detail::default_linear_backend();
         if (backend != LinearBackend::HeaderOnly && try_onednn(weight, bias, backend == LinearBackend::OneDnn)) return;
         m_bias = bias;
-        m_kernel = std::is_same_v<Storage, bfloat16> ? detail::bf16_tile_family() : Bf16Kernel::WidenedFloat;
+        m_kernel = std::is_same_v<Storage, bfloat16> ? detail::bf16_kernel_family() : Bf16Kernel::WidenedFloat;
         if (m_kernel == Bf16Kernel::WidenedFloat) {
             m_rows = weight;
             return;
@@ -329,7 +332,7 @@ private:
 
     template <class X>
     void forward_pairs(ConstMatrixRef<X> x, float* y, Index ldy) const {
-        if constexpr (!simd::avx512bf16::kEnabled) {
+        if constexpr (!simd::avx512bf16::kEnabled && !simd::neon_bf16::kEnabled) {
             (void)x, (void)y, (void)ldy;
         } else {
             const Index rows = x.rows(), pairs = (m_in + 1) / 2;

@@ -8,7 +8,8 @@
 /// ops/decode_kernel.hpp): bf16 queries and keys as they are stored, P rounded to bf16 for the
 /// value sum, float accumulation. The same contract as the AVX512-BF16 kernel
 /// (x86_avx512bf16.hpp, decode_bf16), on four keys a block. And the micro-kernels of the bf16
-/// prefill tiles (kernel::bf16, driven by ops/bf16_flash_kernel.hpp as on x86).
+/// prefill tiles (kernel::bf16, driven by ops/bf16_flash_kernel.hpp as on x86) and
+/// PackedLinear's bf16 product (detail::linear_tile, driven by ops/packed_linear.hpp).
 ///
 /// The build stays at the baseline ARMv8-A: the BFDOT code is compiled with a target attribute
 /// (arch=armv8.2-a+bf16) and runs only where the CPU reports the instructions
@@ -19,7 +20,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 #include "gattn/config.hpp"
 #include "gattn/simd/compat.hpp"
@@ -414,4 +417,114 @@ B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B& lsum) 
 }  // namespace bf16
 #endif  // __aarch64__
 }  // namespace kernel
+
+#if defined(__aarch64__)
+/// PackedLinear's (ops/packed_linear.hpp) BFDOT kernel: x rounded to bf16 pairs, times weights
+/// packed in panels of kLinearPanel outputs × pairs of inputs (the layout of the AVX512-BF16
+/// kernel in x86_avx512bf16.hpp).
+namespace detail {
+
+/// Outputs per packed panel (16 NEON registers of float).
+inline constexpr Index kLinearPanel = 64;
+
+#if defined(GATTN_HAS_BFDOT_KERNEL)
+/// dst[p] = the pair (x[2p], x[2p+1]) rounded to bf16 (nearest even), for p < ⌈n/2⌉; a missing
+/// x[n] is 0.
+template <class X>
+inline void linear_pack_x(const X* x, Index n, std::uint32_t* dst) noexcept {
+    auto bits = [](const X& v) {
+        std::uint16_t b;
+        if constexpr (std::is_same_v<X, float>) {
+            const bfloat16 h(v);  // nearest even
+            std::memcpy(&b, &h, 2);
+        } else {
+            std::memcpy(&b, &v, 2);
+        }
+        return std::uint32_t(b);
+    };
+    for (Index p = 0; 2 * p < n; ++p) dst[p] = bits(x[2 * p]) | (2 * p + 1 < n ? bits(x[2 * p + 1]) << 16 : 0u);
+}
+
+/// acc[r][c] += the C registers of pair row `row` of a panel times pair Lane of xq[r].
+template <int Lane, int R, int C>
+GATTN_TARGET_BF16 inline void linear_pair(float32x4_t (*acc)[C], const bfloat16x8_t* xq,
+                                          const std::uint32_t* row) noexcept {
+    bfloat16x8_t wv[C];
+    GATTN_UNROLL
+    for (int c = 0; c < C; ++c) wv[c] = vreinterpretq_bf16_u32(vld1q_u32(row + c * 4));
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        GATTN_UNROLL
+        for (int c = 0; c < C; ++c) acc[r][c] = vbfdotq_laneq_f32(acc[r][c], wv[c], xq[r], Lane);
+    }
+}
+
+/// out[r][o0 + j] = Σ_p x_pairs[r][p]·panel[p][j] + bias (j < n ≤ 64) for R rows: the panel's
+/// outputs in slices of C registers (16 with up to 4 rows, else 8), each slice's pairs four at
+/// a time (BFDOT by element: one load of 4 pairs of a row of x serves four instructions per
+/// register of 4 outputs), in input order.
+template <int R>
+GATTN_TARGET_BF16 inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::uint32_t* panel,
+                                          const float* bias, float* out, Index out_stride, Index n) noexcept {
+    constexpr int C = R <= 4 ? 4 : 2, L = 4;
+    for (Index o = 0; o < n; o += C * L) {
+        float32x4_t acc[R][C];
+        GATTN_UNROLL
+        for (int r = 0; r < R; ++r) {
+            GATTN_UNROLL
+            for (int c = 0; c < C; ++c) acc[r][c] = vdupq_n_f32(0.0f);
+        }
+        const std::uint32_t* w = panel + o;
+        Index p = 0;
+        for (; p + 4 <= pairs; p += 4) {
+            bfloat16x8_t xq[R];
+            GATTN_UNROLL
+            for (int r = 0; r < R; ++r) xq[r] = vreinterpretq_bf16_u32(vld1q_u32(x_pairs + r * pairs + p));
+            linear_pair<0, R, C>(acc, xq, w + p * kLinearPanel);
+            linear_pair<1, R, C>(acc, xq, w + (p + 1) * kLinearPanel);
+            linear_pair<2, R, C>(acc, xq, w + (p + 2) * kLinearPanel);
+            linear_pair<3, R, C>(acc, xq, w + (p + 3) * kLinearPanel);
+        }
+        for (; p < pairs; ++p) {
+            bfloat16x8_t wv[C];
+            GATTN_UNROLL
+            for (int c = 0; c < C; ++c) wv[c] = vreinterpretq_bf16_u32(vld1q_u32(w + p * kLinearPanel + c * L));
+            GATTN_UNROLL
+            for (int r = 0; r < R; ++r) {
+                const bfloat16x8_t xb = vreinterpretq_bf16_u32(vdupq_n_u32(x_pairs[r * pairs + p]));
+                GATTN_UNROLL
+                for (int c = 0; c < C; ++c) acc[r][c] = vbfdotq_f32(acc[r][c], wv[c], xb);
+            }
+        }
+        GATTN_UNROLL
+        for (int c = 0; c < C; ++c) {
+            const Index j = o + c * L;
+            if (j >= n) break;
+            alignas(16) float b[L] = {};
+            for (Index i = 0; i < L && j + i < n; ++i) b[i] = bias ? bias[j + i] : 0.0f;
+            const float32x4_t bv = vld1q_f32(b);
+            GATTN_UNROLL
+            for (int r = 0; r < R; ++r) {
+                const float32x4_t y = vaddq_f32(acc[r][c], bv);
+                if (n - j >= L) {
+                    vst1q_f32(out + r * out_stride + j, y);
+                } else {
+                    alignas(16) float t[L];
+                    vst1q_f32(t, y);
+                    for (Index i = 0; j + i < n; ++i) out[r * out_stride + j + i] = t[i];
+                }
+            }
+        }
+    }
+}
+#else
+template <class X>
+void linear_pack_x(const X* x, Index n, std::uint32_t* dst) noexcept;
+template <int R>
+void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::uint32_t* panel, const float* bias, float* out,
+                 Index out_stride, Index n) noexcept;
+#endif  // GATTN_HAS_BFDOT_KERNEL
+
+}  // namespace detail
+#endif  // __aarch64__
 GATTN_END_ISA_NAMESPACE

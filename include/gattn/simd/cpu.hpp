@@ -15,9 +15,8 @@
 ///    (ops/bf16_flash_kernel.hpp); needs a translation unit built with AVX512-BF16
 ///    (e.g. -march=native on Zen 4/5, Cooper Lake, Sapphire Rapids) and a CPU that has it.
 ///  - Bfdot (ARM64): BFDOT products of bf16 pairs into float lanes (simd/arm_neon_bf16.hpp),
-///    for both the prefill tiles and decoding; PackedLinear widens to float. Compiled in every
-///    ARM64 build (a target attribute, the build stays ARMv8-A); needs a CPU with the BF16
-///    instructions (HWCAP2 bf16).
+///    for the prefill tiles, decoding and PackedLinear. Compiled in every ARM64 build (a target
+///    attribute, the build stays ARMv8-A); needs a CPU with the BF16 instructions (HWCAP2 bf16).
 ///  - WidenedFloat: inputs widened to float block by block inside the float kernel.
 ///
 /// Kernels for decoding against an int8 KV cache (int8_kernel()), fastest first:
@@ -71,7 +70,7 @@ namespace gattn {
 enum class Bf16Kernel {
     Amx,           ///< AMX tiles (TDPBF16PS)
     Avx512Bf16,    ///< AVX512-BF16 (VDPBF16PS)
-    Bfdot,         ///< ARM64 BF16 (BFDOT) for SDPA; projections widen to float
+    Bfdot,         ///< ARM64 BF16 (BFDOT)
     WidenedFloat,  ///< bf16 widened to float inside the float kernel
 };
 
@@ -244,7 +243,7 @@ inline constexpr bool kArmTargetKernels = false;
 #endif
 }  // namespace detail
 
-/// Whether this translation unit contains the ARM64 BFDOT bf16 SDPA kernels (every ARM64
+/// Whether this translation unit contains the ARM64 BFDOT bf16 kernels (every ARM64
 /// build with GCC or Clang: it is compiled with a target attribute and chosen at run time).
 inline constexpr bool compiled_with_bfdot() noexcept { return detail::kArmTargetKernels; }
 
@@ -308,13 +307,6 @@ inline Bf16Kernel bf16_kernel_family() noexcept {
     if (limit != Bf16Kernel::WidenedFloat && cpu_features().bf16 && compiled_with_bfdot()) return Bf16Kernel::Bfdot;
     return Bf16Kernel::WidenedFloat;
 }
-
-/// The family that PackedLinear's bf16 tiles run: bf16_kernel_family(), with ARM64's Bfdot (an
-/// SDPA kernel only) as WidenedFloat.
-inline Bf16Kernel bf16_tile_family() noexcept {
-    const Bf16Kernel k = bf16_kernel_family();
-    return k == Bf16Kernel::Bfdot ? Bf16Kernel::WidenedFloat : k;
-}
 }  // namespace detail
 
 /// The kernel family an SDPA call on bf16 query, key and value runs here, and why no faster
@@ -322,15 +314,13 @@ inline Bf16Kernel bf16_tile_family() noexcept {
 /// set_bf16_kernel_limit, Linux refused the AMX tile permission). fp16 inputs always run
 /// WidenedFloat. May be called from several threads (set_bf16_kernel_limit may not). The first
 /// call on a CPU with AMX asks Linux for the tile permission. ARM64: Bfdot where the CPU has
-/// the BF16 instructions (prefill tiles and decoding), whose reason says that the projections
-/// widen to float; else WidenedFloat and the reason says why.
+/// the BF16 instructions (an empty reason), else WidenedFloat and the reason says why.
 inline KernelChoice bf16_kernel() {
     KernelChoice choice;
 #if defined(__aarch64__)
     choice.kernel = detail::bf16_kernel_family();
-    if (choice.kernel == Bf16Kernel::Bfdot)
-        choice.reason = "BF16: SDPA only; projections (PackedLinear) widen to float";
-    else if (detail::bf16_kernel_limit() == Bf16Kernel::WidenedFloat)
+    if (choice.kernel == Bf16Kernel::Bfdot) return choice;
+    if (detail::bf16_kernel_limit() == Bf16Kernel::WidenedFloat)
         choice.reason = "BF16 (BFDOT): excluded by set_bf16_kernel_limit";
     else if (!cpu_features().bf16)
         choice.reason = "BF16 (BFDOT): this CPU has none";

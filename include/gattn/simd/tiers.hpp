@@ -20,7 +20,7 @@
 /// | x86 AMX | x86_amx.hpp | TDPBF16PS tile code: bf16 prefill |
 /// | ARM64 NEON | arm_neon.hpp | bf16/fp16/int8 widening, division, bit casts, shifts |
 /// | ARM64 dot product (run-time, HWCAP asimddp) | arm_neon_dotprod.hpp | SDOT kernel: int8 decoding logits |
-/// | ARM64 BF16 (run-time, HWCAP2 bf16) | arm_neon_bf16.hpp | BFDOT kernels: bf16 prefill and decoding |
+/// | ARM64 BF16 (run-time, HWCAP2 bf16) | arm_neon_bf16.hpp | BFDOT kernels: bf16 prefill, decoding and PackedLinear |
 /// | ARM64 SVE (run-time, HWCAP sve, vectors over 128 bits) | arm_sve.hpp | float decoding in the CPU's vector length |
 ///
 /// Adding a tier: a header with its namespace simd::TIER (kEnabled, its kernels, and

@@ -506,8 +506,10 @@ simd::Batch<float> round_weights(const simd::Batch<float>& p, std::uint16_t* pw)
 /// weights packed in panels of kLinearPanel outputs × pairs of inputs.
 namespace detail {
 
+#if !defined(__aarch64__)  // (ARM64's BFDOT kernel: simd/arm_neon_bf16.hpp)
 /// Outputs per packed panel (4 AVX-512 registers of float).
 inline constexpr Index kLinearPanel = 64;
+#endif
 
 #if defined(GATTN_HAS_AVX512BF16_KERNEL)
 /// dst[p] = the pair (x[2p], x[2p+1]) rounded to bf16 (nearest even), for p < ⌈n/2⌉; a missing
@@ -568,7 +570,7 @@ inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::ui
         for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride + j, m, _mm512_add_ps(acc[r][c], b));
     }
 }
-#else
+#elif !defined(__aarch64__)
 template <class X>
 void linear_pack_x(const X* x, Index n, std::uint32_t* dst) noexcept;
 template <int R>
