@@ -493,6 +493,53 @@ TEST(NarrowSdpa, ThreadCountDoesNotChangeResults) {
 #endif
 }
 
+/// The same with value rows that hold NaN where a bias of −∞ hides their keys, just past where
+/// a query block's keys end inside a key block: whether its step goes key by key must depend on
+/// its own keys, not on the keys of the query blocks grouped with it (which the thread count
+/// sets). Bottom-right causal over 16 or 21 more keys than queries (an even and an odd count of
+/// keys in each query block's last key block; with 21 the NaN key pairs with the block's last).
+TEST(NarrowSdpa, ThreadCountDoesNotChangeResultsWithHiddenNaNValues) {
+#ifdef _OPENMP
+    const Index B = 1, Nq = 512, H = 2, Hkv = 1, d = 40;
+    const int saved = omp_get_max_threads();
+    for (Index Nk : {Nq + 16, Nq + 21}) {
+        Mat q = rounded<bfloat16>(random_matrix(Nq, H * d, 61)),
+            key = rounded<bfloat16>(random_matrix(Nk, Hkv * d, 62)),
+            v = rounded<bfloat16>(random_matrix(Nk, Hkv * d, 63));
+        std::vector<float> bias(static_cast<std::size_t>(Nk), 0.0f);
+        for (Index j = 64 + Nk - Nq; j < Nk; j += 64) {
+            bias[static_cast<std::size_t>(j)] = -std::numeric_limits<float>::infinity();
+            v.row(j).setConstant(kNaN);
+        }
+        gattn::SdpaOptions<float> opt;
+        opt.mask.causal = true;
+        opt.mask.bias = {bias.data(), 1, 1, 1, Nk};
+        RefMasks rm;
+        rm.causal = true;
+        for (Index r = 0; r < B * H * Nq; ++r) rm.bias.insert(rm.bias.end(), bias.begin(), bias.end());  // dense
+        const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
+        const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
+        for (Bf16Kernel k : runnable_kernels()) {
+            KernelLimit limit(k);
+            const NarrowTol t = tolerance<bfloat16, float>(k);
+            std::vector<gattn::RowMatrix<float>> outs;
+            for (int threads : {1, 2, 3}) {
+                omp_set_num_threads(threads);
+                gattn::RowMatrix<float> out(Nq, H * d);
+                gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out, opt);
+                expect_close(out, ref.out, t.atol, t.rtol,
+                             std::string("HiddenNaN/") + kernel_label(k) + "/Nk" + std::to_string(Nk), t.nmse);
+                outs.push_back(out);
+            }
+            EXPECT_TRUE(outs[0] == outs[1] && outs[0] == outs[2]) << kernel_label(k) << " Nk " << Nk;
+        }
+    }
+    omp_set_num_threads(saved);
+#else
+    GTEST_SKIP() << "built without OpenMP";
+#endif
+}
+
 /// Bad shapes are refused with the argument named, before anything is written.
 TEST(NarrowSdpa, BadShapesThrowAndLeaveOutputUntouched) {
     const gattn::RowMatrix<bfloat16> q = gattn::RowMatrix<bfloat16>::Zero(10, 16),

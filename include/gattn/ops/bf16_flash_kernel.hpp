@@ -45,9 +45,12 @@
 /// simd/arm_neon_bf16.hpp (BFDOT).
 ///
 /// Masked keys: keys outside every lane's range are not read. Inside a partial block, VDPBF16PS
-/// cannot skip a key per lane, so a key hidden from a lane has P = −0 there; when a partial
-/// key block's V holds a non-finite value (±∞, NaN: garbage in an unused cache slot), that
-/// block's PV product runs lane by lane and skips such keys, so masking never lets it through.
+/// cannot skip a key per lane, so a key hidden from a lane has P = −0 there; when one of the
+/// query block's own keys in a partial key block has a non-finite value (±∞, NaN: garbage in an
+/// unused cache slot), that block's PV product runs lane by lane and skips such keys, so masking
+/// never lets it through. The products read only the query block's own keys of a key block (an
+/// odd last one alone, not in a pair with the next), so a block's result does not depend on the
+/// blocks grouped with it, which the thread count sets.
 
 #include <algorithm>
 #include <cmath>
@@ -289,17 +292,55 @@ inline void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, In
         }
 }
 
-/// One key block [k0, k0 + nk) of a query block; vt holds its packed V (non_finite_values:
-/// whether any is ±∞ or NaN). Same steps as kernel::flash_step, in base 2.
-/// vt holds packed_keys ≥ nk keys: with an odd nk below it, the pair past the block's last key
-/// holds a key this block must not read, which the partial path skips.
+/// Oᵀ[j][·] += P[key][·]·V[key][j] in float for a block's odd last key (the low halves of its
+/// pairs in pt and vt): the pair's dot product would also read the key after it, which vt holds
+/// when the block is grouped with query blocks that see further (a grouping that depends on the
+/// thread count). A lane that does not see the key has P = −0 and adds ±0.
+inline void add_lone_key(const std::uint32_t* vt, const std::uint32_t* pt, Index key, float* ot, Index dv) noexcept {
+    constexpr int P = Bc / 2;
+    const Index p = key / 2;
+    auto low = [](std::uint32_t pair) {
+        const std::uint32_t w = pair << 16;
+        float f;
+        std::memcpy(&f, &w, 4);
+        return f;
+    };
+    alignas(64) float w[W];
+    for (int t = 0; t < W; ++t) w[t] = low(pt[p * W + t]);
+    B pw[C];
+    GATTN_UNROLL
+    for (int q = 0; q < C; ++q) pw[q] = B::load_aligned(w + q * L);
+    for (Index j = 0; j < dv; ++j) {
+        const B v(low(vt[j * P + p]));
+        GATTN_UNROLL
+        for (int q = 0; q < C; ++q) {
+            float* o = ot + j * W + q * L;
+            simd::fma(v, pw[q], B::load_aligned(o)).store_aligned(o);
+        }
+    }
+}
+
+/// The first of the nk value rows whose d_v bf16 values hold a non-finite one (exponent all
+/// ones), nk when none does.
+inline Index first_non_finite_row(const bfloat16* value, Index value_stride, Index nk, Index dv) noexcept {
+    for (Index r = 0; r < nk; ++r) {
+        const auto* v = reinterpret_cast<const std::uint16_t*>(value + r * value_stride);
+        for (Index j = 0; j < dv; ++j)
+            if ((v[j] & 0x7F80u) == 0x7F80u) return r;
+    }
+    return nk;
+}
+
+/// One key block [k0, k0 + nk) of a query block; vt holds its packed V, whose first key with a
+/// non-finite value (±∞, NaN) is first_non_finite (at least nk when none of this block's keys).
+/// Same steps as kernel::flash_step, in base 2. The products read only this block's nk keys (an
+/// odd last key alone, add_lone_key), so the result does not depend on the query blocks it is
+/// grouped with.
 template <bool Amx, class O>
 inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& state, Index k0, Index nk,
-                 Index packed_keys, const bfloat16* key_block, Index key_stride, const std::uint32_t* vt,
-                 bool non_finite_values, Index dk, Index dv, float c, const std::uint32_t* qp, float* st,
-                 std::uint32_t* pt, float* ot) noexcept {
-    const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end &&
-                      !(nk % 2 == 1 && nk < packed_keys);
+                 const bfloat16* key_block, Index key_stride, const std::uint32_t* vt, Index first_non_finite, Index dk,
+                 Index dv, float c, const std::uint32_t* qp, float* st, std::uint32_t* pt, float* ot) noexcept {
+    const bool full = !state.elementwise && state.common_begin <= k0 && k0 + nk <= state.common_end;
     B bmax[C];
     GATTN_UNROLL
     for (int q = 0; q < C; ++q) bmax[q] = B(kNegInf);
@@ -389,12 +430,16 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
     }
     GATTN_UNROLL
     for (int q = 0; q < C; ++q) state.l[q] = simd::fma(state.l[q], alpha[q], lsum[q]);
-    if (!full && non_finite_values) {
+    if (!full && first_non_finite < nk) {
         values_skipping(vt, pt, nk, alpha, ot, dv);
-    } else if (Amx && pairs == Bc / 2) {
-        if constexpr (Amx) amx::values(vt, pt, alpha, ot, dv);
     } else {
-        values_rows<6>(vt, pt, pairs, alpha, ot, dv);
+        const Index whole = nk / 2;  // pairs of two of this block's keys
+        if (Amx && whole == Bc / 2) {
+            if constexpr (Amx) amx::values(vt, pt, alpha, ot, dv);
+        } else {
+            values_rows<6>(vt, pt, whole, alpha, ot, dv);
+        }
+        if (nk % 2 == 1) add_lone_key(vt, pt, nk - 1, ot, dv);
     }
 }
 
@@ -442,7 +487,11 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
             kstride = dk;
             vstride = dv;
         }
-        const bool non_finite = bf16::pack_value_pairs(value_block, vstride, nk, dv, ns.vt.data());
+        // The first key with a non-finite value: a query block's partial step goes key by key
+        // only when that key is among its own (grouped blocks may pack keys past them).
+        const Index first_non_finite = bf16::pack_value_pairs(value_block, vstride, nk, dv, ns.vt.data())
+                                           ? bf16::first_non_finite_row(value_block, vstride, nk, dv)
+                                           : nk;
         // AMX: the block's key rows side by side, so that a tile's 16 rows share no L1 set (rows
         // of a [N, H·d_k] layout lie whole pages apart and crowd a few sets).
         if constexpr (Amx) {
@@ -454,7 +503,7 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
             FlashState<float>& s = state[i];
             if (!(s.any_key() && s.first_block() <= k0 && k0 < s.union_end)) continue;
             const Index n = std::min<Index>(G::kKeys, s.union_end - k0);
-            bf16::step<Amx>(blocks[i], s, k0, n, nk, key_block, kstride, ns.vt.data(), non_finite, dk, dv, c,
+            bf16::step<Amx>(blocks[i], s, k0, n, key_block, kstride, ns.vt.data(), first_non_finite, dk, dv, c,
                             ns.qp[i].data(), ns.st.data(), ns.pt.data(), ns.ot[i].data());
         }
     }
