@@ -293,6 +293,29 @@ TEST(NarrowSdpa, DecodingOverLongCacheMatchesReference) {
             }
 }
 
+/// Runs bf16 SDPA with the dot-product kernel and with the widened one: both within their
+/// tolerances of ref_out (the float64 reference), and not equal bit for bit (else the dot
+/// kernel did not run).
+void expect_dot_kernel_ran(Bf16Kernel dot_kernel, const Mat& q, const Mat& key, const Mat& v, gattn::HeadLayout layout,
+                           const gattn::SdpaOptions<float>& opt, const Mat& ref_out, const std::string& label) {
+    const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
+    gattn::RowMatrix<float> out_dot(ref_out.rows(), ref_out.cols()), out_wide(ref_out.rows(), ref_out.cols());
+    {
+        KernelLimit limit(dot_kernel);
+        gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, layout, out_dot, opt);
+    }
+    {
+        KernelLimit limit(Bf16Kernel::WidenedFloat);
+        gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, layout, out_wide, opt);
+    }
+    const NarrowTol t_dot = tolerance<bfloat16, float>(dot_kernel),
+                    t_wide = tolerance<float, float>(Bf16Kernel::WidenedFloat);
+    expect_close(out_dot, ref_out, t_dot.atol, t_dot.rtol, "Dot" + label + "/out", t_dot.nmse);
+    expect_close(out_wide, ref_out, t_wide.atol, t_wide.rtol, "Widened" + label + "/out", t_wide.nmse);
+    EXPECT_FALSE(out_dot == out_wide) << kernel_label(dot_kernel)
+                                      << " gave the widened kernel's output bit for bit: did it run?";
+}
+
 /// Where the CPU has a dot-product kernel for bf16 (VDPBF16PS, or BFDOT on ARM64), decoding runs
 /// it, not the widened path: its weights are rounded to bf16, so its output differs from the
 /// widened kernel's, and both stay within their tolerances of the float64 reference. MHA and
@@ -327,22 +350,7 @@ TEST(NarrowSdpa, DecodingRunsTheDotProductKernel) {
         rm.key_lengths = lengths;
         rm.bias = bias;
         const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
-        const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
-        gattn::RowMatrix<float> out_dot(B, H * d), out_wide(B, H * d);
-        {
-            KernelLimit limit(dot_kernel);
-            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out_dot, opt);
-        }
-        {
-            KernelLimit limit(Bf16Kernel::WidenedFloat);
-            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out_wide, opt);
-        }
-        const NarrowTol t_dot = tolerance<bfloat16, float>(dot_kernel),
-                        t_wide = tolerance<float, float>(Bf16Kernel::WidenedFloat);
-        expect_close(out_dot, ref.out, t_dot.atol, t_dot.rtol, "DotDecode/out", t_dot.nmse);
-        expect_close(out_wide, ref.out, t_wide.atol, t_wide.rtol, "WidenedDecode/out", t_wide.nmse);
-        EXPECT_FALSE(out_dot == out_wide)
-            << kernel_label(dot_kernel) << " gave the widened kernel's output bit for bit: did it run?";
+        expect_dot_kernel_ran(dot_kernel, q, key, v, {B, H, Hkv}, opt, ref.out, "Decode");
     }
 }
 
@@ -372,22 +380,7 @@ TEST(NarrowSdpa, PrefillRunsTheDotProductKernel) {
     rm.causal = true;
     rm.key_lengths = lengths;
     const auto ref = gattn_test::sdpa_reference(q, key, v, B, H, Hkv, {}, rm);
-    const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
-    gattn::RowMatrix<float> out_dot(B * N, H * dv), out_wide(B * N, H * dv);
-    {
-        KernelLimit limit(dot_kernel);
-        gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out_dot, opt);
-    }
-    {
-        KernelLimit limit(Bf16Kernel::WidenedFloat);
-        gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {B, H, Hkv}, out_wide, opt);
-    }
-    const NarrowTol t_dot = tolerance<bfloat16, float>(dot_kernel),
-                    t_wide = tolerance<float, float>(Bf16Kernel::WidenedFloat);
-    expect_close(out_dot, ref.out, t_dot.atol, t_dot.rtol, "DotPrefill/out", t_dot.nmse);
-    expect_close(out_wide, ref.out, t_wide.atol, t_wide.rtol, "WidenedPrefill/out", t_wide.nmse);
-    EXPECT_FALSE(out_dot == out_wide) << kernel_label(dot_kernel)
-                                      << " gave the widened kernel's output bit for bit: did it run?";
+    expect_dot_kernel_ran(dot_kernel, q, key, v, {B, H, Hkv}, opt, ref.out, "Prefill");
 }
 
 /// Rows with no visible key give 0 and log-sum-exp −∞, never NaN, in every output type.

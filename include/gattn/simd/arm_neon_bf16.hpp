@@ -14,8 +14,9 @@
 /// The build stays at the baseline ARMv8-A: the BFDOT code is compiled with a target attribute
 /// (arch=armv8.2-a+bf16) and runs only where the CPU reports the instructions
 /// (gattn::bf16_kernel(), Bf16Kernel::Bfdot); elsewhere bf16 is widened to float. On other
-/// architectures (kEnabled false) the kernels are only declared, for drivers that name them in
-/// `if constexpr` branches they never instantiate.
+/// architectures (kEnabled false) the decoding kernels are only declared here, and the prefill
+/// and PackedLinear ones in simd/tiers.hpp, for drivers that name them in `if constexpr`
+/// branches they never instantiate.
 
 #include <algorithm>
 #include <cmath>
@@ -284,6 +285,19 @@ GATTN_TARGET_BF16 inline void dot_four_pairs(float32x4_t* acc, const bfloat16x8_
         acc[q] = vbfdotq_laneq_f32(acc[q], qv[3][q], x, 3);
     }
 }
+
+/// acc[r][c] += BFDOT of the registers regs[c] with the pair src[r·stride] broadcast, for R rows
+/// (one pair: the tails of the by-element loops).
+template <int R, int Regs>
+GATTN_TARGET_BF16 inline void dot_one_pair(float32x4_t (*acc)[Regs], const bfloat16x8_t* regs, const std::uint32_t* src,
+                                           Index stride) noexcept {
+    GATTN_UNROLL
+    for (int r = 0; r < R; ++r) {
+        const bfloat16x8_t b = vreinterpretq_bf16_u32(vdupq_n_u32(src[r * stride]));
+        GATTN_UNROLL
+        for (int c = 0; c < Regs; ++c) acc[r][c] = vbfdotq_f32(acc[r][c], regs[c], b);
+    }
+}
 }  // namespace detail
 
 /// Sᵀ[kk][·] = c · Σ_p K[kk]·Q pairs for kk in [0, R) keys × C registers; masked lanes −∞;
@@ -373,12 +387,7 @@ GATTN_TARGET_BF16 inline void values_tile(const std::uint32_t* vt, const std::ui
         bfloat16x8_t pv[C];
         GATTN_UNROLL
         for (int q = 0; q < C; ++q) pv[q] = detail::load_pairs(pt + p * W + q * L);
-        GATTN_UNROLL
-        for (int r = 0; r < R; ++r) {
-            const bfloat16x8_t vb = vreinterpretq_bf16_u32(vdupq_n_u32(vt[r * P + p]));
-            GATTN_UNROLL
-            for (int q = 0; q < C; ++q) acc[r][q] = vbfdotq_f32(acc[r][q], pv[q], vb);
-        }
+        detail::dot_one_pair<R>(acc, pv, vt + p, P);
     }
     GATTN_UNROLL
     for (int r = 0; r < R; ++r) {
@@ -401,17 +410,6 @@ GATTN_TARGET_BF16 inline B pack_weight_pair(const B& pa, const B& pb, std::uint3
     const float32x4_t wa = vreinterpretq_f32_u32(vshll_n_u16(a, 16)), wb = vreinterpretq_f32_u32(vshll_n_u16(b, 16));
     return lsum + B(vaddq_f32(wa, wb));
 }
-#else
-template <class Block>
-void pack_query_pairs(const Block& blk, Index dk, std::uint32_t* qp) noexcept;
-bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk, Index dv, std::uint32_t* vt) noexcept;
-template <int R, bool Masked, class Transform>
-void scores_tile(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, Index p_begin, float* st,
-                 Index j0, const float* lane_begin, const float* lane_end, B* bmax, float c, const bfloat16* next_key,
-                 const Transform* tf) noexcept;
-template <int R>
-void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot) noexcept;
-B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B& lsum) noexcept;
 #endif  // GATTN_HAS_BFDOT_KERNEL
 
 }  // namespace bf16
@@ -489,12 +487,7 @@ GATTN_TARGET_BF16 inline void linear_tile(const std::uint32_t* x_pairs, Index pa
             bfloat16x8_t wv[C];
             GATTN_UNROLL
             for (int c = 0; c < C; ++c) wv[c] = vreinterpretq_bf16_u32(vld1q_u32(w + p * kLinearPanel + c * L));
-            GATTN_UNROLL
-            for (int r = 0; r < R; ++r) {
-                const bfloat16x8_t xb = vreinterpretq_bf16_u32(vdupq_n_u32(x_pairs[r * pairs + p]));
-                GATTN_UNROLL
-                for (int c = 0; c < C; ++c) acc[r][c] = vbfdotq_f32(acc[r][c], wv[c], xb);
-            }
+            kernel::bf16::detail::dot_one_pair<R>(acc, wv, x_pairs + p, pairs);
         }
         GATTN_UNROLL
         for (int c = 0; c < C; ++c) {
@@ -517,12 +510,6 @@ GATTN_TARGET_BF16 inline void linear_tile(const std::uint32_t* x_pairs, Index pa
         }
     }
 }
-#else
-template <class X>
-void linear_pack_x(const X* x, Index n, std::uint32_t* dst) noexcept;
-template <int R>
-void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::uint32_t* panel, const float* bias, float* out,
-                 Index out_stride, Index n) noexcept;
 #endif  // GATTN_HAS_BFDOT_KERNEL
 
 }  // namespace detail

@@ -28,6 +28,7 @@
 /// place in the selection below. Which tier runs at run time within what the build allows is
 /// simd/cpu.hpp's (instruction_sets(), bf16_kernel(), int8_kernel()).
 
+#include <cstdint>
 #include <type_traits>
 
 #include "gattn/simd/arm_neon.hpp"
@@ -43,6 +44,33 @@
 #include "gattn/simd/x86_avxvnni.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
+#if !defined(GATTN_HAS_AVX512BF16_KERNEL) && !defined(GATTN_HAS_BFDOT_KERNEL)
+// The bf16 dot-product micro-kernels (AVX512-BF16 or BFDOT: the prefill tiles' and
+// PackedLinear's), declared only where no tier compiled them, for the drivers' `if constexpr`
+// branches that never instantiate them.
+namespace kernel {
+namespace bf16 {
+template <class Block>
+void pack_query_pairs(const Block& blk, Index dk, std::uint32_t* qp) noexcept;
+bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk, Index dv, std::uint32_t* vt) noexcept;
+template <int R, bool Masked, class Transform>
+void scores_tile(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, Index p_begin, float* st,
+                 Index j0, const float* lane_begin, const float* lane_end, B* bmax, float c, const bfloat16* next_key,
+                 const Transform* tf) noexcept;
+template <int R>
+void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot) noexcept;
+B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B& lsum) noexcept;
+}  // namespace bf16
+}  // namespace kernel
+namespace detail {
+template <class X>
+void linear_pack_x(const X* x, Index n, std::uint32_t* dst) noexcept;
+template <int R>
+void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::uint32_t* panel, const float* bias, float* out,
+                 Index out_stride, Index n) noexcept;
+}  // namespace detail
+#endif
+
 namespace simd {
 
 /// Tile shape of the float flash kernel: the widest tier compiled in that sets one.

@@ -7,8 +7,10 @@
 /// prefill kernel (kernel::bf16, driven by ops/bf16_flash_kernel.hpp) and of bf16 decoding
 /// (kernel::decode_bf16, driven by ops/decode_kernel.hpp), and PackedLinear's bf16 product
 /// (detail::linear_tile, driven by ops/packed_linear.hpp). Compiled in where the
-/// translation unit is built for AVX512-BF16 (kEnabled); elsewhere the kernels are only
-/// declared, for drivers that name them in `if constexpr` branches they never instantiate.
+/// translation unit is built for AVX512-BF16 (kEnabled); elsewhere the decoding kernels are
+/// only declared here, and the prefill and PackedLinear ones in simd/tiers.hpp (shared with
+/// ARM64's BFDOT kernels), for drivers that name them in `if constexpr` branches they never
+/// instantiate.
 
 #include <Eigen/Core>
 
@@ -295,17 +297,6 @@ inline B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B&
     _mm512_store_si512(dst, packed);
     return B(dp(lsum, packed, ones));
 }
-#elif !defined(__aarch64__)
-template <class Block>
-void pack_query_pairs(const Block& blk, Index dk, std::uint32_t* qp) noexcept;
-bool pack_value_pairs(const bfloat16* value, Index value_stride, Index nk, Index dv, std::uint32_t* vt) noexcept;
-template <int R, bool Masked, class Transform>
-void scores_tile(const bfloat16* key, Index key_stride, const std::uint32_t* qp, Index dk, Index p_begin, float* st,
-                 Index j0, const float* lane_begin, const float* lane_end, B* bmax, float c, const bfloat16* next_key,
-                 const Transform* tf) noexcept;
-template <int R>
-void values_tile(const std::uint32_t* vt, const std::uint32_t* pt, Index pairs, const B* alpha, float* ot) noexcept;
-B pack_weight_pair(const B& pa, const B& pb, std::uint32_t* dst, const B& lsum) noexcept;
 #endif  // GATTN_HAS_AVX512BF16_KERNEL
 
 }  // namespace bf16
@@ -570,12 +561,6 @@ inline void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::ui
         for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + r * out_stride + j, m, _mm512_add_ps(acc[r][c], b));
     }
 }
-#elif !defined(__aarch64__)
-template <class X>
-void linear_pack_x(const X* x, Index n, std::uint32_t* dst) noexcept;
-template <int R>
-void linear_tile(const std::uint32_t* x_pairs, Index pairs, const std::uint32_t* panel, const float* bias, float* out,
-                 Index out_stride, Index n) noexcept;
 #endif  // GATTN_HAS_AVX512BF16_KERNEL
 
 }  // namespace detail
