@@ -458,6 +458,74 @@ TEST(NarrowSdpa, LogitJumpsBetweenKeyBlocks) {
     }
 }
 
+/// Logits and biases near float's largest value: the 16-bit kernels take them as the float
+/// kernel does (the softmax's base-2 exponent comes after the max is subtracted, so that
+/// nothing in (FLT_MAX/log₂e, FLT_MAX] overflows). Causal, 70 queries on 70 keys (two key
+/// blocks), d = 32; key j all a·(1 + j/128) (exact in bf16), so that the logits rise with j and
+/// query i puts its weight on key i. Cases:
+///  - scale 3e38 on logits of 2⁻¹⁵: scaled logits up to 1.4e34, scale·log₂e past FLT_MAX;
+///  - q·k up to 2.6e38 at scale 1;
+///  - a bias of +3e38 on key (i·7) mod (i + 1) of row i, which then takes the weight;
+///  - Hugging Face's padding, a bias of −FLT_MAX: every key of rows 60–69 (a uniform average
+///    of their visible keys' values, as in float, not a fully masked row) and keys 40–69 of the
+///    others.
+/// All against the float64 reference, through every kernel.
+TEST(NarrowSdpa, LogitsAndBiasesNearFloatsLargestValue) {
+    const Index N = 70, d = 32;
+    struct Case {
+        const char* name;
+        double q, k, scale;
+        int bias;  // 0 none, 1 +3e38 on one key, 2 padding
+    };
+    const Case cases[] = {{"Scale3e38", 0x1p-10, 0x1p-10, 3e38, 0},
+                          {"DotProduct2.6e38", 0x1p61, 0x1p61, 1.0, 0},
+                          {"BiasPlus3e38", 0x1p-3, 0x1p-3, 1.0, 1},
+                          {"PaddingBiasMinusFltMax", 0x1p-3, 0x1p-3, 1.0, 2}};
+    for (const Case& c : cases) {
+        Mat q = Mat::Constant(N, d, c.q), key(N, d);
+        for (Index j = 0; j < N; ++j) key.row(j).setConstant(c.k * (1.0 + static_cast<double>(j) / 128.0));
+        const Mat v = rounded<bfloat16>(random_matrix(N, d, 91));
+        std::vector<float> bias;
+        RefMasks ref_masks;
+        ref_masks.causal = true;
+        if (c.bias != 0) {
+            bias.assign(static_cast<std::size_t>(N * N), 0.0f);
+            for (Index i = 0; i < N; ++i)
+                for (Index j = 0; j < N; ++j) {
+                    float& b = bias[static_cast<std::size_t>(i * N + j)];
+                    if (c.bias == 1 && j == (i * 7) % (i + 1)) b = 3e38f;
+                    if (c.bias == 2 && (i >= 60 || j >= 40)) b = -std::numeric_limits<float>::max();
+                }
+            ref_masks.bias.assign(bias.begin(), bias.end());
+        }
+        const auto ref = gattn_test::sdpa_reference(q, key, v, 1, 1, 1, c.scale, ref_masks);
+        if (c.bias == 2) {  // the reference's own padded rows: the mean of their visible values
+            for (Index i = 60; i < N; ++i)
+                ASSERT_NEAR(ref.out(i, 0), v.topRows(i + 1).col(0).mean(), 1e-12) << "reference";
+        }
+        gattn::SdpaOptions<float> opt;
+        opt.scale = c.scale;
+        opt.mask.causal = true;
+        if (!bias.empty()) opt.mask.bias = {bias.data(), 1, 1, N, N};
+        const gattn::RowMatrix<bfloat16> qs = q.cast<bfloat16>(), ks = key.cast<bfloat16>(), vs = v.cast<bfloat16>();
+        for (Bf16Kernel k : runnable_kernels()) {
+            KernelLimit limit(k);
+            const std::string label = std::string("NearFltMax/") + c.name + "/" + kernel_label(k);
+            gattn::RowMatrix<float> out(N, d), lse;
+            gattn::SdpaOutputs<float> extra;
+            extra.log_sum_exp = &lse;
+            gattn::scaled_dot_product_attention<bfloat16, float>(qs, ks, vs, {1, 1, 1}, out, opt, extra);
+            EXPECT_TRUE(out.allFinite()) << label;
+            expect_close(out, ref.out, 0x1p-7, 1e-5, label, 2e-5);
+            // Up to the largest logit (2.6e38), or −FLT_MAX + ln(i + 1) on padded rows.
+            for (Index i = 0; i < N; ++i) {
+                const double want = ref.log_sum_exp(i, 0);
+                EXPECT_NEAR(lse(i, 0), want, 1e-5 * std::abs(want) + 0x1p-6) << label << " row " << i;
+            }
+        }
+    }
+}
+
 /// The result is bitwise the same on 1, 2 and 3 threads (causal GQA prefill, several query
 /// block groups per KV head).
 TEST(NarrowSdpa, ThreadCountDoesNotChangeResults) {

@@ -14,8 +14,10 @@
 ///    as pairs of features [d_k/2][Br]; K is read where it lies (a KV-cache row), one pair of
 ///    features broadcast per instruction; each key block's V is packed once per group as pairs
 ///    of keys [d_v][Bc/2] (Vᵀ); the probabilities P are rounded to bf16 (round to nearest even)
-///    and packed as pairs of keys [Bc/2][Br] in registers. The softmax runs in float, in base 2
-///    (log₂e folded into the scale); the row sum l adds the rounded P that multiply V, so the
+///    and packed as pairs of keys [Bc/2][Br] in registers. The softmax runs in float, in natural
+///    units as the float kernel's (2^((s − m)·log₂e): log₂e is not folded into the scale, where
+///    a logit in (FLT_MAX/log₂e, FLT_MAX] or a bias of −FLT_MAX, Hugging Face's padding, would
+///    overflow); the row sum l adds the rounded P that multiply V, so the
 ///    output is a convex combination of V rows with exactly the weights it divides by.
 ///    VDPBF16PS treats bf16 subnormals as 0 and flushes subnormal results (its definition).
 ///  - AMX (bf16 only): the AVX512-BF16 kernel with both products moved to the tile unit
@@ -113,7 +115,7 @@ struct NarrowScratch {
     PairMatrix vt;                                // AVX512-BF16: [d_v, Bc/2] Vᵀ key pairs
     RowMatrix<S> kb;                              // AMX: [Bc, d_k] one key block's rows, contiguous
     PairMatrix pt;                                // AVX512-BF16: [Bc/2, Br] Pᵀ key pairs
-    RowMatrix<float> st;                          // AVX512-BF16: [Bc, Br] Sᵀ (base-2 logits)
+    RowMatrix<float> st;                          // AVX512-BF16: [Bc, Br] Sᵀ (scaled logits)
     RowMatrix<float> ot[G::kGroupBlocks];         // AVX512-BF16: [d_v, Br] Oᵀ (unnormalised)
     std::vector<const S*> q_ptrs;                 // VDPBF16PS or BFDOT decoding: [H_kv·Br] query rows
 
@@ -333,7 +335,7 @@ inline Index first_non_finite_row(const bfloat16* value, Index value_stride, Ind
 
 /// One key block [k0, k0 + nk) of a query block; vt holds its packed V, whose first key with a
 /// non-finite value (±∞, NaN) is first_non_finite (at least nk when none of this block's keys).
-/// Same steps as kernel::flash_step, in base 2. The products read only this block's nk keys (an
+/// Same steps as kernel::flash_step. The products read only this block's nk keys (an
 /// odd last key alone, add_lone_key), so the result does not depend on the query blocks it is
 /// grouped with.
 template <bool Amx, class O>
@@ -376,8 +378,7 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
         scores(std::true_type{}, lane_begin, lane_end);
     }
     if (state.elementwise && !full) {
-        // Boolean mask and bias per lane (the bias in base 2), then the block max again.
-        constexpr float kLog2e = simd::detail::kLog2eF;
+        // Boolean mask and bias per lane, then the block max again.
         GATTN_UNROLL
         for (int q = 0; q < C; ++q) bmax[q] = B(kNegInf);
         for (Index kk = 0; kk < nk; ++kk) {
@@ -388,7 +389,7 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
                 if (blk.bool_row[t] && !blk.bool_row[t][j])
                     row[t] = kNegInf;
                 else if (blk.bias_row[t])
-                    row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j] * kLog2e;
+                    row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
             }
             GATTN_UNROLL
             for (int q = 0; q < C; ++q) bmax[q] = xsimd::max(bmax[q], B::load_aligned(row + q * L));
@@ -398,17 +399,35 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
         for (int t = 0; t < W; ++t) state.first_score[t] = st[t];
 
     B alpha[C], shift[C], lsum[C];
+    constexpr float kLog2eF = simd::detail::kLog2eF;
+    const B log2e(kLog2eF);  // e^x as 2^(x·log₂e), x = s − m ≤ 0
     GATTN_UNROLL
     for (int q = 0; q < C; ++q) {
         // (Lazy rescaling, keeping a lane's max until a block's exceeds it by 8, saved 4 % of
         // the AMX kernel's time but raised its NMSE from 2.2e-6 to 2.6e-6: not done.)
         const B m_new = xsimd::max(state.m[q], bmax[q]);
         shift[q] = xsimd::select(m_new == B(kNegInf), B(0.0f), m_new);
-        alpha[q] = simd::exp2_nonpositive(state.m[q] - shift[q]);
+        alpha[q] = simd::exp2_nonpositive((state.m[q] - shift[q]) * log2e);
         state.m[q] = m_new;
         lsum[q] = B(0.0f);
     }
-    // P = 2^(s − m) rounded to bf16, keys 2p and 2p + 1 interleaved per lane; l adds the rounded
+    // (s − m)·log₂e as one fused s·log₂e − m·log₂e. Its error, half an ulp of m·log₂e, stays
+    // within a float logit's own rounding up to |m| = 2^16; a lane with a larger max (past
+    // FLT_MAX/log₂e ≈ 2.36e38, m·log₂e would overflow) has m subtracted from its logits first
+    // (exact near m, as in the float kernel) and 0 for m·log₂e.
+    B shift_log2e[C];
+    const B huge(0x1p16f);
+    GATTN_UNROLL
+    for (int q = 0; q < C; ++q) {
+        const auto over = xsimd::abs(shift[q]) > huge;
+        shift_log2e[q] = xsimd::select(over, B(0.0f), shift[q] * log2e);
+        if (xsimd::any(over))
+            for (Index kk = 0; kk < nk; ++kk) {
+                float* row = st + kk * W + q * L;
+                xsimd::select(over, B::load_aligned(row) - shift[q], B::load_aligned(row)).store_aligned(row);
+            }
+    }
+    // P = e^(s − m) rounded to bf16, keys 2p and 2p + 1 interleaved per lane; l adds the rounded
     // pairs (a VDPBF16PS against ones). Partial blocks: a key a lane does not see gets −0.
     const Index pairs = (nk + 1) / 2;
     for (Index p = 0; p < pairs; ++p) {
@@ -419,8 +438,8 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
         for (int q = 0; q < C; ++q) {
             const B sa = B::load_aligned(ra + q * L);
             const B sb = has_b ? B::load_aligned(rb + q * L) : B(kNegInf);
-            B pa = simd::exp2_nonpositive(sa - shift[q]);
-            B pb = has_b ? simd::exp2_nonpositive(sb - shift[q]) : B(full ? 0.0f : -0.0f);
+            B pa = simd::exp2_nonpositive(simd::fma(sa, log2e, -shift_log2e[q]));
+            B pb = has_b ? simd::exp2_nonpositive(simd::fma(sb, log2e, -shift_log2e[q])) : B(full ? 0.0f : -0.0f);
             if (!full) {
                 pa = xsimd::select(sa == B(kNegInf), B(-0.0f), pa);
                 if (has_b) pb = xsimd::select(sb == B(kNegInf), B(-0.0f), pb);
@@ -453,14 +472,12 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
                            Index key_stride, const bfloat16* value, Index value_stride, Index dk, Index dv, float scale,
                            NarrowScratch<bfloat16, O>& ns, const OnBlock& on_block, const PageMap& pages = {}) {
     using G = FlashGeometry<float>;
-    using BF = simd::Batch<float>;
-    constexpr int W = G::kQueries, C = G::kCols;
-    const float c = scale * simd::detail::kLog2eF;  // logits in base 2
+    constexpr int W = G::kQueries;
     FlashState<float> state[G::kGroupBlocks];
     Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
     for (int i = 0; i < count; ++i) {
         FlashState<float>& s = state[i];
-        s.reset(blocks[i], simd::detail::kLog2eF);  // softcap and ALiBi in base 2
+        s.reset(blocks[i]);
         bf16::pack_query_pairs(blocks[i], dk, ns.qp[i].data());
         std::fill(ns.ot[i].data(), ns.ot[i].data() + dv * W, 0.0f);
         if (!s.any_key()) continue;
@@ -503,20 +520,15 @@ void bf16_attention_blocks(const FlashBlock<float, bfloat16, O>* blocks, int cou
             FlashState<float>& s = state[i];
             if (!(s.any_key() && s.first_block() <= k0 && k0 < s.union_end)) continue;
             const Index n = std::min<Index>(G::kKeys, s.union_end - k0);
-            bf16::step<Amx>(blocks[i], s, k0, n, key_block, kstride, ns.vt.data(), first_non_finite, dk, dv, c,
+            bf16::step<Amx>(blocks[i], s, k0, n, key_block, kstride, ns.vt.data(), first_non_finite, dk, dv, scale,
                             ns.qp[i].data(), ns.st.data(), ns.pt.data(), ns.ot[i].data());
         }
     }
-    // Outputs through the float kernel's finish, with m and the first score back in natural
-    // log units (·ln 2): log-sum-exp = m + ln l, first key e^(s₀ − m) / l.
+    // Outputs through the float kernel's finish: log-sum-exp = m + ln l, first key e^(s₀ − m) / l.
     float* rows[W];
     for (int t = 0; t < W; ++t) rows[t] = ns.stage.data() + t * dv;
-    const BF ln2(0.693147180559945309f);
     for (int i = 0; i < count; ++i) {
         FlashState<float>& s = state[i];
-        GATTN_UNROLL
-        for (int q = 0; q < C; ++q) s.m[q] = s.m[q] * ln2;
-        for (int t = 0; t < W; ++t) s.first_score[t] *= 0.693147180559945309f;
         flash_finish(blocks[i], s, ns.ot[i].data(), dv, rows, false);
         narrow_outputs(blocks[i], i, rows, dv, on_block);
     }

@@ -221,8 +221,8 @@ struct FlashScratch {
 
 /// Softcap and ALiBi of a query block (FlashBlock::softcap, alibi_slope, position), applied to
 /// each register of scaled logits as it leaves the product, before the masks: s ← c·tanh(s/c),
-/// then s ← s − m_t·|i'_t − j| (SdpaOptions::logit_softcap, alibi_slopes). `unit` takes them to
-/// the kernel's logit units (log₂e for a base-2 softmax). Queries are in the lanes.
+/// then s ← s − m_t·|i'_t − j| (SdpaOptions::logit_softcap, alibi_slopes). Queries are in the
+/// lanes.
 template <class T>
 struct LogitTransform {
     using B = simd::Batch<T>;
@@ -236,13 +236,13 @@ struct LogitTransform {
     bool active() const noexcept { return capped || alibi; }
     /// Takes a query block's transform (any storage of its rows).
     template <class Block>
-    void reset(const Block& blk, T unit) noexcept {
+    void reset(const Block& blk) noexcept {
         capped = blk.softcap > 0;
-        cap = blk.softcap * unit;
+        cap = blk.softcap;
         inv_cap = capped ? T(1) / cap : T(0);
         alibi = false;
         for (int t = 0; t < G::kQueries; ++t) {
-            slope[t] = t < blk.count ? static_cast<T>(blk.alibi_slope[t]) * unit : T(0);
+            slope[t] = t < blk.count ? static_cast<T>(blk.alibi_slope[t]) : T(0);
             position[t] = t < blk.count ? blk.position[t] : 0;
             alibi = alibi || slope[t] != T(0);
         }
@@ -466,10 +466,9 @@ struct FlashState {
     /// lane's blocking and rounding do not depend on which other lanes share its block).
     Index first_block() const { return union_begin / G::kKeys * G::kKeys; }
     /// Starts a query block (any storage of its rows): its lanes' key ranges, m = −∞, l = 0.
-    /// unit: the kernel's logit units per natural unit (LogitTransform).
     template <class Block>
-    void reset(const Block& blk, T unit = T(1)) noexcept {
-        transform.reset(blk, unit);
+    void reset(const Block& blk) noexcept {
+        transform.reset(blk);
         union_begin = std::numeric_limits<Index>::max();
         union_end = 0;
         common_begin = 0;
