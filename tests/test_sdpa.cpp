@@ -291,6 +291,54 @@ TYPED_TEST(SdpaTyped, FewQueriesGiveTheRowsOfAFullBlock) {
     }
 }
 
+/// The last rows of a prompt that leave fewer queries than a register in their block (the
+/// few-query tiles, kernel::runs_row_tiles, where the tier has them) give bitwise the outputs,
+/// log-sum-exp and first-key probability of the same rows inside a whole block, and match the
+/// float64 reference: causal (top-left, so that a row's position does not depend on N_q) with
+/// a sliding window of 20 that starts inside a key block, softcap, d_k = 40 (a partial
+/// register of features), 2 heads.
+TYPED_TEST(SdpaTyped, LastFewRowsGiveTheRowsOfAFullBlock) {
+    using S = TypeParam;
+    using G = gattn::kernel::FlashGeometry<S>;
+    const Index H = 2, dk = 40, dv = 2 * G::kLanes, W = G::kQueries, Nk = 2 * W + 8;
+    const gattn::RowMatrix<S> q = random_matrix(2 * W, H * dk, 94).cast<S>();
+    const gattn::RowMatrix<S> k = random_matrix(Nk, H * dk, 95).cast<S>();
+    const gattn::RowMatrix<S> v = random_matrix(Nk, H * dv, 96).cast<S>();
+    gattn::SdpaOptions<S> opt;
+    opt.logit_softcap = 1.5;
+    opt.mask.causal = true;
+    opt.mask.alignment = gattn::CausalAlignment::TopLeft;
+    opt.mask.sliding_window = 20;
+    auto run = [&](Index nq, gattn::RowMatrix<S>& out, gattn::RowMatrix<S>& lse, gattn::RowMatrix<S>& first) {
+        out.resize(nq, H * dv);
+        gattn::SdpaOutputs<S> extra;
+        extra.log_sum_exp = &lse;
+        extra.first_key_probability = &first;
+        gattn::scaled_dot_product_attention<S>(q.topRows(nq), k, v, gattn::HeadLayout{1, H, H}, out, opt, extra);
+    };
+    gattn::RowMatrix<S> out_full, lse_full, first_full;
+    run(2 * W, out_full, lse_full, first_full);
+    RefMasks masks;
+    masks.causal = true;
+    masks.top_left = true;
+    masks.sliding_window = 20;
+    masks.softcap = 1.5;
+    for (Index extra_rows : {Index(1), Index(3), Index(G::kLanes)}) {
+        const Index nq = W + extra_rows;
+        gattn::RowMatrix<S> out, lse, first;
+        run(nq, out, lse, first);
+        const std::string label = "N_q = " + std::to_string(nq);
+        EXPECT_TRUE(out == out_full.topRows(nq)) << label;
+        EXPECT_TRUE(lse == lse_full.topRows(nq)) << label;
+        EXPECT_TRUE(first == first_full.topRows(nq)) << label;
+        const auto ref = gattn_test::sdpa_reference(q.topRows(nq).template cast<double>(), k.template cast<double>(),
+                                                    v.template cast<double>(), 1, H, H, {}, masks);
+        using T = Tol<S>;
+        expect_close(out, ref.out, T::atol, T::rtol, "LastFewRows/" + label);
+        expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "LastFewRows/lse/" + label);
+    }
+}
+
 /// Rows with no visible key (every mechanism that can cause one) are exactly 0, lse −∞,
 /// probabilities and first-key probability 0, and never NaN.
 TYPED_TEST(SdpaTyped, FullyMaskedRowsAreZero) {

@@ -13,6 +13,11 @@
 /// queries of all heads that share one KV head (GQA), so a decoding step with one query still
 /// fills lanes with the group's heads and streams K and V once.
 ///
+/// A block of at most one register of queries that all see the same keys (a cascade's prefix
+/// rows of one KV head, a prompt's last rows) runs both products with the rows of queries
+/// broadcast instead, from a packed Kᵀ and with the value features in the lanes
+/// (flash_row_step), and its softmax on Sᵀ as here: the same sums in the same order.
+///
 /// Per key block: Sᵀ = K·(scale·Qᵀ); mask (partial blocks only); block max; α = e^(m − m_new);
 /// Pᵀ = e^(Sᵀ − m_new); l = α·l + Σ Pᵀ; Oᵀ = α·Oᵀ + Vᵀ·Pᵀ. A key block that no query of the
 /// block can see is skipped, so causal attention costs about half of full attention.
@@ -35,6 +40,7 @@
 
 #include "gattn/ops/int8_rows.hpp"
 #include "gattn/ops/mask.hpp"
+#include "gattn/ops/tile_product.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/simd/tiers.hpp"
 #include "gattn/types.hpp"
@@ -52,19 +58,6 @@ inline simd::Batch<T> softmax_exp(const simd::Batch<T>& x) noexcept {
         return simd::exp2_nonpositive(x * simd::Batch<float>(simd::detail::kLog2eF));
     else
         return simd::exp_nonpositive<T>(x);
-}
-
-/// Calls f(std::integral_constant<int, I>{}) for the I in [0, N) that equals i, nothing when
-/// i is outside: a count known at run time (dead query registers, rows of a group) turned
-/// into a template argument, so that register arrays stay indexed by constants.
-template <int N, int I = 0, class F>
-inline void with_constant(int i, F&& f) {
-    if constexpr (I < N) {
-        if (i == I)
-            f(std::integral_constant<int, I>{});
-        else
-            with_constant<N, I + 1>(i, std::forward<F>(f));
-    }
 }
 
 /// Tile geometry for scalar type T on this instruction set. A tile of either product holds
@@ -86,8 +79,8 @@ struct FlashGeometry {
     // decoding kernel (ops/sdpa.hpp; the tier's, see simd/tiers.hpp).
     static constexpr int kDecodePairs = simd::FlashTiles::kDecodePairs;
     // A block with only CE < kCols registers of queries (fewer queries than Br: a short prompt,
-    // a cascade's prefix rows of one KV head) runs its unmasked key blocks on tiles of CE
-    // registers and more rows: about the kRows·kCols accumulators of a whole tile, at most 12
+    // a cascade's prefix rows of one KV head; one register where runs_row_tiles says no) runs
+    // its unmasked key blocks on tiles of CE registers and more rows: about the kRows·kCols accumulators of a whole tile, at most 12
     // rows (every extra row is one more K or V row read at once). Each (key, query) product
     // still runs over d in the same order, so the results are those of the whole tile.
     template <int CE>
@@ -186,6 +179,8 @@ struct FlashScratch {
     RowMatrix<T> st;                    // [Bc, Br]   Sᵀ, then Pᵀ
     RowMatrix<T> value_rows;            // [Bc, d_v]  one key block's V rows, copied
     RowMatrix<T> key_rows;              // [Bc, d_k]  one key block's K rows, copied (or dequantized)
+    RowMatrix<T> key_t;                 // [d_k, Bc]  one key block's Kᵀ (few-query blocks)
+    RowMatrix<T> row_tile;              // [L, max(Bc, d_v)]  a few-query block's S, then P·V rows
     RowMatrix<T> stage;                 // [Br, d_v]  one block's outputs (OutputWrites::Staged)
     std::vector<FlashBlock<T>> blocks;  // KiBs each: heap, not stack
     /// Whether flash_attention_blocks copies V rows that lie value_stride apart.
@@ -209,6 +204,8 @@ struct FlashScratch {
         };
         if (copies_values(value_stride, dv) || int8) grow(value_rows, G::kKeys, dv);
         grow(key_rows, G::kKeys, dk);  // 64 rows: copied K rows are a small part of any call
+        grow(key_t, dk, G::kKeys);
+        grow(row_tile, G::kLanes, std::max<Index>(G::kKeys, dv));
         if (staged) grow(stage, G::kQueries, dv);
         for (int i = 0; i < group_blocks; ++i) {
             grow(qt[i], dk, G::kQueries);
@@ -494,29 +491,38 @@ struct FlashState {
 
 GATTN_EIGEN_PACKETS_BEGIN
 
-/// Qᵀ[d][t] = scale · query_t[d] for the block's lanes, 0 in padding lanes: square tiles
-/// transposed in registers (Eigen's packet transpose), the tail of d_k element by element.
-template <class T>
-void pack_queries(const FlashBlock<T>& blk, Index dk, T scale, T* qt) {
+/// dst[c][r] = scale · row(r)[c] for c < cols and r < rows, 0 for r in [rows, padded_rows)
+/// (padded_rows a multiple of the packet; row(r) points at row r): square tiles transposed in
+/// registers (Eigen's packet transpose), the columns past the last whole packet element by
+/// element; dst's rows are dst_stride apart. A query block's scale·Qᵀ (pack_queries), a key
+/// block's Kᵀ and a few-query block's Sᵀ (flash_row_step).
+template <class T, class Row>
+void transpose_rows(const Row& row, Index rows, Index padded_rows, Index cols, T* dst, Index dst_stride,
+                    T scale = T(1)) {
     namespace ei = Eigen::internal;
     using Packet = typename ei::packet_traits<T>::type;
-    constexpr int P = ei::unpacket_traits<Packet>::size, W = FlashGeometry<T>::kQueries;
-    static_assert(W % P == 0, "query block must hold whole packet tiles");
+    constexpr int P = ei::unpacket_traits<Packet>::size;
     const Packet s = ei::pset1<Packet>(scale), zero = ei::pset1<Packet>(T(0));
-    const Index d_vec = dk / P * P;
-    for (int t0 = 0; t0 < W; t0 += P) {
-        for (Index d0 = 0; d0 < d_vec; d0 += P) {
+    const Index c_vec = cols / P * P;
+    for (Index r0 = 0; r0 < padded_rows; r0 += P) {
+        for (Index c0 = 0; c0 < c_vec; c0 += P) {
             ei::PacketBlock<Packet, P> tile;
             GATTN_UNROLL
-            for (int i = 0; i < P; ++i)
-                tile.packet[i] = t0 + i < blk.count ? ei::ploadu<Packet>(blk.q[t0 + i] + d0) : zero;
+            for (int i = 0; i < P; ++i) tile.packet[i] = r0 + i < rows ? ei::ploadu<Packet>(row(r0 + i) + c0) : zero;
             ei::ptranspose(tile);
             GATTN_UNROLL
-            for (int i = 0; i < P; ++i) ei::pstoreu(qt + (d0 + i) * W + t0, ei::pmul(tile.packet[i], s));
+            for (int i = 0; i < P; ++i) ei::pstoreu(dst + (c0 + i) * dst_stride + r0, ei::pmul(tile.packet[i], s));
         }
-        for (int t = t0; t < t0 + P; ++t)
-            for (Index d = d_vec; d < dk; ++d) qt[d * W + t] = t < blk.count ? blk.q[t][d] * scale : T(0);
+        for (Index c = c_vec; c < cols; ++c)
+            for (Index r = r0; r < r0 + P; ++r) dst[c * dst_stride + r] = r < rows ? row(r)[c] * scale : T(0);
     }
+}
+
+/// Qᵀ[d][t] = scale · query_t[d] for the block's lanes, 0 in padding lanes.
+template <class T>
+void pack_queries(const FlashBlock<T>& blk, Index dk, T scale, T* qt) {
+    constexpr int W = FlashGeometry<T>::kQueries;
+    transpose_rows([&](Index t) { return blk.q[t]; }, blk.count, W, dk, qt, W, scale);
 }
 
 /// rows[t][j] = Oᵀ[j][t] · inv[t] for t < count: the transpose of pack_queries.
@@ -741,12 +747,90 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     }
 }
 
+/// Whether a query block runs as a few-query block (flash_row_step): at most one register of
+/// queries, every lane seeing the same keys, no boolean mask, bias or ALiBi, d_v a whole
+/// number of registers, on a tier whose FlashTiles::kRowTiles says so (and, where the masked
+/// value tiles differ, FlashGeometry::kMaskedRows, keys that start at a key block). A cascade's
+/// prefix rows of one KV head (16 on 8 KV heads at batch 16) and a prompt's last rows are such
+/// blocks.
+template <class T>
+bool runs_row_tiles(const FlashBlock<T>& blk, const FlashState<T>& st, Index dv) noexcept {
+    using G = FlashGeometry<T>;
+    return simd::FlashTiles::kRowTiles && blk.count <= G::kLanes && st.any_key() && !st.elementwise &&
+           !st.transform.alibi && st.union_begin == st.common_begin && st.union_end == st.common_end &&
+           dv % G::kLanes == 0 && (G::kMaskedRows == G::kRows || st.union_begin % G::kKeys == 0);
+}
+
+/// One key block [k0, k0 + Bc) ∩ [0, union_end) of a few-query block (runs_row_tiles). With
+/// one register of queries in the lanes, every multiply-add of flash_step's tiles takes its own
+/// broadcast of a K or V element; here both products run on kernel::tile_product, a K or V
+/// register serving kRows queries: S = (scale·Q)·Kᵀ from the key block's Kᵀ (kt,
+/// transpose_rows) into the rows sr ([kLanes][Bc]), transposed into Sᵀ (st) for
+/// flash_step's softmax, then P·V with the value features in the lanes from Pᵀ into sr
+/// ([count][d_v]), added to O (o: [count][d_v], row-major, not Oᵀ) as flash_step adds to Oᵀ.
+/// Every sum runs in flash_step's order, so the bits are those of a block that runs
+/// flash_step (a query's result does not depend on how many share its block). The keys
+/// before the lanes' range score −∞ whatever K holds there, and their V rows are not read.
+template <class T>
+void flash_row_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const T* kt, const T* value_block,
+                    Index value_stride, Index dk, Index dv, const T* qt, T* st, T* sr, T* o) {
+    using B = simd::Batch<T>;
+    using G = FlashGeometry<T>;
+    constexpr int L = G::kLanes, W = G::kQueries;
+    constexpr Index Bc = G::kKeys;
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    const int n = blk.count;
+    const Index nk = std::min<Index>(Bc, state.union_end - k0);
+    const Index kb = std::max<Index>(0, state.union_begin - k0);
+    const Index cols = (nk + L - 1) / L * L;  // Kᵀ holds zeros past nk
+    tile_product<T, false>(n, static_cast<int>(cols), dk, qt, 1, W, kt, Bc, sr, Bc);
+    const LogitTransform<T>& tf = state.transform;
+    if (tf.capped)
+        for (int t = 0; t < n; ++t)
+            for (Index kk = 0; kk < cols; kk += L) {
+                T* s = sr + t * Bc + kk;
+                simd::softcap<T>(B::load_aligned(s), tf.cap, tf.inv_cap).store_aligned(s);
+            }
+    transpose_rows([&](Index t) { return sr + t * Bc; }, n, L, cols, st, W);
+    B bmax(kNegInf);
+    for (Index kk = 0; kk < nk; ++kk) {
+        if (kk < kb) B(kNegInf).store_aligned(st + kk * W);
+        bmax = xsimd::max(bmax, B::load_aligned(st + kk * W));
+    }
+    if (k0 == 0)
+        for (int t = 0; t < L; ++t) state.first_score[t] = st[t];
+    // flash_step's softmax on the first register of queries.
+    const B m_new = xsimd::max(state.m[0], bmax);
+    const B shift = xsimd::select(m_new == B(kNegInf), B(T(0)), m_new);
+    const B alpha = softmax_exp<T>(state.m[0] - shift);
+    state.m[0] = m_new;
+    B lsum(T(0));
+    for (Index kk = 0; kk < nk; ++kk) {
+        const B p = softmax_exp<T>(B::load_aligned(st + kk * W) - shift);
+        p.store_aligned(st + kk * W);
+        lsum += p;
+    }
+    state.l[0] = simd::fma(state.l[0], alpha, lsum);
+    tile_product<T, false>(n, static_cast<int>(dv), nk - kb, st + kb * W, 1, W, value_block + kb * value_stride,
+                           value_stride, sr, dv);
+    alignas(64) T alpha_lane[L];
+    alpha.store_aligned(alpha_lane);
+    for (int t = 0; t < n; ++t) {
+        const B a(alpha_lane[t]);
+        for (Index j = 0; j < dv; j += L) {
+            T* ot = o + t * dv + j;
+            simd::fma(B::load_unaligned(ot), a, B::load_aligned(sr + t * dv + j)).store_unaligned(ot);
+        }
+    }
+}
+
 /// Writes a query block's outputs: O = Oᵀᵀ / l (0 for a lane that sees no key) into rows (the
 /// block's out rows or staging rows), log-sum-exp and first-key probability. The block's rows
-/// may be of any storage (only its count and optional outputs are used).
+/// may be of any storage (only its count and optional outputs are used). row_major: ot holds O
+/// as [count][d_v] (flash_row_step), not Oᵀ.
 template <class T, class S, class O>
 void flash_finish(const FlashBlock<T, S, O>& blk, const FlashState<T>& state, const T* ot, Index dv, T* const* rows,
-                  bool stream) {
+                  bool stream, bool row_major = false) {
     using G = FlashGeometry<T>;
     constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
@@ -771,7 +855,15 @@ void flash_finish(const FlashBlock<T, S, O>& blk, const FlashState<T>& state, co
         // 0 for a lane that sees no key (its Oᵀ column is exactly 0), NaN stays NaN.
         inv[t] = !(lt > 0) && !std::isnan(lt) ? T(0) : w / lt;
     }
-    unpack_outputs(blk.count, rows, ot, dv, inv, stream);
+    if (row_major) {
+        using B = simd::Batch<T>;
+        for (int t = 0; t < blk.count; ++t) {
+            const B it(inv[t]);
+            for (Index j = 0; j < dv; j += L) (B::load_unaligned(ot + t * dv + j) * it).store_unaligned(rows[t] + j);
+        }
+    } else {
+        unpack_outputs(blk.count, rows, ot, dv, inv, stream);
+    }
     for (int t = 0; t < blk.count; ++t) {
         const T lt = l_lane[t];
         const bool empty = !(lt > 0) && !std::isnan(lt);
@@ -817,10 +909,14 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
     // A block with fewer queries than kCols registers runs QK tiles of more rows (kLiveRows, up to
     // 12): with their next tile's prefetched rows, more lines than an L1 set holds when the rows
     // lie 4 KiB apart, so K rows that are not contiguous are copied together for it.
-    bool tall_tiles = false;
-    for (int i = 0; i < count; ++i) tall_tiles = tall_tiles || blocks[i].count <= (G::kCols - 1) * G::kLanes;
+    // Few-query blocks (runs_row_tiles) read the key block's Kᵀ instead.
+    bool tall_tiles = false, any_row_tiles = false;
+    bool row_tiles[G::kGroupBlocks] = {};
     for (int i = 0; i < count; ++i) {
         flash_begin(blocks[i], dk, dv, scale, s.qt[i].data(), s.ot[i].data(), state[i]);
+        row_tiles[i] = runs_row_tiles(blocks[i], state[i], dv);
+        any_row_tiles = any_row_tiles || row_tiles[i];
+        tall_tiles = tall_tiles || (!row_tiles[i] && blocks[i].count <= (G::kCols - 1) * G::kLanes);
         if (state[i].union_begin >= state[i].union_end) continue;
         k_begin = std::min(k_begin, state[i].first_block());
         k_end = std::max(k_end, state[i].union_end);
@@ -876,17 +972,39 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
                 ks = dk;
             }
         }
-        for (int i = 0; i < count; ++i)
-            if (state[i].union_begin < state[i].union_end && state[i].first_block() <= k0 && k0 < state[i].union_end)
+        // Few-query blocks do too little work on a key block to hide the fetch of the next: its K
+        // and V rows (a page apart in a [N, H·d] layout, which the hardware prefetchers do not
+        // follow) are asked for now.
+        if (any_row_tiles && std::is_same_v<KV, T> && k0 + G::kKeys < k_end) {
+            const Index next = std::min<Index>(G::kKeys, k_end - k0 - G::kKeys);
+            for (Index r = 0; r < next; ++r) {
+                const Index j = pages.row(k0 + G::kKeys + r);
+                for (Index d = 0; d < dk; d += simd::kLineElems<T>) simd::prefetch(key + j * key_stride + d);
+                for (Index d = 0; d < dv; d += simd::kLineElems<T>) simd::prefetch(value + j * value_stride + d);
+            }
+        }
+        bool packed = false;
+        for (int i = 0; i < count; ++i) {
+            if (!(state[i].any_key() && state[i].first_block() <= k0 && k0 < state[i].union_end)) continue;
+            if (row_tiles[i]) {
+                if (!packed)
+                    transpose_rows([&](Index r) { return key_block + r * ks; }, nk,
+                                   (nk + G::kLanes - 1) / G::kLanes * G::kLanes, dk, s.key_t.data(), G::kKeys);
+                packed = true;
+                flash_row_step(blocks[i], state[i], k0, s.key_t.data(), value_block, vs, dk, dv, s.qt[i].data(),
+                               s.st.data(), s.row_tile.data(), s.ot[i].data());
+            } else {
                 flash_step(blocks[i], state[i], k0, key_block, ks, value_block, vs, dk, dv, s.qt[i].data(), s.st.data(),
                            s.ot[i].data());
+            }
+        }
     }
     T* staged[G::kQueries] = {};
     if (writes == OutputWrites::Staged)
         for (int t = 0; t < G::kQueries; ++t) staged[t] = s.stage.data() + t * dv;
     for (int i = 0; i < count; ++i) {
         T* const* rows = writes == OutputWrites::Staged ? staged : blocks[i].out;
-        flash_finish(blocks[i], state[i], s.ot[i].data(), dv, rows, writes == OutputWrites::Streaming);
+        flash_finish(blocks[i], state[i], s.ot[i].data(), dv, rows, writes == OutputWrites::Streaming, row_tiles[i]);
         on_block(i, rows);
         if (writes == OutputWrites::Staged) {
             for (int t = 0; t < blocks[i].count; ++t) stream_row(blocks[i].out[t], rows[t], dv);

@@ -3,7 +3,8 @@
 
 /// \file
 /// Products of small tiles, C = A·B or C += A·B, in registers: the five products of each tile
-/// of the backward pass (ops/sdpa_backward.hpp). B's rows are read as vectors (row-major, any
+/// of the backward pass (ops/sdpa_backward.hpp) and both products of the forward kernel's
+/// few-query blocks (ops/flash_kernel.hpp, flash_row_step). B's rows are read as vectors (row-major, any
 /// row stride); A is read one element at a time and broadcast, through a row stride and a
 /// depth stride, so A may be a row-major tile or the transpose of one and neither is packed.
 /// C is computed in blocks of kRows rows × kCols registers (the forward's tile geometry,
@@ -17,14 +18,27 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <utility>
 
-#include "gattn/ops/flash_kernel.hpp"
 #include "gattn/simd/math.hpp"
 #include "gattn/simd/tiers.hpp"
 #include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
 namespace kernel {
+
+/// Calls f(std::integral_constant<int, I>{}) for the I in [0, N) that equals i, nothing when
+/// i is outside: a count known at run time (dead query registers, rows of a group) turned
+/// into a template argument, so that register arrays stay indexed by constants.
+template <int N, int I = 0, class F>
+inline void with_constant(int i, F&& f) {
+    if constexpr (I < N) {
+        if (i == I)
+            f(std::integral_constant<int, I>{});
+        else
+            with_constant<N, I + 1>(i, std::forward<F>(f));
+    }
+}
 
 /// One block of C: R rows × V registers, over `depth` k-steps. a(r, k) = a[r·a_row + k·a_depth],
 /// B's row k at b + k·b_row, C's row r at c + r·c_row.

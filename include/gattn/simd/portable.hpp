@@ -26,6 +26,9 @@ struct FlashTiles {
     static constexpr int kRows = 6;  // 6 × 2 = 12 accumulators of 16 registers
     static constexpr int kMaskedRows = kRows;
     static constexpr int kDecodePairs = 2;  // a quarter of a block's 8 float queries (SSE2, NEON)
+    // Few-query blocks keep the query lanes (kernel::runs_row_tiles): with 4 queries a KV head
+    // the two ran equally fast (SSE2, Zen 5).
+    static constexpr bool kRowTiles = false;
 };
 
 /// Decoding (kernel::decode_chunk): query rows that share each K and V register load, and the

@@ -43,6 +43,10 @@ struct FlashTiles {
     // 1 thread, Zen 5) ran 1.4× faster at 512 keys and 1.7× at 2048 as a tile, 12 pairs 1.1×;
     // 8 pairs ran 1.3× faster decoding.
     static constexpr int kDecodePairs = 8;
+    // Few-query blocks (kernel::runs_row_tiles) with the rows of queries broadcast and the keys
+    // or the value features in the lanes: 16 queries a KV head, d = 128, 2048 keys, 1 thread,
+    // Zen 5: 1.15–1.25× the query-lane tiles on 8 KV heads, 1.35–1.5× on one (the same bits).
+    static constexpr bool kRowTiles = true;
 };
 
 /// Decoding (kernel::decode_chunk): query rows that share each K and V register load, and the
