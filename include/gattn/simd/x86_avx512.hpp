@@ -45,7 +45,7 @@ struct FlashTiles {
     static constexpr int kDecodePairs = 8;
     // Few-query blocks (kernel::runs_row_tiles) with the rows of queries broadcast and the keys
     // or the value features in the lanes: 16 queries a KV head, d = 128, 2048 keys, 1 thread,
-    // Zen 5: 1.15–1.25× the query-lane tiles on 8 KV heads, 1.35–1.5× on one (the same bits).
+    // Zen 5: 1.15–1.25× the query-lane tiles on 8 KV heads, 1.4–1.5× on one (the same bits).
     static constexpr bool kRowTiles = true;
 };
 
