@@ -459,8 +459,8 @@ TEST(NarrowSdpa, LogitJumpsBetweenKeyBlocks) {
 }
 
 /// Logits and biases near float's largest value: the 16-bit kernels take them as the float
-/// kernel does (the softmax's base-2 exponent comes after the max is subtracted, so that
-/// nothing in (FLT_MAX/log₂e, FLT_MAX] overflows). Causal, 70 queries on 70 keys (two key
+/// kernel does (no log₂e folded into the scale or the bias, so that nothing in
+/// (FLT_MAX/log₂e, FLT_MAX] overflows). Causal, 70 queries on 70 keys (two key
 /// blocks), d = 32; key j all a·(1 + j/128) (exact in bf16), so that the logits rise with j and
 /// query i puts its weight on key i. Cases:
 ///  - scale 3e38 on logits of 2⁻¹⁵: scaled logits up to 1.4e34, scale·log₂e past FLT_MAX;

@@ -291,7 +291,7 @@ TYPED_TEST(SdpaTyped, FewQueriesGiveTheRowsOfAFullBlock) {
     }
 }
 
-/// The last rows of a prompt that leave fewer queries than a register in their block (the
+/// The last rows of a prompt that leave at most a register of queries in their block (the
 /// few-query tiles, kernel::runs_row_tiles, where the tier has them) give bitwise the outputs,
 /// log-sum-exp and first-key probability of the same rows inside a whole block, and match the
 /// float64 reference: causal (top-left, so that a row's position does not depend on N_q) with

@@ -266,6 +266,19 @@ inline void values_rows(const std::uint32_t* vt, const std::uint32_t* pt, Index 
     }
 }
 
+/// The bf16 of key k in a packed pair (keys 2p and 2p + 1: k even the low half, odd the high).
+inline std::uint16_t pair_half(std::uint32_t pair, Index k) noexcept {
+    return static_cast<std::uint16_t>(k % 2 == 0 ? pair : pair >> 16);
+}
+
+/// A bf16's bits as the float it equals (the top half of the float).
+inline float bf16_bits_to_float(std::uint16_t h) noexcept {
+    const std::uint32_t w = std::uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+}
+
 /// The PV product lane by lane, skipping the keys a lane does not see (P = −0, bits 0x8000):
 /// for partial key blocks whose V holds a non-finite value.
 inline void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, Index nk, const B* alpha, float* ot,
@@ -274,20 +287,13 @@ inline void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, In
     alignas(64) float a[W];
     GATTN_UNROLL
     for (int q = 0; q < C; ++q) alpha[q].store_aligned(a + q * L);
-    auto half = [](std::uint32_t pair, Index k) { return static_cast<std::uint16_t>(k % 2 == 0 ? pair : pair >> 16); };
-    auto to_float = [](std::uint16_t h) {
-        const std::uint32_t w = std::uint32_t(h) << 16;
-        float f;
-        std::memcpy(&f, &w, 4);
-        return f;
-    };
     for (int t = 0; t < W; ++t)
         for (Index j = 0; j < dv; ++j) {
             float acc = 0.0f;
             for (Index k = 0; k < nk; ++k) {
-                const std::uint16_t pb = half(pt[(k / 2) * W + t], k);
+                const std::uint16_t pb = pair_half(pt[(k / 2) * W + t], k);
                 if (pb == 0x8000u) continue;  // a key this lane does not see
-                acc += to_float(pb) * to_float(half(vt[j * P + k / 2], k));
+                acc += bf16_bits_to_float(pb) * bf16_bits_to_float(pair_half(vt[j * P + k / 2], k));
             }
             float& o = ot[j * W + t];
             o = std::fma(o, a[t], acc);
@@ -301,19 +307,13 @@ inline void values_skipping(const std::uint32_t* vt, const std::uint32_t* pt, In
 inline void add_lone_key(const std::uint32_t* vt, const std::uint32_t* pt, Index key, float* ot, Index dv) noexcept {
     constexpr int P = Bc / 2;
     const Index p = key / 2;
-    auto low = [](std::uint32_t pair) {
-        const std::uint32_t w = pair << 16;
-        float f;
-        std::memcpy(&f, &w, 4);
-        return f;
-    };
     alignas(64) float w[W];
-    for (int t = 0; t < W; ++t) w[t] = low(pt[p * W + t]);
+    for (int t = 0; t < W; ++t) w[t] = bf16_bits_to_float(pair_half(pt[p * W + t], key));
     B pw[C];
     GATTN_UNROLL
     for (int q = 0; q < C; ++q) pw[q] = B::load_aligned(w + q * L);
     for (Index j = 0; j < dv; ++j) {
-        const B v(low(vt[j * P + p]));
+        const B v(bf16_bits_to_float(pair_half(vt[j * P + p], key)));
         GATTN_UNROLL
         for (int q = 0; q < C; ++q) {
             float* o = ot + j * W + q * L;
@@ -399,18 +399,14 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
         for (int t = 0; t < W; ++t) state.first_score[t] = st[t];
 
     B alpha[C], shift[C], lsum[C];
-    constexpr float kLog2eF = simd::detail::kLog2eF;
-    const B log2e(kLog2eF);  // e^x as 2^(x·log₂e), x = s − m ≤ 0
     GATTN_UNROLL
     for (int q = 0; q < C; ++q) {
         // (Lazy rescaling, keeping a lane's max until a block's exceeds it by 8, saved 4 % of
         // the AMX kernel's time but raised its NMSE from 2.2e-6 to 2.6e-6: not done.)
-        const B m_new = xsimd::max(state.m[q], bmax[q]);
-        shift[q] = xsimd::select(m_new == B(kNegInf), B(0.0f), m_new);
-        alpha[q] = simd::exp2_nonpositive((state.m[q] - shift[q]) * log2e);
-        state.m[q] = m_new;
+        alpha[q] = state.rescale(q, bmax[q], shift[q]);
         lsum[q] = B(0.0f);
     }
+    const B log2e(simd::detail::kLog2eF);  // e^x as 2^(x·log₂e), x = s − m ≤ 0
     // (s − m)·log₂e as one fused s·log₂e − m·log₂e. Its error, half an ulp of m·log₂e, stays
     // within a float logit's own rounding up to |m| = 2^16; a lane with a larger max (past
     // FLT_MAX/log₂e ≈ 2.36e38, m·log₂e would overflow) has m subtracted from its logits first

@@ -487,6 +487,17 @@ struct FlashState {
     }
     /// Whether the block sees any key.
     bool any_key() const noexcept { return union_begin < union_end; }
+    /// The online softmax's rescale for query register c and a key block whose max is bmax:
+    /// m ← max(m, bmax); shift ← what the block's weights subtract, the new m, or 0 for a lane
+    /// that has seen no key yet (no (−∞) − (−∞) is formed; its weights and α are e^(−∞) = 0);
+    /// returns α = e^(m_old − shift), the factor of l and O.
+    B rescale(int c, const B& bmax, B& shift) noexcept {
+        const B m_new = xsimd::max(m[c], bmax);
+        shift = xsimd::select(m_new == B(-std::numeric_limits<T>::infinity()), B(T(0)), m_new);
+        const B alpha = softmax_exp<T>(m[c] - shift);
+        m[c] = m_new;
+        return alpha;
+    }
 };
 
 GATTN_EIGEN_PACKETS_BEGIN
@@ -680,12 +691,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
     B alpha[C], shift[C], lsum[C];
     GATTN_UNROLL
     for (int c = 0; c < C; ++c) {
-        const B m_new = xsimd::max(state.m[c], bmax[c]);
-        // A lane with no visible key so far keeps m = −∞: shift by 0 so that no
-        // (−∞) − (−∞) is formed; its P are e^(−∞) = 0 and its α is e^(−∞) = 0.
-        shift[c] = xsimd::select(m_new == B(kNegInf), B(T(0)), m_new);
-        alpha[c] = softmax_exp<T>(state.m[c] - shift[c]);
-        state.m[c] = m_new;
+        alpha[c] = state.rescale(c, bmax[c], shift[c]);
         lsum[c] = B(T(0));
     }
     if (full) {
@@ -800,10 +806,8 @@ void flash_row_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, co
     if (k0 == 0)
         for (int t = 0; t < L; ++t) state.first_score[t] = st[t];
     // flash_step's softmax on the first register of queries.
-    const B m_new = xsimd::max(state.m[0], bmax);
-    const B shift = xsimd::select(m_new == B(kNegInf), B(T(0)), m_new);
-    const B alpha = softmax_exp<T>(state.m[0] - shift);
-    state.m[0] = m_new;
+    B shift;
+    const B alpha = state.rescale(0, bmax, shift);
     B lsum(T(0));
     for (Index kk = 0; kk < nk; ++kk) {
         const B p = softmax_exp<T>(B::load_aligned(st + kk * W) - shift);
