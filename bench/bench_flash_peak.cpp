@@ -3,13 +3,16 @@
 // sgemm of the same FLOPs, timed in turn within every iteration of one process, so that the
 // three see the same state of a shared machine (other tenants, clock) and the ratios cancel it.
 //
-// BM_FlashVsPeak (args N, d, causal; 8 heads, N_q = N_k = N, one thread), per iteration:
-//  - gattn: scaled_dot_product_attention<float> on [N, 8·d] rows;
+// BM_FlashVsPeak (args N, d, causal, N_q; 8 heads, N_k = N keys, N_q query rows, one thread),
+// per iteration:
+//  - gattn: scaled_dot_product_attention<float> on [N_q, 8·d] query and [N, 8·d] key rows;
 //  - peak: 12 independent chains of fused multiply-adds in registers of the build's width
 //    (AVX2: 256-bit, AVX-512: 512-bit), enough to fill two FMA pipes of 4-cycle latency;
 //  - gemm (when built with OpenBLAS): per head S = Q_h·K_hᵀ, then O_h = S·V_h with cblas_sgemm,
-//    on N/2 query rows for causal attention, so that it does the same FLOPs as gattn.
-// FLOPs count 4·N²·d per head (QKᵀ and PV), half of it for causal attention. The three are
+//    on N_q/2 query rows for causal attention, so that it does the same FLOPs as gattn.
+// FLOPs count 4·N_q·N·d per head (QKᵀ and PV), half of it for causal attention (N_q = N).
+// N_q = 16: the rows of a cascade's shared prefix at batch 16 with one query head per KV head
+// (cascade_attention), a product of 16 rows by the keys of each head. The three are
 // timed by the thread's CPU time (POSIX CLOCK_THREAD_CPUTIME_ID; all three run on the calling
 // thread), so that time slices given to other programs on a busy machine count for none of
 // them; the benchmark's own time column is wall time.
@@ -67,8 +70,8 @@ double thread_seconds() {
 #endif
 }
 
-double attention_flops(double n, double d, bool causal) {
-    const double full = 4.0 * n * n * d * kHeads;
+double attention_flops(double nq, double n, double d, bool causal) {
+    const double full = 4.0 * nq * n * d * kHeads;
     return causal ? full / 2 : full;
 }
 
@@ -83,16 +86,16 @@ void single_thread() {
 
 /// gattn's SDPA, the FMA peak and OpenBLAS's sgemm in turn within every iteration.
 void BM_FlashVsPeak(benchmark::State& state) {
-    const gattn::Index n = state.range(0), d = state.range(1);
+    const gattn::Index n = state.range(0), d = state.range(1), nq = state.range(3);
     const bool causal = state.range(2) != 0;
     single_thread();
-    const Matrix q = Matrix::Random(n, kHeads * d), k = Matrix::Random(n, kHeads * d),
+    const Matrix q = Matrix::Random(nq, kHeads * d), k = Matrix::Random(n, kHeads * d),
                  v = Matrix::Random(n, kHeads * d);
-    Matrix out(n, kHeads * d);
+    Matrix out(nq, kHeads * d);
     gattn::SdpaOptions<float> opt;
     opt.mask.causal = causal;
 #ifdef GATTN_BENCH_OPENBLAS
-    const gattn::Index gemm_rows = causal ? n / 2 : n;  // the same FLOPs as the causal kernel
+    const gattn::Index gemm_rows = causal ? nq / 2 : nq;  // the same FLOPs as the causal kernel
     Matrix s(gemm_rows, n), gemm_out(gemm_rows, kHeads * d);
     const int ld = static_cast<int>(kHeads * d), ni = static_cast<int>(n), di = static_cast<int>(d);
     const int mi = static_cast<int>(gemm_rows);
@@ -124,7 +127,7 @@ void BM_FlashVsPeak(benchmark::State& state) {
         t_gemm += t3 - t2;
     }
     const double iters = static_cast<double>(state.iterations());
-    const double flops = attention_flops(double(n), double(d), causal) * iters;
+    const double flops = attention_flops(double(nq), double(n), double(d), causal) * iters;
     const double gattn_rate = flops / t_gattn, peak_rate = peak_flops(kPeakSteps) * iters / t_peak;
     state.counters["gattn_GFLOP/s"] = gattn_rate / 1e9;
     state.counters["peak_GFLOP/s"] = peak_rate / 1e9;
@@ -141,13 +144,15 @@ void BM_FlashVsPeak(benchmark::State& state) {
 }
 
 BENCHMARK(BM_FlashVsPeak)
-    ->Args({2048, 128, 0})
-    ->Args({2048, 128, 1})
-    ->Args({2048, 64, 0})
-    ->Args({2048, 64, 1})
-    ->Args({2048, 256, 0})
-    ->Args({2048, 256, 1})
-    ->ArgNames({"N", "d", "causal"})
+    ->Args({2048, 128, 0, 2048})
+    ->Args({2048, 128, 1, 2048})
+    ->Args({2048, 64, 0, 2048})
+    ->Args({2048, 64, 1, 2048})
+    ->Args({2048, 256, 0, 2048})
+    ->Args({2048, 256, 1, 2048})
+    ->Args({2048, 128, 0, 16})
+    ->Args({8192, 128, 0, 16})
+    ->ArgNames({"N", "d", "causal", "N_q"})
     ->MinTime(2.0)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
