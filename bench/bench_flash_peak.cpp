@@ -11,11 +11,11 @@
 //  - gemm (when built with OpenBLAS): per head S = Q_h·K_hᵀ, then O_h = S·V_h with cblas_sgemm,
 //    on N_q/2 query rows for causal attention, so that it does the same FLOPs as gattn.
 // FLOPs count 4·N_q·N·d per head (QKᵀ and PV), half of it for causal attention (N_q = N).
-// N_q = 16: the rows of a cascade's shared prefix at batch 16 with one query head per KV head
-// (cascade_attention), a product of 16 rows by the keys of each head. The three are
-// timed by the thread's CPU time (POSIX CLOCK_THREAD_CPUTIME_ID; all three run on the calling
-// thread), so that time slices given to other programs on a busy machine count for none of
-// them; the benchmark's own time column is wall time.
+// The three are timed by the thread's CPU time (POSIX CLOCK_THREAD_CPUTIME_ID; all three run
+// on the calling thread), so that time slices given to other programs on a busy machine count
+// for none of them; the benchmark's own time column is wall time. N_q = 16 is the shape of a
+// cascade's shared prefix at batch 16 with one query head per KV head (cascade_attention): 16
+// rows against the keys of each head.
 // Counters: gattn_GFLOP/s, peak_GFLOP/s, of_peak = gattn / peak, and with OpenBLAS gemm_GFLOP/s,
 // vs_gemm = gattn / gemm and gemm_of_peak. Run with repetitions and read the medians:
 //
