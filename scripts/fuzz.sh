@@ -3,11 +3,12 @@
 # line tables, assertions on) at the widest instruction set of this CPU (-march=native when it
 # has AVX-512F, else -mavx2 -mfma when it has AVX2 and FMA, else the compiler's default), and
 # fuzzes each for a bounded time from its seed corpus:
-#  - tests/fuzz/fuzz_sdpa.cpp: SDPA against a float64 reference, the gated layer, and the layer
-#    decoding through a KV cache with invalid calls among the valid ones (seeds
-#    tests/fuzz/corpus; its decode_* seeds are written by scripts/make_fuzz_seeds.py). The
-#    sanitized test suite (scripts/test.sh's asan flavour) runs the AVX2 kernels; this build
-#    adds the AVX-512 ones on CPUs that have them;
+#  - tests/fuzz/fuzz_sdpa.cpp: SDPA against a float64 reference, and (fuzz_sdpa_layer.cpp, a
+#    second unit that builds beside it) the gated layer and the layer decoding through a KV
+#    cache with invalid calls among the valid ones (seeds tests/fuzz/corpus; its decode_* seeds
+#    are written by scripts/make_fuzz_seeds.py). The sanitized test suite (scripts/test.sh's
+#    asan flavour) runs the AVX2 kernels; this build adds the AVX-512 ones on CPUs that have
+#    them;
 #  - the file readers:
 #      fuzz_safetensors  gattn::SafetensorsFile (seeds tests/fuzz/corpus_safetensors);
 #      fuzz_config       load_qwen3_next_config (seeds tests/fuzz/corpus_config);
