@@ -31,7 +31,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-scripts/deps.sh clang
+scripts/deps.sh clang ninja-build
 dir="${BUILD_DIR:-build/fuzz}"
 jobs="${JOBS:-$(nproc)}"
 sdpa_seconds="${FUZZ_SECONDS:-60}"
@@ -50,11 +50,11 @@ else
 fi
 targets=(fuzz_sdpa "${readers[@]/#/fuzz_}")
 echo "== ${targets[*]} build, instruction sets '${arch:-default}' (clang, libFuzzer + AddressSanitizer + UndefinedBehaviorSanitizer)"
-cmake -S . -B "$dir" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S . -B "$dir" "$(scripts/ninja_generator.sh "$dir")" -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_BUILD_TYPE=RelWithDebInfo \
       "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -gline-tables-only" -DGATTN_BUILD_FUZZERS=ON -DGATTN_ARCH_FLAGS="$arch" \
       -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF >/dev/null
 cmake --build "$dir" -j "$jobs" --target "${targets[@]}" 2>&1 |
-  grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)' || true
+  grep -Ev '^\[[0-9]+/[0-9]+\] (Building|Linking)' || true
 for t in "${targets[@]}"; do
   [ -x "$dir/tests/$t" ] || { echo "$t was not built in $dir" >&2; exit 1; }
 done

@@ -81,7 +81,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # Drops the per-target and per-test progress lines; failures and summaries stay.
-quiet() { grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)|^ +Start +[0-9]+: |Test +#[0-9]+: .* Passed' || true; }
+quiet() {
+  grep -Ev '^\[ *[0-9]+%\] (Building|Linking|Built)|^\[[0-9]+/[0-9]+\] (Building|Linking)|^ +Start +[0-9]+: |Test +#[0-9]+: .* Passed' ||
+    true
+}
 
 build="${BUILD_DIR:-build/test}"
 jobs="${JOBS:-$(nproc)}"
@@ -90,6 +93,7 @@ extra_packages=()
 case " $flavours " in *" onednn "*) extra_packages+=(libdnnl-dev) ;; esac
 case " $flavours " in *" mpi "*) extra_packages+=(openmpi-bin libopenmpi-dev) ;; esac
 case " $flavours " in *" aarch64 "*) extra_packages+=(g++-aarch64-linux-gnu qemu-user googletest) ;; esac
+case " $flavours " in *" compile-x86 "* | *" onednn "* | *" mpi "*) extra_packages+=(ninja-build) ;; esac
 case " $flavours " in
   *" clang "* | *" asan "* | *" tsan "*) scripts/deps.sh clang "${extra_packages[@]}" ;;
   *) scripts/deps.sh test "${extra_packages[@]}" ;;
@@ -131,7 +135,7 @@ for flavour in $flavours; do
       fi
       dir="$build-compile-x86-$name"
       echo "== compile-x86 build (GATTN_ARCH_FLAGS='$march', not run)"
-      cmake -S . -B "$dir" "${fast_build[@]}" -DGATTN_ARCH_FLAGS="$march" -DGATTN_UNITY_TESTS=OFF \
+      cmake -S . -B "$dir" "$(scripts/ninja_generator.sh "$dir")" "${fast_build[@]}" -DGATTN_ARCH_FLAGS="$march" -DGATTN_UNITY_TESTS=OFF \
         -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF ${CMAKE_ARGS:-} >/dev/null
       cmake --build "$dir" -j "$jobs" --target "${targets[@]}" 2>&1 | quiet
       listing=$(for t in "${targets[@]}"; do objdump -d --no-show-raw-insn "$dir/tests/$t"; done)
@@ -250,7 +254,10 @@ for flavour in $flavours; do
   esac
   flavour_start=$SECONDS
   echo "== $flavour build (GATTN_ARCH_FLAGS='$arch')"
-  cmake -S . -B "$build-$flavour" "${cmake_args[@]}" -DGATTN_ARCH_FLAGS="$arch" ${CMAKE_ARGS:-} >/dev/null
+  generator=()
+  # Lists of targets build side by side with Ninja (scripts/ninja_generator.sh says why).
+  case "$flavour" in onednn | mpi) generator=("$(scripts/ninja_generator.sh "$build-$flavour")") ;; esac
+  cmake -S . -B "$build-$flavour" "${generator[@]}" "${cmake_args[@]}" -DGATTN_ARCH_FLAGS="$arch" ${CMAKE_ARGS:-} >/dev/null
   cmake --build "$build-$flavour" -j "$jobs" "${build_args[@]}" 2>&1 | quiet
   if [ "$flavour" = tsan ]; then
     # Only test_layer is built: select its tests by their suite names.
