@@ -27,7 +27,6 @@
 // float64 layer_reference (tests/support/reference.hpp) run on its sequence's whole history, to
 // atol 2e-3 + rtol 2e-3 of the row's largest magnitude (an int8 cache: finite outputs; its
 // quantized keys move the logits beyond any tight tolerance).
-
 //
 // This file holds the SDPA check and the entry points, fuzz_sdpa_layer.cpp the layer's two checks
 // (two units, which build on two cores at once).
