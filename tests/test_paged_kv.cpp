@@ -207,6 +207,35 @@ TEST(PagedKVPool, ReleaseOutsideWindowDropsHiddenFrontPages) {
     EXPECT_EQ(pool.free_pages(), 8);
 }
 
+/// write: rows outside the page's slots, also where slot + n overflows, change nothing.
+TEST(PagedKVPool, WriteOutsideThePageSlotsThrows) {
+    PagedKVPool<float> pool(4, 16, 1, 8);
+    std::mt19937 rng(5);
+    const RowMatrix<float> k = random_rows<float>(2, 8, rng), v = random_rows<float>(2, 8, rng);
+    const SequenceId a = pool.allocate();
+    pool.append({a}, k.topRows(1), v.topRows(1), {1});
+    const Index page = pool.pages(a)[0];
+    const std::string before = snapshot(pool, {a});
+    for (const auto& [slot, rows] : std::vector<std::pair<Index, Index>>{{-1, 1},
+                                                                         {16, 1},
+                                                                         {15, 2},
+                                                                         {std::numeric_limits<Index>::max(), 1},
+                                                                         {std::numeric_limits<Index>::max(), 2}}) {
+        try {
+            pool.write(page, slot, k.topRows(rows), v.topRows(rows));
+            ADD_FAILURE() << "slot " << slot << ", " << rows << " rows: no error";
+        } catch (const std::invalid_argument& e) {
+            const std::string what = e.what();
+            EXPECT_NE(what.find("slot"), std::string::npos) << what;
+            EXPECT_NE(what.find("[0, 16)"), std::string::npos) << what;
+            EXPECT_NE(what.find(std::to_string(slot)), std::string::npos) << what;
+        }
+        EXPECT_EQ(snapshot(pool, {a}), before);
+    }
+    pool.write(page, 14, k, v);  // the page's last two slots
+    EXPECT_EQ(pool.keys().row(page * 16 + 15), k.row(1));
+}
+
 /// Every error: a clear message naming what is wrong, and the pool unchanged.
 TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
     PagedKVPool<std::int8_t> pool(4, 16, 1, 8);

@@ -379,11 +379,11 @@ public:
             detail::throw_shape(fn, "k", "[n, " + std::to_string(m_keys.cols()) + "]",
                                 detail::shape_string({k.rows(), k.cols()}));
         detail::check_shape(fn, "v", v.rows(), v.cols(), k.rows(), m_values.cols());
-        if (slot < 0 || slot + k.rows() > m_page_size)
+        if (slot < 0 || slot > m_page_size - k.rows())  // not slot + n: that overflows near INT64_MAX
             detail::throw_invalid(fn, "slot",
                                   "and the rows must lie in the page's slots [0, " + std::to_string(m_page_size) +
-                                      "), got slots [" + std::to_string(slot) + ", " + std::to_string(slot + k.rows()) +
-                                      ") of page " + std::to_string(page));
+                                      "), got " + std::to_string(k.rows()) + " rows from slot " + std::to_string(slot) +
+                                      " of page " + std::to_string(page));
         check_outside(fn, k, v);
         if constexpr (kInt8)
             for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})
