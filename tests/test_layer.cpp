@@ -1056,6 +1056,72 @@ TEST(LayerPaged, SlidingWindowReleasesPagesAndEqualsAWindowCache) {
     EXPECT_EQ(pool.first_position(seqs[0]), 128);  // pages 0..7 released: token 159 sees 140..159
 }
 
+/// Rolling a sequence back after its front pages were released: as far back as the window of
+/// its next token still finds every key stored (PagedKVPool::min_truncate_length), the next
+/// steps equal a full KVCache rolled back the same; one token further is refused, unchanged.
+TEST(LayerPaged, RollbackAfterReleaseKeepsTheNextTokensWindow) {
+    gattn::AttentionConfig c = small_config();
+    c.sliding_window = 20;
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 37));
+    gattn::PagedKVPool<float> pool(8, 16, c.num_kv_heads, c.d_k(), c.d_v());
+    const std::vector<gattn::SequenceId> seqs{pool.allocate()};
+    std::vector<gattn::KVCache<float>> full;
+    full.emplace_back(1, 200, c.num_kv_heads, c.d_k(), c.d_v());  // no window: keeps every token
+    std::mt19937 rng(37);
+    paged_step_equals_alone(layer, pool, seqs, full, {64}, rng, 1e-6);
+    // Token 64 would see 45..64, so tokens 0..31 (pages 0 and 1) went. After a rollback to L
+    // the next token sees L − 19..L: L ≥ 32 + 19 = 51.
+    ASSERT_EQ(pool.first_position(seqs[0]), 32);
+    EXPECT_EQ(pool.min_truncate_length(seqs[0]), 51);
+    const std::vector<Index> pages = pool.pages(seqs[0]);
+    try {
+        pool.truncate(seqs[0], 50);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        for (const std::string w : {"PagedKVPool::truncate", "length", "[51, 64]", "first 32 tokens are released",
+                                    "window of 20 keys", "got 50"})
+            EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what() << " lacks " << w;
+    }
+    EXPECT_EQ(pool.length(seqs[0]), 64);
+    EXPECT_EQ(pool.pages(seqs[0]), pages);
+    pool.truncate(seqs[0], 51);
+    full[0].truncate({51});
+    for (int step = 0; step < 3; ++step) paged_step_equals_alone(layer, pool, seqs, full, {1}, rng, 1e-6);
+}
+
+/// A model's pools where one layer has a sliding window: a rollback that layer's window cannot
+/// take is refused before any pool changes, naming the layer.
+TEST(LayerPaged, PoolSetRollbackIsCheckedInEveryLayerFirst) {
+    gattn::AttentionConfig full_config = small_config(), window_config = small_config();
+    window_config.sliding_window = 20;
+    const gattn::GatedMultiHeadAttention<float> full_layer(full_config,
+                                                           gattn::make_random_weights<float>(full_config, 41));
+    const gattn::GatedMultiHeadAttention<float> window_layer(window_config,
+                                                             gattn::make_random_weights<float>(window_config, 43));
+    const std::vector<const gattn::GatedMultiHeadAttention<float>*> layers{&full_layer, &window_layer};
+    gattn::PagedKVPoolSet<float> pools(layers, 8, 16);
+    const gattn::SequenceId seq = pools.allocate();
+    std::mt19937 rng(41);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    RowMatrix<float> x(64, full_config.d_model), h(64, full_config.d_model), y(64, full_config.d_model);
+    for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
+    full_layer.forward(x, {0, 64}, pools[0], {seq}, h);
+    window_layer.forward(h, {0, 64}, pools[1], {seq}, y);
+    ASSERT_EQ(pools[1].first_position(seq), 32);
+    try {
+        pools.truncate(seq, 40);
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        for (const std::string w : {"PagedKVPoolSet::truncate", "[51, 64]", "layer 1", "got 40"})
+            EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what() << " lacks " << w;
+    }
+    EXPECT_EQ(pools[0].length(seq), 64);
+    EXPECT_EQ(pools[1].length(seq), 64);
+    pools.truncate(seq, 51);
+    EXPECT_EQ(pools[0].length(seq), 51);
+    EXPECT_EQ(pools[1].length(seq), 51);
+}
+
 TEST(LayerPaged, BadStepsWriteNothing) {
     const gattn::AttentionConfig c = small_config();
     const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 25));

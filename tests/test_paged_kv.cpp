@@ -168,6 +168,8 @@ TEST(PagedKVPool, ReleaseOutsideWindowDropsHiddenFrontPages) {
     // page 1 holds token 31.
     EXPECT_EQ(pool.release_outside_window(a, 20), 1);
     EXPECT_EQ(pool.first_position(a), 16);
+    EXPECT_EQ(pool.min_truncate_length(a), 35);  // token 35 would see 16..35
+    EXPECT_EQ(pool.min_truncate_length(child), 0);
     EXPECT_EQ(pool.length(a), 50);
     EXPECT_EQ(pool.pages(a), std::vector<Index>(pages.begin() + 1, pages.end()));
     EXPECT_EQ(pool.ref_count(pages[0]), 1);  // the fork still holds it
@@ -184,6 +186,7 @@ TEST(PagedKVPool, ReleaseOutsideWindowDropsHiddenFrontPages) {
     EXPECT_EQ(pool.release_outside_window(a, 35), 0);
     EXPECT_EQ(pool.release_outside_window(a, 3), 2);
     EXPECT_EQ(pool.first_position(a), 48);
+    EXPECT_EQ(pool.min_truncate_length(a), 50);  // the last call's window: token 50 sees 48..50
     EXPECT_EQ(pool.free_pages(), 7);
     // Appending goes on in the last page: tokens 50..51 at slots 2..3 of page 3.
     pool.append({a}, k.middleRows(50, 2), v.middleRows(50, 2), {2});

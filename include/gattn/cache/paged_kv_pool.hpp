@@ -228,6 +228,16 @@ public:
         check_sequence("gattn::PagedKVPool::first_position", "seq", seq);
         return m_sequences[static_cast<std::size_t>(seq)].first;
     }
+    /// The shortest length truncate(seq, ·) accepts: 0, or once tokens of seq were released,
+    /// first_position(seq) + w − 1 for the window w of its last release_outside_window call, so
+    /// that the window of the token appended next still finds all its keys stored (as a window
+    /// KVCache keeps at least w − 1 tokens).
+    /// \throws std::invalid_argument when seq is not a sequence of the pool.
+    Index min_truncate_length(SequenceId seq) const {
+        check_sequence("gattn::PagedKVPool::min_truncate_length", "seq", seq);
+        const Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
+        return s.first > 0 ? s.first + s.window - 1 : 0;
+    }
     /// The pages of sequence seq, in token order. \throws std::invalid_argument when seq is not a
     /// sequence of the pool.
     const std::vector<Index>& pages(SequenceId seq) const {
@@ -401,17 +411,20 @@ public:
     /// past them are released (freed when no other sequence holds them). The rows stay as they
     /// are; a shared partial last page is copied when the sequence next appends.
     /// \throws std::invalid_argument when seq is not a sequence of the pool or length is outside
-    ///         [first_position(seq), length(seq)] (released tokens cannot come back). Nothing is
-    ///         changed on error.
+    ///         [min_truncate_length(seq), length(seq)] (released tokens cannot come back, and the
+    ///         next token's window must find its keys). Nothing is changed on error.
     void truncate(SequenceId seq, Index length) {
         constexpr const char* fn = "gattn::PagedKVPool::truncate";
-        check_sequence(fn, "seq", seq);
+        const Index shortest = min_truncate_length(seq);
         Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
-        if (length < s.first || length > s.length)
+        if (length < shortest || length > s.length)
             detail::throw_invalid(fn, "length",
-                                  "must be in [" + std::to_string(s.first) + ", " + std::to_string(s.length) +
+                                  "must be in [" + std::to_string(shortest) + ", " + std::to_string(s.length) +
                                       "] (sequence " + std::to_string(seq) +
-                                      (s.first > 0 ? ", whose first " + std::to_string(s.first) + " tokens are released"
+                                      (s.first > 0 ? ", whose first " + std::to_string(s.first) +
+                                                         " tokens are released: the window of " +
+                                                         std::to_string(s.window) + " keys of its next token would " +
+                                                         "reach them below " + std::to_string(shortest)
                                                    : std::string()) +
                                       "), got " + std::to_string(length));
         const auto keep = static_cast<std::size_t>((length - s.first + m_page_size - 1) / m_page_size);
@@ -439,6 +452,7 @@ public:
         if (window < 1)
             detail::throw_invalid(fn, "window", "must be >= 1 (it counts the diagonal), got " + std::to_string(window));
         Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
+        s.window = window;  // truncate keeps what this window needs (min_truncate_length)
         // Stored tokens the window hides; all of them when it sees only the next token itself.
         const Index hidden = std::max<Index>(0, s.stored() - window + 1);
         const Index drop = hidden >= s.stored() ? Index(s.pages.size()) : hidden / m_page_size;
@@ -457,6 +471,7 @@ private:
         std::vector<Index> pages;
         Index length = 0;  // tokens appended
         Index first = 0;   // tokens released from the front (release_outside_window)
+        Index window = 0;  // the window of the last release_outside_window call
         // Tokens in the pages: token first + t sits in page pages[t / P], slot t mod P.
         Index stored() const noexcept { return length - first; }
     };

@@ -68,14 +68,17 @@ public:
 
     /// Rolls seq back to `length` tokens in every layer (PagedKVPool::truncate).
     /// \throws std::invalid_argument when seq is not a sequence of every pool or length is
-    ///         outside [0, its length] in one of them (checked on every pool before any changes).
+    ///         outside [PagedKVPool::min_truncate_length, its length] in one of them (a layer with
+    ///         a sliding window may have released tokens the others keep; checked on every pool
+    ///         before any changes).
     void truncate(SequenceId seq, Index length) {
-        for (const PagedKVPool<Scalar>& p : m_pools) {
-            const Index have = p.length(seq);
-            if (length < 0 || length > have)
+        for (std::size_t i = 0; i < m_pools.size(); ++i) {
+            const Index have = m_pools[i].length(seq), shortest = m_pools[i].min_truncate_length(seq);
+            if (length < shortest || length > have)
                 detail::throw_invalid("gattn::PagedKVPoolSet::truncate", "length",
-                                      "must be in [0, " + std::to_string(have) + "] (sequence " + std::to_string(seq) +
-                                          "), got " + std::to_string(length));
+                                      "must be in [" + std::to_string(shortest) + ", " + std::to_string(have) +
+                                          "] (sequence " + std::to_string(seq) + " in layer " + std::to_string(i) +
+                                          "'s pool), got " + std::to_string(length));
         }
         for (PagedKVPool<Scalar>& p : m_pools) p.truncate(seq, length);
     }
