@@ -169,6 +169,23 @@ TEST(CascadeAttention, SharedPrefixPagesStopAtTheFirstDifferenceOrPartialPage) {
     EXPECT_EQ(gattn::shared_prefix_pages(t, 16), 2);
     t.last_page_len = {16, 16};
     EXPECT_EQ(gattn::shared_prefix_pages(t, 16), 3);
+    // A table whose indptr overruns indices is refused before a page is read.
+    gattn::PageTable overrun;
+    overrun.indptr = {0, 3};
+    overrun.indices = {0};
+    overrun.last_page_len = {16};
+    for (auto* call : {+[](const gattn::PageTable& x) { (void)gattn::shared_prefix_pages(x, 16); },
+                       +[](const gattn::PageTable& x) { (void)gattn::split_shared_prefix(x, 16); }}) {
+        try {
+            call(overrun);
+            ADD_FAILURE() << "no exception";
+        } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find(
+                          "shared_prefix_pages: table.indptr must run from 0 to indices.size() = 1"),
+                      std::string::npos)
+                << e.what();
+        }
+    }
 }
 
 TEST(CascadeAttention, ErrorsLeaveOutUnchanged) {

@@ -1142,6 +1142,19 @@ TEST(LayerPaged, BadStepsWriteNothing) {
         EXPECT_EQ(pool.free_pages(), 2);
     };
     expect_refused({0, 40}, {"GatedMultiHeadAttention::forward", "qo_indptr", "[3]", "[2]"});
+    // A step without rows still names sequences of the pool, each once.
+    for (const auto& [bad, words] : std::vector<std::pair<std::vector<gattn::SequenceId>, std::string>>{
+             {{12345, seqs[0]}, "seqs[0] must be a sequence of the pool"},
+             {{seqs[0], seqs[0]}, "seqs[1] is sequence 0, also seqs[0]"}}) {
+        try {
+            layer.forward(x.topRows(0), {0, 0, 0}, pool, bad, out.topRows(0));
+            ADD_FAILURE() << "no exception for " << words;
+        } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("GatedMultiHeadAttention::forward: seqs["), std::string::npos)
+                << e.what();
+            EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+        }
+    }
     expect_refused({0, 10, 30}, {"qo_indptr", "x.rows() = 40", "0 ... 30"});
     expect_refused({0, 41, 40}, {"qo_indptr[2]", "must be >= qo_indptr[1] = 41"});
     // 33 tokens need 3 pages of 16, and the pool has 2.

@@ -306,6 +306,15 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
     t.indices[3] = 2;
     expect_error([&] { pool.check_table("fn", t); },
                  {"sequence at table position 1, its page 1: page index 2 is free"});
+    // An indptr that goes past indices and back: refused before any page is read.
+    gattn::PageTable back = pool.page_table({a, c});
+    back.indptr = {0, 5, 4};
+    expect_error([&] { pool.check_table("fn", back); },
+                 {"fn: table.indptr", "must not decrease", "table position 1 has -1 pages"});
+    // No sequences: nothing to append, and k, v and counts must say so.
+    expect_error([&] { pool.append({}, k.topRows(1), v.topRows(1), {}); }, {"PagedKVPool::append", "k", "[0, 8]"});
+    expect_error([&] { pool.append({}, k.topRows(0), v.topRows(0), {1}); }, {"counts", "[0]", "[1]"});
+    pool.append({}, k.topRows(0), v.topRows(0), {});
     gattn::PageTable long_table;
     long_table.indices.assign(5, 0);
     long_table.indptr = {0, 5};

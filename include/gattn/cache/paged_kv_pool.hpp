@@ -61,6 +61,25 @@ inline void check_qo_indptr(const char* fn, const std::vector<Index>& qo_indptr,
                               ", got " + std::to_string(qo_indptr[b + 1]) + " < " + std::to_string(qo_indptr[b]));
 }
 
+/// Checks a page table's layout, whatever the pool: indptr has batch() + 1 entries, runs from 0
+/// to indices.size() and does not decrease (so every sequence's pages lie inside indices).
+/// \throws shape_error when indptr has not batch() + 1 entries; std::invalid_argument otherwise.
+inline void check_table_layout(const char* fn, const PageTable& table) {
+    const Index B = table.batch();
+    if (static_cast<Index>(table.indptr.size()) != B + 1)
+        throw_shape(fn, "table.indptr", shape_string({B + 1}), shape_string({static_cast<Index>(table.indptr.size())}));
+    if (table.indptr[0] != 0 || table.indptr[static_cast<std::size_t>(B)] != Index(table.indices.size()))
+        throw_invalid(fn, "table.indptr",
+                      "must run from 0 to indices.size() = " + std::to_string(table.indices.size()) + ", got " +
+                          std::to_string(table.indptr[0]) + " to " +
+                          std::to_string(table.indptr[static_cast<std::size_t>(B)]));
+    for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b)
+        if (table.indptr[b + 1] < table.indptr[b])
+            throw_invalid(fn, "table.indptr",
+                          "must not decrease: the sequence at table position " + std::to_string(b) + " has " +
+                              std::to_string(table.indptr[b + 1] - table.indptr[b]) + " pages");
+}
+
 /// Whether view shares an element with the pool's storage (keys, values, int8 scales).
 template <class View, class Pool>
 bool holds_pool_storage(const View& view, const Pool& pool) noexcept {
@@ -70,12 +89,14 @@ bool holds_pool_storage(const View& view, const Pool& pool) noexcept {
 
 /// A layer step over a pool: checks qo_indptr against x's rows and returns each row's
 /// position, after its sequence's tokens in the pool (RoPE).
-/// \throws as check_qo_indptr, and std::invalid_argument for an id not in the pool.
+/// \throws as check_qo_indptr, and std::invalid_argument for an id not in the pool or given
+///         twice (PagedKVPool::check_sequences).
 template <class Pool>
 std::vector<Index> paged_step_positions(const char* fn, Index rows, const std::vector<Index>& qo_indptr,
                                         const Pool& pool, const std::vector<Index>& seqs) {
     const auto B = static_cast<Index>(seqs.size());
     check_qo_indptr(fn, qo_indptr, B, rows, "x.rows()");
+    pool.check_sequences(fn, seqs);  // every id, also those without rows in this step
     std::vector<Index> positions;
     positions.reserve(static_cast<std::size_t>(rows));
     for (std::size_t b = 0; b < seqs.size(); ++b) {
@@ -261,6 +282,21 @@ public:
         return t;
     }
 
+    /// Checks that seqs are distinct sequences of the pool (allocated or forked, not freed).
+    /// \param fn the calling function, which the message names (with seqs[b]).
+    /// \throws std::invalid_argument for an id that is not a sequence of the pool or one given twice.
+    void check_sequences(const char* fn, const std::vector<SequenceId>& seqs) const {
+        for (std::size_t b = 0; b < seqs.size(); ++b) {
+            const std::string arg = "seqs[" + std::to_string(b) + "]";
+            check_sequence(fn, arg, seqs[b]);
+            for (std::size_t c = 0; c < b; ++c)
+                if (seqs[c] == seqs[b])
+                    detail::throw_invalid(fn, arg,
+                                          "is sequence " + std::to_string(seqs[b]) + ", also seqs[" +
+                                              std::to_string(c) + "]: each sequence at most once per call");
+        }
+    }
+
     /// Checks a page table (made by hand or kept from an earlier state) against the pool:
     /// indptr has batch() + 1 non-decreasing entries from 0 to indices.size(); no sequence has
     /// more pages than the pool; every page index is in [0, num_pages()) and held by some
@@ -270,21 +306,11 @@ public:
     /// \throws shape_error when indptr has not batch() + 1 entries; std::invalid_argument for
     ///         the rest, naming the sequence (its position in the table) and the page.
     void check_table(const char* fn, const PageTable& table) const {
+        detail::check_table_layout(fn, table);  // before any page is read
         const Index B = table.batch();
-        if (static_cast<Index>(table.indptr.size()) != B + 1)
-            detail::throw_shape(fn, "table.indptr", detail::shape_string({B + 1}),
-                                detail::shape_string({static_cast<Index>(table.indptr.size())}));
-        if (table.indptr[0] != 0 || table.indptr[static_cast<std::size_t>(B)] != Index(table.indices.size()))
-            detail::throw_invalid(fn, "table.indptr",
-                                  "must run from 0 to indices.size() = " + std::to_string(table.indices.size()) +
-                                      ", got " + std::to_string(table.indptr[0]) + " to " +
-                                      std::to_string(table.indptr[static_cast<std::size_t>(B)]));
         for (Index b = 0; b < B; ++b) {
             const std::string seq = "the sequence at table position " + std::to_string(b);
             const Index n = table.indptr[static_cast<std::size_t>(b) + 1] - table.indptr[static_cast<std::size_t>(b)];
-            if (n < 0)
-                detail::throw_invalid(fn, "table.indptr",
-                                      "must not decrease: " + seq + " has " + std::to_string(n) + " pages");
             if (n > num_pages())
                 detail::throw_invalid(fn, "table",
                                       seq + " has " + std::to_string(n) + " pages, more than the pool's " +
@@ -314,7 +340,7 @@ public:
     /// write). An int8 pool quantizes each row (ops/int8_rows.hpp).
     /// \param seqs   B distinct sequences of the pool.
     /// \param k      [B·n, H_kv·d_k]; \param v [B·n, H_kv·d_v].
-    /// \param counts B entries in [0, n].
+    /// \param counts B entries in [0, n]. (No seqs: k and v of no rows, counts empty.)
     /// \throws shape_error for k or v of the wrong shape or counts without B entries;
     ///         std::invalid_argument for an id that is not a sequence of the pool or appears
     ///         twice, a count outside [0, n], k or v sharing an element with the pool's storage,
@@ -325,7 +351,14 @@ public:
                 const std::vector<Index>& counts) {
         constexpr const char* fn = "gattn::PagedKVPool::append";
         const auto B = static_cast<Index>(seqs.size());
-        if (B == 0) return;
+        if (B == 0) {  // nothing to append: k, v and counts must be empty too
+            detail::check_shape(fn, "k", k.rows(), k.cols(), 0, m_keys.cols());
+            detail::check_shape(fn, "v", v.rows(), v.cols(), 0, m_values.cols());
+            if (!counts.empty())
+                detail::throw_shape(fn, "counts", detail::shape_string({0}),
+                                    detail::shape_string({static_cast<Index>(counts.size())}));
+            return;
+        }
         if (k.rows() % B != 0 || k.cols() != m_keys.cols())
             detail::throw_shape(fn, "k", "[B*n, " + std::to_string(m_keys.cols()) + "] with B = " + std::to_string(B),
                                 detail::shape_string({k.rows(), k.cols()}));
@@ -482,15 +515,7 @@ private:
                      const ConstMatrixRef<Input>& v, const std::vector<Index>& first_row,
                      const std::vector<Index>& counts) {
         const auto B = static_cast<Index>(seqs.size());
-        for (Index b = 0; b < B; ++b) {
-            const std::string arg = "seqs[" + std::to_string(b) + "]";
-            check_sequence(fn, arg, seqs[b]);
-            for (Index c = 0; c < b; ++c)
-                if (seqs[c] == seqs[b])
-                    detail::throw_invalid(fn, arg,
-                                          "is sequence " + std::to_string(seqs[b]) + ", also seqs[" +
-                                              std::to_string(c) + "]: each sequence at most once per call");
-        }
+        check_sequences(fn, seqs);
         check_outside(fn, k, v);
         if constexpr (kInt8)  // int8 codes stand for finite values only
             for (const auto& [view, name] : {std::pair<const ConstMatrixRef<Input>*, const char*>{&k, "k"}, {&v, "v"}})

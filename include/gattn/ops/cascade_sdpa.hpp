@@ -31,7 +31,10 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// The number of leading pages that every sequence of `table` holds in common (the same page
 /// indices), counting only pages that are full in every sequence that holds them (a sequence's
 /// last page counts only when it holds page_size tokens). 0 for an empty batch.
+/// \throws shape_error or std::invalid_argument for a table whose indptr does not have
+///         batch() + 1 entries running from 0 to indices.size() without decreasing.
 inline Index shared_prefix_pages(const PageTable& table, Index page_size) {
+    detail::check_table_layout("gattn::shared_prefix_pages", table);
     const Index B = table.batch();
     if (B == 0) return 0;
     Index n = table.pages(0);
@@ -53,6 +56,7 @@ inline Index shared_prefix_pages(const PageTable& table, Index page_size) {
 /// Splits a batch's full page tables into the prefix table (one sequence: the first
 /// shared_prefix_pages(table, page_size) pages, all full) and the suffix tables (B sequences:
 /// each one's remaining pages, possibly none), the arguments cascade_attention takes.
+/// \throws as shared_prefix_pages.
 inline std::pair<PageTable, PageTable> split_shared_prefix(const PageTable& table, Index page_size) {
     const Index n = shared_prefix_pages(table, page_size), B = table.batch();
     PageTable prefix, suffix;
