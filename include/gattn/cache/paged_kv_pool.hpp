@@ -283,7 +283,8 @@ public:
     }
 
     /// Checks that seqs are distinct sequences of the pool (allocated or forked, not freed).
-    /// \param fn the calling function, which the message names (with seqs[b]).
+    /// \param fn   the calling function, which the message names (with seqs[b]).
+    /// \param seqs the ids to check.
     /// \throws std::invalid_argument for an id that is not a sequence of the pool or one given twice.
     void check_sequences(const char* fn, const std::vector<SequenceId>& seqs) const {
         for (std::size_t b = 0; b < seqs.size(); ++b) {
