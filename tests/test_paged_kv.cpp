@@ -184,6 +184,7 @@ TEST(PagedKVPool, ReleaseOutsideWindowDropsHiddenFrontPages) {
     // w = 35: token 50 sees 16..50; nothing goes. w = 3: tokens up to 47 are hidden, pages 1
     // and 2 (tokens 16..47) go.
     EXPECT_EQ(pool.release_outside_window(a, 35), 0);
+    EXPECT_EQ(pool.min_truncate_length(a), 50);  // 16 + 34
     EXPECT_EQ(pool.release_outside_window(a, 3), 2);
     EXPECT_EQ(pool.first_position(a), 48);
     EXPECT_EQ(pool.min_truncate_length(a), 50);  // the last call's window: token 50 sees 48..50
@@ -208,6 +209,10 @@ TEST(PagedKVPool, ReleaseOutsideWindowDropsHiddenFrontPages) {
     EXPECT_TRUE(pool.pages(a).empty());
     EXPECT_EQ(pool.length(a), 52);
     EXPECT_EQ(pool.free_pages(), 8);
+    // A wider window afterwards: the floor stops at the length (52 + 39 would pass it).
+    EXPECT_EQ(pool.release_outside_window(a, 40), 0);
+    EXPECT_EQ(pool.min_truncate_length(a), 52);
+    pool.truncate(a, 52);
 }
 
 /// write: rows outside the page's slots, also where slot + n overflows, change nothing.

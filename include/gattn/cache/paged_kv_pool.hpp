@@ -252,12 +252,12 @@ public:
     /// The shortest length truncate(seq, ·) accepts: 0, or once tokens of seq were released,
     /// first_position(seq) + w − 1 for the window w of its last release_outside_window call, so
     /// that the window of the token appended next still finds all its keys stored (as a window
-    /// KVCache keeps at least w − 1 tokens).
+    /// KVCache keeps at least w − 1 tokens); never more than length(seq).
     /// \throws std::invalid_argument when seq is not a sequence of the pool.
     Index min_truncate_length(SequenceId seq) const {
         check_sequence("gattn::PagedKVPool::min_truncate_length", "seq", seq);
         const Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
-        return s.first > 0 ? s.first + s.window - 1 : 0;
+        return s.first > 0 ? std::min(s.first + s.window - 1, s.length) : 0;
     }
     /// The pages of sequence seq, in token order. \throws std::invalid_argument when seq is not a
     /// sequence of the pool.
