@@ -255,12 +255,7 @@ void run_sdpa(Reader& in) {
     c.Nq = in.range(1, long_keys ? 2 : 40);
     c.Nk = long_keys ? in.range(2040, 2100) : in.range(0, 150);
     c.H = in.range(1, 6);
-    {
-        int divisors[6], n = 0;
-        for (int d = 1; d <= c.H; ++d)
-            if (c.H % d == 0) divisors[n++] = d;
-        c.Hkv = divisors[in.byte() % n];
-    }
+    c.Hkv = kv_heads_of(in, c.H);
     c.dk = in.range(1, 20);
     c.dv = in.flag() ? c.dk : in.range(1, 20);
     const std::uint8_t masks = in.byte();

@@ -54,6 +54,15 @@ private:
     std::uint64_t m_state = 0x243F6A8885A308D3ull;
 };
 
+/// A divisor of heads (1 ≤ heads ≤ 8) read from the input: a number of KV heads that heads
+/// query heads can share.
+inline int kv_heads_of(Reader& in, int heads) {
+    int divisors[8], n = 0;
+    for (int d = 1; d <= heads; ++d)
+        if (heads % d == 0) divisors[n++] = d;
+    return divisors[in.byte() % n];
+}
+
 /// Fills a rows × cols block of m (which may be wider: a strided view) with values.
 template <class M>
 void fill(M& m, Index cols, Values& values) {

@@ -258,12 +258,7 @@ void run_layer(Reader& in) {
     config.gate = specs[in.byte() % specs.size()];
     config.d_model = in.range(1, 24);
     config.num_heads = in.range(1, 6);
-    {
-        int divisors[6], n = 0;
-        for (int d = 1; d <= config.num_heads; ++d)
-            if (config.num_heads % d == 0) divisors[n++] = d;
-        config.num_kv_heads = divisors[in.byte() % n];
-    }
+    config.num_kv_heads = kv_heads_of(in, int(config.num_heads));
     config.head_dim = in.range(1, 12);
     config.value_head_dim = in.flag() ? 0 : in.range(1, 12);
     const std::uint8_t bits = in.byte();
@@ -314,12 +309,7 @@ void run_decode(Reader& in) {
     config.gate = specs[in.byte() % specs.size()];
     config.d_model = in.range(1, 16);
     config.num_heads = in.range(1, 4);
-    {
-        int divisors[4], n = 0;
-        for (int d = 1; d <= config.num_heads; ++d)
-            if (config.num_heads % d == 0) divisors[n++] = d;
-        config.num_kv_heads = divisors[in.byte() % n];
-    }
+    config.num_kv_heads = kv_heads_of(in, int(config.num_heads));
     config.head_dim = in.range(1, 8);
     config.value_head_dim = in.flag() ? 0 : in.range(1, 8);
     config.causal = true;  // new tokens then see what the whole sequence's forward shows them

@@ -287,12 +287,13 @@ public:
     /// \param seqs the ids to check.
     /// \throws std::invalid_argument for an id that is not a sequence of the pool or one given twice.
     void check_sequences(const char* fn, const std::vector<SequenceId>& seqs) const {
+        // Every layer step checks its ids (and append_ragged again): strings only on error.
+        auto arg = [](std::size_t b) { return "seqs[" + std::to_string(b) + "]"; };
         for (std::size_t b = 0; b < seqs.size(); ++b) {
-            const std::string arg = "seqs[" + std::to_string(b) + "]";
-            check_sequence(fn, arg, seqs[b]);
+            if (!alive(seqs[b])) check_sequence(fn, arg(b), seqs[b]);
             for (std::size_t c = 0; c < b; ++c)
                 if (seqs[c] == seqs[b])
-                    detail::throw_invalid(fn, arg,
+                    detail::throw_invalid(fn, arg(b),
                                           "is sequence " + std::to_string(seqs[b]) + ", also seqs[" +
                                               std::to_string(c) + "]: each sequence at most once per call");
         }
@@ -582,8 +583,11 @@ private:
         }
     }
 
+    bool alive(SequenceId seq) const noexcept {
+        return seq >= 0 && seq < static_cast<Index>(m_alive.size()) && m_alive[static_cast<std::size_t>(seq)];
+    }
     void check_sequence(const char* fn, const std::string& arg, SequenceId seq) const {
-        if (seq < 0 || seq >= static_cast<Index>(m_alive.size()) || !m_alive[static_cast<std::size_t>(seq)])
+        if (!alive(seq))
             detail::throw_invalid(
                 fn, arg, "must be a sequence of the pool (allocated or forked, not freed), got " + std::to_string(seq));
     }
