@@ -6,6 +6,7 @@
 //
 //   node scripts/ort_compare.mjs --bench build/avx2/bench/bench_sdpa --ort build/ort [--rounds 5]
 //   node scripts/ort_compare.mjs --ort build/ort --worker decode:32768:8   (one ONNX Runtime case)
+//   node scripts/ort_compare.mjs ... --mlas avx2   (ONNX Runtime on MLAS's AVX2 kernels; below)
 //
 // Cases (8 query heads, head_dim d = 128, float32, batch 1):
 //   prefill, N = 2048, non-causal: ONNX Runtime's MultiHeadAttention (com.microsoft) against
@@ -22,6 +23,14 @@
 // onnxruntime-genai runs GroupQueryAttention, so that the kernel does not copy the cache; the
 // run with a separate present output (the kernel copies the whole cache first) is printed beside
 // it (`copy`). gattn's times are Google Benchmark's wall-clock medians within its process.
+//
+// `--mlas avx2`: MLAS, ONNX Runtime's kernel library, picks its kernels from CPUID when the
+// library loads, and nothing in ONNX Runtime limits it to AVX2. So that an AVX2 build of gattn
+// meets ONNX Runtime's AVX2 kernels on a CPU with AVX-512, this option runs ONNX Runtime from a
+// copy of the package (<ort>-mlas-avx2) in whose libonnxruntime.so one conditional jump of
+// MLAS's platform setup, the test of CPUID's AVX512F bit, is made unconditional: the setup then
+// keeps the kernels it chose for AVX2 and FMA, as on a CPU without AVX-512F. The jump's bytes
+// are those of onnxruntime-node 1.31.1 (x64); the copy is refused unless they occur exactly once.
 
 import { spawnSync } from 'node:child_process';
 import { createRequire } from 'node:module';
@@ -167,6 +176,36 @@ function build(ort, c) {
   return { bytes, op: 'GroupQueryAttention', feeds, fetches };
 }
 
+// ---------------------------------------------------------------------------------------------
+// ONNX Runtime on MLAS's AVX2 kernels (see the top of this file).
+
+// test r10d, 0x10000 (CPUID.7.EBX bit 16, AVX512F); je +0x0e (past the AVX-512 kernels);
+// mov rax, r8; not rax; test al, 0xe0 (XCR0's opmask and ZMM state); je.
+const kAvx512fTest = Buffer.from('41f7c20000010074 0e4c89c048f7d0a8e00f84'.replace(/ /g, ''), 'hex');
+const kJeOffset = 7;  // the first je: 0x74, made 0xeb (jmp)
+
+function mlasAvx2Copy(ortPrefix) {
+  const copy = `${ortPrefix.replace(/\/+$/, '')}-mlas-avx2`;
+  const lib = 'node_modules/onnxruntime-node/bin/napi-v6/linux/x64/libonnxruntime.so.1';
+  const marker = path.join(copy, 'mlas-avx2.json');
+  const source = fs.statSync(path.join(ortPrefix, lib));
+  const stamp = JSON.stringify({ size: source.size, mtime: source.mtimeMs });
+  if (fs.existsSync(marker) && fs.readFileSync(marker, 'utf8') === stamp) return copy;
+  fs.rmSync(copy, { recursive: true, force: true });
+  fs.cpSync(ortPrefix, copy, { recursive: true });
+  const so = fs.readFileSync(path.join(copy, lib));
+  const at = so.indexOf(kAvx512fTest);
+  if (at < 0 || so.indexOf(kAvx512fTest, at + 1) >= 0) {
+    fs.rmSync(copy, { recursive: true, force: true });
+    throw new Error(`ort_compare: MLAS's AVX512F test was not found exactly once in ${path.join(ortPrefix, lib)}; ` +
+      '--mlas avx2 knows onnxruntime-node 1.31.1 (x64) only');
+  }
+  so[at + kJeOffset] = 0xeb;
+  fs.writeFileSync(path.join(copy, lib), so);
+  fs.writeFileSync(marker, stamp);
+  return copy;
+}
+
 // One ONNX Runtime case in this process: prints {"case", "kernel_us", "run_us", "runs"} as JSON.
 async function worker(ortPrefix, name) {
   const require = createRequire(path.resolve(ortPrefix, 'node_modules') + '/');
@@ -240,7 +279,7 @@ function fmt(x, digits = 2) { return x.toFixed(digits); }
 
 function report(rounds, context, ortVersion) {
   const lines = [];
-  lines.push(`gattn ${context.gattn_version}, ${context.gattn_isa}; ONNX Runtime ${ortVersion} (onnxruntime-node); ` +
+  lines.push(`gattn ${context.gattn_version}, ${context.gattn_isa}; ONNX Runtime ${ortVersion}; ` +
     `${rounds.length} rounds, medians; host ${context.host_name}, ${context.num_cpus} CPUs.`);
   lines.push('');
   lines.push('| prefill, N = 2048 | gattn GFLOP/s | ONNX Runtime GFLOP/s | gattn / ONNX Runtime (per round) | median |');
@@ -278,7 +317,9 @@ async function main() {
     const i = args.indexOf(name);
     return i >= 0 ? args[i + 1] : dflt;
   };
-  const ortPrefix = opt('--ort', 'build/ort');
+  const mlas = opt('--mlas', 'native');
+  if (mlas !== 'native' && mlas !== 'avx2') throw new Error(`ort_compare: --mlas must be native or avx2, got '${mlas}'`);
+  const ortPrefix = mlas === 'avx2' ? mlasAvx2Copy(opt('--ort', 'build/ort')) : opt('--ort', 'build/ort');
   if (opt('--worker')) return worker(ortPrefix, opt('--worker'));
   const bench = opt('--bench', 'build/avx2/bench/bench_sdpa');
   const nRounds = Number(opt('--rounds', '5'));
@@ -298,7 +339,8 @@ async function main() {
     rounds.push(round);
     process.stderr.write(`round ${i + 1}/${nRounds} done\n`);
   }
-  console.log(report(rounds, context, ortVersion));
+  console.log(report(rounds, context,
+    `${ortVersion} (onnxruntime-node${mlas === 'avx2' ? ', MLAS on its AVX2 kernels' : ''})`));
 }
 
 main().catch((e) => { console.error(e.message ?? e); process.exit(1); });

@@ -8,7 +8,10 @@
 #
 #   scripts/ort_compare.sh [avx2|native] [rounds]      (default: avx2 5)
 #
-# Environment: BUILD_DIR (default build/ort-<flavour>), ORT_VERSION (default 1.31.1).
+# `avx2` runs ONNX Runtime on MLAS's AVX2 kernels too, from a copy of the package with MLAS's
+# AVX-512 setup skipped (see scripts/ort_compare.mjs); ORT_MLAS=native keeps its own choice.
+#
+# Environment: BUILD_DIR (default build/ort-<flavour>), ORT_VERSION (default 1.31.1), ORT_MLAS.
 # Needs Node.js ≥ 18 and npm with access to the npm registry, CMake, a C++17 compiler, Eigen,
 # xsimd and Google Benchmark (as for the other benchmarks).
 set -eu
@@ -17,8 +20,8 @@ flavour=${1:-avx2}
 rounds=${2:-5}
 ort_version=${ORT_VERSION:-1.31.1}
 case "$flavour" in
-  avx2) arch="-mavx2 -mfma" ;;
-  native) arch="-march=native" ;;
+  avx2) arch="-mavx2 -mfma"; mlas=${ORT_MLAS:-avx2} ;;
+  native) arch="-march=native"; mlas=${ORT_MLAS:-native} ;;
   *) echo "ort_compare.sh: flavour must be avx2 or native, got '$flavour'" >&2; exit 2 ;;
 esac
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,4 +40,4 @@ cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "-DGATTN_ARCH_FLAGS=$arc
   -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF >/dev/null
 cmake --build "$build" -j2 --target bench_sdpa >/dev/null
 
-node "$root/scripts/ort_compare.mjs" --bench "$build/bench/bench_sdpa" --ort "$ort" --rounds "$rounds"
+node "$root/scripts/ort_compare.mjs" --bench "$build/bench/bench_sdpa" --ort "$ort" --mlas "$mlas" --rounds "$rounds"
