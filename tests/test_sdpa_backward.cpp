@@ -603,6 +603,56 @@ TEST(SdpaBackward, EmptyRowsAndKeysGiveZeros) {
     EXPECT_EQ(none.d_sinks[0], 0.0);
 }
 
+// A query row whose every key carries a bias of −FLT_MAX (Hugging Face's padding value): the
+// logits round to −FLT_MAX alike, so the forward averages V (P = 1/N_k), and its log-sum-exp
+// rounds to −FLT_MAX, losing log N_k. The backward must still use P = 1/N_k: with dO only on
+// that row, dV_j = dO/N_k, and dQ, dK follow from dS_j = (dO·V_j − dO·O)/N_k, worked here by
+// hand. 70 keys: two key tiles.
+template <class T>
+void check_min_bias_row() {
+    using M = gattn::RowMatrix<T>;
+    const Index Nq = 3, Nk = 70, d = 4, flagged = 1;
+    const M q = M::Random(Nq, d), k = M::Random(Nk, d), v = M::Random(Nk, d);
+    std::vector<T> bias(static_cast<std::size_t>(Nq * Nk), T(0));
+    std::fill(bias.begin() + flagged * Nk, bias.begin() + (flagged + 1) * Nk, -std::numeric_limits<float>::max());
+    gattn::SdpaOptions<T> opt;
+    opt.mask.bias = gattn::MaskView<T>{bias.data(), 1, 1, Nq, Nk};
+    M out(Nq, d), lse;
+    gattn::SdpaOutputs<T> extra;
+    extra.log_sum_exp = &lse;
+    gattn::scaled_dot_product_attention<T>(q, k, v, {1, 1, 1}, out, opt, extra);
+    M d_out = M::Zero(Nq, d);
+    d_out.row(flagged) << T(1), T(0.5), T(-0.25), T(2);
+    M dq(Nq, d), dk(Nk, d), dv(Nk, d);
+    gattn::scaled_dot_product_attention_backward<T>(q, k, v, {1, 1, 1}, out, lse, d_out, dq, dk, dv, opt);
+    const double n = double(Nk), scale = 1.0 / std::sqrt(double(d)), tol = std::is_same_v<T, float> ? 1e-5 : 1e-12;
+    std::vector<double> mean_v(d, 0.0), dq_ref(d, 0.0);
+    for (Index j = 0; j < Nk; ++j)
+        for (Index c = 0; c < d; ++c) mean_v[c] += double(v(j, c)) / n;
+    double do_o = 0;
+    for (Index c = 0; c < d; ++c) {
+        do_o += double(d_out(flagged, c)) * mean_v[c];
+        EXPECT_NEAR(double(out(flagged, c)), mean_v[c], tol) << "the forward averages V";
+    }
+    for (Index j = 0; j < Nk; ++j) {
+        double do_v = 0;
+        for (Index c = 0; c < d; ++c) do_v += double(d_out(flagged, c)) * double(v(j, c));
+        const double ds = (do_v - do_o) / n;
+        for (Index c = 0; c < d; ++c) {
+            EXPECT_NEAR(double(dv(j, c)), double(d_out(flagged, c)) / n, tol) << "key " << j;
+            EXPECT_NEAR(double(dk(j, c)), scale * ds * double(q(flagged, c)), tol) << "key " << j;
+            dq_ref[c] += scale * ds * double(k(j, c));
+        }
+    }
+    for (Index c = 0; c < d; ++c) EXPECT_NEAR(double(dq(flagged, c)), dq_ref[c], tol);
+    EXPECT_EQ(dq.row(0).cwiseAbs().maxCoeff(), T(0));  // no upstream gradient on the other rows
+}
+
+TEST(SdpaBackward, RowBiasedToMinusFltMaxKeepsItsAverage) {
+    check_min_bias_row<double>();
+    check_min_bias_row<float>();
+}
+
 // Gradients are bitwise the same on 1 and 2 threads, in shapes large enough to run in parallel:
 // one task per (sequence, KV head) on both (4 of them), and one KV head, which one thread runs
 // in one pass and two threads in two (dQ by query tiles, then dK and dV by key tiles).

@@ -948,6 +948,10 @@ inline void scaled_dot_product_attention(ConstMatrixRef<float> query, const Int8
 /// both are −∞ gives 0 and −∞. Any other side is multiplied by its weight even when that
 /// underflows to 0, as one call over all keys multiplies a visible key's underflowed weight
 /// (0·NaN = NaN), and a NaN log-sum-exp gives NaN, so NaN survives any number of merges.
+/// The weights are only as exact as the log-sum-exps: a side's lse carries its log n only
+/// while |lse|·ε/2 is well below 1, so a row whose every logit is near −FLT_MAX (each key
+/// biased by Hugging Face's padding value; both lse round to −FLT_MAX) merges with equal
+/// weights whatever each side's key count. Mask such keys with −∞ or a boolean mask instead.
 /// \param out_a, out_b [R, H·d_v] partial outputs; \param lse_a, lse_b [R, H] their log-sum-exp.
 /// \param out [R, H·d_v] and \param lse [R, H], written; out may be out_a or out_b and lse may
 ///        be lse_a or lse_b (the same view); otherwise they share no element with the inputs or

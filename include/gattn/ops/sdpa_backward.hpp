@@ -58,7 +58,7 @@ using BackwardTile = RowMatrix<T>;
 template <class T>
 struct BackwardScratch {
     BackwardTile<T> q, d_out, k, q_seen, s, dp, acc_a, acc_b, k_t, v_t, k_wide, v_wide;
-    std::vector<T> d, lse, factor_row;
+    std::vector<T> d, lse, lse_fix, factor_row;
     std::vector<KeyRange> range;
     std::vector<unsigned char> seen, row_seen;  ///< per key / per query row of the tile: sees or is seen
     BackwardScratch()
@@ -66,6 +66,7 @@ struct BackwardScratch {
           dp(kBackwardTile, kBackwardTile),
           d(kBackwardTile),
           lse(kBackwardTile),
+          lse_fix(kBackwardTile),
           factor_row(kBackwardTile),
           range(kBackwardTile),
           seen(kBackwardTile),
@@ -80,7 +81,19 @@ struct BackwardCall {
     Index Nq = 0, Nk = 0, H = 0;
     T scale = T(1), softcap = T(0);
     const T* row_d = nullptr;  ///< [B·N_q, H]: D = rowsum(dO ⊙ O), 0 for rows that see no key
+    /// [B·N_q, H]: log Σ e^(ℓ − lse) over a row's keys and sink where the saved log-sum-exp is too
+    /// large to carry log n (backward_lse_fixes), else 0; nullptr when no row needs it.
+    const T* row_lse_fix = nullptr;
 };
+
+/// Whether a row's saved log-sum-exp is so large that its rounding, up to |lse|·ε/2, can swamp
+/// the log of the row's normaliser: |lse| ≥ 1 / (1024·ε), 8192 in float, 4.4e12 in double. A
+/// row whose every key carries a bias near −FLT_MAX (Hugging Face's padding value) gets
+/// lse = −FLT_MAX, log n lost, and e^(ℓ − lse) = 1 for every key.
+template <class T>
+inline bool lse_needs_fix(T lse) noexcept {
+    return std::isfinite(lse) && std::abs(lse) >= T(1) / (T(1024) * std::numeric_limits<T>::epsilon());
+}
 
 /// Turns the tile's raw products S = Q·Kᵀ and dP = dO·Vᵀ (rows = queries i0 + t of head h in
 /// sequence b, columns = keys k0 + c) into P (in s) and scale·dx (in dp): the logit as the
@@ -114,7 +127,8 @@ inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch
             continue;
         }
         const T lse = sc.lse[static_cast<std::size_t>(t)], d = sc.d[static_cast<std::size_t>(t)];
-        if (plain_logits && lo == 0 && hi == cols) {
+        const T fix = sc.lse_fix[static_cast<std::size_t>(t)];
+        if (plain_logits && lo == 0 && hi == cols && fix == T(0)) {
             // The common tile: every key visible, logits scale·q·k. One pass in registers.
             const B vs(call.scale), vl(lse), vd(d);
             Index c = 0;
@@ -153,6 +167,8 @@ inline void backward_tile_gradients(const BackwardCall<T>& call, BackwardScratch
         if (bias_row)
             for (Index c = lo; c < hi; ++c) s[c] += bias_row[c];
         for (Index c = lo; c < hi; ++c) s[c] -= lse;
+        if (fix != T(0))  // (ℓ − lse) − log Σ e^(ℓ − lse): a distribution again (lse_needs_fix)
+            for (Index c = lo; c < hi; ++c) s[c] -= fix;
         simd::transform(s + lo, s + lo, static_cast<std::size_t>(hi - lo),
                         [](const simd::Batch<T>& x) { return simd::exp<T>(x); });
         for (Index c = 0; c < lo; ++c) s[c] = dp[c] = T(0);
@@ -200,6 +216,7 @@ inline QueryTile<T> backward_load_queries(const BackwardCall<T>& call, BackwardS
         if (l == kNegInf) r = {0, 0};
         sc.range[static_cast<std::size_t>(t)] = r;
         sc.lse[static_cast<std::size_t>(t)] = l;
+        sc.lse_fix[static_cast<std::size_t>(t)] = call.row_lse_fix ? call.row_lse_fix[row * call.H + h] : T(0);
         sc.d[static_cast<std::size_t>(t)] = call.row_d[row * call.H + h];
         if (r.begin >= r.end) {
             copy = true;
@@ -237,6 +254,58 @@ inline QueryTile<T> backward_load_queries(const BackwardCall<T>& call, BackwardS
     }
     return {Map(sc.q.data(), rows, dk, Eigen::OuterStride<>(dk)),
             Map(sc.d_out.data(), rows, dv, Eigen::OuterStride<>(dv)), all};
+}
+
+/// For the rows whose saved log-sum-exp lse_needs_fix: log Σ e^(ℓ − lse) over the row's visible
+/// keys and its sink, with ℓ as the forward computes it (scale, softcap, ALiBi, bias), so that the
+/// tiles' P = e^((ℓ − lse) − fix) sums to 1 (the forward normalised by the sum itself). Returns
+/// [B·N_q, H] values, 0 for the other rows, or nothing when no row needs it (the usual case).
+template <class T, class S>
+inline std::vector<T> backward_lse_fixes(const BackwardCall<T>& call, ConstMatrixRef<S> query, ConstMatrixRef<S> key,
+                                         ConstMatrixRef<T> lse, Index batch, Index num_kv_heads, Index dk) {
+    std::vector<T> fixes;
+    const Index H = call.H, group = H / std::max<Index>(num_kv_heads, 1);
+    const auto& mask = *call.mask;
+    const auto& options = *call.options;
+    std::vector<T> q_wide(static_cast<std::size_t>(dk)), k_wide(static_cast<std::size_t>(dk));
+    auto widened = [&](const S* p, std::vector<T>& wide) -> const T* {
+        if constexpr (std::is_same_v<S, T>) {
+            return p;
+        } else {
+            kernel::widen_row(p, wide.data(), dk);
+            return wide.data();
+        }
+    };
+    const T inv_cap = call.softcap > T(0) ? T(1) / call.softcap : T(0);
+    for (Index b = 0; b < batch; ++b)
+        for (Index i = 0; i < call.Nq; ++i)
+            for (Index h = 0; h < H; ++h) {
+                const Index row = b * call.Nq + i;
+                const T l = lse(row, h);
+                if (!lse_needs_fix(l)) continue;
+                if (fixes.empty()) fixes.assign(static_cast<std::size_t>(batch * call.Nq * H), T(0));
+                const T* q = widened(query.data() + row * query.outerStride() + h * dk, q_wide);
+                const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
+                const T* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
+                const T slope = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
+                const Index position = aligned_position(mask, b, i, call.Nq, call.Nk);
+                const KeyRange r = visible_key_range(mask, b, i, call.Nq, call.Nk);
+                const T sink = options.sinks.empty() ? -std::numeric_limits<T>::infinity() : options.sinks[h];
+                T sum = std::isfinite(sink) ? std::exp(sink - l) : T(0);
+                for (Index j = r.begin; j < r.end; ++j) {
+                    if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == -std::numeric_limits<T>::infinity()))
+                        continue;
+                    const T* k = widened(key.data() + (b * call.Nk + j) * key.outerStride() + (h / group) * dk, k_wide);
+                    T x = simd::dot(q, k, static_cast<std::size_t>(dk)) * call.scale;
+                    if (call.softcap > T(0)) x = simd::softcap_scalar<T>(x, call.softcap, inv_cap);
+                    if (slope != T(0))
+                        x = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), x);
+                    if (bias_row) x += bias_row[j];
+                    sum += std::exp(x - l);
+                }
+                fixes[static_cast<std::size_t>(row * H + h)] = sum > T(0) ? std::log(sum) : T(0);
+            }
+    return fixes;
 }
 
 /// Kᵀ and Vᵀ of a key tile of `cols` keys into sc.k_t and sc.v_t (widened to T), 0 past the
@@ -424,10 +493,13 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<S> query, C
 /// output (docs/conventions.md, "Backward pass (SDPA)"); a half gradient beyond ±65504 is ±∞.
 /// The saved log-sum-exp is a float or double, so P = e^(ℓ − lse) carries a relative error up
 /// to |lse| times half its epsilon: in float, 6e-5 at |lse| = 1000, and near the ALiBi bound
-/// float gradients are meaningless. Compiled with OpenMP, the work is split over (sequence,
-/// KV head) tasks when there are enough of them for the threads, else over (sequence, head,
-/// query tile) and then (sequence, KV head, key tile) tasks; the gradients are bitwise the same
-/// for any thread count.
+/// float gradients are meaningless. A row with |lse| ≥ 1/(1024·ε) (8192 in float), where that
+/// rounding can swamp log n (every key of the row biased by −FLT_MAX, Hugging Face's padding
+/// value: lse = −FLT_MAX), is renormalised: its keys' e^(ℓ − lse) are summed first, one dot
+/// product per key, and P = e^((ℓ − lse) − log sum), a distribution as in the forward.
+/// Compiled with OpenMP, the work is split over (sequence, KV head) tasks when there are
+/// enough of them for the threads, else over (sequence, head, query tile) and then (sequence,
+/// KV head, key tile) tasks; the gradients are bitwise the same for any thread count.
 template <class Scalar>
 void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key,
                                            ConstMatrixRef<Scalar> value, const HeadLayout& heads,
@@ -480,6 +552,8 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
     // D = rowsum(dO ⊙ O) per (row, head): FlashAttention-2's preprocessing step, [B·N_q, H].
     std::vector<T> row_d(static_cast<std::size_t>(B * Nq * H));
     call.row_d = row_d.data();
+    const std::vector<T> lse_fixes = gd::backward_lse_fixes<T, Scalar>(call, query, key, log_sum_exp, B, Hkv, dk);
+    if (!lse_fixes.empty()) call.row_lse_fix = lse_fixes.data();
 #ifdef _OPENMP
     const Index threads = omp_get_max_threads();
 #else
@@ -617,7 +691,8 @@ void scaled_dot_product_attention_backward(ConstMatrixRef<Scalar> query, ConstMa
             T sum = 0;
             for (Index row = 0; row < B * Nq; ++row) {
                 const T l = log_sum_exp(row, h), d = row_d[static_cast<std::size_t>(row * H + h)];
-                if (l != kNegInf && d != T(0)) sum -= std::exp(sink - l) * d;
+                const T fix = lse_fixes.empty() ? T(0) : lse_fixes[static_cast<std::size_t>(row * H + h)];
+                if (l != kNegInf && d != T(0)) sum -= std::exp(sink - l - fix) * d;
             }
             (*d_sinks)[static_cast<std::size_t>(h)] = sum;
         }
