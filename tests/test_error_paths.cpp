@@ -520,7 +520,8 @@ void check_cache_errors(Index window) {
     };
     const std::vector<Index> seen = cache.lengths();
     std::vector<Case> cases = {
-        {"append: k of the wrong shape", Throws::ShapeError, append, "k must have shape [B*n, 6], got [2, 5]",
+        {"append: k of the wrong shape", Throws::ShapeError, append,
+         "k must have shape [B*n, 6] (B = the cache's batch, 2), got [2, 5]",
          [&] {
              cache.append(RowMatrix<In>::Zero(2, 5), v, {1, 1});
          }},
@@ -606,6 +607,33 @@ TEST(ErrorPaths, KVCacheLeavesItsBytesAsTheyWere) {
         check_cache_errors<std::int8_t>(window);
         check_cache_errors<gattn::bfloat16>(window);
     }
+}
+
+// A window cache whose rows must grow and cannot be allocated (its values would take 2^48
+// bytes, beyond any address space) throws std::bad_alloc and keeps every part as it was: the
+// grown keys (256 MiB, allocated first) are not swapped in alone.
+TEST(ErrorPaths, WindowCacheThatCannotGrowStaysAsItWas) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+    GTEST_SKIP() << "a sanitizer's allocator stops the program on a 2^48-byte request instead of failing it";
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) || __has_feature(memory_sanitizer)
+    GTEST_SKIP() << "a sanitizer's allocator stops the program on a 2^48-byte request instead of failing it";
+#endif
+#endif
+    const Index dv = Index(1) << 20, window = Index(1) << 24;
+    gattn::KVCache<float> cache(/*batch=*/2, /*capacity=*/1, /*num_kv_heads=*/1, /*head_dim=*/1, dv, 0, window);
+    RowMatrix<float> k(2, 1), v = RowMatrix<float>::Zero(2, dv);
+    k << 10, 20;
+    cache.append(k, v, {1, 1});
+    Parts before;
+    add_cache(before, "cache", cache);
+    // Two tokens each do not fit one row: the cache grows to 2·window rows per sequence.
+    EXPECT_THROW(cache.append(RowMatrix<float>::Ones(4, 1), RowMatrix<float>::Ones(4, dv), {2, 2}), std::bad_alloc);
+    Parts after;
+    add_cache(after, "cache", cache);
+    ASSERT_EQ(before.size(), after.size());
+    for (std::size_t i = 0; i < before.size(); ++i) EXPECT_TRUE(before[i] == after[i]) << before[i].first << " changed";
+    EXPECT_EQ(cache.keys()(1, 0), 20.0f);  // sequence 1's token, at row 1·capacity
 }
 
 /// KVCacheSet: a layer's index out of range, the lengths of an empty set, and truncate, which
@@ -742,7 +770,7 @@ TEST(ErrorPaths, ConstructorsNameWhatTheyRefuse) {
         {"make_cache: a size < 1 (as the KVCache constructor)", Throws::InvalidArgument, "gattn::KVCache",
          "capacity must be >= 1, got 0", [&] { (void)gattn::GatedMultiHeadAttention<float>(c, w).make_cache(2, 0); }},
         {"Qwen3NextAttention: an invalid config", Throws::InvalidArgument, qwen,
-         "config.rms_norm_eps must be >= 0, got -1",
+         "config.rms_norm_eps must be finite and >= 0, got -1",
          [&] {
              auto bad = qc;
              bad.rms_norm_eps = -1;

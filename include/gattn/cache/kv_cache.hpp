@@ -172,7 +172,9 @@ public:
         constexpr const char* fn = "gattn::KVCache::append";
         const Index B = batch();
         if (k.rows() % B != 0 || k.cols() != m_keys.cols())
-            detail::throw_shape(fn, "k", "[B*n, " + std::to_string(m_keys.cols()) + "]",
+            detail::throw_shape(fn, "k",
+                                "[B*n, " + std::to_string(m_keys.cols()) + "] (B = the cache's batch, " +
+                                    std::to_string(B) + ")",
                                 detail::shape_string({k.rows(), k.cols()}));
         const Index n = k.rows() / B;
         detail::check_shape(fn, "v", v.rows(), v.cols(), k.rows(), m_values.cols());
@@ -299,29 +301,39 @@ private:
         for (Index b = 0; b < B; ++b)
             keep[b] = m_lengths[b] + counts[b] > m_capacity ? kept(m_lengths[b]) : m_lengths[b];
         // Each matrix of rows (keys, values, and an int8 cache's scales) keeps the same rows.
-        auto keep_rows = [&](auto& m) {
-            using M = std::decay_t<decltype(m)>;
-            if (m.size() == 0) return;
-            if (capacity != m_capacity) {
-                M grown(B * capacity, m.cols());
-                for (Index b = 0; b < B; ++b)
-                    grown.middleRows(b * capacity, keep[b]) =
-                        m.middleRows(b * m_capacity + m_lengths[b] - keep[b], keep[b]);
-                m.swap(grown);
-                return;
-            }
-            // Rows are contiguous: memmove handles the overlap of the kept rows and the front.
-            for (Index b = 0; b < B; ++b) {
-                if (keep[b] == m_lengths[b] || keep[b] == 0) continue;
-                const Index from = b * m_capacity + m_lengths[b] - keep[b], to = b * m_capacity;
-                std::memmove(m.row(to).data(), m.row(from).data(),
-                             sizeof(typename M::Scalar) * static_cast<std::size_t>(keep[b] * m.cols()));
-            }
-        };
-        keep_rows(m_keys);
-        keep_rows(m_values);
-        keep_rows(m_key_scales);
-        keep_rows(m_value_scales);
+        if (capacity != m_capacity) {
+            // Every grown matrix first, then swaps (which cannot throw): a failed allocation
+            // leaves the cache as it was.
+            auto grown = [&](const auto& m) {
+                std::decay_t<decltype(m)> g(m.size() == 0 ? m.rows() : B * capacity, m.cols());
+                if (m.size() != 0)
+                    for (Index b = 0; b < B; ++b)
+                        g.middleRows(b * capacity, keep[b]) =
+                            m.middleRows(b * m_capacity + m_lengths[b] - keep[b], keep[b]);
+                return g;
+            };
+            auto keys = grown(m_keys), values = grown(m_values);
+            auto key_scales = grown(m_key_scales), value_scales = grown(m_value_scales);
+            m_keys.swap(keys);
+            m_values.swap(values);
+            m_key_scales.swap(key_scales);
+            m_value_scales.swap(value_scales);
+        } else {
+            auto keep_rows = [&](auto& m) {
+                using M = std::decay_t<decltype(m)>;
+                // Rows are contiguous: memmove handles the overlap of the kept rows and the front.
+                for (Index b = 0; b < B && m.size() != 0; ++b) {
+                    if (keep[b] == m_lengths[b] || keep[b] == 0) continue;
+                    const Index from = b * m_capacity + m_lengths[b] - keep[b], to = b * m_capacity;
+                    std::memmove(m.row(to).data(), m.row(from).data(),
+                                 sizeof(typename M::Scalar) * static_cast<std::size_t>(keep[b] * m.cols()));
+                }
+            };
+            keep_rows(m_keys);
+            keep_rows(m_values);
+            keep_rows(m_key_scales);
+            keep_rows(m_value_scales);
+        }
         for (Index b = 0; b < B; ++b) {
             m_first[b] += m_lengths[b] - keep[b];
             m_lengths[b] = keep[b];
