@@ -357,6 +357,27 @@ TEST(Qwen3NextPitfalls, QProjOfAnotherLayoutIsNamed) {
         << b;
 }
 
+TEST(Qwen3NextPitfalls, InfiniteEpsilonOrThetaIsRefused) {
+    // A config built in code (JSON cannot say ∞): ε = ∞ would zero every query and key, θ = ∞
+    // every rotation; both are refused, as the layer of to_attention_config(c) refuses them.
+    gattn::Qwen3NextConfig fixture;
+    const auto w = fixture_weights(fixture);
+    const double inf = std::numeric_limits<double>::infinity();
+    for (const bool eps : {true, false}) {
+        gattn::Qwen3NextConfig c = fixture;
+        (eps ? c.rms_norm_eps : c.rope_theta) = inf;
+        const std::string expected = eps ? "config.rms_norm_eps must be finite and >= 0, got inf"
+                                         : "config.rope_theta must be finite and > 0, got inf";
+        try {
+            gattn::Qwen3NextAttention<double> layer(c, w);
+            ADD_FAILURE() << expected << ": accepted";
+        } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+        }
+        EXPECT_THROW(gattn::to_attention_config(c), std::invalid_argument);
+    }
+}
+
 TEST(Qwen3NextPitfalls, GqaUsesContiguousGroupsNotModulo) {
     // With h mod H_kv, heads 1 and 2 would swap KV heads; swapping the KV heads' weights emulates
     // that mistake and must change the output.

@@ -83,10 +83,12 @@ inline void validate_qwen3_next_config(const Qwen3NextConfig& c, const char* fn)
     if (r % 2 != 0 || r < 2)
         detail::throw_invalid(fn, "config.partial_rotary_factor",
                               "must give an even rotary_dim in [2, head_dim], got " + std::to_string(r));
-    if (!(c.rope_theta > 0))
-        detail::throw_invalid(fn, "config.rope_theta", "must be > 0, got " + detail::number_string(c.rope_theta));
-    if (!(c.rms_norm_eps >= 0))
-        detail::throw_invalid(fn, "config.rms_norm_eps", "must be >= 0, got " + detail::number_string(c.rms_norm_eps));
+    if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
+        detail::throw_invalid(fn, "config.rope_theta",
+                              "must be finite and > 0, got " + detail::number_string(c.rope_theta));
+    if (!(c.rms_norm_eps >= 0) || !std::isfinite(c.rms_norm_eps))
+        detail::throw_invalid(fn, "config.rms_norm_eps",
+                              "must be finite and >= 0, got " + detail::number_string(c.rms_norm_eps));
 }
 
 /// Weights of one layer, HF names (model.layers.N.self_attn.*), nn.Linear layout.
