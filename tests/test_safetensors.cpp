@@ -405,6 +405,23 @@ TEST(Safetensors, LoaderNamesMissingAndMisshapenTensors) {
         EXPECT_NE(std::string(e.what()).find("no tensor of the file ends in 'v_proj.weight'"), std::string::npos)
             << e.what();
     }
+    {  // an integer tensor (I64 converts for positions, never for weights) is named with its dtype
+        auto ints = all;
+        std::vector<std::int64_t> big(static_cast<std::size_t>(w.k_proj_weight.size()), std::int64_t(1) << 62);
+        ints[1] =
+            RawTensor{prefix + "k_proj.weight", "I64", {w.k_proj_weight.rows(), w.k_proj_weight.cols()}, bytes_of(big)};
+        const gattn::SafetensorsFile file(write_file("int_weight", ints));
+        try {
+            gattn::load_attention_weights<float>(file, c, prefix);
+            ADD_FAILURE() << "no exception";
+        } catch (const gattn::io_error& e) {
+            EXPECT_NE(std::string(e.what()).find("model.layers.3.self_attn.k_proj.weight has dtype I64"),
+                      std::string::npos)
+                << e.what();
+            EXPECT_NE(std::string(e.what()).find("weights must be F32, F16, BF16 or F64"), std::string::npos)
+                << e.what();
+        }
+    }
     try {  // the prefix left out: the message names the tensor the file holds under it
         gattn::load_attention_weights<float>(good, c);
         ADD_FAILURE() << "no exception";

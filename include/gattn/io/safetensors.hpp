@@ -418,8 +418,10 @@ inline std::string tensors_named(const SafetensorsFile& file, const std::string&
     return "the file has " + held;
 }
 
-/// The full name of the tensor of expected shape `s` under `prefix`. Throws io_error (naming
-/// `fn`) when the file does not have it, shape_error when its shape differs.
+/// The full name of the weight tensor of expected shape `s` under `prefix`. Throws io_error
+/// (naming `fn`) when the file does not have it or holds it in a dtype other than F32, F16, BF16
+/// or F64 (integer tensors convert for positions and lengths, never for weights), shape_error
+/// when its shape differs.
 inline std::string checked_tensor(const SafetensorsFile& file, const TensorShape& s, const std::string& prefix,
                                   const char* fn) {
     const std::string full = prefix + s.name;
@@ -427,6 +429,9 @@ inline std::string checked_tensor(const SafetensorsFile& file, const TensorShape
         throw io_error(std::string(fn) + ": " + file.path() + ": missing tensor '" + full + "' (prefix '" + prefix +
                        "'); " + tensors_named(file, s.name));
     const TensorInfo& t = file.info(full);
+    if (t.dtype != "F32" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "F64")
+        throw io_error(std::string(fn) + ": " + full + " has dtype " + t.dtype + " in " + file.path() +
+                       "; weights must be F32, F16, BF16 or F64");
     if (t.shape != s.shape)
         throw shape_error(std::string(fn) + ": " + full + " must have shape " + SafetensorsFile::shape_text(s.shape) +
                           ", got " + SafetensorsFile::shape_text(t.shape) + " in " + file.path());
@@ -437,10 +442,10 @@ inline std::string checked_tensor(const SafetensorsFile& file, const TensorShape
 
 /// Loads every weight a layer with `config` expects (expected_weight_shapes) from `file`, each
 /// named `prefix + HF name`, e.g. prefix "model.layers.3.self_attn." and "q_proj.weight".
-/// \throws io_error for a missing tensor or unsupported dtype; shape_error when a tensor's
-///         shape differs from what the config expects (the message names tensor, expected and
-///         actual shape; e.g. a headwise checkpoint read with an elementwise config);
-///         std::invalid_argument for an invalid config (validate_config).
+/// \throws io_error for a missing tensor or a dtype other than F32, F16, BF16 and F64;
+///         shape_error when a tensor's shape differs from what the config expects (the message
+///         names tensor, expected and actual shape; e.g. a headwise checkpoint read with an
+///         elementwise config); std::invalid_argument for an invalid config (validate_config).
 template <class Scalar>
 AttentionWeights<Scalar> load_attention_weights(const SafetensorsFile& file, const AttentionConfig& config,
                                                 const std::string& prefix = "") {
