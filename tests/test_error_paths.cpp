@@ -6,7 +6,8 @@
 // and of every output (out, the trace, the optional outputs) as it was before the call. The
 // caches hold tokens already: float, int8, and a window cache that has dropped some. Errors of
 // constructors, which have nothing to leave changed, are checked for their type and message,
-// and for refusing at construction what a call would refuse later.
+// and for refusing at construction what a call would refuse later. Last, every function that
+// writes into a caller's view (the ops' too) is given one whose rows overlap.
 
 #include <gtest/gtest.h>
 
@@ -831,6 +832,135 @@ TEST(ErrorPaths, Qwen3NextRefusesANonFiniteSinkBeforeAnyCache) {
     layer.forward(RowMatrix<float>::Random(2, 16), {0, 1}, cache, out);
     EXPECT_EQ(cache.lengths(), std::vector<Index>{2});
     EXPECT_TRUE(out.allFinite());
+}
+
+/// Every function that writes into a caller's matrix view refuses one whose rows overlap (row
+/// stride below its columns, here cols − 1 and 1; Eigen reads a Map's row stride 0 as cols),
+/// where one row's results would overwrite another's, before writing anything: the view's
+/// buffer, the caches, the pools and the other outputs stay as they were.
+TEST(ErrorPaths, OutputsWhoseRowsOverlapAreRefused) {
+    using StridedMap = Eigen::Map<RowMatrix<float>, 0, Eigen::OuterStride<>>;
+    using gattn::bfloat16;
+    std::vector<float> buffer(4096, 7.0f);
+    // A view of rows × cols over the buffer with row stride `stride`.
+    auto view = [&](Index rows, Index cols, Index stride) {
+        return StridedMap(buffer.data(), rows, cols, Eigen::OuterStride<>(stride));
+    };
+    std::mt19937 rng(31);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    auto random = [&](Index r, Index c) {
+        return RowMatrix<float>(RowMatrix<float>::NullaryExpr(r, c, [&] { return u(rng); }));
+    };
+
+    // SDPA: B = 1, H = 2 on H_kv = 1, d = 4, N_q = 3, N_k = 5.
+    const gattn::HeadLayout heads{1, 2, 1};
+    const RowMatrix<float> q = random(3, 8), k = random(5, 4), v = random(5, 4), lse = random(3, 2);
+    const RowMatrix<bfloat16> q16 = q.cast<bfloat16>(), k16 = k.cast<bfloat16>(), v16 = v.cast<bfloat16>();
+    const RowMatrix<float> d_o = random(3, 8);
+    RowMatrix<float> d_q = RowMatrix<float>::Constant(3, 8, 7.0f), d_k = RowMatrix<float>::Constant(5, 4, 7.0f),
+                     d_v = d_k, lse_out = RowMatrix<float>::Constant(3, 2, 7.0f), merged = d_q;
+    // Layers: the error-path configs (D = 16, 6 rows: B = 2 sequences of 3).
+    const auto c = layer_config();
+    const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, 1));
+    auto cache = layer.make_cache<float>(2, 8);
+    auto pool = layer.make_pool<float>(8, 16);
+    const std::vector<gattn::SequenceId> seqs{pool.allocate(), pool.allocate()};
+    const auto qc = qwen_config();
+    const gattn::Qwen3NextAttention<float> qwen(qc, qwen_weights(qc, 2));
+    auto qwen_cache = qwen.make_cache(2, 8);
+    auto qwen_pool = qwen.make_pool<float>(8, 16);
+    const std::vector<gattn::SequenceId> qwen_seqs{qwen_pool.allocate(), qwen_pool.allocate()};
+    const RowMatrix<float> x = random(6, 16);
+    gattn::ForwardActivations<float> saved;
+    RowMatrix<float> y(6, 16);
+    layer.forward_train(x, 2, y, saved);
+    gattn::AttentionWeights<float> grads;
+    // A paged pool of SDPA's shape holding the 5 keys, and a shared prefix of 16 keys.
+    gattn::PagedKVPool<float> kv_pool(8, 16, 1, 4);
+    const gattn::SequenceId s0 = kv_pool.allocate();
+    kv_pool.append({s0}, k, v, {5});
+    const gattn::SequenceId root = kv_pool.allocate();
+    kv_pool.append({root}, random(16, 4), random(16, 4), {16});
+    const gattn::SequenceId fork_a = kv_pool.fork(root), fork_b = kv_pool.fork(root);
+    kv_pool.append({fork_a, fork_b}, random(2, 4), random(2, 4), {1, 1});
+    const auto split = gattn::split_shared_prefix(kv_pool.page_table({fork_a, fork_b}), 16);
+    const gattn::PackedLinear<bfloat16> linear(RowMatrix<float>::Random(8, 16).cast<bfloat16>());
+
+    const std::string sdpa = "gattn::scaled_dot_product_attention",
+                      layer_fn = "gattn::GatedMultiHeadAttention::forward",
+                      qwen_fn = "gattn::Qwen3NextAttention::forward";
+    std::vector<Case> cases;
+    for (const bool by_one : {true, false}) {  // row stride cols − 1, then 1
+        const std::string how = by_one ? " (row stride cols - 1)" : " (row stride 1)";
+        auto add = [&](const std::string& what, const std::string& fn, const std::string& arg,
+                       std::function<void()> call) {
+            cases.push_back({what + how, Throws::InvalidArgument, fn, arg + " must have rows apart", std::move(call)});
+        };
+        auto out = [&view, by_one](Index rows, Index cols) { return view(rows, cols, by_one ? cols - 1 : 1); };
+        add("SDPA, float", sdpa, "out",
+            [&, out] { gattn::scaled_dot_product_attention<float>(q, k, v, heads, out(3, 8)); });
+        add("SDPA, bf16 with a float out", sdpa, "out",
+            [&, out] { gattn::scaled_dot_product_attention<bfloat16, float>(q16, k16, v16, heads, out(3, 8)); });
+        add("merge_attention's out", "gattn::merge_attention", "out",
+            [&, out] { gattn::merge_attention<float>(q, lse, q, lse, out(3, 8), lse_out); });
+        add("merge_attention's lse", "gattn::merge_attention", "lse",
+            [&, out] { gattn::merge_attention<float>(q, lse, q, lse, merged, out(3, 2)); });
+        add("SDPA backward's d_query", "gattn::scaled_dot_product_attention_backward", "d_query", [&, out] {
+            gattn::scaled_dot_product_attention_backward<float>(q, k, v, heads, q, lse, d_o, out(3, 8), d_k, d_v);
+        });
+        add("SDPA backward's d_key", "gattn::scaled_dot_product_attention_backward", "d_key", [&, out] {
+            gattn::scaled_dot_product_attention_backward<float>(q, k, v, heads, q, lse, d_o, d_q, out(5, 4), d_v);
+        });
+        add("SDPA backward's d_value", "gattn::scaled_dot_product_attention_backward", "d_value", [&, out] {
+            gattn::scaled_dot_product_attention_backward<float>(q, k, v, heads, q, lse, d_o, d_q, d_k, out(5, 4));
+        });
+        add("paged_attention", "gattn::paged_attention", "out",
+            [&, out] { gattn::paged_attention<float, float>(q, kv_pool, kv_pool.page_table({s0}), 2, out(3, 8)); });
+        add("cascade_attention", "gattn::cascade_attention", "out", [&, out] {
+            gattn::cascade_attention<float, float>(q.topRows(2), kv_pool, split.first, split.second, 2, out(2, 8));
+        });
+        add("PackedLinear::forward", "gattn::PackedLinear::forward", "out",
+            [&, out] { linear.forward<float, float>(x, out(6, 8)); });
+        add("the layer without a cache", layer_fn, "out", [&, out] { layer.forward(x, 2, out(6, 16)); });
+        add("the layer with a cache", layer_fn, "out", [&, out] { layer.forward(x, cache, out(6, 16)); });
+        add("the layer over a pool", layer_fn, "out", [&, out] {
+            layer.forward(x, {0, 3, 6}, pool, seqs, out(6, 16));
+        });
+        add("the layer's backward", "gattn::GatedMultiHeadAttention::backward", "d_x",
+            [&, out] { layer.backward(x, saved, y, grads, out(6, 16)); });
+        add("Qwen3-Next with a cache", qwen_fn, "out", [&, out] {
+            qwen.forward(x, {0, 1, 2, 0, 1, 2}, qwen_cache, out(6, 16));
+        });
+        add("Qwen3-Next over a pool", qwen_fn, "out", [&, out] {
+            qwen.forward(x, {0, 3, 6}, qwen_pool, qwen_seqs, out(6, 16));
+        });
+    }
+    auto add_pool = [](Parts& p, const std::string& name, const auto& pl, const std::vector<gattn::SequenceId>& ids) {
+        p.push_back({name + ".keys", bytes_of(pl.keys())});
+        p.push_back({name + ".values", bytes_of(pl.values())});
+        for (gattn::SequenceId id : ids) p.push_back({name + " length", std::to_string(pl.length(id))});
+    };
+    run_cases(cases, [&] {
+        Parts p;
+        p.push_back(
+            {"the view's buffer", std::string(reinterpret_cast<const char*>(buffer.data()), buffer.size() * 4)});
+        add_cache(p, "cache", cache);
+        add_cache(p, "qwen_cache", qwen_cache);
+        add_pool(p, "pool", pool, seqs);
+        add_pool(p, "qwen_pool", qwen_pool, qwen_seqs);
+        add_matrix(p, "d_q", d_q);
+        add_matrix(p, "d_k", d_k);
+        add_matrix(p, "d_v", d_v);
+        add_matrix(p, "lse_out", lse_out);
+        add_matrix(p, "merged", merged);
+        add_matrix(p, "grads.o_proj_weight", grads.o_proj_weight);
+        return p;
+    });
+    // A view whose rows are apart, however closely, is taken: row stride = cols.
+    gattn::scaled_dot_product_attention<float>(q, k, v, heads, view(3, 8, 8));
+    RowMatrix<float> expected(3, 8);
+    gattn::scaled_dot_product_attention<float>(q, k, v, heads, expected);
+    EXPECT_EQ(RowMatrix<float>(view(3, 8, 8)), expected);
 }
 
 }  // namespace error_paths

@@ -8,6 +8,7 @@
 ///  - `gattn::shape_error` (a `std::invalid_argument`) when an argument has the wrong shape,
 ///  - `std::invalid_argument` when an option or a combination of options is invalid,
 ///  - `gattn::io_error` (a `std::runtime_error`) when a file cannot be read or is malformed.
+/// An output view whose rows overlap (row stride below its columns) is an invalid argument.
 /// Messages name the function, the argument, what was expected and what was given.
 /// The exception types stay in `gattn` itself (not in the instruction-set namespace, see
 /// config.hpp), so `catch (const gattn::shape_error&)` works whatever flags threw it.
@@ -85,6 +86,26 @@ inline void check_shape(const char* function, const std::string& argument, Index
 [[noreturn]] inline void throw_invalid(const char* function, const std::string& argument,
                                        const std::string& what) {
     throw std::invalid_argument(std::string(function) + ": " + argument + " " + what);
+}
+
+/// "" when the rows of a row-major matrix view (rows(), cols(), outerStride()) are apart
+/// (row stride ≥ cols), else "must have rows apart …": an output whose rows share elements (a
+/// Map with row stride 1, say) would have one row's results overwrite another's.
+template <class View>
+inline std::string rows_apart_error(const View& out) {
+    if (out.rows() <= 1 || out.cols() == 0 || out.outerStride() >= out.cols()) return {};
+    return "must have rows apart (row stride >= cols), got row stride " + std::to_string(out.outerStride()) + " for " +
+           std::to_string(out.cols()) + " columns";
+}
+
+/// Checks an output view: its shape (shape_error), and that its rows are apart
+/// (std::invalid_argument, rows_apart_error).
+template <class View>
+inline void check_output(const char* function, const std::string& argument, const View& out, Index expected_rows,
+                         Index expected_cols) {
+    check_shape(function, argument, out.rows(), out.cols(), expected_rows, expected_cols);
+    const std::string apart = rows_apart_error(out);
+    if (!apart.empty()) throw_invalid(function, argument, apart);
 }
 
 }  // namespace detail

@@ -466,7 +466,7 @@ std::vector<Index> validate_cache_call(const char* fn, LayerId layer, const KVCa
                         std::to_string(width) + "] (B = the cache's batch, " + std::to_string(B) + ")",
                     shape_string({x.rows(), x.cols()}));
     const Index N = x.rows() / B;
-    check_shape(fn, "out", out.rows(), out.cols(), x.rows(), width);
+    check_output(fn, "out", out, x.rows(), width);
     if (views_overlap(out, x)) throw_invalid(fn, "out", "must not overlap x");
     auto heads = [](Index h, Index d, Index dv) {
         return "num_kv_heads " + std::to_string(h) + ", head_dim " + std::to_string(d) + ", value_head_dim " +

@@ -36,11 +36,13 @@ GATTN_BEGIN_ISA_NAMESPACE
 
 namespace detail {
 
-/// "" when out is [rows, cols], else the message that says so.
+/// "" when out is [rows, cols] with its rows apart, else the message that says why not.
 template <class T>
 std::string out_shape_error(const MatrixRef<T>& out, Index rows, Index cols) {
-    if (out.rows() == rows && out.cols() == cols) return {};
-    return "out must have shape " + shape_string({rows, cols}) + ", got " + shape_string({out.rows(), out.cols()});
+    if (out.rows() != rows || out.cols() != cols)
+        return "out must have shape " + shape_string({rows, cols}) + ", got " + shape_string({out.rows(), out.cols()});
+    const std::string apart = rows_apart_error(out);
+    return apart.empty() ? apart : "out " + apart;
 }
 
 /// Runs `call` (this rank's share of a layer call) unless `error` already holds an error, then

@@ -143,8 +143,8 @@ void ring_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key, Co
     try {
         gattn::detail::validate_sdpa<Scalar>(fn, query.rows(), query.cols(), key.rows(), key.cols(), value.rows(),
                                              value.cols(), heads, options);
-        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), query.rows(),
-                                   heads.num_heads * (heads.num_kv_heads ? value.cols() / heads.num_kv_heads : 0));
+        gattn::detail::check_output(fn, "out", out, query.rows(),
+                                    heads.num_heads * (heads.num_kv_heads ? value.cols() / heads.num_kv_heads : 0));
         const auto& m = options.mask;
         if (const char* unsupported = detail::positional_option(options))
             gattn::detail::throw_invalid(fn, unsupported, "is not supported across ranks (positions are r·n + j)");

@@ -97,7 +97,7 @@ void sharded_cache_attention(ConstMatrixRef<Scalar> query, const KVCache<CacheSc
         if (B > 0 && query.rows() % B != 0)
             gattn::detail::throw_shape(fn, "query", "[multiple of " + std::to_string(B) + ", H*d_k]",
                                        gattn::detail::shape_string({query.rows(), query.cols()}));
-        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), query.rows(), num_heads * dv);
+        gattn::detail::check_output(fn, "out", out, query.rows(), num_heads * dv);
         local.mask.key_lengths = cache.lengths();
         if (options.mask.causal) {
             // Query t of sequence b against this slice's key j: visible iff key_positions[b] + j ≤

@@ -290,7 +290,8 @@ public:
     ///        check_finite.
     /// \param trace optional statistics (gate scores, first-key attention, probabilities).
     /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, for x,
-    ///         out or options.positions of the wrong shape, out overlapping x, a trace matrix
+    ///         out or options.positions of the wrong shape, out overlapping x or with rows
+    ///         that overlap, a trace matrix
     ///         that holds x, out or options.bias, and (with options.check_finite) a NaN or ±∞
     ///         in x or a NaN in options.bias; nothing is written before validation passes.
     void forward(ConstMatrixRef<Activation> x, Index batch, MatrixRef<Activation> out,
@@ -359,7 +360,7 @@ public:
     /// \param d_x     [B·N, D] written: ∂L/∂x; must share no element with x or d_out.
     /// \throws shape_error for x, d_out or d_x of the wrong shape (or x not the rows saved);
     ///         std::invalid_argument for `saved` from another layer (or never filled), d_x
-    ///         overlapping x or d_out, a matrix of grads holding x, d_out or d_x, and a NaN or
+    ///         overlapping x or d_out or with rows that overlap, a matrix of grads holding x, d_out or d_x, and a NaN or
     ///         ±∞ in d_out (naming its row and column). Nothing is written on error.
     void backward(ConstMatrixRef<Activation> x, const ForwardActivations<T>& saved, ConstMatrixRef<Activation> d_out,
                   AttentionWeights<Scalar>& grads, MatrixRef<Activation> d_x) const {
@@ -374,7 +375,7 @@ public:
         const Index rows = saved.attention.rows();
         gattn::detail::check_shape(fn, "x", x.rows(), x.cols(), rows, D);
         gattn::detail::check_shape(fn, "d_out", d_out.rows(), d_out.cols(), rows, D);
-        gattn::detail::check_shape(fn, "d_x", d_x.rows(), d_x.cols(), rows, D);
+        gattn::detail::check_output(fn, "d_x", d_x, rows, D);
         if (gattn::detail::views_overlap(d_x, x) || gattn::detail::views_overlap(d_x, d_out))
             gattn::detail::throw_invalid(fn, "d_x", "must not share an element with x or d_out");
         grads.for_each([&](const char* name, const auto* m) {
@@ -458,7 +459,8 @@ public:
     /// \throws shape_error for x, out or counts of the wrong shape and a cache whose heads are
     ///         not this layer's; std::invalid_argument for a cache made by another layer's
     ///         make_cache or keeping another window, a count outside [0, N], a sequence
-    ///         that would exceed the cache's capacity, out overlapping x, x or out sharing an
+    ///         that would exceed the cache's capacity, out overlapping x or with rows that
+    ///         overlap, x or out sharing an
     ///         element with the cache's storage, or a trace matrix holding x or out; and, from
     ///         KVCache::append, for a new token's key or value that is NaN or ±∞ in an int8
     ///         cache. Nothing is written (cache included) before validation passes, and the
@@ -510,7 +512,7 @@ public:
     /// \param seqs      B distinct sequences of the pool.
     /// \throws shape_error for x, out, qo_indptr or a pool of the wrong shape;
     ///         std::invalid_argument for offsets that do not fit x, out overlapping x or the
-    ///         pool, and as PagedKVPool::append_ragged (a sequence not in the pool or given
+    ///         pool or with rows that overlap, and as PagedKVPool::append_ragged (a sequence not in the pool or given
     ///         twice, more pages than are free, a non-finite key or value in an int8 pool).
     ///         Nothing is written (pool included) before validation passes.
     template <class PoolScalar>
@@ -525,7 +527,7 @@ public:
         if (x.cols() != D)
             gattn::detail::throw_shape(fn, "x", "[rows, d_model] with d_model = " + std::to_string(D),
                                        gattn::detail::shape_string({x.rows(), x.cols()}));
-        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
+        gattn::detail::check_output(fn, "out", out, x.rows(), D);
         if (pool.num_kv_heads() != Hkv || pool.head_dim() != dk || pool.value_head_dim() != dv)
             gattn::detail::throw_shape(
                 fn, "pool", "[num_kv_heads, head_dim, value_head_dim] = " + gattn::detail::shape_string({Hkv, dk, dv}),
@@ -568,7 +570,7 @@ private:
                                                   : "[B*N, d_model] = [multiple of " + std::to_string(batch) + ", " +
                                                         std::to_string(D) + "]",
                                        gattn::detail::shape_string({x.rows(), x.cols()}));
-        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
+        gattn::detail::check_output(fn, "out", out, x.rows(), D);
         if (gattn::detail::views_overlap(out, x)) gattn::detail::throw_invalid(fn, "out", "must not overlap x");
         check_trace(fn, trace, x, out, &options.bias);
         SdpaOptions<T> sdpa = sdpa_options();

@@ -339,8 +339,8 @@ public:
     /// Prefill of N tokens equals N single-token steps: each token attends, causally, to its
     /// sequence's cached tokens and the new tokens before it (bottom-right alignment per sequence).
     /// \throws shape_error / std::invalid_argument for bad shapes, counts, a cache of other heads,
-    ///         a cache made by another layer's make_cache or a full cache, for out overlapping x,
-    ///         x or out sharing an element with the cache's storage, and for an optional output
+    ///         a cache made by another layer's make_cache or a full cache, for out overlapping x
+    ///         or with rows that overlap, x or out sharing an element with the cache's storage, and for an optional output
     ///         that holds x or out or is the other optional output; std::invalid_argument from
     ///         KVCache::append for a new token's key or value that is NaN or ±∞ in an int8
     ///         cache. Everything, the attention call over the cache as the append will leave it
@@ -399,10 +399,10 @@ public:
     /// \param gate_scores, first_key_probability optional, as for the cache forward ([rows, ...]).
     /// \throws shape_error for x, out, qo_indptr or a pool of the wrong shape;
     ///         std::invalid_argument for offsets that do not fit x, out overlapping x or the
-    ///         pool, an optional output holding x or out, and as PagedKVPool::append_ragged (a
-    ///         sequence not in the pool or given twice, more pages than are free, a non-finite
-    ///         key or value in an int8 pool). Nothing is written (pool included) before
-    ///         validation passes.
+    ///         pool or with rows that overlap, an optional output holding x or out, and as
+    ///         PagedKVPool::append_ragged (a sequence not in the pool or given twice, more pages
+    ///         than are free, a non-finite key or value in an int8 pool). Nothing is written
+    ///         (pool included) before validation passes.
     template <class PoolScalar>
     void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& qo_indptr, PagedKVPool<PoolScalar>& pool,
                  const std::vector<SequenceId>& seqs, MatrixRef<Activation> out, RowMatrix<T>* gate_scores = nullptr,
@@ -414,7 +414,7 @@ public:
         if (x.cols() != D)
             gattn::detail::throw_shape(fn, "x", "[rows, hidden_size] with hidden_size = " + std::to_string(D),
                                        gattn::detail::shape_string({x.rows(), x.cols()}));
-        gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), D);
+        gattn::detail::check_output(fn, "out", out, x.rows(), D);
         if (pool.num_kv_heads() != Hkv || pool.head_dim() != d || pool.value_head_dim() != d)
             gattn::detail::throw_shape(
                 fn, "pool", "[num_kv_heads, head_dim, value_head_dim] = " + gattn::detail::shape_string({Hkv, d, d}),

@@ -146,7 +146,7 @@ void cascade_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& 
                                                  std::to_string(new_rows) + " new query rows needs at least " +
                                                  std::to_string(new_rows - 1) + " (their tokens must follow it)");
     const Index H = num_heads, dv = pool.value_head_dim(), rows = query.rows();
-    gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), rows, H * dv);
+    gattn::detail::check_output(fn, "out", out, rows, H * dv);
     // out may hold query (both calls read it before out is written), never the pool's storage.
     if (gattn::detail::holds_pool_storage(out, pool))
         gattn::detail::throw_invalid(fn, "out", "must not share an element with the pool's keys, values or scales");

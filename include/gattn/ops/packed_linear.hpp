@@ -192,7 +192,8 @@ public:
     /// out = x·wᵀ + b. X, Y: float or Storage (the output is rounded once, to nearest even).
     /// \param x   [R, in_features], any row stride.
     /// \param out [R, out_features], written; must share no memory with x.
-    /// \throws shape_error when a shape disagrees; std::invalid_argument when out overlaps x.
+    /// \throws shape_error when a shape disagrees; std::invalid_argument when out overlaps x
+    ///         or its rows overlap (row stride < out_features).
     /// Nothing is written before the checks pass.
     template <class X, class Y>
     void forward(ConstMatrixRef<X> x, MatrixRef<Y> out) const {
@@ -202,7 +203,7 @@ public:
         if (x.cols() != m_in)
             detail::throw_shape(fn, "x", "[R, " + std::to_string(m_in) + "]",
                                 detail::shape_string({x.rows(), x.cols()}));
-        detail::check_shape(fn, "out", out.rows(), out.cols(), x.rows(), m_out);
+        detail::check_output(fn, "out", out, x.rows(), m_out);
         if (detail::overlaps_any(x.data(), detail::span_of(x), out.data(), detail::span_of(out)))
             detail::throw_invalid(fn, "out", "must not share memory with x");
         const Index rows = x.rows();

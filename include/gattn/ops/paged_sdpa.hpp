@@ -51,7 +51,7 @@ void paged_attention_rows(const char* fn, ConstMatrixRef<Query> query, const std
     using T = compute_t<Query>;
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads, P = pool.page_size();
     const Index rows = q_begin.back();
-    check_shape(fn, "out", out.rows(), out.cols(), rows, H * dv);
+    check_output(fn, "out", out, rows, H * dv);
     auto holds = [&](const auto& view) { return holds_pool_storage(view, pool); };
     if (views_overlap(out, query) || holds(out))
         throw_invalid(fn, "out", "must not share an element with query or the pool");

@@ -690,7 +690,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                                              "must hold H_kv = " + std::to_string(Hkv) + " scales per row, got " +
                                                  (rows->scales ? "a row stride of " + std::to_string(rows->scale_stride)
                                                                : std::string("none")));
-    gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), B * Nq, H * dv);
+    gattn::detail::check_output(fn, "out", out, B * Nq, H * dv);
     const Index out_span = gattn::detail::span_of(out);
     if (gattn::detail::views_overlap(out, query) || gattn::detail::views_overlap(out, key) ||
         gattn::detail::views_overlap(out, value))
@@ -889,8 +889,8 @@ void sdpa_with_epilogue(ConstMatrixRef<Scalar> query, ConstMatrixRef<Scalar> key
 ///         head counts, key lengths outside [0, N_k] or query lengths outside [0, N_q], a
 ///         window < 1, a scale not finite in Scalar, a sink that is NaN or +∞, a softcap or an
 ///         ALiBi slope outside its range (SdpaOptions), out sharing an element with an input or
-///         the bias, or optional outputs that are or hold an input or are one another. Nothing is
-///         written before validation passes.
+///         the bias or with rows that overlap (row stride < H·d_v), or optional outputs that are
+///         or hold an input or are one another. Nothing is written before validation passes.
 /// Scalar: float, double, or 16-bit storage (gattn::bfloat16, gattn::half) whose options and
 /// optional outputs are float and whose output (Out) is the storage type or float; 16-bit inputs
 /// run the kernels of ops/bf16_flash_kernel.hpp (gattn::bf16_kernel() says which, and what is
@@ -957,7 +957,7 @@ inline void scaled_dot_product_attention(ConstMatrixRef<float> query, const Int8
 ///        be lse_a or lse_b (the same view); otherwise they share no element with the inputs or
 ///        with each other.
 /// \throws shape_error when the shapes disagree; std::invalid_argument when out or lse
-///         overlaps an input (other than being it) or the other.
+///         overlaps an input (other than being it) or the other, or has rows that overlap.
 template <class Scalar>
 void merge_attention(ConstMatrixRef<Scalar> out_a, ConstMatrixRef<Scalar> lse_a, ConstMatrixRef<Scalar> out_b,
                      ConstMatrixRef<Scalar> lse_b, MatrixRef<Scalar> out, MatrixRef<Scalar> lse) {
@@ -969,8 +969,8 @@ void merge_attention(ConstMatrixRef<Scalar> out_a, ConstMatrixRef<Scalar> lse_a,
     gattn::detail::check_shape(fn, "lse_a", lse_a.rows(), lse_a.cols(), R, H);
     gattn::detail::check_shape(fn, "out_b", out_b.rows(), out_b.cols(), R, out_a.cols());
     gattn::detail::check_shape(fn, "lse_b", lse_b.rows(), lse_b.cols(), R, H);
-    gattn::detail::check_shape(fn, "out", out.rows(), out.cols(), R, out_a.cols());
-    gattn::detail::check_shape(fn, "lse", lse.rows(), lse.cols(), R, H);
+    gattn::detail::check_output(fn, "out", out, R, out_a.cols());
+    gattn::detail::check_output(fn, "lse", lse, R, H);
     // Element by element in place is exact when a result is an input; any other overlap would
     // read entries already overwritten.
     auto clash = [](const auto& result, const auto& input) {

@@ -417,9 +417,9 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<S> query, C
     check_shape(fn, "out", out.rows(), out.cols(), B * Nq, H * dv);
     check_shape(fn, "log_sum_exp", log_sum_exp.rows(), log_sum_exp.cols(), B * Nq, H);
     check_shape(fn, "d_out", d_out.rows(), d_out.cols(), B * Nq, H * dv);
-    check_shape(fn, "d_query", d_query.rows(), d_query.cols(), B * Nq, H * dk);
-    check_shape(fn, "d_key", d_key.rows(), d_key.cols(), B * Nk, Hkv * dk);
-    check_shape(fn, "d_value", d_value.rows(), d_value.cols(), B * Nk, Hkv * dv);
+    check_output(fn, "d_query", d_query, B * Nq, H * dk);
+    check_output(fn, "d_key", d_key, B * Nk, Hkv * dk);
+    check_output(fn, "d_value", d_value, B * Nk, Hkv * dv);
     if (d_sinks && options.sinks.empty())
         throw_invalid(fn, "d_sinks", "must be null when options.sinks is empty (no sinks to differentiate)");
     if (d_sinks == &options.sinks) throw_invalid(fn, "d_sinks", "must not be options.sinks");
@@ -480,9 +480,9 @@ inline std::pair<Index, Index> validate_sdpa_backward(ConstMatrixRef<S> query, C
 /// \throws shape_error when an argument's shape disagrees with the others (what the forward
 ///         checks, plus out, log_sum_exp, d_out and the gradients); std::invalid_argument for
 ///         what the forward refuses in its options, a d_out element that is NaN or ±∞ (naming
-///         it), a gradient sharing an element with an input, the bias or another gradient, and
-///         d_sinks given without sinks or being options.sinks. Nothing is written before
-///         validation passes.
+///         it), a gradient sharing an element with an input, the bias or another gradient or
+///         with rows that overlap (row stride below its columns), and d_sinks given without
+///         sinks or being options.sinks. Nothing is written before validation passes.
 /// Scalar: float or double, in which everything runs; or 16-bit storage (gattn::bfloat16,
 /// gattn::half) of query, key, value, out, d_out and the gradients, with the log-sum-exp, the
 /// options and d_sinks in float (as the 16-bit forward gives them): each tile's rows are
