@@ -650,6 +650,41 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     }
 }
 
+/// Query row i of sequence b, head h's logits as the kernels form them, for the passes that
+/// recompute them one key at a time (the probabilities and logits outputs, the backward's
+/// log-sum-exp fixes): key j is hidden by a false boolean mask entry or a −∞ bias; a visible
+/// key's logit is softcap(x) for x = q·k_j·scale, minus slope·|position − j| (ALiBi), plus the
+/// bias, in that order (docs/conventions.md, "Masks").
+template <class T>
+struct RowLogits {
+    const bool* bool_row;  // null: no boolean mask
+    const T* bias_row;     // null: no bias
+    T softcap, inv_cap, slope;
+    Index position;  // the query's position on the key axis (ALiBi's distance)
+
+    RowLogits(const AttentionMask<T>& mask, const SdpaOptions<T>& options, T cap, Index b, Index h, Index i, Index Nq,
+              Index Nk)
+        : bool_row(mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i)),
+          bias_row(mask.bias.empty() ? nullptr : mask.bias.row(b, h, i)),
+          softcap(cap),
+          inv_cap(cap > T(0) ? T(1) / cap : T(0)),
+          slope(options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h]),
+          position(aligned_position(mask, b, i, Nq, Nk)) {}
+
+    bool hidden(Index j) const noexcept {
+        return (bool_row && !bool_row[j]) || (bias_row && bias_row[j] == -std::numeric_limits<T>::infinity());
+    }
+    /// softcap(x), or x without a softcap.
+    T capped(T x) const noexcept { return softcap > T(0) ? simd::softcap_scalar<T>(x, softcap, inv_cap) : x; }
+    /// Key j's logit from x = q·k_j·scale.
+    T operator()(T x, Index j) const noexcept {
+        x = capped(x);
+        if (slope != T(0)) x = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), x);
+        if (bias_row) x += bias_row[j];
+        return x;
+    }
+};
+
 /// scaled_dot_product_attention (same arguments, shapes and exceptions, all thrown before
 /// anything is written), then epilogue(row, head, y) once for every row in [0, B·N_q) and head
 /// in [0, H), y pointing at that row's d_v outputs of that head, as soon as they are final and
@@ -810,8 +845,6 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
             return simd::dot(a, b2, static_cast<std::size_t>(dk));
         }
     };
-    const T inv_cap = softcap > 0 ? T(1) / softcap : T(0);
-    auto capped = [&](T x) { return softcap > 0 ? simd::softcap_scalar<T>(x, softcap, inv_cap) : x; };
     const LogitStage stage = extra.logits_stage;
     for (Index b = 0; b < B; ++b)
         for (Index h = 0; h < H; ++h)
@@ -826,31 +859,24 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
                     }
                 const Index g = h / group;
                 const Index prow = (b * H + h) * Nq + i;
+                const RowLogits<T> row(mask, options, softcap, b, h, i, Nq, Nk);
                 T* lg = extra.logits ? extra.logits->data() + prow * Nk : nullptr;
                 if (lg && stage != LogitStage::Final)
                     for (Index j = 0; j < Nk; ++j) {
                         const T x = dot(q, b, j, g) * scale;
-                        lg[j] = stage == LogitStage::Softcapped ? capped(x) : x;
+                        lg[j] = stage == LogitStage::Softcapped ? row.capped(x) : x;
                     }
                 if (lg && stage == LogitStage::Final) std::fill(lg, lg + Nk, kNegInf);
                 const bool probabilities = extra.probabilities && (*lse)(b * Nq + i, h) != kNegInf;
                 if (!probabilities && !(lg && stage == LogitStage::Final)) continue;
-                const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
-                const T* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
-                const T slope = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
-                const Index position = gattn::detail::aligned_position(mask, b, i, Nq, Nk);
                 const auto range = gattn::detail::visible_key_range(mask, b, i, Nq, Nk);
                 const T sink = options.sinks.empty() ? kNegInf : options.sinks[h];  // in the sum, no value
                 T m = sink;
                 for (Index j = range.begin; j < range.end; ++j) {
                     logits[j] = kNegInf;
-                    if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == kNegInf)) continue;
-                    T sc = capped(dot(q, b, j, g) * scale);
-                    if (slope != T(0))
-                        sc = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), sc);
-                    if (bias_row) sc += bias_row[j];
-                    logits[j] = sc;
-                    m = std::max(m, sc);
+                    if (row.hidden(j)) continue;
+                    logits[j] = row(dot(q, b, j, g) * scale, j);
+                    m = std::max(m, logits[j]);
                 }
                 if (lg && stage == LogitStage::Final)
                     std::copy(logits.begin() + range.begin, logits.begin() + range.end, lg + range.begin);

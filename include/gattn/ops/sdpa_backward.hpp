@@ -276,7 +276,6 @@ inline std::vector<T> backward_lse_fixes(const BackwardCall<T>& call, ConstMatri
             return wide.data();
         }
     };
-    const T inv_cap = call.softcap > T(0) ? T(1) / call.softcap : T(0);
     for (Index b = 0; b < batch; ++b)
         for (Index i = 0; i < call.Nq; ++i)
             for (Index h = 0; h < H; ++h) {
@@ -285,23 +284,14 @@ inline std::vector<T> backward_lse_fixes(const BackwardCall<T>& call, ConstMatri
                 if (!lse_needs_fix(l)) continue;
                 if (fixes.empty()) fixes.assign(static_cast<std::size_t>(batch * call.Nq * H), T(0));
                 const T* q = widened(query.data() + row * query.outerStride() + h * dk, q_wide);
-                const bool* bool_row = mask.bool_mask.empty() ? nullptr : mask.bool_mask.row(b, h, i);
-                const T* bias_row = mask.bias.empty() ? nullptr : mask.bias.row(b, h, i);
-                const T slope = options.alibi_slopes.empty() ? T(0) : options.alibi_slopes[h];
-                const Index position = aligned_position(mask, b, i, call.Nq, call.Nk);
+                const RowLogits<T> logit(mask, options, call.softcap, b, h, i, call.Nq, call.Nk);
                 const KeyRange r = visible_key_range(mask, b, i, call.Nq, call.Nk);
                 const T sink = options.sinks.empty() ? -std::numeric_limits<T>::infinity() : options.sinks[h];
                 T sum = std::isfinite(sink) ? std::exp(sink - l) : T(0);
                 for (Index j = r.begin; j < r.end; ++j) {
-                    if ((bool_row && !bool_row[j]) || (bias_row && bias_row[j] == -std::numeric_limits<T>::infinity()))
-                        continue;
+                    if (logit.hidden(j)) continue;
                     const T* k = widened(key.data() + (b * call.Nk + j) * key.outerStride() + (h / group) * dk, k_wide);
-                    T x = simd::dot(q, k, static_cast<std::size_t>(dk)) * call.scale;
-                    if (call.softcap > T(0)) x = simd::softcap_scalar<T>(x, call.softcap, inv_cap);
-                    if (slope != T(0))
-                        x = std::fma(-slope, static_cast<T>(position > j ? position - j : j - position), x);
-                    if (bias_row) x += bias_row[j];
-                    sum += std::exp(x - l);
+                    sum += std::exp(logit(simd::dot(q, k, static_cast<std::size_t>(dk)) * call.scale, j) - l);
                 }
                 fixes[static_cast<std::size_t>(row * H + h)] = sum > T(0) ? std::log(sum) : T(0);
             }
