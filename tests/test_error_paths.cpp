@@ -768,6 +768,14 @@ TEST(ErrorPaths, ConstructorsNameWhatTheyRefuse) {
              bad.scale = 1e300;
              gattn::GatedMultiHeadAttention<float> l(bad, w);
          }},
+        {"GatedMultiHeadAttention: a tiny negative rms_norm_eps, shown as given", Throws::InvalidArgument, gated,
+         "config.rms_norm_eps must be finite and >= 0, got -1e-50",
+         [&] {
+             auto bad = c;
+             bad.qk_norm = gattn::QkNorm::RmsNorm;
+             bad.rms_norm_eps = -1e-50;
+             gattn::GatedMultiHeadAttention<float> l(bad, w);
+         }},
         {"make_cache: a size < 1 (as the KVCache constructor)", Throws::InvalidArgument, "gattn::KVCache",
          "capacity must be >= 1, got 0", [&] { (void)gattn::GatedMultiHeadAttention<float>(c, w).make_cache(2, 0); }},
         {"Qwen3NextAttention: an invalid config", Throws::InvalidArgument, qwen,

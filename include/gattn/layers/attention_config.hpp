@@ -141,10 +141,10 @@ inline void validate_config(const AttentionConfig& c, const char* function) {
                                   std::to_string(c.rotary_dim));
     if (c.rotary_dim > 0 && !(std::isfinite(c.rope_theta) && c.rope_theta > 0))
         detail::throw_invalid(function, "config.rope_theta",
-                              "must be finite and > 0, got " + std::to_string(c.rope_theta));
+                              "must be finite and > 0, got " + detail::number_string(c.rope_theta));
     if (c.qk_norm != QkNorm::None && !(std::isfinite(c.rms_norm_eps) && c.rms_norm_eps >= 0))
         detail::throw_invalid(function, "config.rms_norm_eps",
-                              "must be finite and >= 0, got " + std::to_string(c.rms_norm_eps));
+                              "must be finite and >= 0, got " + detail::number_string(c.rms_norm_eps));
     validate_gate_spec(c.gate, function);
     if (c.gate.enabled() && c.gate.layout != GateLayout::Separate &&
         c.gate.granularity == GateGranularity::Elementwise && c.d_v() != c.d_k())
