@@ -377,24 +377,7 @@ inline void step(const FlashBlock<float, bfloat16, O>& blk, FlashState<float>& s
         }
         scores(std::true_type{}, lane_begin, lane_end);
     }
-    if (state.elementwise && !full) {
-        // Boolean mask and bias per lane, then the block max again.
-        GATTN_UNROLL
-        for (int q = 0; q < C; ++q) bmax[q] = B(kNegInf);
-        for (Index kk = 0; kk < nk; ++kk) {
-            float* row = st + kk * W;
-            const Index j = k0 + kk;
-            for (int t = 0; t < blk.count; ++t) {
-                if (row[t] == kNegInf) continue;
-                if (blk.bool_row[t] && !blk.bool_row[t][j])
-                    row[t] = kNegInf;
-                else if (blk.bias_row[t])
-                    row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
-            }
-            GATTN_UNROLL
-            for (int q = 0; q < C; ++q) bmax[q] = xsimd::max(bmax[q], B::load_aligned(row + q * L));
-        }
-    }
+    if (state.elementwise && !full) mask_elementwise(blk, st, k0, nk, bmax);
     if (k0 == 0)
         for (int t = 0; t < W; ++t) state.first_score[t] = st[t];
 

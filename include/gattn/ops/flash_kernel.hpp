@@ -592,6 +592,33 @@ void flash_begin(const FlashBlock<T>& blk, Index dk, Index dv, T scale, T* qt, T
     std::fill(ot, ot + dv * FlashGeometry<T>::kQueries, T(0));
 }
 
+/// A key block's boolean mask and additive bias, per lane of the Sᵀ tile st (nk rows of
+/// kQueries lanes, keys k0 …), then each query register's block maximum bmax again: the float
+/// and the 16-bit kernels' step. A key the range (causal, window, key length) or the boolean
+/// mask hides ignores its bias, whatever it holds (NaN or +∞ there must not reach the row).
+template <class T, class Block>
+inline void mask_elementwise(const Block& blk, T* st, Index k0, Index nk, simd::Batch<T>* bmax) noexcept {
+    using B = simd::Batch<T>;
+    using G = FlashGeometry<T>;
+    constexpr int C = G::kCols, L = G::kLanes, W = G::kQueries;
+    constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+    GATTN_UNROLL
+    for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
+    for (Index kk = 0; kk < nk; ++kk) {
+        T* row = st + kk * W;
+        const Index j = k0 + kk;
+        for (int t = 0; t < blk.count; ++t) {
+            if (row[t] == kNegInf) continue;
+            if (blk.bool_row[t] && !blk.bool_row[t][j])
+                row[t] = kNegInf;
+            else if (blk.bias_row[t])
+                row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
+        }
+        GATTN_UNROLL
+        for (int c = 0; c < C; ++c) bmax[c] = xsimd::max(bmax[c], B::load_aligned(row + c * L));
+    }
+}
+
 /// One key block [k0, k0 + Bc) ∩ [0, union_end) of a query block: scores, mask, online softmax
 /// and Oᵀ update. key_block/value_block point at key k0 of the head.
 template <class T>
@@ -665,26 +692,7 @@ void flash_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const 
         scores_rows<T, G::kRows, true>(key_block, key_stride, qt, dk, st, 0, nk, lane_begin, lane_end, bmax, key_block,
                                        dead, tf);
     }
-    if (state.elementwise && !full) {
-        // Boolean mask and additive bias, per lane; then the block max again. A key the range
-        // (causal, window, key length) or the boolean mask hides ignores its bias, whatever it
-        // holds (NaN or +∞ there must not reach the row).
-        GATTN_UNROLL
-        for (int c = 0; c < C; ++c) bmax[c] = B(kNegInf);
-        for (Index kk = 0; kk < nk; ++kk) {
-            T* row = st + kk * W;
-            const Index j = k0 + kk;
-            for (int t = 0; t < blk.count; ++t) {
-                if (row[t] == kNegInf) continue;
-                if (blk.bool_row[t] && !blk.bool_row[t][j])
-                    row[t] = kNegInf;
-                else if (blk.bias_row[t])
-                    row[t] = blk.bias_row[t][j] == kNegInf ? kNegInf : row[t] + blk.bias_row[t][j];
-            }
-            GATTN_UNROLL
-            for (int c = 0; c < C; ++c) bmax[c] = xsimd::max(bmax[c], B::load_aligned(row + c * L));
-        }
-    }
+    if (state.elementwise && !full) mask_elementwise(blk, st, k0, nk, bmax);
     if (k0 == 0)
         for (int t = 0; t < live * L; ++t) state.first_score[t] = st[t];
 
