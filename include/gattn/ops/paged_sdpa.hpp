@@ -110,6 +110,54 @@ std::vector<Index> checked_paged_lengths(const char* fn, Index query_rows, Index
     return lengths;
 }
 
+/// Both paged_attention calls: a uniform batch (qo_indptr null: N_q = query.rows() / B rows
+/// each) or a ragged one (qo_indptr), checked in full, then paged_attention_rows.
+template <class Storage, class Query, class Out>
+void paged_attention_call(ConstMatrixRef<Query> query, const std::vector<Index>* qo_indptr,
+                          const PagedKVPool<Storage>& pool, const PageTable& table, Index num_heads, MatrixRef<Out> out,
+                          const SdpaOptions<compute_t<Query>>& options, const SdpaOutputs<compute_t<Query>>& extra) {
+    constexpr bool kInt8 = std::is_same_v<Storage, std::int8_t>;
+    static_assert(kInt8 ? std::is_same_v<Query, float> : std::is_same_v<Query, Storage>,
+                  "GATTN_QUERIES_OF_THE_POOL_TYPE_OR_FLOAT_FOR_INT8");
+    using T = compute_t<Query>;
+    static_assert(std::is_same_v<Out, Query> || (is_narrow_storage_v<Query> && std::is_same_v<Out, T>),
+                  "GATTN_OUTPUT_MUST_BE_THE_INPUT_TYPE_OR_FLOAT_FOR_16_BIT_INPUTS");
+    constexpr const char* fn = "gattn::paged_attention";
+    const std::vector<Index> lengths =
+        checked_paged_lengths(fn, query.rows(), query.cols(), pool, table, num_heads, options, extra);
+    const Index B = table.batch(), Hkv = pool.num_kv_heads();
+    // The rows of the uniform batch that validate_sdpa checks; for a ragged batch, the longest
+    // N_q,b for every sequence (each N_q,b is within it).
+    Index checked_rows = query.rows();
+    if (qo_indptr) {
+        check_qo_indptr(fn, *qo_indptr, B, query.rows(), "query.rows()");
+        Index max_rows = 0;
+        for (std::size_t b = 0; b + 1 < qo_indptr->size(); ++b)
+            max_rows = std::max(max_rows, (*qo_indptr)[b + 1] - (*qo_indptr)[b]);
+        const auto& m = options.mask;
+        const char* per_row = !m.bool_mask.empty()       ? "options.mask.bool_mask"
+                              : !m.bias.empty()          ? "options.mask.bias"
+                              : !m.query_lengths.empty() ? "options.mask.query_lengths"
+                                                         : nullptr;
+        if (per_row) throw_invalid(fn, per_row, "must be empty (qo_indptr gives each sequence's queries)");
+        checked_rows = B * max_rows;
+    }
+    const Index Nk = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
+    SdpaOptions<T> opts = options;
+    opts.mask.key_lengths = lengths;
+    const HeadLayout heads{B, num_heads, Hkv};
+    const auto dims = validate_sdpa<T>(fn, checked_rows, query.cols(), B * Nk, Hkv * pool.head_dim(), B * Nk,
+                                       Hkv * pool.value_head_dim(), heads, opts);
+    std::vector<Index> uniform;
+    if (!qo_indptr) {
+        const Index Nq = B == 0 ? 0 : query.rows() / B;
+        uniform.resize(static_cast<std::size_t>(B) + 1);
+        for (Index b = 0; b <= B; ++b) uniform[static_cast<std::size_t>(b)] = b * Nq;
+    }
+    paged_attention_rows<Storage, Query, Out>(fn, query, qo_indptr ? *qo_indptr : uniform, pool, table, heads,
+                                              dims.first, dims.second, Nk, lengths, out, opts, extra);
+}
+
 }  // namespace detail
 
 /// Scaled dot-product attention of B sequences' new queries over the tokens the page table
@@ -142,27 +190,8 @@ void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& po
                      Index num_heads, MatrixRef<gattn::detail::identity_t<Out>> out,
                      const SdpaOptions<compute_t<Query>>& options = {},
                      const SdpaOutputs<compute_t<Query>>& extra = {}) {
-    constexpr bool kInt8 = std::is_same_v<Storage, std::int8_t>;
-    static_assert(kInt8 ? std::is_same_v<Query, float> : std::is_same_v<Query, Storage>,
-                  "GATTN_QUERIES_OF_THE_POOL_TYPE_OR_FLOAT_FOR_INT8");
-    using T = compute_t<Query>;
-    static_assert(std::is_same_v<Out, Query> || (is_narrow_storage_v<Query> && std::is_same_v<Out, T>),
-                  "GATTN_OUTPUT_MUST_BE_THE_INPUT_TYPE_OR_FLOAT_FOR_16_BIT_INPUTS");
-    constexpr const char* fn = "gattn::paged_attention";
-    const std::vector<Index> lengths =
-        gattn::detail::checked_paged_lengths(fn, query.rows(), query.cols(), pool, table, num_heads, options, extra);
-    const Index B = table.batch(), Hkv = pool.num_kv_heads();
-    const Index Nk = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
-    SdpaOptions<T> opts = options;
-    opts.mask.key_lengths = lengths;
-    const HeadLayout heads{B, num_heads, Hkv};
-    const auto dims = gattn::detail::validate_sdpa<T>(fn, query.rows(), query.cols(), B * Nk, Hkv * pool.head_dim(),
-                                                      B * Nk, Hkv * pool.value_head_dim(), heads, opts);
-    const Index Nq = B == 0 ? 0 : query.rows() / B;
-    std::vector<Index> q_begin(static_cast<std::size_t>(B) + 1);
-    for (Index b = 0; b <= B; ++b) q_begin[static_cast<std::size_t>(b)] = b * Nq;
-    gattn::detail::paged_attention_rows<Storage, Query, Out>(fn, query, q_begin, pool, table, heads, dims.first,
-                                                             dims.second, Nk, lengths, out, opts, extra);
+    gattn::detail::paged_attention_call<Storage, Query, Out>(query, nullptr, pool, table, num_heads, out, options,
+                                                             extra);
 }
 
 /// paged_attention over a mixed batch: sequence b brings its own number of new query rows,
@@ -191,35 +220,8 @@ void paged_attention(ConstMatrixRef<Query> query, const std::vector<Index>& qo_i
                      const PageTable& table, Index num_heads, MatrixRef<gattn::detail::identity_t<Out>> out,
                      const SdpaOptions<compute_t<Query>>& options = {},
                      const SdpaOutputs<compute_t<Query>>& extra = {}) {
-    constexpr bool kInt8 = std::is_same_v<Storage, std::int8_t>;
-    static_assert(kInt8 ? std::is_same_v<Query, float> : std::is_same_v<Query, Storage>,
-                  "GATTN_QUERIES_OF_THE_POOL_TYPE_OR_FLOAT_FOR_INT8");
-    using T = compute_t<Query>;
-    static_assert(std::is_same_v<Out, Query> || (is_narrow_storage_v<Query> && std::is_same_v<Out, T>),
-                  "GATTN_OUTPUT_MUST_BE_THE_INPUT_TYPE_OR_FLOAT_FOR_16_BIT_INPUTS");
-    constexpr const char* fn = "gattn::paged_attention";
-    const std::vector<Index> lengths =
-        gattn::detail::checked_paged_lengths(fn, query.rows(), query.cols(), pool, table, num_heads, options, extra);
-    const Index B = table.batch(), Hkv = pool.num_kv_heads();
-    gattn::detail::check_qo_indptr(fn, qo_indptr, B, query.rows(), "query.rows()");
-    Index max_rows = 0;
-    for (std::size_t b = 0; b + 1 < qo_indptr.size(); ++b)
-        max_rows = std::max(max_rows, qo_indptr[b + 1] - qo_indptr[b]);
-    const auto& m = options.mask;
-    const char* per_row = !m.bool_mask.empty()       ? "options.mask.bool_mask"
-                          : !m.bias.empty()          ? "options.mask.bias"
-                          : !m.query_lengths.empty() ? "options.mask.query_lengths"
-                                                     : nullptr;
-    if (per_row) gattn::detail::throw_invalid(fn, per_row, "must be empty (qo_indptr gives each sequence's queries)");
-    const Index Nk = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
-    SdpaOptions<T> opts = options;
-    opts.mask.key_lengths = lengths;
-    const HeadLayout heads{B, num_heads, Hkv};
-    // The shape checks of a uniform batch of the longest N_q (every sequence's N_q,b is within it).
-    const auto dims = gattn::detail::validate_sdpa<T>(fn, B * max_rows, query.cols(), B * Nk, Hkv * pool.head_dim(),
-                                                      B * Nk, Hkv * pool.value_head_dim(), heads, opts);
-    gattn::detail::paged_attention_rows<Storage, Query, Out>(fn, query, qo_indptr, pool, table, heads, dims.first,
-                                                             dims.second, Nk, lengths, out, opts, extra);
+    gattn::detail::paged_attention_call<Storage, Query, Out>(query, &qo_indptr, pool, table, num_heads, out, options,
+                                                             extra);
 }
 
 GATTN_END_ISA_NAMESPACE
