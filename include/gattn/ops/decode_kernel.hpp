@@ -172,17 +172,7 @@ inline simd::Batch<T> load_widened(const KV* p) noexcept {
     using B = simd::Batch<T>;
     if constexpr (std::is_same_v<T, KV>) {
         return B::load_unaligned(p);
-    } else if constexpr (std::is_same_v<KV, std::int8_t>) {
-        if constexpr (simd::avx512::kEnabled && std::is_same_v<T, float> && sizeof(B) == 64)
-            return simd::avx512::widen<B>(p);
-        if constexpr (simd::avx2::kEnabled && std::is_same_v<T, float> && sizeof(B) == 32)
-            return simd::avx2::widen<B>(p);
-        if constexpr (simd::neon::kEnabled && std::is_same_v<T, float> && sizeof(B) == 16)
-            return simd::neon::widen<B>(p);
-        alignas(64) T w[simd::kLanes<T>];
-        for (std::size_t i = 0; i < simd::kLanes<T>; ++i) w[i] = static_cast<T>(p[i]);
-        return B::load_aligned(w);
-    } else {
+    } else {  // each tier's widen takes int8 codes and 16-bit floats alike
         if constexpr (simd::avx512::kEnabled && std::is_same_v<T, float> && sizeof(B) == 64)
             return simd::avx512::widen<B>(p);
         if constexpr (simd::avx2::kEnabled && std::is_same_v<T, float> && sizeof(B) == 32)
