@@ -1068,9 +1068,12 @@ TEST(LayerPaged, RollbackAfterReleaseKeepsTheNextTokensWindow) {
     std::vector<gattn::KVCache<float>> full;
     full.emplace_back(1, 200, c.num_kv_heads, c.d_k(), c.d_v());  // no window: keeps every token
     std::mt19937 rng(37);
+    // A step releases what its first token no longer sees: the prompt's step keeps all 64
+    // tokens; token 64 sees 45..64, so its step releases tokens 0..31 (pages 0 and 1). After a
+    // rollback to L the next token sees L − 19..L: L ≥ 32 + 19 = 51.
     paged_step_equals_alone(layer, pool, seqs, full, {64}, rng, 1e-6);
-    // Token 64 would see 45..64, so tokens 0..31 (pages 0 and 1) went. After a rollback to L
-    // the next token sees L − 19..L: L ≥ 32 + 19 = 51.
+    EXPECT_EQ(pool.first_position(seqs[0]), 0);
+    paged_step_equals_alone(layer, pool, seqs, full, {1}, rng, 1e-6);
     ASSERT_EQ(pool.first_position(seqs[0]), 32);
     EXPECT_EQ(pool.min_truncate_length(seqs[0]), 51);
     const std::vector<Index> pages = pool.pages(seqs[0]);
@@ -1078,11 +1081,11 @@ TEST(LayerPaged, RollbackAfterReleaseKeepsTheNextTokensWindow) {
         pool.truncate(seqs[0], 50);
         ADD_FAILURE() << "no exception";
     } catch (const std::invalid_argument& e) {
-        for (const std::string w : {"PagedKVPool::truncate", "length", "[51, 64]", "first 32 tokens are released",
+        for (const std::string w : {"PagedKVPool::truncate", "length", "[51, 65]", "first 32 tokens are released",
                                     "window of 20 keys", "got 50"})
             EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what() << " lacks " << w;
     }
-    EXPECT_EQ(pool.length(seqs[0]), 64);
+    EXPECT_EQ(pool.length(seqs[0]), 65);
     EXPECT_EQ(pool.pages(seqs[0]), pages);
     pool.truncate(seqs[0], 51);
     full[0].truncate({51});
@@ -1107,19 +1110,66 @@ TEST(LayerPaged, PoolSetRollbackIsCheckedInEveryLayerFirst) {
     for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
     full_layer.forward(x, {0, 64}, pools[0], {seq}, h);
     window_layer.forward(h, {0, 64}, pools[1], {seq}, y);
+    full_layer.forward(x.topRows(1), {0, 1}, pools[0], {seq}, h.topRows(1));  // token 64 sees 45..64
+    window_layer.forward(h.topRows(1), {0, 1}, pools[1], {seq}, y.topRows(1));
     ASSERT_EQ(pools[1].first_position(seq), 32);
     try {
         pools.truncate(seq, 40);
         ADD_FAILURE() << "no exception";
     } catch (const std::invalid_argument& e) {
-        for (const std::string w : {"PagedKVPoolSet::truncate", "[51, 64]", "layer 1", "got 40"})
+        for (const std::string w : {"PagedKVPoolSet::truncate", "[51, 65]", "layer 1", "got 40"})
             EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << e.what() << " lacks " << w;
     }
-    EXPECT_EQ(pools[0].length(seq), 64);
-    EXPECT_EQ(pools[1].length(seq), 64);
+    EXPECT_EQ(pools[0].length(seq), 65);
+    EXPECT_EQ(pools[1].length(seq), 65);
     pools.truncate(seq, 51);
     EXPECT_EQ(pools[0].length(seq), 51);
     EXPECT_EQ(pools[1].length(seq), 51);
+}
+
+/// A window layer before a full one, whose pool runs out of pages in the middle of a step:
+/// the window layer has appended (and released what the step's first token no longer sees),
+/// the full layer refused; the documented rollback to the length before the step succeeds in
+/// both pools, and the next step runs. free_pages() is what every pool can give (the full
+/// layer's, here fewer than the window layer's).
+TEST(LayerPaged, PoolSetRollsBackAStepALaterLayerRefused) {
+    gattn::AttentionConfig window_config = small_config(), full_config = small_config();
+    window_config.sliding_window = 4;
+    const gattn::GatedMultiHeadAttention<float> window_layer(window_config,
+                                                             gattn::make_random_weights<float>(window_config, 47));
+    const gattn::GatedMultiHeadAttention<float> full_layer(full_config,
+                                                           gattn::make_random_weights<float>(full_config, 53));
+    gattn::PagedKVPoolSet<float> pools(
+        std::vector<const gattn::GatedMultiHeadAttention<float>*>{&window_layer, &full_layer}, 4, 16);
+    const gattn::SequenceId seq = pools.allocate();
+    std::mt19937 rng(47);
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    auto step = [&](Index n) {
+        RowMatrix<float> x(n, window_config.d_model), h(n, window_config.d_model), y(n, window_config.d_model);
+        for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
+        window_layer.forward(x, {0, n}, pools[0], {seq}, h);
+        full_layer.forward(h, {0, n}, pools[1], {seq}, y);
+    };
+    step(40);  // 3 pages in each pool
+    step(1);   // token 40 sees 37..40: the window layer keeps page 2 only
+    EXPECT_EQ(pools[0].first_position(seq), 32);
+    EXPECT_EQ(pools[0].free_pages(), 3);
+    EXPECT_EQ(pools[1].free_pages(), 1);
+    EXPECT_EQ(pools.free_pages(), 1);
+    try {
+        step(24);  // 65 tokens: the window layer's 3 pages fit, the full layer's 5 do not
+        ADD_FAILURE() << "no exception";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("needs more pages than the pool has free"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(pools[0].length(seq), 65);
+    EXPECT_EQ(pools[1].length(seq), 41);
+    pools.truncate(seq, 41);
+    EXPECT_EQ(pools[0].length(seq), 41);
+    EXPECT_EQ(pools[0].first_position(seq), 32);
+    step(7);  // within every pool's pages
+    EXPECT_EQ(pools[0].length(seq), 48);
+    EXPECT_EQ(pools[1].length(seq), 48);
 }
 
 TEST(LayerPaged, BadStepsWriteNothing) {

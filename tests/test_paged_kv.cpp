@@ -215,6 +215,29 @@ TEST(PagedKVPool, ReleaseOutsideWindowDropsHiddenFrontPages) {
     pool.truncate(a, 52);
 }
 
+/// release_outside_window from an earlier token: what token `position` and later no longer see,
+/// so that a rollback to `position` stays possible (a layer's step releases from its first new
+/// token). Hand-counted with P = 16, w = 4.
+TEST(PagedKVPool, ReleaseFromAnEarlierTokenKeepsItsWindow) {
+    PagedKVPool<float> pool(8, 16, 1, 4);
+    std::mt19937 rng(11);
+    const RowMatrix<float> k = random_rows<float>(70, 4, rng), v = random_rows<float>(70, 4, rng);
+    const SequenceId a = pool.allocate();
+    pool.append({a}, k.topRows(41), v.topRows(41), {41});                // pages 0..2
+    pool.append({a}, k.middleRows(41, 24), v.middleRows(41, 24), {24});  // a step of 24: 65 tokens, pages 0..4
+    // From the step's first token, 41: it sees 38..41, so pages 0 and 1 (tokens 0..31) go; from
+    // the next token, 65, page 2 (tokens 32..47) would go too.
+    EXPECT_EQ(pool.release_outside_window(a, 4, 41), 2);
+    EXPECT_EQ(pool.first_position(a), 32);
+    EXPECT_EQ(pool.min_truncate_length(a), 35);
+    pool.truncate(a, 41);  // the rollback of the step
+    EXPECT_EQ(pool.length(a), 41);
+    EXPECT_EQ(pool.keys().row(pool.pages(a)[0] * 16 + 6), k.row(38));  // token 38 is where it was
+    EXPECT_EQ(pool.release_outside_window(a, 4, 0), 0);                // nothing is hidden from token 0
+    EXPECT_EQ(pool.release_outside_window(a, 4), 0);                   // token 41 sees 38..41: page 2 stays
+    EXPECT_EQ(pool.first_position(a), 32);
+}
+
 /// write: rows outside the page's slots, also where slot + n overflows, change nothing.
 TEST(PagedKVPool, WriteOutsideThePageSlotsThrows) {
     PagedKVPool<float> pool(4, 16, 1, 8);
@@ -284,6 +307,10 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
     expect_error([&] { pool.append({a}, k.topRows(2), v.topRows(2), {3}); }, {"counts[0]", "[0, 2]"});
     expect_error([&] { pool.release_outside_window(a, 0); }, {"release_outside_window", "window", "got 0"});
     expect_error([&] { pool.release_outside_window(b, 4); }, {"seq", "got 1", "freed"});
+    const std::string a_length = std::to_string(pool.length(a));
+    expect_error([&] { pool.release_outside_window(a, 4, pool.length(a) + 1); },
+                 {"release_outside_window", "position", "[0, length(seq) = " + a_length + "]"});
+    expect_error([&] { pool.release_outside_window(a, 4, -1); }, {"position", "got -1"});
     RowMatrix<float> bad = k.topRows(2);
     bad(1, 3) = std::numeric_limits<float>::quiet_NaN();
     expect_error(

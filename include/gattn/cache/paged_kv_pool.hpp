@@ -10,9 +10,9 @@
 /// row formats of KVCache (float, double, bf16, fp16; int8 codes with one float scale per
 /// (row, KV head), ops/int8_rows.hpp). A sequence is its list of pages plus its length; every
 /// page but the last is full. A sliding-window layer's sequence releases the pages at its front
-/// that its window no longer sees (release_outside_window), so that it holds about w / P + 1
-/// pages however long it runs, as KVCache's window caches keep 2w rows. Pages are reference
-/// counted: fork() makes a sequence that shares its parent's pages, and a page shared by more
+/// that its window no longer sees (release_outside_window), so that it holds about (w + n) / P
+/// + 1 pages after a step of n tokens, however long it runs, as KVCache's window caches keep 2w
+/// rows. Pages are reference counted: fork() makes a sequence that shares its parent's pages, and a page shared by more
 /// than one sequence is never written: appending to a sequence whose partial last page is
 /// shared first copies that page (copy on write). A page whose count drops to 0 returns to the
 /// free list and is reused (last freed, first reused). SDPA reads the pages in place
@@ -26,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -470,26 +471,34 @@ public:
     }
 
     /// Releases the pages at the front of sequence seq that a causal sliding window of `window`
-    /// keys (counting the diagonal, as SdpaMask::sliding_window) hides from every token the
-    /// sequence appends later: the pages whose tokens all come before token length(seq) −
-    /// window + 1, the first key its next token sees. Each such page's count goes down by one
-    /// (freed when no other sequence holds it) and first_position(seq) moves past its tokens.
-    /// Attention over the page table is unchanged: the masks align each sequence's queries with
-    /// the end of its keys, and ALiBi and the window depend only on distances.
-    /// GatedMultiHeadAttention's forward over a pool calls this after each step when its config
-    /// has a causal sliding window (vLLM likewise frees the blocks a sliding window has left).
+    /// keys (counting the diagonal, as SdpaMask::sliding_window) hides from token `position` and
+    /// every later one: the pages whose tokens all come before token position − window + 1, the
+    /// first key that token sees. position defaults to length(seq), the next token; an earlier
+    /// one keeps what a rollback to it needs (truncate(seq, position) stays possible). Each
+    /// such page's count goes down by one (freed when no other sequence holds it) and
+    /// first_position(seq) moves past its tokens. Attention over the page table is unchanged:
+    /// the masks align each sequence's queries with the end of its keys, and ALiBi and the
+    /// window depend only on distances. GatedMultiHeadAttention's forward over a pool calls
+    /// this after each step when its config has a causal sliding window, with position the
+    /// step's first token (vLLM likewise frees the blocks a sliding window has left).
     /// \returns the pages released.
-    /// \throws std::invalid_argument when seq is not a sequence of the pool or window < 1.
-    ///         Nothing is changed on error.
-    Index release_outside_window(SequenceId seq, Index window) {
+    /// \throws std::invalid_argument when seq is not a sequence of the pool, window < 1, or
+    ///         position is outside [0, length(seq)]. Nothing is changed on error.
+    Index release_outside_window(SequenceId seq, Index window, std::optional<Index> position = std::nullopt) {
         constexpr const char* fn = "gattn::PagedKVPool::release_outside_window";
         check_sequence(fn, "seq", seq);
         if (window < 1)
             detail::throw_invalid(fn, "window", "must be >= 1 (it counts the diagonal), got " + std::to_string(window));
         Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
+        const Index from = position.value_or(s.length);
+        if (from < 0 || from > s.length)
+            detail::throw_invalid(fn, "position",
+                                  "must be in [0, length(seq) = " + std::to_string(s.length) + "], got " +
+                                      std::to_string(from));
         s.window = window;  // truncate keeps what this window needs (min_truncate_length)
-        // Stored tokens the window hides; all of them when it sees only the next token itself.
-        const Index hidden = std::max<Index>(0, s.stored() - window + 1);
+        // Stored tokens hidden from token `from` on; all of them when from is the next token and
+        // the window sees only that token itself.
+        const Index hidden = std::max<Index>(0, from - window + 1 - s.first);
         const Index drop = hidden >= s.stored() ? Index(s.pages.size()) : hidden / m_page_size;
         if (drop == 0) return 0;
         m_free.reserve(m_free.size() + static_cast<std::size_t>(drop));  // may throw: nothing changed yet

@@ -6,6 +6,7 @@
 /// same pages, so that one page table serves every layer (as vLLM's block tables do), except
 /// where a sliding-window layer has released pages its window no longer sees.
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -20,7 +21,9 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// (pages are taken in the same order; a sliding-window layer's pool releases pages of its own,
 /// PagedKVPool::release_outside_window), and each layer's forward reads its pool through the
 /// pool's own page table. A step that throws part-way (a later layer refusing its append) leaves the
-/// earlier layers appended: truncate every sequence of the step back to its length before it.
+/// earlier layers appended: truncate every sequence of the step back to its length before it
+/// (a window layer's forward keeps the tokens that rollback needs). free_pages() says how many
+/// pages every pool can still give a step.
 template <class Scalar>
 class PagedKVPoolSet {
 public:
@@ -86,8 +89,13 @@ public:
     /// Tokens of seq (in the first layer's pool; every layer's after a model step).
     /// \throws std::out_of_range when the set is empty; std::invalid_argument for an unknown seq.
     Index length(SequenceId seq) const { return m_pools.at(0).length(seq); }
-    /// Pages no sequence holds (in each pool). \throws std::out_of_range when the set is empty.
-    Index free_pages() const { return m_pools.at(0).free_pages(); }
+    /// Pages free in every pool: the fewest any pool has (a sliding-window layer's pool, which
+    /// releases pages, may have more). \throws std::out_of_range when the set is empty.
+    Index free_pages() const {
+        Index fewest = m_pools.at(0).free_pages();
+        for (const PagedKVPool<Scalar>& p : m_pools) fewest = std::min(fewest, p.free_pages());
+        return fewest;
+    }
     /// Bytes of every pool's storage.
     Index storage_bytes() const noexcept {
         Index n = 0;

@@ -360,8 +360,9 @@ public:
     /// \param d_x     [B·N, D] written: ∂L/∂x; must share no element with x or d_out.
     /// \throws shape_error for x, d_out or d_x of the wrong shape (or x not the rows saved);
     ///         std::invalid_argument for `saved` from another layer (or never filled), d_x
-    ///         overlapping x or d_out or with rows that overlap, a matrix of grads holding x, d_out or d_x, and a NaN or
-    ///         ±∞ in d_out (naming its row and column). Nothing is written on error.
+    ///         overlapping x or d_out or with rows that overlap, a matrix of grads holding x,
+    ///         d_out or d_x, and a NaN or ±∞ in d_out (naming its row and column). Nothing is
+    ///         written on error.
     void backward(ConstMatrixRef<Activation> x, const ForwardActivations<T>& saved, ConstMatrixRef<Activation> d_out,
                   AttentionWeights<Scalar>& grads, MatrixRef<Activation> d_x) const {
         static_assert(std::is_same_v<Scalar, T> && std::is_same_v<Activation, T>,
@@ -502,8 +503,10 @@ public:
     /// rows equal forward(x, cache, out) with a KVCache holding the same tokens (up to the
     /// rounding of a batch's projections, docs/conventions.md). A G1 gate is applied after
     /// SDPA rather than inside it (the same arithmetic). With a causal sliding window w, each
-    /// sequence of the step then releases the pages that no later token sees
-    /// (PagedKVPool::release_outside_window), so a sequence holds about w / P + 1 pages.
+    /// sequence of the step then releases the pages that no token of the step or later sees
+    /// (PagedKVPool::release_outside_window from its first new token), so a sequence holds about
+    /// (w + n) / P + 1 pages after a step of n tokens, and a rollback to its length before the
+    /// step (PagedKVPoolSet::truncate, after a later layer refused the step) stays possible.
     /// \param x         [qo_indptr[B], D]; \param out [qo_indptr[B], D], written, sharing no
     ///                  element with x or the pool.
     /// \param qo_indptr B + 1 row offsets from 0, non-decreasing, ending at x.rows().
@@ -512,9 +515,10 @@ public:
     /// \param seqs      B distinct sequences of the pool.
     /// \throws shape_error for x, out, qo_indptr or a pool of the wrong shape;
     ///         std::invalid_argument for offsets that do not fit x, out overlapping x or the
-    ///         pool or with rows that overlap, and as PagedKVPool::append_ragged (a sequence not in the pool or given
-    ///         twice, more pages than are free, a non-finite key or value in an int8 pool).
-    ///         Nothing is written (pool included) before validation passes.
+    ///         pool or with rows that overlap, and as PagedKVPool::append_ragged (a sequence
+    ///         not in the pool or given twice, more pages than are free, a non-finite key or
+    ///         value in an int8 pool). Nothing is written (pool included) before validation
+    ///         passes.
     template <class PoolScalar>
     void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& qo_indptr, PagedKVPool<PoolScalar>& pool,
                  const std::vector<SequenceId>& seqs, MatrixRef<Activation> out) const {
@@ -540,9 +544,12 @@ public:
         const PagedStep<PoolScalar> step{&pool, &seqs, &qo_indptr};
         run_activations(x, HeadLayout{B, H, Hkv}, out, sdpa_options(), nullptr,
                         static_cast<KVCache<PoolScalar>*>(nullptr), {}, positions, &step);
-        if (c.causal && c.sliding_window)  // the pages no later token of the layer can see
+        // The pages that no token of this step or later sees: hidden from the step's first token,
+        // so that a model whose later layer refuses the step can still roll this one back.
+        if (c.causal && c.sliding_window)
             for (std::size_t b = 0; b < seqs.size(); ++b)
-                if (qo_indptr[b + 1] > qo_indptr[b]) pool.release_outside_window(seqs[b], *c.sliding_window);
+                if (const Index n = qo_indptr[b + 1] - qo_indptr[b]; n > 0)
+                    pool.release_outside_window(seqs[b], *c.sliding_window, pool.length(seqs[b]) - n);
     }
 
 private:

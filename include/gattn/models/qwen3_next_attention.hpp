@@ -340,12 +340,12 @@ public:
     /// sequence's cached tokens and the new tokens before it (bottom-right alignment per sequence).
     /// \throws shape_error / std::invalid_argument for bad shapes, counts, a cache of other heads,
     ///         a cache made by another layer's make_cache or a full cache, for out overlapping x
-    ///         or with rows that overlap, x or out sharing an element with the cache's storage, and for an optional output
-    ///         that holds x or out or is the other optional output; std::invalid_argument from
-    ///         KVCache::append for a new token's key or value that is NaN or ±∞ in an int8
-    ///         cache. Everything, the attention call over the cache as the append will leave it
-    ///         included, is checked before the first write: nothing is written (cache included)
-    ///         when it throws.
+    ///         or with rows that overlap, x or out sharing an element with the cache's storage,
+    ///         and for an optional output that holds x or out or is the other optional output;
+    ///         std::invalid_argument from KVCache::append for a new token's key or value that is
+    ///         NaN or ±∞ in an int8 cache. Everything, the attention call over the cache as the
+    ///         append will leave it included, is checked before the first write: nothing is
+    ///         written (cache included) when it throws.
     template <class CacheScalar>
     void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& positions, KVCache<CacheScalar>& cache,
                  MatrixRef<Activation> out, std::vector<Index> counts = {}, RowMatrix<T>* gate_scores = nullptr,
