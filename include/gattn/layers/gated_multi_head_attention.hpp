@@ -30,6 +30,7 @@
 #include "gattn/cache/paged_kv_pool.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
+#include "gattn/layers/call_scratch.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/packed_linear.hpp"
 #include "gattn/ops/paged_sdpa.hpp"
@@ -716,12 +717,12 @@ private:
         // mapped afresh in every call).
         const GateSpec& g = c.gate;
         const bool input_gate = g.enabled() && g.source == GateSource::Input;
-        RowMatrix<T> z;  // gate logits [B·N, gate_width]
-        if (input_gate) {
-            z.resize(rows, m_gate.out_features());
-            m_gate.template forward<T, T>(x, z);
-        }
-        RowMatrix<T> proj(rows, m_in.out_features());
+        // The call's activations live in the thread's kept buffers (layers/call_scratch.hpp).
+        gattn::detail::CallScratch<T, 0> z_buffer(rows, input_gate ? m_gate.out_features() : 0);
+        auto z = z_buffer.matrix();  // gate logits [B·N, gate_width]
+        if (input_gate) m_gate.template forward<T, T>(x, z);
+        gattn::detail::CallScratch<T, 1> proj_buffer(rows, m_in.out_features());
+        auto proj = proj_buffer.matrix();
         m_in.template forward<T, T>(x, proj);
         auto q = proj.middleCols(0, H * dk);
         auto k = proj.middleCols(H * dk, Hkv * dk);
@@ -758,9 +759,10 @@ private:
         // projection itself, or (16-bit) rounded from it once.
         using Store = std::conditional_t<kInt8Cache, Scalar, CacheScalar>;
         constexpr bool kRound = is_narrow_storage_v<Store>;
-        RowMatrix<Store> rounded;
+        gattn::detail::CallScratch<Store, 2> rounded_buffer(kRound ? rows : 0, proj.cols());
+        auto rounded = rounded_buffer.matrix();
         if constexpr (kRound) rounded = proj.template cast<Store>();
-        const RowMatrix<Store>& qkv = [&]() -> const RowMatrix<Store>& {
+        const ConstMatrixRef<Store> qkv = [&]() -> ConstMatrixRef<Store> {
             if constexpr (kRound)
                 return rounded;
             else
@@ -798,7 +800,8 @@ private:
                 return q_s;
         }();
 
-        RowMatrix<T> u(rows, H * dv);
+        gattn::detail::CallScratch<T, 3> u_buffer(rows, H * dv);
+        auto u = u_buffer.matrix();
         SdpaOutputs<T> extra;
         if (trace) {
             extra.first_key_probability = &trace->first_key_attention;
@@ -844,16 +847,17 @@ private:
                 if (!fused_g1) gate_heads(u.data(), u.outerStride(), H, dv, z, nullptr, scores, rows);
             } else if (g.source == GateSource::Query) {
                 // z[r, h] = w_h · q_h + b_h from the query as SDPA reads it (after qk_norm and RoPE).
-                z.resize(rows, H);
+                gattn::detail::CallScratch<T, 4> zq_buffer(rows, H);
+                auto zq = zq_buffer.matrix();
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static) if (rows * H * dk >= (Index(1) << 16))
 #endif
                 for (Index r = 0; r < rows; ++r)
                     for (Index h = 0; h < H; ++h)
-                        z(r, h) = simd::dot(q.data() + r * q.outerStride() + h * dk, m_gate_query.data() + h * dk,
-                                            static_cast<std::size_t>(dk)) +
-                                  (m_gate_query_bias.size() ? m_gate_query_bias[h] : T(0));
-                gate_heads(u.data(), u.outerStride(), H, dv, z, nullptr, scores, rows);
+                        zq(r, h) = simd::dot(q.data() + r * q.outerStride() + h * dk, m_gate_query.data() + h * dk,
+                                             static_cast<std::size_t>(dk)) +
+                                   (m_gate_query_bias.size() ? m_gate_query_bias[h] : T(0));
+                gate_heads(u.data(), u.outerStride(), H, dv, zq, nullptr, scores, rows);
             } else {
                 // Input-independent σ(θ): activate once, then multiply every row.
                 RowMatrix<T> gate(1, H * dv);

@@ -31,6 +31,7 @@
 #include "gattn/cache/paged_kv_pool.hpp"
 #include "gattn/gates/gate_apply.hpp"
 #include "gattn/layers/attention_config.hpp"
+#include "gattn/layers/call_scratch.hpp"
 #include "gattn/layers/head_shard.hpp"
 #include "gattn/ops/linear.hpp"
 #include "gattn/ops/packed_linear.hpp"
@@ -480,7 +481,9 @@ private:
         const Qwen3NextConfig& c = m_config;
         const Index H = c.num_attention_heads, Hkv = c.num_key_value_heads, d = c.head_dim;
         const Index rows = x.rows();
-        RowMatrix<T> proj(rows, m_in.out_features());
+        // The call's activations live in the thread's kept buffers (layers/call_scratch.hpp).
+        gattn::detail::CallScratch<T, 1> proj_buffer(rows, m_in.out_features());
+        auto proj = proj_buffer.matrix();
         m_in.template forward<T, T>(x, proj);
         T* p = proj.data();
         const Index ld = proj.outerStride(), G = gate_width(), k0 = H * d + G;      // k0: first key column
@@ -491,8 +494,12 @@ private:
 
         // Q, K and V in the storage type: the projection itself, or (16-bit) rounded from it once.
         // An int8 cache quantizes the float K and V, and SDPA reads the float Q.
-        RowMatrix<Scalar> q_rounded, kv_rounded;
-        if constexpr (is_narrow_storage_v<Scalar> && !kInt8Cache) {
+        constexpr bool kRound = is_narrow_storage_v<Scalar> && !kInt8Cache;
+        gattn::detail::CallScratch<Scalar, 2> q_buffer(kRound ? rows : 0, H * d);
+        gattn::detail::CallScratch<Scalar, 4> kv_buffer(kRound ? rows : 0, 2 * Hkv * d);
+        auto q_rounded = q_buffer.matrix();
+        auto kv_rounded = kv_buffer.matrix();
+        if constexpr (kRound) {
             q_rounded = proj.middleCols(0, H * d).template cast<Scalar>();
             kv_rounded = proj.middleCols(k0, 2 * Hkv * d).template cast<Scalar>();
         }
@@ -512,7 +519,8 @@ private:
         }();
         SdpaOutputs<T> extra;
         extra.first_key_probability = first_key_probability;
-        RowMatrix<T> u(rows, H * d);
+        gattn::detail::CallScratch<T, 3> u_buffer(rows, H * d);
+        auto u = u_buffer.matrix();
         if (paged) {
             paged->pool->append_ragged(*paged->seqs, kv.leftCols(Hkv * d), kv.rightCols(Hkv * d), *paged->qo_indptr);
             paged_attention<CacheScalar, Q, T>(q, *paged->qo_indptr, *paged->pool,
