@@ -19,6 +19,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__unix__) || defined(__APPLE__)
+#include <sys/stat.h>
+#endif
+
 #include "gattn/gattn.hpp"
 #include "gattn/io/hf_checkpoint.hpp"
 #include "support/compare.hpp"
@@ -677,6 +681,25 @@ TEST(Qwen3NextLoader, ConfigFieldsOfTheWrongTypeOrRange) {
                                   "\"attention_sinks\" must be true or false, got 1");
     EXPECT_TRUE(gattn::load_qwen3_next_config(edited_config("sinks", [](J& j) { j["attention_sinks"] = true; }), kLayer)
                     .attention_sinks);
+    // Optional objects of another type are refused, not skipped.
+    expect_config_error<io_error>(edited_config("rope_parameters_number", [](J& j) { j["rope_parameters"] = 5; }), -1,
+                                  "\"rope_parameters\" must be an object or null, got 5");
+    expect_config_error<io_error>(edited_config("text_config_number", [](J& j) { j["text_config"] = 1; }), -1,
+                                  "\"text_config\" must be an object or null, got 1");
+    expect_config_error<io_error>(edited_config("top_level_array",
+                                                [](J& j) {
+                                                    j = J::array({1, 2});
+                                                }),
+                                  -1, "must hold a JSON object");
+#if defined(__unix__) || defined(__APPLE__)
+    {  // A FIFO is refused before it is opened (opening it would block).
+        const std::filesystem::path fifo = std::filesystem::temp_directory_path() / "gattn_qwen3_next_config_fifo.json";
+        std::filesystem::remove(fifo);
+        ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+        expect_config_error<io_error>(fifo.string(), -1, "not a regular file");
+        std::filesystem::remove(fifo);
+    }
+#endif
     expect_config_error<invalid_argument>(edited_config("heads_zero", [](J& j) { j["num_attention_heads"] = 0; }), -1,
                                           "config.num_attention_heads must be in [1, 2^24], got 0");
     // RoPE scaling changes the rotary frequencies; gattn applies plain RoPE, so it refuses them.

@@ -24,8 +24,13 @@ GATTN_BEGIN_ISA_NAMESPACE
 namespace detail {
 
 /// Reads a JSON file (config.json, model.safetensors.index.json) with parse_json's limits; a
-/// key named twice keeps its last value, as Python's json module does.
+/// key named twice keeps its last value, as Python's json module does. A path that is not a
+/// regular file (or a link to one) is refused before it is opened: a FIFO would block.
 inline nlohmann::json read_json(const std::string& path, const char* fn) {
+    std::error_code ec;
+    const std::filesystem::file_status status = std::filesystem::status(path, ec);
+    if (!ec && std::filesystem::exists(status) && !std::filesystem::is_regular_file(status))
+        throw io_error(std::string(fn) + ": cannot open " + path + ": not a regular file");
     std::ifstream in(path);
     if (!in) throw io_error(std::string(fn) + ": cannot open " + path);
     return parse_json(in, /*unique_keys=*/false,
@@ -58,8 +63,9 @@ inline bool is_shard_name(const std::string& name) {
 /// full-attention layer.
 /// The file is read with the limits of gattn's JSON readers: nested at most 128 levels deep; a
 /// key named twice keeps its last value, as in Python's json module.
-/// \throws io_error for a missing or malformed file or field (JSON nested deeper than 128
-///         levels, a size that is not a JSON integer, a field of the wrong JSON type);
+/// \throws io_error for a missing or malformed file or field (a path that is not a regular
+///         file, JSON nested deeper than 128 levels, a size that is not a JSON integer, a field
+///         of the wrong JSON type: text_config and rope_parameters must be objects or null);
 ///         std::invalid_argument when the layer is a
 ///         linear-attention layer or out of range, for an invalid config (validate_qwen3_next_config)
 ///         and for RoPE scaling other than "default" or "mrope" ("rope_scaling" or
@@ -68,10 +74,16 @@ inline bool is_shard_name(const std::string& name) {
 inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, Index layer = -1) {
     constexpr const char* fn = "gattn::load_qwen3_next_config";
     nlohmann::json j = detail::read_json(config_json, fn);
-    if (j.contains("text_config") && j["text_config"].is_object()) j = j["text_config"];
     auto bad = [&](const std::string& key, const std::string& what) {
         throw io_error(std::string(fn) + ": " + config_json + ": \"" + key + "\" " + what);
     };
+    if (!j.is_object()) throw io_error(std::string(fn) + ": " + config_json + ": must hold a JSON object");
+    for (const char* key : {"text_config", "rope_parameters"})  // optional objects, null = absent
+        if (j.contains(key) && !j[key].is_object() && !j[key].is_null())
+            bad(key, "must be an object or null, got " + j[key].dump());
+    if (j.contains("text_config") && j["text_config"].is_object()) j = j["text_config"];
+    if (j.contains("rope_parameters") && !j["rope_parameters"].is_object() && !j["rope_parameters"].is_null())
+        bad("rope_parameters", "must be an object or null, got " + j["rope_parameters"].dump());
     auto number = [&](const char* key, const nlohmann::json* where = nullptr) -> double {
         const nlohmann::json& o = where ? *where : j;
         if (!o.contains(key) || !o[key].is_number()) bad(key, "is missing or not a number");
