@@ -135,7 +135,8 @@ TEST(Safetensors, ReadsABlockOfRowsAndColumns) {
         }
     const std::string path = write_file("block", {{"f", "F32", {4, 5}, bytes_of(f)},
                                                   {"b", "BF16", {4, 5}, u16_bytes(b)},
-                                                  {"v", "F64", {3}, bytes_of(std::vector<double>{7, 8, 9})}});
+                                                  {"v", "F64", {3}, bytes_of(std::vector<double>{7, 8, 9})},
+                                                  {"e", "F32", {3, 0}, bytes_of(std::vector<float>{})}});
     const gattn::SafetensorsFile file(path);
     const gattn::RowMatrix<double> cols = file.block<double>("f", 1, 2, 3, 2);
     ASSERT_EQ(cols.rows(), 2);
@@ -159,6 +160,12 @@ TEST(Safetensors, ReadsABlockOfRowsAndColumns) {
     }
     EXPECT_THROW((void)file.block<double>("f", 0, 1, 4, 2), std::invalid_argument);
     EXPECT_THROW((void)file.block<double>("missing", 0, 1, 0, 1), gattn::io_error);
+    try {  // an empty tensor's message gives its own shape
+        (void)file.block<double>("e", 0, 1, 0, 1);
+        ADD_FAILURE() << "a block of an empty tensor was read";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("of shape [3, 0]"), std::string::npos) << e.what();
+    }
 }
 
 /// A shard read block by block from a file equals the shard cut from the whole layer's weights

@@ -277,8 +277,9 @@ public:
             detail::throw_invalid("gattn::SafetensorsFile::block", "block",
                                   "rows [" + std::to_string(first_row) + ", +" + std::to_string(rows) +
                                       ") and columns [" + std::to_string(first_col) + ", +" + std::to_string(cols) +
-                                      ") must lie within tensor '" + name + "' of shape [" +
-                                      std::to_string(total_rows) + ", " + std::to_string(total_cols) + "]");
+                                      ") must lie within tensor '" + name + "' of shape " + shape_text(t.shape) +
+                                      " (as a matrix: " + std::to_string(total_rows) + " rows of " +
+                                      std::to_string(total_cols) + ")");
         RowMatrix<Scalar> m(rows, cols);
         const auto at = [&](Index r) { return static_cast<std::size_t>((first_row + r) * total_cols + first_col); };
         std::ifstream in(m_path, std::ios::binary);
