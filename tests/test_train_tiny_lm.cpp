@@ -8,8 +8,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -84,6 +88,29 @@ TEST(TrainTinyLmErrors, BadWindowsAreRefusedAndChangeNothing) {
     EXPECT_THROW(model.train_step(f.windows.front(), 0, f.hyper), std::invalid_argument);
     EXPECT_EQ(model.step(), 0);
     EXPECT_EQ(model.parameters().front().value, before);
+}
+
+// A config.json without one of the model's fields, or with it of another JSON type: an
+// io_error naming the file and the field, as ModelConfig::load documents.
+TEST(TrainTinyLmErrors, MalformedConfigIsAnIoError) {
+    std::ifstream in(kFixture + "gated/config.json");
+    const nlohmann::json good = nlohmann::json::parse(in);
+    const std::string path = (std::filesystem::temp_directory_path() / "gattn_train_tiny_lm_config.json").string();
+    for (const auto& [what, edit] : std::vector<std::pair<std::string, std::function<void(nlohmann::json&)>>>{
+             {"vocab_size", [](nlohmann::json& j) { j.erase("vocab_size"); }},
+             {"intermediate_size", [](nlohmann::json& j) { j["intermediate_size"] = "64"; }}}) {
+        nlohmann::json j = good;
+        edit(j);
+        std::ofstream(path) << j.dump();
+        try {
+            (void)train_tiny_lm::ModelConfig::load(path);
+            ADD_FAILURE() << "no exception for " << what;
+        } catch (const gattn::io_error& e) {
+            EXPECT_NE(std::string(e.what()).find(path), std::string::npos) << e.what();
+            EXPECT_NE(std::string(e.what()).find(what), std::string::npos) << e.what();
+        }
+    }
+    std::filesystem::remove(path);
 }
 
 // The schedule past the warmup, by hand: steps = 1100, warmup 100, peak 3e-3, floor 3e-4.

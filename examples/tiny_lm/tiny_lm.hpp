@@ -60,20 +60,25 @@ public:
     /// Throws gattn::io_error / gattn::shape_error for missing or malformed files.
     explicit TinyLM(const std::string& dir) {
         const std::string config_path = (std::filesystem::path(dir) / "config.json").string();
+        attention_ = gattn::load_qwen3_next_config(config_path);  // refuses a file that is not a JSON config
         std::ifstream in(config_path);
-        if (!in) throw gattn::io_error("tiny_lm: cannot open " + config_path);
-        const nlohmann::json j = nlohmann::json::parse(in);
-        vocab_size_ = j.at("vocab_size").get<Index>();
-        hidden_size_ = j.at("hidden_size").get<Index>();
-        context_ = j.at("max_position_embeddings").get<Index>();
-        eps_ = j.at("rms_norm_eps").get<double>();
-        attention_ = gattn::load_qwen3_next_config(config_path);
+        const nlohmann::json j = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+        auto field = [&](const char* key, bool integer) -> const nlohmann::json& {
+            if (!j.contains(key) || !(integer ? j[key].is_number_integer() : j[key].is_number()))
+                throw gattn::io_error("tiny_lm: " + config_path + ": \"" + key + "\" is missing or not " +
+                                      (integer ? "an integer" : "a number"));
+            return j[key];
+        };
+        vocab_size_ = field("vocab_size", true).template get<Index>();
+        hidden_size_ = field("hidden_size", true).template get<Index>();
+        context_ = field("max_position_embeddings", true).template get<Index>();
+        eps_ = field("rms_norm_eps", false).template get<double>();
+        const Index num_layers = field("num_hidden_layers", true).template get<Index>();
 
         const gattn::SafetensorsFile file((std::filesystem::path(dir) / "model.safetensors").string());
         embed_ = file.matrix<Scalar>("model.embed_tokens.weight");
         norm_ = file.vector<Scalar>("model.norm.weight");
         lm_head_ = file.matrix<Scalar>("lm_head.weight");
-        const Index num_layers = j.at("num_hidden_layers").get<Index>();
         for (Index l = 0; l < num_layers; ++l) {
             const std::string p = "model.layers." + std::to_string(l) + ".";
             Block b{gattn::Qwen3NextAttention<Attention>(

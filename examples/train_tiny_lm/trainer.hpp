@@ -52,17 +52,22 @@ struct ModelConfig {
 
     /// Reads `path` (config.json). Throws gattn::io_error for a missing or malformed file.
     static ModelConfig load(const std::string& path) {
-        std::ifstream in(path);
-        if (!in) throw gattn::io_error("train_tiny_lm: cannot open " + path);
         ModelConfig c;
-        c.json = nlohmann::json::parse(in);
-        c.vocab = c.json.at("vocab_size").get<Index>();
-        c.hidden = c.json.at("hidden_size").get<Index>();
-        c.intermediate = c.json.at("intermediate_size").get<Index>();
-        c.layers = c.json.at("num_hidden_layers").get<Index>();
-        c.context = c.json.at("max_position_embeddings").get<Index>();
-        c.eps = c.json.at("rms_norm_eps").get<double>();
-        c.attention = gattn::load_qwen3_next_config(path);
+        c.attention = gattn::load_qwen3_next_config(path);  // refuses a file that is not a JSON config
+        std::ifstream in(path);
+        c.json = nlohmann::json::parse(in, nullptr, /*allow_exceptions=*/false);
+        auto field = [&](const char* key, bool integer) -> const nlohmann::json& {
+            if (!c.json.contains(key) || !(integer ? c.json[key].is_number_integer() : c.json[key].is_number()))
+                throw gattn::io_error("train_tiny_lm: " + path + ": \"" + key + "\" is missing or not " +
+                                      (integer ? "an integer" : "a number"));
+            return c.json[key];
+        };
+        c.vocab = field("vocab_size", true).get<Index>();
+        c.hidden = field("hidden_size", true).get<Index>();
+        c.intermediate = field("intermediate_size", true).get<Index>();
+        c.layers = field("num_hidden_layers", true).get<Index>();
+        c.context = field("max_position_embeddings", true).get<Index>();
+        c.eps = field("rms_norm_eps", false).get<double>();
         return c;
     }
 
