@@ -455,6 +455,17 @@ TEST(LayerBackward, ErrorsNameTheArgumentAndWriteNothing) {
     }
     EXPECT_EQ(both, Mat::Constant(rows, D, 7.0));
     unchanged();
+    // saved's tensors are public: one of another shape, or a batch that does not divide its
+    // rows, is refused before backward reads it.
+    for (const std::string member : {"qkv", "gate_logits", "log_sum_exp", "gated", "batch"}) {
+        gattn::ForwardActivations<double> edited = saved;
+        if (member == "qkv") edited.qkv.resize(0, 0);
+        if (member == "gate_logits") edited.gate_logits.conservativeResize(rows - 1, Eigen::NoChange);
+        if (member == "log_sum_exp") edited.log_sum_exp.resize(rows, 1);
+        if (member == "gated") edited.gated.resize(0, 0);
+        if (member == "batch") edited.batch = 3;
+        expect_error([&] { layer.backward(x, edited, d_y, grads, d_x); }, "saved." + member);
+    }
 
     // forward_train: what forward refuses, and a saved matrix holding x; saved stays as it was.
     const gattn::ForwardActivations<double> before = saved;

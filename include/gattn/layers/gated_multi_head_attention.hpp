@@ -359,7 +359,8 @@ public:
     /// \param d_out   [B·N, D] ∂L/∂out, finite.
     /// \param grads   filled (replaced): ∂L/∂ each weight, shaped as the weights.
     /// \param d_x     [B·N, D] written: ∂L/∂x; must share no element with x or d_out.
-    /// \throws shape_error for x, d_out or d_x of the wrong shape (or x not the rows saved);
+    /// \throws shape_error for x, d_out or d_x of the wrong shape (or x not the rows saved), or
+    ///         a tensor of `saved` whose shape is not the one forward_train gave it;
     ///         std::invalid_argument for `saved` from another layer (or never filled), d_x
     ///         overlapping x or d_out or with rows that overlap, a matrix of grads holding x,
     ///         d_out or d_x, and a NaN or ±∞ in d_out (naming its row and column). Nothing is
@@ -375,6 +376,7 @@ public:
                                          "must come from this layer's forward_train (layer id " + std::to_string(m_id) +
                                              "), got layer id " + std::to_string(saved.layer));
         const Index rows = saved.attention.rows();
+        check_saved(fn, saved);
         gattn::detail::check_shape(fn, "x", x.rows(), x.cols(), rows, D);
         gattn::detail::check_shape(fn, "d_out", d_out.rows(), d_out.cols(), rows, D);
         gattn::detail::check_output(fn, "d_x", d_x, rows, D);
@@ -993,6 +995,44 @@ private:
                 }
             }
         }
+    }
+
+    /// Checks that every tensor of `saved` (its members are public) has the shape this layer's
+    /// forward_train gives it for saved.attention.rows() rows: backward reads them unchecked
+    /// (none for 0 rows).
+    void check_saved(const char* fn, const ForwardActivations<T>& saved) const {
+        if (saved.attention.rows() == 0) return;
+        const AttentionConfig& c = m_config;
+        const GateSpec& g = c.gate;
+        const Index rows = saved.attention.rows(), H = c.num_heads, dv = c.d_v(), qkv = m_in.out_features();
+        const bool input_gate = g.enabled() && g.source == GateSource::Input;
+        const bool query_gate = g.position == GatePosition::G1 && g.source == GateSource::Query;
+        const Index pre_gate = input_gate && g.position != GatePosition::G1 && g.position != GatePosition::G5
+                                   ? std::get<1>(projection_gate_target()) * std::get<2>(projection_gate_target())
+                                   : -1;
+        auto expect = [&](const char* name, const RowMatrix<T>& m, bool kept, Index cols) {
+            const Index want_rows = kept ? rows : 0, want_cols = kept ? cols : 0;
+            if (m.rows() != want_rows || m.cols() != want_cols)
+                gattn::detail::throw_shape(fn, std::string("saved.") + name,
+                                           gattn::detail::shape_string({want_rows, want_cols}) +
+                                               " (as this layer's forward_train keeps it)",
+                                           gattn::detail::shape_string({m.rows(), m.cols()}));
+        };
+        expect("gate_logits", saved.gate_logits, input_gate || query_gate, input_gate ? m_gate.out_features() : H);
+        expect("projection", saved.projection, c.qk_norm != QkNorm::None, qkv);
+        expect("qkv", saved.qkv, true, qkv);
+        expect("pre_gate", saved.pre_gate, pre_gate >= 0, pre_gate);
+        expect("attention", saved.attention, true, H * dv);
+        expect("log_sum_exp", saved.log_sum_exp, true, H);
+        expect("gated", saved.gated, g.position == GatePosition::G1, H * dv);
+        expect("output_pre_gate", saved.output_pre_gate, g.position == GatePosition::G5, c.d_model);
+        if (saved.batch < 1 || rows % saved.batch != 0)
+            gattn::detail::throw_invalid(fn, "saved.batch",
+                                         "must divide the rows saved (" + std::to_string(rows) + "), got " +
+                                             std::to_string(saved.batch));
+        if (c.rotary_dim > 0 && static_cast<Index>(saved.positions.size()) != rows)
+            gattn::detail::throw_shape(fn, "saved.positions", gattn::detail::shape_string({rows}),
+                                       gattn::detail::shape_string({static_cast<Index>(saved.positions.size())}));
     }
 
     /// forward_train's arithmetic on validated arguments: the steps of run() without a cache,
