@@ -12,9 +12,9 @@
 /// page but the last is full. A sliding-window layer's sequence releases the pages at its front
 /// that its window no longer sees (release_outside_window), so that it holds about (w + n) / P
 /// + 1 pages after a step of n tokens, however long it runs, as KVCache's window caches keep 2w
-/// rows. Pages are reference counted: fork() makes a sequence that shares its parent's pages, and a page shared by more
-/// than one sequence is never written: appending to a sequence whose partial last page is
-/// shared first copies that page (copy on write). A page whose count drops to 0 returns to the
+/// rows. Pages are reference counted: fork() makes a sequence that shares its parent's pages,
+/// and a page shared by more than one sequence is never written: appending to a sequence whose
+/// partial last page is shared first copies that page (copy on write). A page whose count drops to 0 returns to the
 /// free list and is reused (last freed, first reused). SDPA reads the pages in place
 /// (ops/paged_sdpa.hpp), with bitwise the result of a KVCache holding the same tokens.
 ///

@@ -78,12 +78,13 @@ inline Qwen3NextConfig load_qwen3_next_config(const std::string& config_json, In
         throw io_error(std::string(fn) + ": " + config_json + ": \"" + key + "\" " + what);
     };
     if (!j.is_object()) throw io_error(std::string(fn) + ": " + config_json + ": must hold a JSON object");
-    for (const char* key : {"text_config", "rope_parameters"})  // optional objects, null = absent
+    auto object_or_null = [&](const char* key) {  // an optional object; null = absent
         if (j.contains(key) && !j[key].is_object() && !j[key].is_null())
             bad(key, "must be an object or null, got " + j[key].dump());
+    };
+    object_or_null("text_config");
     if (j.contains("text_config") && j["text_config"].is_object()) j = j["text_config"];
-    if (j.contains("rope_parameters") && !j["rope_parameters"].is_object() && !j["rope_parameters"].is_null())
-        bad("rope_parameters", "must be an object or null, got " + j["rope_parameters"].dump());
+    object_or_null("rope_parameters");
     auto number = [&](const char* key, const nlohmann::json* where = nullptr) -> double {
         const nlohmann::json& o = where ? *where : j;
         if (!o.contains(key) || !o[key].is_number()) bad(key, "is missing or not a number");

@@ -292,9 +292,9 @@ public:
     /// \param trace optional statistics (gate scores, first-key attention, probabilities).
     /// \throws shape_error / std::invalid_argument as scaled_dot_product_attention does, for x,
     ///         out or options.positions of the wrong shape, out overlapping x or with rows
-    ///         that overlap, a trace matrix
-    ///         that holds x, out or options.bias, and (with options.check_finite) a NaN or ±∞
-    ///         in x or a NaN in options.bias; nothing is written before validation passes.
+    ///         that overlap, a trace matrix that holds x, out or options.bias, and (with
+    ///         options.check_finite) a NaN or ±∞ in x or a NaN in options.bias; nothing is
+    ///         written before validation passes.
     void forward(ConstMatrixRef<Activation> x, Index batch, MatrixRef<Activation> out,
                  const ForwardOptions<T>& options = {}, ForwardTrace<T>* trace = nullptr) const {
         constexpr const char* fn = "gattn::GatedMultiHeadAttention::forward";
@@ -464,11 +464,11 @@ public:
     ///         not this layer's; std::invalid_argument for a cache made by another layer's
     ///         make_cache or keeping another window, a count outside [0, N], a sequence
     ///         that would exceed the cache's capacity, out overlapping x or with rows that
-    ///         overlap, x or out sharing an
-    ///         element with the cache's storage, or a trace matrix holding x or out; and, from
-    ///         KVCache::append, for a new token's key or value that is NaN or ±∞ in an int8
-    ///         cache. Nothing is written (cache included) before validation passes, and the
-    ///         cache, out and the trace are as they were when it throws.
+    ///         overlap, x or out sharing an element with the cache's storage, or a trace matrix
+    ///         holding x or out; and, from KVCache::append, for a new token's key or value that
+    ///         is NaN or ±∞ in an int8 cache. Nothing is written (cache included) before
+    ///         validation passes, and the cache, out and the trace are as they were when it
+    ///         throws.
     template <class CacheScalar>
     void forward(ConstMatrixRef<Activation> x, KVCache<CacheScalar>& cache, MatrixRef<Activation> out,
                  std::vector<Index> counts = {}, ForwardTrace<T>* trace = nullptr) const {
@@ -1007,9 +1007,12 @@ private:
         const Index rows = saved.attention.rows(), H = c.num_heads, dv = c.d_v(), qkv = m_in.out_features();
         const bool input_gate = g.enabled() && g.source == GateSource::Input;
         const bool query_gate = g.position == GatePosition::G1 && g.source == GateSource::Query;
-        const Index pre_gate = input_gate && g.position != GatePosition::G1 && g.position != GatePosition::G5
-                                   ? std::get<1>(projection_gate_target()) * std::get<2>(projection_gate_target())
-                                   : -1;
+        Index pre_gate = -1;  // a G2–G4 gate's target columns
+        if (input_gate && g.position != GatePosition::G1 && g.position != GatePosition::G5) {
+            const auto [offset, heads, width] = projection_gate_target();
+            (void)offset;
+            pre_gate = heads * width;
+        }
         auto expect = [&](const char* name, const RowMatrix<T>& m, bool kept, Index cols) {
             const Index want_rows = kept ? rows : 0, want_cols = kept ? cols : 0;
             if (m.rows() != want_rows || m.cols() != want_cols)
