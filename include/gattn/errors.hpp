@@ -68,23 +68,20 @@ inline std::string number_string(double x) {
 }
 
 /// Throws shape_error "<function>: <argument> must have shape <expected>, got <actual>".
-[[noreturn]] inline void throw_shape(const char* function, const std::string& argument,
-                                     const std::string& expected, const std::string& actual) {
-    throw shape_error(std::string(function) + ": " + argument + " must have shape " + expected +
-                      ", got " + actual);
+[[noreturn]] inline void throw_shape(const char* function, const std::string& argument, const std::string& expected,
+                                     const std::string& actual) {
+    throw shape_error(std::string(function) + ": " + argument + " must have shape " + expected + ", got " + actual);
 }
 
 /// Checks a 2-D shape; throws shape_error naming function and argument.
-inline void check_shape(const char* function, const std::string& argument, Index rows,
-                        Index cols, Index expected_rows, Index expected_cols) {
+inline void check_shape(const char* function, const std::string& argument, Index rows, Index cols, Index expected_rows,
+                        Index expected_cols) {
     if (rows != expected_rows || cols != expected_cols)
-        throw_shape(function, argument, shape_string({expected_rows, expected_cols}),
-                    shape_string({rows, cols}));
+        throw_shape(function, argument, shape_string({expected_rows, expected_cols}), shape_string({rows, cols}));
 }
 
 /// Throws std::invalid_argument "<function>: <argument> <what>".
-[[noreturn]] inline void throw_invalid(const char* function, const std::string& argument,
-                                       const std::string& what) {
+[[noreturn]] inline void throw_invalid(const char* function, const std::string& argument, const std::string& what) {
     throw std::invalid_argument(std::string(function) + ": " + argument + " " + what);
 }
 
