@@ -247,9 +247,7 @@ Qwen3NextAttentionWeights<Scalar> load_qwen3_next_blocks(const std::string& dir,
             const SafetensorsFile* f = file_for(full);
             if (!f) throw io_error(std::string(fn) + ": " + dir + ": missing tensor '" + full + "'");
             const TensorInfo& info = f->info(full);
-            if (info.dtype != "F32" && info.dtype != "F16" && info.dtype != "BF16" && info.dtype != "F64")
-                throw io_error(std::string(fn) + ": " + full + " has dtype " + info.dtype +
-                               "; weights must be F32, F16, BF16 or F64");
+            detail::check_weight_dtype(info, full, "", fn);
             if (info.shape != s.shape) {
                 std::string why;
                 if (s.name == "q_proj.weight" && !info.shape.empty())

@@ -419,6 +419,14 @@ inline std::string tensors_named(const SafetensorsFile& file, const std::string&
     return "the file has " + held;
 }
 
+/// Throws io_error (naming `fn`, the tensor and `where`) unless `t` holds a weight's dtype: F32,
+/// F16, BF16 or F64 (integer tensors convert for positions and lengths, never for weights).
+inline void check_weight_dtype(const TensorInfo& t, const std::string& full, const std::string& where, const char* fn) {
+    if (t.dtype != "F32" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "F64")
+        throw io_error(std::string(fn) + ": " + full + " has dtype " + t.dtype + where +
+                       "; weights must be F32, F16, BF16 or F64");
+}
+
 /// The full name of the weight tensor of expected shape `s` under `prefix`. Throws io_error
 /// (naming `fn`) when the file does not have it or holds it in a dtype other than F32, F16, BF16
 /// or F64 (integer tensors convert for positions and lengths, never for weights), shape_error
@@ -430,9 +438,7 @@ inline std::string checked_tensor(const SafetensorsFile& file, const TensorShape
         throw io_error(std::string(fn) + ": " + file.path() + ": missing tensor '" + full + "' (prefix '" + prefix +
                        "'); " + tensors_named(file, s.name));
     const TensorInfo& t = file.info(full);
-    if (t.dtype != "F32" && t.dtype != "F16" && t.dtype != "BF16" && t.dtype != "F64")
-        throw io_error(std::string(fn) + ": " + full + " has dtype " + t.dtype + " in " + file.path() +
-                       "; weights must be F32, F16, BF16 or F64");
+    check_weight_dtype(t, full, " in " + file.path(), fn);
     if (t.shape != s.shape)
         throw shape_error(std::string(fn) + ": " + full + " must have shape " + SafetensorsFile::shape_text(s.shape) +
                           ", got " + SafetensorsFile::shape_text(t.shape) + " in " + file.path());
