@@ -227,6 +227,17 @@ inline void prefetch(const void* p) noexcept {
 #endif
 }
 
+/// Asks for the cache line holding p to be brought into the outer caches but not L1
+/// (prefetcht2 on x86: L2 on AMD Zen, L2 or L3 on Intel; a hint: never faults, any address).
+/// A burst of them does not wait for L1's few miss buffers, as a burst of prefetch() can.
+inline void prefetch_outer(const void* p) noexcept {
+#if defined(__GNUC__) || defined(__clang__)
+    __builtin_prefetch(p, 0, 1);
+#else
+    (void)p;
+#endif
+}
+
 /// Name of the instruction set, for benchmark labels and diagnostics.
 inline const char* arch_name() noexcept { return Arch::name(); }
 
