@@ -886,6 +886,56 @@ TEST(SdpaDecoding, RunsTheSveKernelWhereItsVectorsAreWider) {
     }
 }
 
+/// Multi-head decoding (a KV head per query head) reads each key block's rows of all heads in
+/// address order: 5 and 9 heads (a group of eight and a rest), d_k = 40 (a partial register
+/// on AVX-512), 203 keys (a partial last block), sinks and softcap, keys past a length holding
+/// NaN, and a key hidden by a −∞ bias and another by the boolean mask, both over NaN value rows
+/// mid-block: each must be skipped, never multiplied by 0. Against the float64 reference, with
+/// the log-sum-exp.
+TEST(SdpaDecoding, MultiHeadSkipsHiddenKeysOverNaNValues) {
+    const Index B = 2, Nk = 203, dk = 40, dv = 32;
+    for (Index H : {5, 9}) {
+        SCOPED_TRACE(std::to_string(H) + " heads");
+        const Mat q = random_matrix(B, H * dk, 61);
+        Mat k = random_matrix(B * Nk, H * dk, 62), v = random_matrix(B * Nk, H * dv, 63);
+        const std::vector<Index> lengths = {Nk - 6, Nk};
+        for (Index j = lengths[0]; j < Nk; ++j) {
+            k.row(j).setConstant(kNaN);
+            v.row(j).setConstant(kNaN);
+        }
+        std::vector<double> bias(static_cast<std::size_t>(B * H * Nk), 0.0);
+        for (Index h = 0; h < H; ++h)
+            bias[static_cast<std::size_t>((H + h) * Nk + 101)] = -std::numeric_limits<double>::infinity();
+        v.row(Nk + 101).setConstant(kNaN);
+        std::vector<bool> attend(static_cast<std::size_t>(B * H * Nk), true);
+        for (Index h = 0; h < H; ++h) attend[static_cast<std::size_t>(h * Nk + 37)] = false;
+        v.row(37).setConstant(kNaN);
+        RefMasks rm;
+        rm.key_lengths = lengths;
+        rm.bias = bias;
+        rm.bool_mask = attend;
+        rm.softcap = 3.0;
+        for (Index h = 0; h < H; ++h) rm.sinks.push_back(0.25 * double(h % 3));
+        const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, H, {}, rm);
+        const std::vector<float> bias_f(bias.begin(), bias.end());
+        std::unique_ptr<bool[]> attend_b(new bool[attend.size()]);
+        std::copy(attend.begin(), attend.end(), attend_b.get());
+        gattn::SdpaOptions<float> opt;
+        opt.mask.key_lengths = lengths;
+        opt.mask.bias = {bias_f.data(), B, H, 1, Nk};
+        opt.mask.bool_mask = {attend_b.get(), B, H, 1, Nk};
+        opt.logit_softcap = 3.0;
+        opt.sinks.assign(rm.sinks.begin(), rm.sinks.end());
+        gattn::RowMatrix<float> out(B, H * dv), lse;
+        gattn::SdpaOutputs<float> extra;
+        extra.log_sum_exp = &lse;
+        gattn::scaled_dot_product_attention<float>(q.cast<float>(), k.cast<float>(), v.cast<float>(), {B, H, H}, out,
+                                                   opt, extra);
+        expect_close(out, ref.out, Tol<float>::atol, Tol<float>::rtol, "MhaDecode/out", Tol<float>::nmse);
+        expect_close(lse, ref.log_sum_exp, Tol<float>::atol, Tol<float>::rtol, "MhaDecode/lse");
+    }
+}
+
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
     ValidationFixture f;
     // A float softcap lies in [FLT_MIN, FLT_MAX / (2·log₂e)]: 1e-40 is subnormal (1/c overflows),
