@@ -12,6 +12,9 @@
 /// group walk the same key block while it is in L1, so K and V stream from memory once, and
 /// up to kDecodeRows rows at a time share each K and V register load.
 /// A masked key is skipped in the value sum (never multiplied by 0).
+/// With one query row per KV head (multi-head attention) over a float cache, each key block is
+/// read in address order instead: every head's products key row by key row, then each head's
+/// softmax, then every head's value sums key row by key row (the same sums in the same order).
 /// Chunks are cut at fixed key positions (multiples of kChunkKeys), never by thread count, and
 /// merged in order, so results do not depend on the number of threads.
 ///
