@@ -37,7 +37,7 @@ if [ ! -f "$ort/node_modules/onnxruntime-node/package.json" ] ||
 fi
 
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release "-DGATTN_ARCH_FLAGS=$arch" -DGATTN_BUILD_TESTS=OFF \
-  -DGATTN_BUILD_EXAMPLES=OFF -DGATTN_BUILD_ODR_TESTS=OFF >/dev/null
+  -DGATTN_BUILD_EXAMPLES=OFF >/dev/null
 cmake --build "$build" -j2 --target bench_sdpa >/dev/null
 
 node "$root/scripts/ort_compare.mjs" --bench "$build/bench/bench_sdpa" --ort "$ort" --mlas "$mlas" --rounds "$rounds"
