@@ -841,6 +841,30 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryOneRowPerKvHead) {
     check_decode_against_reference<TypeParam>(7003, 4, 4, 64, 94, "DecodeFromMemoryMha");
 }
 
+/// A decoding step of B = 2 sequences over N_k = 203 keys (a partial last block), H query heads
+/// on H_kv: sequence 0 sees N_k − 6 keys, and those past its length hold NaN; key 101 of
+/// sequence 1 is hidden by a bias of −∞ ([B, H, 1, N_k]) over a NaN value row. Random q, K, V
+/// from seeds seed, seed + 1, seed + 2.
+struct HiddenKeysCase {
+    static constexpr Index B = 2, Nk = 203;
+    Mat q, k, v;
+    std::vector<Index> lengths{Nk - 6, Nk};
+    std::vector<double> bias;
+    HiddenKeysCase(Index H, Index Hkv, Index dk, Index dv, unsigned seed)
+        : q(random_matrix(B, H * dk, seed)),
+          k(random_matrix(B * Nk, Hkv * dk, seed + 1)),
+          v(random_matrix(B * Nk, Hkv * dv, seed + 2)),
+          bias(static_cast<std::size_t>(B * H * Nk), 0.0) {
+        for (Index j = lengths[0]; j < Nk; ++j) {
+            k.row(j).setConstant(kNaN);
+            v.row(j).setConstant(kNaN);
+        }
+        for (Index h = 0; h < H; ++h)
+            bias[static_cast<std::size_t>((H + h) * Nk + 101)] = -std::numeric_limits<double>::infinity();
+        v.row(Nk + 101).setConstant(kNaN);
+    }
+};
+
 /// Where float decoding runs the SVE kernel (ARM64, SVE vectors over 128 bits), it runs there,
 /// not NEON's: its logits sum the features in another order, so its output differs from NEON's
 /// in some bits, and both stay within float tolerance of the float64 reference. MHA and GQA (at
@@ -851,21 +875,14 @@ TEST(SdpaDecoding, RunsTheSveKernelWhereItsVectorsAreWider) {
     if (!gattn::detail::sve_float_decoding())
         GTEST_SKIP() << "float decoding runs SVE on ARM64 CPUs with SVE vectors over 128 bits; here "
                      << gattn::describe(gattn::instruction_sets());
-    const Index B = 2, Nk = 203, dk = 72, dv = 40;
+    const Index dk = 72, dv = 40;
     for (auto [H, Hkv] : {std::pair<Index, Index>{8, 8}, {4, 2}}) {
         SCOPED_TRACE(std::to_string(H) + " heads on " + std::to_string(Hkv));
-        const Mat q = random_matrix(B, H * dk, 51);
-        Mat k = random_matrix(B * Nk, Hkv * dk, 52), v = random_matrix(B * Nk, Hkv * dv, 53);
-        const std::vector<Index> lengths = {Nk - 6, Nk};
-        for (Index j = lengths[0]; j < Nk; ++j) {
-            k.row(j).setConstant(kNaN);
-            v.row(j).setConstant(kNaN);
-        }
-        // Key 101 of the second sequence hidden by a bias of −∞ ([B, H, 1, N_k]), its value row NaN.
-        std::vector<double> bias(static_cast<std::size_t>(B * H * Nk), 0.0);
-        for (Index h = 0; h < H; ++h)
-            bias[static_cast<std::size_t>((H + h) * Nk + 101)] = -std::numeric_limits<double>::infinity();
-        v.row(Nk + 101).setConstant(kNaN);
+        const HiddenKeysCase c(H, Hkv, dk, dv, 51);
+        const Index B = c.B, Nk = c.Nk;
+        const Mat &q = c.q, &k = c.k, &v = c.v;
+        const std::vector<Index>& lengths = c.lengths;
+        const std::vector<double>& bias = c.bias;
         RefMasks rm;
         rm.key_lengths = lengths;
         rm.bias = bias;
@@ -893,20 +910,15 @@ TEST(SdpaDecoding, RunsTheSveKernelWhereItsVectorsAreWider) {
 /// mid-block: each must be skipped, never multiplied by 0. Against the float64 reference, with
 /// the log-sum-exp.
 TEST(SdpaDecoding, MultiHeadSkipsHiddenKeysOverNaNValues) {
-    const Index B = 2, Nk = 203, dk = 40, dv = 32;
+    const Index dk = 40, dv = 32;
     for (Index H : {5, 9}) {
         SCOPED_TRACE(std::to_string(H) + " heads");
-        const Mat q = random_matrix(B, H * dk, 61);
-        Mat k = random_matrix(B * Nk, H * dk, 62), v = random_matrix(B * Nk, H * dv, 63);
-        const std::vector<Index> lengths = {Nk - 6, Nk};
-        for (Index j = lengths[0]; j < Nk; ++j) {
-            k.row(j).setConstant(kNaN);
-            v.row(j).setConstant(kNaN);
-        }
-        std::vector<double> bias(static_cast<std::size_t>(B * H * Nk), 0.0);
-        for (Index h = 0; h < H; ++h)
-            bias[static_cast<std::size_t>((H + h) * Nk + 101)] = -std::numeric_limits<double>::infinity();
-        v.row(Nk + 101).setConstant(kNaN);
+        HiddenKeysCase c(H, H, dk, dv, 61);
+        const Index B = c.B, Nk = c.Nk;
+        const Mat &q = c.q, &k = c.k;
+        Mat& v = c.v;
+        const std::vector<Index>& lengths = c.lengths;
+        const std::vector<double>& bias = c.bias;
         std::vector<bool> attend(static_cast<std::size_t>(B * H * Nk), true);
         for (Index h = 0; h < H; ++h) attend[static_cast<std::size_t>(h * Nk + 37)] = false;
         v.row(37).setConstant(kNaN);
