@@ -352,15 +352,15 @@ inline void lead_row(const T* p) noexcept {
 /// of key kk and KV head g's row q[g] (kk < nk; 0 for kk in [nk, L)), key kk's row of all
 /// heads at key + kk·key_stride. Each (head, key) chain runs over d < dk_vec in order, as in
 /// group_logits, so the sums are bitwise those of group_logits; eight heads at a time give
-/// eight independent chains.
+/// eight independent chains. Rows [0, rows) lie at that stride (the lead stays among them).
 template <class T>
 inline void logits_in_address_order(const T* const* q, Index heads, const T* key, Index key_stride, Index dk, Index nk,
-                                    Index dk_vec, T* dots) noexcept {
+                                    Index dk_vec, Index rows, T* dots) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     for (Index kk = 0; kk < L; ++kk) {
         const T* k = key + kk * key_stride;
-        lead_row(k + kRowsAhead * key_stride);  // a hint: never faults, past the cache too
+        if (kk + kRowsAhead < rows) lead_row(k + kRowsAhead * key_stride);
         for (Index g0 = 0; g0 < heads; g0 += 8)
             with_constant<9>(static_cast<int>(std::min<Index>(8, heads - g0)), [&](auto count) {
                 constexpr int N = decltype(count)::value;
@@ -383,19 +383,20 @@ inline void logits_in_address_order(const T* const* q, Index heads, const T* key
 }
 
 /// Multi-head attention decoding, the value sums of a key block read in address order:
-/// states[g].acc[j] += p[g·L + kk]·V[kk][g·dv + j] for every KV head g (its one row), over the keys kk < nk in
-/// order, skipping a key whose score s[g·L + kk] is −∞ (its V row may be garbage), key kk's
-/// row of all heads at value + kk·value_stride; d_v a multiple of the register. One fused
-/// multiply-add per key, in key order, as group_values adds them: the same bits.
+/// states[g].acc[j] += p[g·L + kk]·V[kk][g·dv + j] for every KV head g (its one row), over
+/// the keys kk < nk in order, skipping a key whose score s[g·L + kk] is −∞ (its V row may be
+/// garbage), key kk's row of all heads at value + kk·value_stride; d_v a multiple of the
+/// register. One fused multiply-add per key, in key order, as group_values adds them: the
+/// same bits. Rows [0, rows) lie at that stride (the lead stays among them).
 template <class T>
 inline void values_in_address_order(const T* s, const T* p, Index heads, Index nk, const T* value, Index value_stride,
-                                    PartialState<T>* states, Index dv) noexcept {
+                                    Index rows, PartialState<T>* states, Index dv) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     for (Index kk = 0; kk < nk; ++kk) {
         const T* v = value + kk * value_stride;
-        lead_row(v + kRowsAhead * value_stride);
+        if (kk + kRowsAhead < rows) lead_row(v + kRowsAhead * value_stride);
         for (Index g = 0; g < heads; ++g) {
             if (s[g * L + kk] == kNegInf) continue;
             const B pk(p[g * L + kk]);
@@ -617,6 +618,9 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         } else if (!from_memory) {
             prefetch_rows(std::min(j0 + L, k_end), std::min(j0 + 2 * L, k_end));  // a block ahead of its use
         }
+        // in_order: rows from the block's first that lie at the stride (to the sequence's last
+        // key, or to the end of the block's page), which the row leads stay within.
+        [[maybe_unused]] const Index lead_rows = pages.pages ? pages.page_size - j0 % pages.page_size : k_end - j0;
         if (in_order) {
             if constexpr (std::is_same_v<KV, T>) {
                 const T* q[64];
@@ -626,7 +630,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                     for (Index g = 0; g < n; ++g)
                         q[g] = blks[g0 + g].count > 0 ? blks[g0 + g].q[0] : key_base + r0 * key_stride + (g0 + g) * dk;
                     logits_in_address_order<T>(q, n, key_base + r0 * key_stride + g0 * dk, key_stride, dk, nk, dk_vec,
-                                               order_dots + g0 * L * L);
+                                               lead_rows, order_dots + g0 * L * L);
                 }
             }
             std::fill(order_s, order_s + num_kv_heads * L, kNegInf);  // a head that sees no key adds nothing
@@ -841,7 +845,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         if constexpr (std::is_same_v<KV, T>)
             if (in_order)
                 values_in_address_order<T>(order_s, order_p, num_kv_heads, nk, value_base + r0 * value_stride,
-                                           value_stride, states, dv);
+                                           value_stride, lead_rows, states, dv);
     }
     if constexpr (kDot && !kBfdot)
         for (Index g = 0; g < num_kv_heads; ++g)
