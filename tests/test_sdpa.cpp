@@ -841,17 +841,19 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryOneRowPerKvHead) {
     check_decode_against_reference<TypeParam>(7003, 4, 4, 64, 94, "DecodeFromMemoryMha");
 }
 
-/// A decoding step of B = 2 sequences over N_k = 203 keys (a partial last block), H query heads
+/// A decoding step of B = 2 sequences over N_k keys (203: a partial last block), H query heads
 /// on H_kv: sequence 0 sees N_k − 6 keys, and those past its length hold NaN; key 101 of
 /// sequence 1 is hidden by a bias of −∞ ([B, H, 1, N_k]) over a NaN value row. Random q, K, V
 /// from seeds seed, seed + 1, seed + 2.
 struct HiddenKeysCase {
-    static constexpr Index B = 2, Nk = 203;
+    static constexpr Index B = 2;
+    Index Nk;
     Mat q, k, v;
     std::vector<Index> lengths{Nk - 6, Nk};
     std::vector<double> bias;
-    HiddenKeysCase(Index H, Index Hkv, Index dk, Index dv, unsigned seed)
-        : q(random_matrix(B, H * dk, seed)),
+    HiddenKeysCase(Index H, Index Hkv, Index dk, Index dv, unsigned seed, Index num_keys = 203)
+        : Nk(num_keys),
+          q(random_matrix(B, H * dk, seed)),
           k(random_matrix(B * Nk, Hkv * dk, seed + 1)),
           v(random_matrix(B * Nk, Hkv * dv, seed + 2)),
           bias(static_cast<std::size_t>(B * H * Nk), 0.0) {
@@ -903,18 +905,19 @@ TEST(SdpaDecoding, RunsTheSveKernelWhereItsVectorsAreWider) {
     }
 }
 
-/// Multi-head decoding (a KV head per query head) reads each key block's rows of all heads in
-/// address order: 5 and 9 heads (a group of eight and a rest), d_k = 40 (a partial register
-/// on AVX-512), 203 keys (a partial last block), sinks and softcap, keys past a length holding
-/// NaN, and a key hidden by a −∞ bias and another by the boolean mask, both over NaN value rows
-/// mid-block: each must be skipped, never multiplied by 0. Against the float64 reference, with
-/// the log-sum-exp.
+/// Multi-head decoding (a KV head per query head) over a cache read from memory reads each key
+/// block's rows of all heads in address order: 5 and 9 heads (a group of eight and a rest),
+/// d_k = 40 (a partial register on AVX-512), 4603 keys (a partial last block; 13–24 MB of
+/// float K and V), sinks and softcap, keys past a length holding NaN, and a key hidden by a −∞
+/// bias and another by the boolean mask, both over NaN value rows mid-block: each must be
+/// skipped, never multiplied by 0. Against the float64 reference, with the log-sum-exp.
 TEST(SdpaDecoding, MultiHeadSkipsHiddenKeysOverNaNValues) {
-    const Index dk = 40, dv = 32;
+    const Index dk = 40, dv = 32, Nk = 4603;
+    static_assert(gattn::kernel::kDecodeFromMemoryBytes < 2 * Nk * 5 * (dk + dv) * 4, "the test must read from memory");
     for (Index H : {5, 9}) {
         SCOPED_TRACE(std::to_string(H) + " heads");
-        HiddenKeysCase c(H, H, dk, dv, 61);
-        const Index B = c.B, Nk = c.Nk;
+        HiddenKeysCase c(H, H, dk, dv, 61, Nk);
+        const Index B = c.B;
         const Mat &q = c.q, &k = c.k;
         Mat& v = c.v;
         const std::vector<Index>& lengths = c.lengths;
