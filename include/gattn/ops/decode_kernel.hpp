@@ -13,8 +13,9 @@
 /// up to kDecodeRows rows at a time share each K and V register load.
 /// A masked key is skipped in the value sum (never multiplied by 0).
 /// With one query row per KV head (multi-head attention) over a float cache read from memory,
-/// each key block is read in address order instead: every head's products key row by key row, then each head's
-/// softmax, then every head's value sums key row by key row (the same sums in the same order).
+/// each key block is read in address order instead: every head's products key row by key row,
+/// then each head's softmax, then every head's value sums key row by key row (the same sums in
+/// the same order).
 /// Chunks are cut at fixed key positions (multiples of kChunkKeys), never by thread count, and
 /// merged in order, so results do not depend on the number of threads.
 ///
@@ -349,13 +350,14 @@ inline void lead_row(const T* p) noexcept {
 
 /// Multi-head attention decoding (one query row per KV head), the logits' dot products of a
 /// key block read in address order: dots[(g·L + kk)·L ...] is the register of partial sums
-/// of key kk and KV head g's row q[g] (kk < nk; 0 for kk in [nk, L)), key kk's row of all
-/// heads at key + kk·key_stride. Each (head, key) chain runs over d < dk_vec in order, as in
-/// group_logits, so the sums are bitwise those of group_logits; eight heads at a time give
-/// eight independent chains. Rows [0, rows) lie at that stride (the lead stays among them).
+/// of key kk and KV head g's row blks[g].q[0] (kk < nk; 0 for kk in [nk, L)), key kk's row of
+/// all heads at key + kk·key_stride. A head without a row (its sums go unused) multiplies its
+/// own K row. Each (head, key) chain runs over d < dk_vec in order, as in group_logits, so the
+/// sums are bitwise those of group_logits; eight heads at a time give eight independent
+/// chains. Rows [0, rows) lie at that stride (the lead stays among them).
 template <class T>
-inline void logits_in_address_order(const T* const* q, Index heads, const T* key, Index key_stride, Index dk, Index nk,
-                                    Index dk_vec, Index rows, T* dots) noexcept {
+inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, const T* key, Index key_stride, Index dk,
+                                    Index nk, Index dk_vec, Index rows, T* dots) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     for (Index kk = 0; kk < L; ++kk) {
@@ -366,14 +368,18 @@ inline void logits_in_address_order(const T* const* q, Index heads, const T* key
                 constexpr int N = decltype(count)::value;
                 if constexpr (N > 0) {
                     B a[N];
+                    const T* q[N];
                     GATTN_UNROLL
-                    for (int i = 0; i < N; ++i) a[i] = B(T(0));
+                    for (int i = 0; i < N; ++i) {
+                        a[i] = B(T(0));
+                        q[i] = blks[g0 + i].count > 0 ? blks[g0 + i].q[0] : k + (g0 + i) * dk;
+                    }
                     if (kk < nk)
                         for (Index d = 0; d < dk_vec; d += L) {
                             GATTN_UNROLL
                             for (int i = 0; i < N; ++i)
-                                a[i] = simd::fma(B::load_unaligned(q[g0 + i] + d),
-                                                 B::load_unaligned(k + (g0 + i) * dk + d), a[i]);
+                                a[i] = simd::fma(B::load_unaligned(q[i] + d), B::load_unaligned(k + (g0 + i) * dk + d),
+                                                 a[i]);
                         }
                     GATTN_UNROLL
                     for (int i = 0; i < N; ++i) a[i].store_unaligned(dots + ((g0 + i) * L + kk) * L);
@@ -625,17 +631,9 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         // key, or to the end of the block's page), which the row leads stay within.
         [[maybe_unused]] const Index lead_rows = pages.pages ? pages.page_size - j0 % pages.page_size : k_end - j0;
         if (in_order) {
-            if constexpr (std::is_same_v<KV, T>) {
-                const T* q[64];
-                for (Index g0 = 0; g0 < num_kv_heads; g0 += 64) {
-                    const Index n = std::min<Index>(64, num_kv_heads - g0);
-                    // A head without a row (none here; its sums go unused) reads its own K row.
-                    for (Index g = 0; g < n; ++g)
-                        q[g] = blks[g0 + g].count > 0 ? blks[g0 + g].q[0] : key_base + r0 * key_stride + (g0 + g) * dk;
-                    logits_in_address_order<T>(q, n, key_base + r0 * key_stride + g0 * dk, key_stride, dk, nk, dk_vec,
-                                               lead_rows, order_dots + g0 * L * L);
-                }
-            }
+            if constexpr (std::is_same_v<KV, T>)
+                logits_in_address_order<T>(blks, num_kv_heads, key_base + r0 * key_stride, key_stride, dk, nk, dk_vec,
+                                           lead_rows, order_dots);
             std::fill(order_s, order_s + num_kv_heads * L, kNegInf);  // a head that sees no key adds nothing
         }
         for (Index g = 0; g < num_kv_heads; ++g) {
