@@ -398,8 +398,8 @@ struct PagedSetup {
     std::vector<std::vector<RowMatrix<In>>> keys, values;  // per sequence, its token rows
     Index max_len = 0;
 
-    PagedSetup(Index page_size, const std::vector<Index>& lengths, std::mt19937& rng)
-        : pool(2 + 3000 / page_size * 2, page_size, kHkv, kDk, kDv) {
+    PagedSetup(Index page_size, const std::vector<Index>& lengths, std::mt19937& rng, Index max_tokens = 3000)
+        : pool(2 + max_tokens / page_size * 2, page_size, kHkv, kDk, kDv) {
         const Index B = static_cast<Index>(lengths.size());
         keys.resize(lengths.size());
         values.resize(lengths.size());
@@ -571,6 +571,48 @@ TEST(PagedAttention, Int8EqualsContiguousBitwiseOnEveryKernel) {
         gattn_test::Int8KernelLimit limit(k);
         check_all<std::int8_t>(50);
     }
+}
+
+/// Decoding over more K and V than kDecodeFromMemoryBytes, where the kernel reads two key
+/// blocks ahead of its use through the page table (the pages of the two sequences interleave,
+/// so a block ahead often lies in another page): bitwise the contiguous cache, 1 and 2 threads.
+template <class S>
+void check_decoding_from_memory(unsigned seed) {
+    using Q = QueryOf<S>;
+    using T = gattn::compute_t<Q>;
+    using Setup = PagedSetup<S>;
+    const Index Hkv = Setup::kHkv, dk = Setup::kDk, dv = Setup::kDv, H = 2 * Hkv;
+    const Index length = (gattn::kernel::kDecodeFromMemoryBytes / (Hkv * (dk + dv) * Index(sizeof(S)))) / 2 + 1001;
+    for (Index page_size : {16, 64}) {
+        std::mt19937 rng(seed++);
+        Setup setup(page_size, {length, length - 333}, rng, 2 * length);
+        const gattn::KVCache<S> cache = setup.contiguous();
+        const RowMatrix<Q> q = random_rows<Q>(2, H * dk, rng);
+        gattn::SdpaOptions<T> copt;
+        copt.mask.key_lengths = cache.lengths();
+        RowMatrix<Q> expected(2, H * dv), got(2, H * dv);
+        gattn::scaled_dot_product_attention<S>(q, cache.keys(), cache.values(), {2, H, Hkv}, expected, copt);
+        const gattn::PageTable table = setup.pool.page_table(setup.ids);
+        for (int threads : {1, 2}) {
+#ifdef _OPENMP
+            omp_set_num_threads(threads);
+#else
+            if (threads > 1) break;
+#endif
+            got.setConstant(Q(7));
+            gattn::paged_attention<S, Q>(q, setup.pool, table, H, got);
+            EXPECT_EQ(bytes_of(got), bytes_of(expected)) << "page size " << page_size << ", " << threads << " threads";
+        }
+#ifdef _OPENMP
+        omp_set_num_threads(omp_get_num_procs());
+#endif
+        EXPECT_NE(static_cast<float>(got.cwiseAbs().maxCoeff()), 0.0f);
+    }
+}
+
+TEST(PagedAttention, DecodingFromMemoryEqualsContiguousBitwise) {
+    check_decoding_from_memory<float>(60);
+    check_decoding_from_memory<gattn::bfloat16>(70);
 }
 
 // ---- mixed batches: decoding steps and prompt chunks in one call ----

@@ -602,18 +602,16 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                     simd::prefetch(scales.value + first + count - 1);
                 }
             }
-        } else if (load_ahead && pages.pages) {
-            // A paged cache: prefetch instructions two blocks ahead. That block may lie in
-            // another page, where the loads below waited for memory at every change of page
-            // (paged decoding took 1.05–1.15× the time of a contiguous cache at 32k keys);
-            // prefetch instructions do not wait: 0.89–1.05× (AMD Zen 5, float and bf16, pages
-            // of 16–256 tokens, 4k and 32k keys, 1 and 2 threads; bench_paged).
-            prefetch_rows(std::min(j0 + 2 * L, k_end), std::min(j0 + 3 * L, k_end));
         } else if (load_ahead) {
             // Two blocks ahead, one plain load per line of their K rows, then of their V rows, in
             // address order: the hardware prefetchers follow these demand loads, which they do
             // not for prefetch instructions, and the blocks' lines arrive by the time they are
-            // used (1.12–1.20× at 32k keys, d = 256, 2 KV heads, bf16 and float caches).
+            // used (1.12–1.20× at 32k keys, d = 256, 2 KV heads, bf16 and float caches). A paged
+            // cache too, though at a change of page the loads wait for memory: against prefetch
+            // instructions two blocks ahead, which do not wait but overflow a 32 KiB L1 (two
+            // blocks of 16 rows of 2 KiB), contiguous / paged time at 4k and 32k keys, pages of
+            // 16 and 64, float: 0.72–0.79 → 0.91–1.01 on AMD Zen 4; on Zen 5's 48 KiB L1 the
+            // prefetch instructions had been the better (0.89–1.05 against 0.87–0.95).
             std::uint8_t touched = 0;
             const Index ahead = std::min(j0 + 3 * L, k_end);
             // A block lies in one page: its rows follow its first.
