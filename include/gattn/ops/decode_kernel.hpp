@@ -354,7 +354,8 @@ inline void lead_row(const T* p) noexcept {
 /// all heads at key + kk·key_stride. A head without a row (its sums go unused) multiplies its
 /// own K row. Each (head, key) chain runs over d < dk_vec in order, as in group_logits, so the
 /// sums are bitwise those of group_logits; eight heads at a time give eight independent
-/// chains. Rows [0, rows) lie at that stride (the lead stays among them).
+/// chains, which run side by side out of order while the row is read front to back. Rows
+/// [0, rows) lie at that stride (the lead stays among them).
 template <class T>
 inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, const T* key, Index key_stride, Index dk,
                                     Index nk, Index dk_vec, Index rows, T* dots) noexcept {
@@ -374,13 +375,16 @@ inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, cons
                         a[i] = B(T(0));
                         q[i] = blks[g0 + i].count > 0 ? blks[g0 + i].q[0] : k + (g0 + i) * dk;
                     }
-                    if (kk < nk)
-                        for (Index d = 0; d < dk_vec; d += L) {
-                            GATTN_UNROLL
-                            for (int i = 0; i < N; ++i)
+                    // Head after head, so that the row's lines load in address order: by d
+                    // first (every head's slice in turn, 512 bytes apart) the same row took
+                    // 1.3–1.6× the time on AMD Zen 4, whose prefetchers did not follow.
+                    if (kk < nk) {
+                        GATTN_UNROLL
+                        for (int i = 0; i < N; ++i)
+                            for (Index d = 0; d < dk_vec; d += L)
                                 a[i] = simd::fma(B::load_unaligned(q[i] + d), B::load_unaligned(k + (g0 + i) * dk + d),
                                                  a[i]);
-                        }
+                    }
                     GATTN_UNROLL
                     for (int i = 0; i < N; ++i) a[i].store_unaligned(dots + ((g0 + i) * L + kk) * L);
                 }
