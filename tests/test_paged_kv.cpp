@@ -386,6 +386,17 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
 template <class S>
 using QueryOf = std::conditional_t<std::is_same_v<S, std::int8_t>, float, S>;
 
+/// Runs the next calls on `threads` threads (0: as many as the machine has); false where that
+/// many cannot run (more than 1 without OpenMP).
+bool use_threads(int threads) {
+#ifdef _OPENMP
+    omp_set_num_threads(threads > 0 ? threads : omp_get_num_procs());
+    return true;
+#else
+    return threads <= 1;
+#endif
+}
+
 /// B sequences appended in interleaved rounds (so their pages interleave in the pool), the third
 /// forked from the first part-way (sharing its pages, then copying on write), and a KVCache of
 /// capacity max L_b holding the same tokens.
@@ -523,21 +534,14 @@ void check_paged_equals_contiguous(Index page_size, const Variant& variant, Inde
                               std::to_string(Nq) + " queries";
     // Two threads for all masks together (the rest would repeat what those show).
     for (int threads : {1, 2}) {
-        if (threads > 1 && kind != 9) break;
-#ifdef _OPENMP
-        omp_set_num_threads(threads);
-#else
-        if (threads > 1) break;
-#endif
+        if ((threads > 1 && kind != 9) || !use_threads(threads)) break;
         got.setConstant(Q(7));
         gattn::paged_attention<S, Q>(q, setup.pool, table, H, got, opt, pextra);
         EXPECT_EQ(bytes_of(got), bytes_of(expected)) << where << ", " << threads << " threads";
         EXPECT_EQ(bytes_of(lse_got), bytes_of(lse_expected)) << where;
         EXPECT_EQ(bytes_of(first_got), bytes_of(first_expected)) << where;
     }
-#ifdef _OPENMP
-    omp_set_num_threads(omp_get_num_procs());
-#endif
+    use_threads(0);
     // The result is attention, not two equal wrong answers: sequence 1 has no keys, so its rows
     // are 0, and the others are not all 0.
     for (Index c = 0; c < got.cols(); ++c) EXPECT_EQ(static_cast<float>(got(1 * Nq, c)), 0.0f) << where;
@@ -594,18 +598,12 @@ void check_decoding_from_memory(unsigned seed) {
         gattn::scaled_dot_product_attention<S>(q, cache.keys(), cache.values(), {2, H, Hkv}, expected, copt);
         const gattn::PageTable table = setup.pool.page_table(setup.ids);
         for (int threads : {1, 2}) {
-#ifdef _OPENMP
-            omp_set_num_threads(threads);
-#else
-            if (threads > 1) break;
-#endif
+            if (!use_threads(threads)) break;
             got.setConstant(Q(7));
             gattn::paged_attention<S, Q>(q, setup.pool, table, H, got);
             EXPECT_EQ(bytes_of(got), bytes_of(expected)) << "page size " << page_size << ", " << threads << " threads";
         }
-#ifdef _OPENMP
-        omp_set_num_threads(omp_get_num_procs());
-#endif
+        use_threads(0);
         EXPECT_NE(static_cast<float>(got.cwiseAbs().maxCoeff()), 0.0f);
     }
 }
@@ -655,13 +653,9 @@ void check_mixed_batch(unsigned seed) {
             RowMatrix<T> lse;
             gattn::SdpaOutputs<T> extra;
             extra.log_sum_exp = &lse;
-#ifdef _OPENMP
-            omp_set_num_threads(2);
-#endif
+            use_threads(2);
             gattn::paged_attention<S, Q>(q, indptr, setup.pool, setup.pool.page_table(setup.ids), H, got, opt, extra);
-#ifdef _OPENMP
-            omp_set_num_threads(1);
-#endif
+            use_threads(1);
             for (Index b = 0; b < 4; ++b) {
                 const Index n = counts[static_cast<std::size_t>(b)], r0 = indptr[static_cast<std::size_t>(b)];
                 if (n == 0) continue;
@@ -684,9 +678,7 @@ void check_mixed_batch(unsigned seed) {
             }
             EXPECT_NE(static_cast<float>(got.row(indptr[2]).cwiseAbs().maxCoeff()), 0.0f) << where;
         }
-#ifdef _OPENMP
-    omp_set_num_threads(omp_get_num_procs());
-#endif
+    use_threads(0);
 }
 
 TEST(PagedAttention, MixedBatchEqualsOneCallPerSequence) {
