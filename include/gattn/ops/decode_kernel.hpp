@@ -614,7 +614,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             // cache too, though at a change of page the loads wait for memory: against prefetch
             // instructions two blocks ahead, which do not wait but overflow a 32 KiB L1 (two
             // blocks of 16 rows of 2 KiB), contiguous / paged time at 4k and 32k keys, pages of
-            // 16 and 64, float: 0.72–0.79 → 0.91–1.01 on AMD Zen 4; on Zen 5's 48 KiB L1 the
+            // 16 and 64, float: 0.70–0.78 → 0.91–1.01 on AMD Zen 4; on Zen 5's 48 KiB L1 the
             // prefetch instructions had been the better (0.89–1.05 against 0.87–0.95).
             std::uint8_t touched = 0;
             const Index ahead = std::min(j0 + 3 * L, k_end);
