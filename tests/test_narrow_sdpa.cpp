@@ -241,7 +241,7 @@ TEST(NarrowSdpa, KeyPastAnOddLengthDoesNotLeak) {
 /// (float math on exact inputs).
 TEST(NarrowSdpa, DecodingOverLongCacheMatchesReference) {
     const Index B = 2, Nq = 1, H = 8, Hkv = 2;
-    // 26000 keys: more K and V than kDecodeFromMemoryBytes, read ahead with loads.
+    // 26000 keys: more K and V than kDecodeFromMemoryBytes, prefetched two blocks ahead.
     for (Index Nk : {Index(1500), Index(26000)})
         for (Index d : {72, 128})
             for (bool window : {false, true}) {

@@ -826,14 +826,14 @@ void check_decode_against_reference(Index Nk, Index H, Index Hkv, Index d, unsig
 }
 
 /// Decoding a cache too large for the CPU caches (30000 keys, 15 MB of float K and V: past
-/// kDecodeFromMemoryBytes, where the kernel reads ahead with loads).
+/// kDecodeFromMemoryBytes, where the kernel prefetches two blocks ahead).
 TYPED_TEST(SdpaTyped, DecodeFromMemoryMatchesReference) {
     static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(30000) * 2 * 64 * 4, "the test must read from memory");
     check_decode_against_reference<TypeParam>(30000, 4, 1, 64, 91, "DecodeFromMemory");
 }
 
 /// The same with a KV head per query head (multi-head attention: one query row per KV head, read
-/// without loads ahead): 7003 keys of 4 KV heads, 14 MB of float K and V. Sequence 0 sees 6998
+/// in address order): 7003 keys of 4 KV heads, 14 MB of float K and V. Sequence 0 sees 6998
 /// keys, so its last block holds 6 keys (eight and four keys at a time, then single keys).
 TYPED_TEST(SdpaTyped, DecodeFromMemoryOneRowPerKvHead) {
     static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(7003) * 4 * 2 * 64 * 4,

@@ -54,26 +54,17 @@ GATTN_BEGIN_ISA_NAMESPACE
 namespace kernel {
 
 /// Bytes of K and V a decoding call reads above which they come from memory, not from cache:
-/// the kernel then reads ahead with plain loads, or for an int8 cache with prefetch
-/// instructions spread over the work (decode_chunk). Below it (caches that fit L3)
-/// prefetch instructions were 5–9 % faster; above it the loads were (measured at 4k and 8k keys,
-/// d = 256, 2 KV heads).
+/// the kernel then asks for the rows two blocks ahead with prefetch instructions spread over
+/// the work (decode_chunk). Below it (caches that fit L3) prefetch instructions one block
+/// ahead, at once, were 5–9 % faster than plain loads ahead; above it the loads were (measured
+/// at 4k and 8k keys, d = 256, 2 KV heads), and the spread prefetches are faster still.
 inline constexpr Index kDecodeFromMemoryBytes = Index(12) << 20;
-
-/// One byte of each 64-byte line of the n values at p, combined (a read that cannot be elided).
-template <class KV>
-inline std::uint8_t touch_lines(const KV* p, Index n) noexcept {
-    const auto* bytes = reinterpret_cast<const std::uint8_t*>(p);
-    std::uint8_t x = 0;
-    for (Index e = 0; e < n * Index(sizeof(KV)); e += 64) x ^= bytes[e];
-    return x;
-}
 
 /// Prefetch instructions for the K and V rows (all KV heads) of keys [next, end), a few lines
 /// per call of step() in key order, so that they spread over a block's work instead of coming
-/// as one burst. Used for int8 caches read from memory (decode_chunk): step() runs once per
-/// query row, or inside the integer kernels' loops (decode_int8), once per 4 keys of the
-/// logits and per 2 keys of each pass of the value sum.
+/// as one burst: into L1 for int8 caches, into L2 (into_l2) for the others, read from memory
+/// (decode_chunk). step() runs once per query row, or inside the integer kernels' loops
+/// (decode_int8), once per 4 keys of the logits and per 2 keys of each pass of the value sum.
 template <class KV>
 struct SpreadPrefetch {
     const KV* key_base;
@@ -82,8 +73,9 @@ struct SpreadPrefetch {
     Index value_stride;
     Index key_lines, lines_per_key;  // cache lines of one key's K rows, and of its K and V rows
     Index next = 0, end = 0, line = 0, per_step = 0;
-    PageMap pages = {};  // where key j's rows sit (a paged cache)
-    Index shift = 0;     // pages.row(j) − j for the keys aimed at (one block: one page)
+    PageMap pages = {};    // where key j's rows sit (a paged cache)
+    Index shift = 0;       // pages.row(j) − j for the keys aimed at (one block: one page)
+    bool into_l2 = false;  // simd::prefetch_outer, not simd::prefetch
 
     /// Aims at keys [first, last), which lie in one page, spread over `steps` calls of step().
     void start(Index first, Index last, Index steps) noexcept {
@@ -98,10 +90,12 @@ struct SpreadPrefetch {
         for (Index e = 0; next < end && (lines < 0 || e < lines); ++e) {
             constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
             const Index row = next + shift;
-            if (line < key_lines)
-                simd::prefetch(key_base + row * key_stride + line * kLine);
+            const KV* p = line < key_lines ? key_base + row * key_stride + line * kLine
+                                           : value_base + row * value_stride + (line - key_lines) * kLine;
+            if (into_l2)
+                simd::prefetch_outer(p);
             else
-                simd::prefetch(value_base + row * value_stride + (line - key_lines) * kLine);
+                simd::prefetch(p);
             if (++line == lines_per_key) {
                 line = 0;
                 ++next;
@@ -525,10 +519,15 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     if (visible_begin >= visible_end) return;
     k_begin += (visible_begin - k_begin) / L * L;
     k_end = visible_end;
-    // An int8 cache read from memory: prefetch instructions two blocks ahead, spread over the
-    // block's work (1.2–1.3× over the touch loads below at 32k keys, d = 256, 2 KV heads,
-    // 1 and 2 threads, AMD Zen 4; float caches ran 1.2× slower this way, bf16 the same, and
-    // float within noise with steps inside group_logits and group_values).
+    // A cache read from memory: prefetch instructions two blocks ahead, spread over the
+    // block's work (SpreadPrefetch). int8 into L1: 1.2–1.3× over plain loads two blocks ahead
+    // in address order at 32k keys, d = 256, 2 KV heads, 1 and 2 threads, AMD Zen 4. Float and
+    // bf16 into L2: into L1 they ran 1.2× slower than those loads (two blocks of their rows
+    // fill a 32 KiB L1), into L2 faster, because a plain load that misses holds up retirement
+    // until its line arrives, which a prefetch does not. One token, one thread, Zen 4, time
+    // with loads / time spread into L2 at 32k keys (8k): 8 query heads on 2 KV heads, d = 128,
+    // float 1.33 (1.29), bf16 1.64; 16 on 2, d = 256, float 1.13; bf16 with a KV head per query
+    // head 1.18 (1.18). Paged / contiguous stays 0.91–1.03 (pages of 16–256).
     auto lines = [](Index elems) {
         constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
         return (elems + kLine - 1) / kLine;
@@ -537,17 +536,17 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     SpreadPrefetch<KV> spread{key_base,     key_stride, value_base,
                               value_stride, key_lines,  key_lines + lines(num_kv_heads * dv)};
     spread.pages = pages;
-    const bool spread_prefetch = kInt8 && from_memory;
-    // With both integer kernels, the prefetches spread over their loops: smoother than a share
-    // per row (6.6 -> 6.4 ms one thread, 3.5 -> 3.4 ms two, at 32k keys, medians of 8 runs).
-    const bool prefetch_in_kernels = spread_prefetch && int8_dot && int8_values;
+    spread.into_l2 = !kInt8;
     // A float cache with one query row per KV head (multi-head attention decoding a token) uses
     // each K and V line once, with little arithmetic to hide a burst of loads behind: the
-    // hardware prefetchers alone stream it faster than the loads ahead below (0.81–0.85 of the
+    // hardware prefetchers alone stream it faster than plain loads ahead (0.81–0.85 of the
     // time at 32k keys, 0.95 at 8k, 8 KV heads, d = 128, AVX2 and AVX-512 builds, AMD Zen 5).
     bool one_row_per_head = std::is_same_v<KV, T>;
     for (Index g = 0; g < num_kv_heads; ++g) one_row_per_head = one_row_per_head && blks[g].count <= 1;
-    const bool load_ahead = from_memory && !one_row_per_head;
+    const bool spread_prefetch = from_memory && (kInt8 || !one_row_per_head);
+    // With both integer kernels, the prefetches spread over their loops: smoother than a share
+    // per row (6.6 -> 6.4 ms one thread, 3.5 -> 3.4 ms two, at 32k keys, medians of 8 runs).
+    const bool prefetch_in_kernels = kInt8 && spread_prefetch && int8_dot && int8_values;
     // With one row per KV head and a float cache read from memory, each key block is read in
     // address order: the logits' products of all heads key row by key row, then the softmax of
     // each head, then the value sums key row by key row (logits_in_address_order,
@@ -606,26 +605,6 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                     simd::prefetch(scales.value + first + count - 1);
                 }
             }
-        } else if (load_ahead) {
-            // Two blocks ahead, one plain load per line of their K rows, then of their V rows, in
-            // address order: the hardware prefetchers follow these demand loads, which they do
-            // not for prefetch instructions, and the blocks' lines arrive by the time they are
-            // used (1.12–1.20× at 32k keys, d = 256, 2 KV heads, bf16 and float caches). A paged
-            // cache too, though at a change of page the loads wait for memory: against prefetch
-            // instructions two blocks ahead, which do not wait but overflow a 32 KiB L1 (two
-            // blocks of 16 rows of 2 KiB), contiguous / paged time at 4k and 32k keys, pages of
-            // 16 and 64, float: 0.70–0.78 → 0.91–1.01 on AMD Zen 4; on Zen 5's 48 KiB L1 the
-            // prefetch instructions had been the better (0.89–1.05 against 0.87–0.95).
-            std::uint8_t touched = 0;
-            const Index ahead = std::min(j0 + 3 * L, k_end);
-            // A block lies in one page: its rows follow its first.
-            const Index shift = j0 + 2 * L < ahead ? pages.row(j0 + 2 * L) - (j0 + 2 * L) : 0;
-            for (Index kk = j0 + 2 * L; kk < ahead; ++kk)
-                touched ^= touch_lines(key_base + (kk + shift) * key_stride, num_kv_heads * dk);
-            for (Index kk = j0 + 2 * L; kk < ahead; ++kk)
-                touched ^= touch_lines(value_base + (kk + shift) * value_stride, num_kv_heads * dv);
-            volatile std::uint8_t kept = touched;  // the loads are not elided
-            (void)kept;
         } else if (!from_memory) {
             prefetch_rows(std::min(j0 + L, k_end), std::min(j0 + 2 * L, k_end));  // a block ahead of its use
         }
