@@ -62,7 +62,7 @@ inline constexpr Index kDecodeFromMemoryBytes = Index(12) << 20;
 
 /// Prefetch instructions for the K and V rows (all KV heads) of keys [next, end), a few lines
 /// per call of step() in key order, so that they spread over a block's work instead of coming
-/// as one burst: into L1 for int8 caches, into L2 (into_l2) for the others, read from memory
+/// as one burst: into L1 for int8 caches, into L2 (kIntoL2) for the others, read from memory
 /// (decode_chunk). step() runs once per query row, or inside the integer kernels' loops
 /// (decode_int8), once per 4 keys of the logits and per 2 keys of each pass of the value sum.
 template <class KV>
@@ -73,9 +73,11 @@ struct SpreadPrefetch {
     Index value_stride;
     Index key_lines, lines_per_key;  // cache lines of one key's K rows, and of its K and V rows
     Index next = 0, end = 0, line = 0, per_step = 0;
-    PageMap pages = {};    // where key j's rows sit (a paged cache)
-    Index shift = 0;       // pages.row(j) − j for the keys aimed at (one block: one page)
-    bool into_l2 = false;  // simd::prefetch_outer, not simd::prefetch
+    PageMap pages = {};  // where key j's rows sit (a paged cache)
+    Index shift = 0;     // pages.row(j) − j for the keys aimed at (one block: one page)
+    /// simd::prefetch_outer (L2), not simd::prefetch (L1): all but int8 rows, whose two blocks
+    /// ahead fit L1 (decode_chunk).
+    static constexpr bool kIntoL2 = !std::is_same_v<KV, std::int8_t>;
 
     /// Aims at keys [first, last), which lie in one page, spread over `steps` calls of step().
     void start(Index first, Index last, Index steps) noexcept {
@@ -92,7 +94,7 @@ struct SpreadPrefetch {
             const Index row = next + shift;
             const KV* p = line < key_lines ? key_base + row * key_stride + line * kLine
                                            : value_base + row * value_stride + (line - key_lines) * kLine;
-            if (into_l2)
+            if constexpr (kIntoL2)
                 simd::prefetch_outer(p);
             else
                 simd::prefetch(p);
@@ -536,17 +538,16 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     SpreadPrefetch<KV> spread{key_base,     key_stride, value_base,
                               value_stride, key_lines,  key_lines + lines(num_kv_heads * dv)};
     spread.pages = pages;
-    spread.into_l2 = !kInt8;
     // A float cache with one query row per KV head (multi-head attention decoding a token) uses
     // each K and V line once, with little arithmetic to hide a burst of loads behind: the
     // hardware prefetchers alone stream it faster than plain loads ahead (0.81–0.85 of the
     // time at 32k keys, 0.95 at 8k, 8 KV heads, d = 128, AVX2 and AVX-512 builds, AMD Zen 5).
     bool one_row_per_head = std::is_same_v<KV, T>;
     for (Index g = 0; g < num_kv_heads; ++g) one_row_per_head = one_row_per_head && blks[g].count <= 1;
-    const bool spread_prefetch = from_memory && (kInt8 || !one_row_per_head);
+    const bool spread_prefetch = from_memory && !one_row_per_head;  // int8: never one_row_per_head
     // With both integer kernels, the prefetches spread over their loops: smoother than a share
     // per row (6.6 -> 6.4 ms one thread, 3.5 -> 3.4 ms two, at 32k keys, medians of 8 runs).
-    const bool prefetch_in_kernels = kInt8 && spread_prefetch && int8_dot && int8_values;
+    const bool prefetch_in_kernels = spread_prefetch && int8_dot && int8_values;
     // With one row per KV head and a float cache read from memory, each key block is read in
     // address order: the logits' products of all heads key row by key row, then the softmax of
     // each head, then the value sums key row by key row (logits_in_address_order,
