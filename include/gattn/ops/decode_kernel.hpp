@@ -344,6 +344,21 @@ inline void lead_row(const T* p) noexcept {
     for (Index e = 0; e < kRowLeadLines; ++e) simd::prefetch_outer(p + e * Index(simd::kLineElems<T>));
 }
 
+/// Calls f(std::integral_constant<int, V>{}) with V = n when n is 4, 8 or 16 (whole registers
+/// of d = 64, 128 or 256 floats with AVX-512), else with V = 0: the usual head sizes get loops
+/// of a constant trip count, which the compiler unrolls.
+template <class F>
+inline void with_register_count(Index n, F&& f) {
+    if (n == 8)
+        f(std::integral_constant<int, 8>{});
+    else if (n == 16)
+        f(std::integral_constant<int, 16>{});
+    else if (n == 4)
+        f(std::integral_constant<int, 4>{});
+    else
+        f(std::integral_constant<int, 0>{});
+}
+
 /// Multi-head attention decoding (one query row per KV head), the logits' dot products of a
 /// key block read in address order: dots[(g·L + kk)·L ...] is the register of partial sums
 /// of key kk and KV head g's row blks[g].q[0] (kk < nk; 0 for kk in [nk, L)), key kk's row of
@@ -400,18 +415,28 @@ inline void values_in_address_order(const T* s, const T* p, Index heads, Index n
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-    for (Index kk = 0; kk < nk; ++kk) {
-        const T* v = value + kk * value_stride;
-        if (kk + kRowsAhead < rows) lead_row(v + kRowsAhead * value_stride);
-        for (Index g = 0; g < heads; ++g) {
-            if (s[g * L + kk] == kNegInf) continue;
-            const B pk(p[g * L + kk]);
-            T* a = states[g].acc.data();
-            const T* vg = v + g * dv;
-            for (Index j = 0; j < dv; j += L)
-                simd::fma(pk, B::load_unaligned(vg + j), B::load_unaligned(a + j)).store_unaligned(a + j);
+    with_register_count(simd::DecodeTiles::kConstantValueWidth ? dv / L : 0, [&](auto vecs) {
+        constexpr int V = decltype(vecs)::value;
+        for (Index kk = 0; kk < nk; ++kk) {
+            const T* v = value + kk * value_stride;
+            if (kk + kRowsAhead < rows) lead_row(v + kRowsAhead * value_stride);
+            for (Index g = 0; g < heads; ++g) {
+                if (s[g * L + kk] == kNegInf) continue;
+                const B pk(p[g * L + kk]);
+                T* a = states[g].acc.data();
+                const T* vg = v + g * dv;
+                if constexpr (V > 0) {
+                    GATTN_UNROLL
+                    for (int u = 0; u < V; ++u)
+                        simd::fma(pk, B::load_unaligned(vg + u * L), B::load_unaligned(a + u * L))
+                            .store_unaligned(a + u * L);
+                } else {
+                    for (Index j = 0; j < dv; j += L)
+                        simd::fma(pk, B::load_unaligned(vg + j), B::load_unaligned(a + j)).store_unaligned(a + j);
+                }
+            }
         }
-    }
+    });
 }
 
 /// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
