@@ -13,6 +13,10 @@
 // cost = variant time / plain time − 1, for prefill (N_q = N_k) and decoding (N_q = 1); bf16
 // variants run the bf16 kernels on the same inputs rounded.
 //
+// BM_DecodeFromCache runs one decoding step over a KVCache (its storage in transparent huge
+// pages where the system uses them) and over plain matrices holding the same rows, in turn:
+// cache_vs_plain = plain time / cache time.
+//
 // BM_SdpaBackward runs the forward (with its log-sum-exp) and the backward pass in turn in every
 // iteration: GFLOP/s of the backward counts its five products, 10·N²·d per head (half for
 // causal), and bwd_vs_fwd = backward time / forward time. BM_SdpaBackwardBf16: the bfloat16
@@ -400,6 +404,39 @@ void BM_DecodeVsEigen(benchmark::State& state) {
     set_threads(1);
 }
 
+/// One decoding step (one query token, 8 query heads, d = 128, float) over the same keys and
+/// values held by a KVCache, whose storage is advised into transparent huge pages
+/// (cache/huge_pages.hpp), and by plain matrices, in turn within every iteration. Args: cached
+/// tokens, KV heads. Counters: µs of each, cache_vs_plain = plain time / cache time, and the
+/// cache's huge_page_MiB (0: the system does not use huge pages; then both read small pages).
+/// Where the system backs every large allocation with huge pages ("always" in
+/// /sys/kernel/mm/transparent_hugepage/enabled) both do, and the ratio is about 1.
+void BM_DecodeFromCache(benchmark::State& state) {
+    const gattn::Index nk = state.range(0), hkv = state.range(1), d = 128;
+    set_threads(1);
+    const Matrix q = Matrix::Random(1, kHeads * d), k = Matrix::Random(nk, hkv * d), v = Matrix::Random(nk, hkv * d);
+    gattn::KVCache<float> cache(1, nk, hkv, d);
+    cache.append(k, v, {nk});
+    Matrix out(1, kHeads * d), out_plain(1, kHeads * d);
+    const gattn::HeadLayout heads{1, kHeads, hkv};
+    const auto [t_cache, t_plain] = gattn_bench::time_in_turn(
+        state,
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, cache.keys(), cache.values(), heads, out);
+            benchmark::DoNotOptimize(out.data());
+        },
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, k, v, heads, out_plain);
+            benchmark::DoNotOptimize(out_plain.data());
+        });
+    if (!(out.array() == out_plain.array()).all()) state.SkipWithError("the cache and the matrices disagree");
+    const double n = static_cast<double>(state.iterations());
+    state.counters["cache_us"] = t_cache / n * 1e6;
+    state.counters["plain_us"] = t_plain / n * 1e6;
+    state.counters["cache_vs_plain"] = t_plain / t_cache;
+    state.counters["huge_page_MiB"] = static_cast<double>(cache.huge_page_bytes()) / (1 << 20);
+}
+
 /// Accuracy of bf16 SDPA against float64 SDPA on the same bf16 inputs, N(0, 1) entries, one head
 /// of d = 128, non-causal (the float64 reference is a plain three-pass softmax per row). Args: N,
 /// output (0: bf16, 1: float), kernel (kernel_limit). Counters: NMSE = Σ(out − ref)² / Σ ref²,
@@ -671,6 +708,12 @@ BENCHMARK_TEMPLATE(BM_NarrowDecodeVsFloat, gattn::half)
 BENCHMARK(BM_Int8DecodeVsFloat)
     ->ArgsProduct({{8192, 32768}, {2, 8}, {1}, {0, 1}})
     ->ArgNames({"Nk", "kv_heads", "threads", "kernel"})
+    ->MinTime(1.0)
+    ->Unit(benchmark::kMicrosecond)
+    ->UseRealTime();
+BENCHMARK(BM_DecodeFromCache)
+    ->ArgsProduct({{8192, 32768}, {2, 8}})
+    ->ArgNames({"Nk", "kv_heads"})
     ->MinTime(1.0)
     ->Unit(benchmark::kMicrosecond)
     ->UseRealTime();

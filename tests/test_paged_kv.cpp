@@ -10,7 +10,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
 #include <string>
@@ -20,6 +23,8 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+
+#include <sys/mman.h>
 
 #include "gattn/cache/paged_kv_pool.hpp"
 #include "gattn/gattn.hpp"
@@ -729,6 +734,79 @@ TEST(PagedAttention, MixedBatchErrorsWriteNothing) {
     // The same call without the mask runs: three rows of sequence 0, one of sequence 1.
     gattn::paged_attention<float, float>(q, {0, 3, 4}, setup.pool, table, H, out);
     EXPECT_TRUE((out.array() != 5.0f).all());
+}
+
+// Transparent huge pages (cache/huge_pages.hpp), checked against what the kernel reports in
+// /proc/self/smaps: the "hg" flag of the mapping that holds an address (madvise(MADV_HUGEPAGE)).
+bool mapping_advised_huge(const void* p) {
+    std::ifstream smaps("/proc/self/smaps");
+    const auto at = reinterpret_cast<std::uintptr_t>(p);
+    bool inside = false;
+    for (std::string line; std::getline(smaps, line);) {
+        unsigned long lo = 0, hi = 0;
+        if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2) {
+            inside = lo <= at && at < hi;
+        } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+            return (line + " ").find(" hg ") != std::string::npos;
+        }
+    }
+    return false;
+}
+
+TEST(HugePages, AdviseTheWholeHugePagesOfARange) {
+    const std::size_t page = gattn::detail::transparent_huge_page_bytes();
+    float small[64] = {};
+    EXPECT_EQ(gattn::advise_huge_pages(nullptr, std::size_t(8) << 20), 0u);
+    EXPECT_EQ(gattn::advise_huge_pages(small, sizeof small), 0u);  // no whole huge page
+    if (page == 0) GTEST_SKIP() << "transparent huge pages are turned off or unavailable on this system";
+    // Four huge pages of a fresh mapping (malloc may hand out memory advised before); the range
+    // starts 100 bytes in and holds three pages' bytes, so the two whole huge pages after its
+    // first boundary are advised, not the first or the last.
+    const std::size_t mapped = 5 * page;
+    void* mapping = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ASSERT_NE(mapping, MAP_FAILED);
+    auto* buffer =
+        reinterpret_cast<unsigned char*>((reinterpret_cast<std::uintptr_t>(mapping) + page - 1) / page * page);
+    for (std::size_t i = 0; i < 4 * page; i += 4096) buffer[i] = static_cast<unsigned char>(i / 4096);
+    EXPECT_EQ(gattn::advise_huge_pages(buffer + 100, 3 * page), 2 * page);
+    EXPECT_FALSE(mapping_advised_huge(buffer + page - 1));
+    EXPECT_TRUE(mapping_advised_huge(buffer + page));
+    EXPECT_TRUE(mapping_advised_huge(buffer + 3 * page - 1));
+    EXPECT_FALSE(mapping_advised_huge(buffer + 3 * page));
+    bool unchanged = true;
+    for (std::size_t i = 0; i < 4 * page; i += 4096)
+        unchanged = unchanged && buffer[i] == static_cast<unsigned char>(i / 4096);
+    EXPECT_TRUE(unchanged) << "advising changed the memory's contents";
+    munmap(mapping, mapped);
+}
+
+TEST(HugePages, CachesAdviseTheirKeysAndValues) {
+    const std::size_t page = gattn::detail::transparent_huge_page_bytes();
+    // 8 KV heads, d = 128, float: 4 KiB a row, 4096 rows = 16 MiB per matrix.
+    gattn::KVCache<float> cache(2, 2048, 8, 128);
+    PagedKVPool<float> pool(256, 16, 8, 128);
+    const std::size_t bytes = std::size_t(4096) * 8 * 128 * sizeof(float);
+    if (page == 0) {
+        EXPECT_EQ(cache.huge_page_bytes(), 0u);
+        EXPECT_EQ(pool.huge_page_bytes(), 0u);
+        GTEST_SKIP() << "transparent huge pages are turned off or unavailable on this system";
+    }
+    // Each matrix: its whole huge pages, all but at most one at each end.
+    for (std::size_t advised : {cache.huge_page_bytes(), pool.huge_page_bytes()}) {
+        EXPECT_GE(advised, 2 * (bytes - 2 * page));
+        EXPECT_LE(advised, 2 * bytes);
+        EXPECT_EQ(advised % page, 0u);
+    }
+    EXPECT_TRUE(mapping_advised_huge(cache.keys().data() + cache.keys().size() / 2));
+    EXPECT_TRUE(mapping_advised_huge(cache.values().data() + cache.values().size() / 2));
+    EXPECT_TRUE(mapping_advised_huge(pool.keys().data() + pool.keys().size() / 2));
+    EXPECT_TRUE(mapping_advised_huge(pool.values().data() + pool.values().size() / 2));
+    // A window cache that grows advises its new rows.
+    gattn::KVCache<float> window(1, 16, 8, 128, 0, 0, 8);
+    const RowMatrix<float> rows = RowMatrix<float>::Random(4096, 8 * 128);
+    window.append(rows, rows, {4096});
+    EXPECT_GE(window.huge_page_bytes(), 2 * (bytes / 2 - 2 * page));
+    EXPECT_TRUE(mapping_advised_huge(window.keys().data() + window.keys().size() / 2));
 }
 
 }  // namespace paged_kv_test

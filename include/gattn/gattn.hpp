@@ -5,6 +5,7 @@
 /// Umbrella header: everything public in gattn except the file readers under gattn/io/
 /// (safetensors.hpp, hf_checkpoint.hpp), which need nlohmann_json.
 
+#include "gattn/cache/huge_pages.hpp"
 #include "gattn/cache/kv_cache.hpp"
 #include "gattn/cache/page_table.hpp"
 #include "gattn/cache/paged_kv_pool.hpp"

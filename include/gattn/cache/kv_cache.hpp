@@ -20,6 +20,9 @@
 /// An int8 cache (KVCache<std::int8_t>) takes float keys and values and stores int8 codes with
 /// one float scale per (token, KV head) (ops/int8_rows.hpp): 3.9× fewer bytes than float at
 /// d = 256 (4·d / (d + 4)). Its layers' SDPA reads the codes in place (key_operand()).
+///
+/// The keys' and values' storage is advised into transparent huge pages where the system uses
+/// them (cache/huge_pages.hpp; huge_page_bytes() says how much was).
 
 #include <algorithm>
 #include <atomic>
@@ -32,6 +35,7 @@
 #include <utility>
 #include <vector>
 
+#include "gattn/cache/huge_pages.hpp"
 #include "gattn/ops/int8_rows.hpp"
 #include "gattn/ops/sdpa.hpp"
 #include "gattn/types.hpp"
@@ -93,6 +97,7 @@ public:
           m_first(static_cast<std::size_t>(batch), 0) {
         m_keys.resize(batch * capacity, num_kv_heads * head_dim);
         m_values.resize(batch * capacity, num_kv_heads * m_value_head_dim);
+        m_huge_page_bytes = advise_storage(m_keys) + advise_storage(m_values);
         if constexpr (kInt8) {
             m_key_scales.resize(batch * capacity, num_kv_heads);
             m_value_scales.resize(batch * capacity, num_kv_heads);
@@ -149,6 +154,9 @@ public:
     const RowMatrix<Scalar>& keys() const noexcept { return m_keys; }
     /// [B·capacity, H_kv·d_v].
     const RowMatrix<Scalar>& values() const noexcept { return m_values; }
+    /// Bytes of keys() and values() advised into transparent huge pages (cache/huge_pages.hpp):
+    /// 0 where the system does not use them.
+    std::size_t huge_page_bytes() const noexcept { return m_huge_page_bytes; }
     /// int8 cache: [B·capacity, H_kv], the scale of each stored key row of each KV head
     /// (empty for other storage).
     const RowMatrix<float>& key_scales() const noexcept { return m_key_scales; }
@@ -306,6 +314,7 @@ private:
             // leaves the cache as it was.
             auto grown = [&](const auto& m) {
                 std::decay_t<decltype(m)> g(m.size() == 0 ? m.rows() : B * capacity, m.cols());
+                advise_storage(g);  // before the rows are written
                 if (m.size() != 0)
                     for (Index b = 0; b < B; ++b)
                         g.middleRows(b * capacity, keep[b]) =
@@ -316,6 +325,7 @@ private:
             auto key_scales = grown(m_key_scales), value_scales = grown(m_value_scales);
             m_keys.swap(keys);
             m_values.swap(values);
+            m_huge_page_bytes = advise_storage(m_keys) + advise_storage(m_values);
             m_key_scales.swap(key_scales);
             m_value_scales.swap(value_scales);
         } else {
@@ -339,6 +349,13 @@ private:
             m_lengths[b] = keep[b];
         }
         m_capacity = capacity;
+    }
+
+    // Advises m's storage into transparent huge pages, before it is written; returns the bytes
+    // advised (advising a range again is harmless).
+    template <class M>
+    static std::size_t advise_storage(M& m) noexcept {
+        return advise_huge_pages(m.data(), sizeof(typename M::Scalar) * static_cast<std::size_t>(m.size()));
     }
 
     // Checks the constructor's sizes before anything is allocated; returns capacity.
@@ -370,6 +387,7 @@ private:
     std::vector<Index> m_lengths, m_first;
     RowMatrix<Scalar> m_keys, m_values;
     RowMatrix<float> m_key_scales, m_value_scales;  // int8: [B·capacity, H_kv]; else empty
+    std::size_t m_huge_page_bytes = 0;              // of m_keys and m_values (advise_huge_pages)
 };
 
 /// The caches of a model: one per layer, made by the layers' make_cache (so each layer takes

@@ -20,6 +20,9 @@
 ///
 /// Every function that changes the pool validates everything first: on an exception the pool
 /// is unchanged (its pages, counts, free list, sequences and stored rows).
+///
+/// The keys' and values' storage is advised into transparent huge pages where the system uses
+/// them (cache/huge_pages.hpp; huge_page_bytes() says how much was).
 
 #include <algorithm>
 #include <cmath>
@@ -31,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gattn/cache/huge_pages.hpp"
 #include "gattn/cache/page_table.hpp"
 #include "gattn/errors.hpp"
 #include "gattn/ops/int8_rows.hpp"
@@ -148,6 +152,9 @@ public:
           m_refs(static_cast<std::size_t>(num_pages), 0) {
         m_keys.resize(num_pages * page_size, num_kv_heads * head_dim);
         m_values.resize(num_pages * page_size, num_kv_heads * m_value_head_dim);
+        m_huge_page_bytes =
+            advise_huge_pages(m_keys.data(), sizeof(Scalar) * static_cast<std::size_t>(m_keys.size())) +
+            advise_huge_pages(m_values.data(), sizeof(Scalar) * static_cast<std::size_t>(m_values.size()));
         if constexpr (kInt8) {
             m_key_scales.resize(num_pages * page_size, num_kv_heads);
             m_value_scales.resize(num_pages * page_size, num_kv_heads);
@@ -168,6 +175,9 @@ public:
     Index head_dim() const noexcept { return m_head_dim; }
     /// Features per value head (d_v).
     Index value_head_dim() const noexcept { return m_value_head_dim; }
+    /// Bytes of the keys' and values' storage advised into transparent huge pages
+    /// (cache/huge_pages.hpp): 0 where the system does not use them.
+    std::size_t huge_page_bytes() const noexcept { return m_huge_page_bytes; }
     /// Bytes of the pool's storage (keys, values and an int8 pool's scales).
     Index storage_bytes() const noexcept {
         return (m_keys.size() + m_values.size()) * Index(sizeof(Scalar)) +
@@ -689,6 +699,7 @@ private:
     std::vector<bool> m_alive;                      // by id: in use
     RowMatrix<Scalar> m_keys, m_values;             // [num_pages·P, H_kv·d]
     RowMatrix<float> m_key_scales, m_value_scales;  // int8: [num_pages·P, H_kv]; else empty
+    std::size_t m_huge_page_bytes = 0;              // of m_keys and m_values (advise_huge_pages)
 };
 
 GATTN_END_ISA_NAMESPACE
