@@ -60,52 +60,6 @@ namespace kernel {
 /// at 4k and 8k keys, d = 256, 2 KV heads), and the spread prefetches are faster still.
 inline constexpr Index kDecodeFromMemoryBytes = Index(12) << 20;
 
-/// Prefetch instructions for the K and V rows (all KV heads) of keys [next, end), a few lines
-/// per call of step() in key order, so that they spread over a block's work instead of coming
-/// as one burst: into L1 for int8 caches, into L2 (kIntoL2) for the others, read from memory
-/// (decode_chunk). step() runs once per query row, or inside the integer kernels' loops
-/// (decode_int8), once per 4 keys of the logits and per 2 keys of each pass of the value sum.
-template <class KV>
-struct SpreadPrefetch {
-    const KV* key_base;
-    Index key_stride;
-    const KV* value_base;
-    Index value_stride;
-    Index key_lines, lines_per_key;  // cache lines of one key's K rows, and of its K and V rows
-    Index next = 0, end = 0, line = 0, per_step = 0;
-    PageMap pages = {};  // where key j's rows sit (a paged cache)
-    Index shift = 0;     // pages.row(j) − j for the keys aimed at (one block: one page)
-    /// simd::prefetch_outer (L2), not simd::prefetch (L1): all but int8 rows, whose two blocks
-    /// ahead fit L1 (decode_chunk).
-    static constexpr bool kIntoL2 = !std::is_same_v<KV, std::int8_t>;
-
-    /// Aims at keys [first, last), which lie in one page, spread over `steps` calls of step().
-    void start(Index first, Index last, Index steps) noexcept {
-        next = first;
-        end = last;
-        line = 0;
-        shift = first < last ? pages.row(first) - first : 0;  // one division per block, not per key
-        per_step = last > first ? ((last - first) * lines_per_key + steps - 1) / std::max<Index>(steps, 1) : 0;
-    }
-    /// Prefetches the next `lines` lines (all that are left when lines < 0).
-    void step(Index lines) noexcept {
-        for (Index e = 0; next < end && (lines < 0 || e < lines); ++e) {
-            constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
-            const Index row = next + shift;
-            const KV* p = line < key_lines ? key_base + row * key_stride + line * kLine
-                                           : value_base + row * value_stride + (line - key_lines) * kLine;
-            if constexpr (kIntoL2)
-                simd::prefetch_outer(p);
-            else
-                simd::prefetch(p);
-            if (++line == lines_per_key) {
-                line = 0;
-                ++next;
-            }
-        }
-    }
-};
-
 /// A query row rounded to 16-bit codes (and residual codes) as the integer logits of `family`
 /// take it, into two buffers of d_k 16-bit slots: decode_int8_ymm::quantize_query for AvxVnni,
 /// decode_int8::quantize_query for Vnni (the same rounding; the outlier test sums in another

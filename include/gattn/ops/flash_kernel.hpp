@@ -164,6 +164,58 @@ struct PageMap {
     bool consecutive(Index k0, Index n) const noexcept { return !pages || k0 / page_size == (k0 + n - 1) / page_size; }
 };
 
+/// Prefetch instructions for the K and V rows (all KV heads) of keys [next, end), a few lines
+/// per call of step() in key order, so that they spread over a block's work instead of coming
+/// as one burst: into L1 for int8 caches, into L2 (kIntoL2) for the others, read from memory.
+/// Decoding (decode_chunk) steps once per query row, or inside the integer kernels' loops
+/// (decode_int8), once per 4 keys of the logits and per 2 keys of each pass of the value sum;
+/// few-query blocks (flash_attention_blocks) once per k-step of their products.
+template <class KV>
+struct SpreadPrefetch {
+    const KV* key_base;
+    Index key_stride;
+    const KV* value_base;
+    Index value_stride;
+    Index key_lines, lines_per_key;  // cache lines of one key's K rows, and of its K and V rows
+    Index next = 0, end = 0, line = 0, per_step = 0;
+    PageMap pages = {};  // where key j's rows sit (a paged cache)
+    Index shift = 0;     // pages.row(j) − j for the keys of the page aimed at
+    Index page_end = 0;  // the first key past that page
+    /// simd::prefetch_outer (L2), not simd::prefetch (L1): all but int8 rows, whose two blocks
+    /// ahead fit L1 (decode_chunk).
+    static constexpr bool kIntoL2 = !std::is_same_v<KV, std::int8_t>;
+
+    /// Aims at keys [first, last), spread over `steps` calls of step(per_step).
+    void start(Index first, Index last, Index steps) noexcept {
+        next = first;
+        end = last;
+        line = 0;
+        shift = first < last ? pages.row(first) - first : 0;  // one division per page, not per key
+        page_end = pages.pages && first < last ? (first / pages.page_size + 1) * pages.page_size : last;
+        per_step = last > first ? ((last - first) * lines_per_key + steps - 1) / std::max<Index>(steps, 1) : 0;
+    }
+    /// Prefetches the next `lines` lines (all that are left when lines < 0).
+    void step(Index lines) noexcept {
+        for (Index e = 0; next < end && (lines < 0 || e < lines); ++e) {
+            constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
+            const Index row = next + shift;
+            const KV* p = line < key_lines ? key_base + row * key_stride + line * kLine
+                                           : value_base + row * value_stride + (line - key_lines) * kLine;
+            if constexpr (kIntoL2)
+                simd::prefetch_outer(p);
+            else
+                simd::prefetch(p);
+            if (++line == lines_per_key) {
+                line = 0;
+                if (++next == page_end && next < end) {
+                    shift = pages.row(next) - next;
+                    page_end += pages.page_size;
+                }
+            }
+        }
+    }
+};
+
 /// Per-thread scratch of the kernel (64-byte aligned through Eigen's allocator): one Qᵀ and
 /// one Oᵀ per query block of a group, one Sᵀ tile shared by them, a key block's copied V rows,
 /// one block's staged outputs, and the block descriptions.
@@ -785,9 +837,11 @@ bool runs_row_tiles(const FlashBlock<T>& blk, const FlashState<T>& st, Index dv)
 /// Every sum runs in flash_step's order, so the bits are those of a block that runs
 /// flash_step (a query's result does not depend on how many share its block). The keys
 /// before the lanes' range score −∞ whatever K holds there, and their V rows are not read.
+/// prefetch (or null): its per_step lines at each k-step of S (flash_attention_blocks).
 template <class T>
 void flash_row_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const T* kt, const T* value_block,
-                    Index value_stride, Index dk, Index dv, const T* qt, T* st, T* sr, T* o) {
+                    Index value_stride, Index dk, Index dv, const T* qt, T* st, T* sr, T* o,
+                    SpreadPrefetch<T>* prefetch = nullptr) {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int L = G::kLanes, W = G::kQueries;
@@ -797,7 +851,11 @@ void flash_row_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, co
     const Index nk = std::min<Index>(Bc, state.union_end - k0);
     const Index kb = std::max<Index>(0, state.union_begin - k0);
     const Index cols = (nk + L - 1) / L * L;  // Kᵀ holds zeros past nk
-    tile_product<T, false>(n, static_cast<int>(cols), dk, qt, 1, W, kt, Bc, sr, Bc);
+    // prefetch: a share of the next key block's lines at each k-step of S = Q·Kᵀ.
+    auto ahead = [prefetch] {
+        if (prefetch) prefetch->step(prefetch->per_step);
+    };
+    tile_product<T, false>(n, static_cast<int>(cols), dk, qt, 1, W, kt, Bc, sr, Bc, ahead);
     const LogitTransform<T>& tf = state.transform;
     if (tf.capped)
         for (int t = 0; t < n; ++t)
@@ -934,6 +992,17 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
         k_begin = std::min(k_begin, state[i].first_block());
         k_end = std::max(k_end, state[i].union_end);
     }
+    // The next key block's K and V rows, asked for ahead of their use (few-query blocks).
+    SpreadPrefetch<T> spread{nullptr, key_stride, nullptr, value_stride, 0, 0};
+    if constexpr (std::is_same_v<KV, T>) {
+        constexpr auto kLine = static_cast<Index>(simd::kLineElems<T>);
+        const auto lines = [](Index elems) { return (elems + kLine - 1) / kLine; };
+        spread.key_base = key;
+        spread.value_base = value;
+        spread.key_lines = lines(dk);
+        spread.lines_per_key = lines(dk) + lines(dv);
+        spread.pages = pages;
+    }
     for (Index k0 = k_begin; k0 < k_end; k0 += G::kKeys) {
         const Index nk = std::min<Index>(G::kKeys, k_end - k0);
         const T* key_block;
@@ -991,16 +1060,24 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
         }
         // Few-query blocks do too little work on a key block to hide the fetch of the next: its K
         // and V rows (a page apart in a [N, H·d] layout, which the hardware prefetchers do not
-        // follow) are asked for now, into L2: the burst of 16 lines a row into L1 waited on L1's
-        // miss buffers (16 query rows over 8k keys from memory, 8 heads, d = 128, AMD Zen 5:
-        // 65–71 GFLOP/s into L1, 78–83 into L2; 1 or 3 blocks ahead no better than 1).
-        if (any_row_tiles && std::is_same_v<KV, T> && k0 + G::kKeys < k_end) {
-            const Index next = std::min<Index>(G::kKeys, k_end - k0 - G::kKeys);
-            for (Index r = 0; r < next; ++r) {
-                const Index j = pages.row(k0 + G::kKeys + r);
-                for (Index d = 0; d < dk; d += simd::kLineElems<T>) simd::prefetch_outer(key + j * key_stride + d);
-                for (Index d = 0; d < dv; d += simd::kLineElems<T>) simd::prefetch_outer(value + j * value_stride + d);
-            }
+        // follow) are asked for into L2 (into L1 the burst of 16 lines a row waited on L1's miss
+        // buffers: 16 query rows over 8k keys, 8 heads, d = 128, AMD Zen 5, 65–71 GFLOP/s into
+        // L1, 78–83 into L2; 1 or 3 blocks ahead no better than 1), a share at each k-step of
+        // S = Q·Kᵀ (tile_product's blocks of kRows rows × kCols registers over d_k), not as one
+        // burst. The same case from memory on AMD Zen 4, five alternated rounds, medians: 8k
+        // keys 44 → 62 GFLOP/s, 32k 38 → 59 (2k keys, in L3: 65 → 63); spread over both
+        // products 58 and 54, over the first half or two thirds of S, or two blocks ahead,
+        // within 3 % of this. A group with other blocks asks at once.
+        const bool ahead = any_row_tiles && std::is_same_v<KV, T> && k0 + G::kKeys < k_end;
+        if (ahead) {
+            const auto col_blocks = [](Index n) { return (n / G::kLanes + G::kCols - 1) / G::kCols; };
+            Index steps = 0;
+            for (int i = 0; i < count; ++i)
+                if (row_tiles[i])
+                    steps += (blocks[i].count + G::kRows - 1) / G::kRows *
+                             col_blocks((nk + G::kLanes - 1) / G::kLanes * G::kLanes) * dk;
+            spread.start(k0 + G::kKeys, std::min<Index>(k0 + 2 * G::kKeys, k_end), steps);
+            if (!all_row_tiles) spread.step(-1);
         }
         bool packed = false;
         for (int i = 0; i < count; ++i) {
@@ -1011,12 +1088,13 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
                                    (nk + G::kLanes - 1) / G::kLanes * G::kLanes, dk, s.key_t.data(), G::kKeys);
                 packed = true;
                 flash_row_step(blocks[i], state[i], k0, s.key_t.data(), value_block, vs, dk, dv, s.qt[i].data(),
-                               s.st.data(), s.row_tile.data(), s.ot[i].data());
+                               s.st.data(), s.row_tile.data(), s.ot[i].data(), ahead ? &spread : nullptr);
             } else {
                 flash_step(blocks[i], state[i], k0, key_block, ks, value_block, vs, dk, dv, s.qt[i].data(), s.st.data(),
                            s.ot[i].data());
             }
         }
+        if (ahead) spread.step(-1);  // what the products left
     }
     T* staged[G::kQueries] = {};
     if (writes == OutputWrites::Staged)

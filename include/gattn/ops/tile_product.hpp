@@ -40,11 +40,16 @@ inline void with_constant(int i, F&& f) {
     }
 }
 
+/// What tile_product calls at each k-step when given nothing: nothing.
+struct NoStepHook {
+    void operator()() const noexcept {}
+};
+
 /// One block of C: R rows × V registers, over `depth` k-steps. a(r, k) = a[r·a_row + k·a_depth],
-/// B's row k at b + k·b_row, C's row r at c + r·c_row.
-template <class T, int R, int V, bool Accumulate>
+/// B's row k at b + k·b_row, C's row r at c + r·c_row. hook() runs once per k-step.
+template <class T, int R, int V, bool Accumulate, class Hook = NoStepHook>
 inline void product_block(const T* a, Index a_row, Index a_depth, const T* b, Index b_row, Index depth, T* c,
-                          Index c_row) noexcept {
+                          Index c_row, const Hook& hook = {}) noexcept {
     if constexpr (R > 0 && V > 0) {
         using B = simd::Batch<T>;
         constexpr Index L = static_cast<Index>(simd::kLanes<T>);
@@ -55,6 +60,7 @@ inline void product_block(const T* a, Index a_row, Index a_depth, const T* b, In
             for (int v = 0; v < V; ++v) acc[r][v] = Accumulate ? B::load_unaligned(c + r * c_row + v * L) : B(T(0));
         }
         for (Index k = 0; k < depth; ++k) {
+            hook();
             const T* bk = b + k * b_row;
             const T* ak = a + k * a_depth;
             B bv[V];
@@ -77,10 +83,11 @@ inline void product_block(const T* a, Index a_row, Index a_depth, const T* b, In
 
 /// C[m × n] = A[m × depth]·B[depth × n] (Accumulate: C += A·B), with a(i, k) =
 /// a[i·a_row + k·a_depth], B's row k at b + k·b_row (n contiguous elements) and C's row i at
-/// c + i·c_row. C must not overlap A or B.
-template <class T, bool Accumulate>
+/// c + i·c_row. C must not overlap A or B. hook() runs once per k-step of each register block
+/// (a few-query block's prefetches, spread over its work: ops/flash_kernel.hpp).
+template <class T, bool Accumulate, class Hook = NoStepHook>
 inline void tile_product(int m, int n, Index depth, const T* a, Index a_row, Index a_depth, const T* b, Index b_row,
-                         T* c, Index c_row) noexcept {
+                         T* c, Index c_row, const Hook& hook = {}) noexcept {
     constexpr int R = simd::FlashTiles::kRows, V = simd::FlashTiles::kCols;
     constexpr int L = static_cast<int>(simd::kLanes<T>);
     const int vectors = n / L;
@@ -92,7 +99,7 @@ inline void tile_product(int m, int n, Index depth, const T* a, Index a_row, Ind
             for (int v = 0; v < vectors; v += V)
                 with_constant<V + 1>(std::min(V, vectors - v), [&](auto cols) {
                     product_block<T, RR, decltype(cols)::value, Accumulate>(ai, a_row, a_depth, b + v * L, b_row, depth,
-                                                                            ci + v * L, c_row);
+                                                                            ci + v * L, c_row, hook);
                 });
         });
         for (int r = i; r < std::min(m, i + R); ++r)
