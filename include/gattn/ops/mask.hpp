@@ -107,11 +107,11 @@ inline Index aligned_position(const AttentionMask<Scalar>& mask, Index b, Index 
 }
 
 template <class Scalar>
-inline KeyRange visible_key_range(const AttentionMask<Scalar>& mask, Index b, Index i, Index query_len,
-                                  Index key_len) noexcept {
+inline KeyRange visible_key_range(const AttentionMask<Scalar>& mask, Index b, Index i,
+                                  Index query_len, Index key_len) noexcept {
     const Index len = mask.key_lengths.empty() ? key_len : mask.key_lengths[b];
     const Index queries = mask.query_lengths.empty() ? query_len : mask.query_lengths[b];
-    if (i >= queries) return {0, 0};  // a padding query row sees nothing
+    if (i >= queries) return {0, 0};           // a padding query row sees nothing
     const Index pos = aligned_position(mask, b, i, query_len, key_len);
     Index begin = 0;
     Index end = len;

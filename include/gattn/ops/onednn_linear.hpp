@@ -49,8 +49,7 @@ public:
         const dims wdims{s.in, s.out};
         // Our [out, in] rows are oneDNN's [in, out] weights with strides {1, row stride}.
         const dnnl::memory::desc user_md(wdims, dt::bf16, dims{1, weight.outerStride()});
-        const auto pd = primitive_desc(s, kReferenceRows, s.out,
-                                       dnnl::memory::desc(wdims, dt::bf16, dnnl::memory::format_tag::any));
+        const auto pd = primitive_desc(s, kReferenceRows, s.out, dnnl::memory::desc(wdims, dt::bf16, dnnl::memory::format_tag::any));
         s.weights_md = pd.weights_desc();
         s.implementation = pd.impl_info_str();
         s.weights = dnnl::memory(s.weights_md, s.engine);
@@ -102,13 +101,11 @@ private:
         dnnl::memory::desc weights_md;
         dnnl::memory weights;
         std::string implementation;
-        std::mutex mutex;                                         // guards primitives
+        std::mutex mutex;  // guards primitives
         std::map<std::pair<Index, Index>, Primitive> primitives;  // by (rows, ldy)
     };
 
-    static dnnl::memory::desc bias_md(const State& s) {
-        return dnnl::memory::desc(dims{1, s.out}, dt::f32, dims{s.out, 1});
-    }
+    static dnnl::memory::desc bias_md(const State& s) { return dnnl::memory::desc(dims{1, s.out}, dt::f32, dims{s.out, 1}); }
 
     static dnnl::matmul::primitive_desc primitive_desc(const State& s, Index rows, Index ldy,
                                                        const dnnl::memory::desc& weights_md) {
@@ -128,8 +125,7 @@ private:
         auto it = s.primitives.find(key);
         if (it != s.primitives.end()) return it->second;
         const auto pd = primitive_desc(s, rows, ldy, s.weights_md);
-        Primitive p{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(), pd.scratchpad_desc(),
-                    pd.scratchpad_desc().get_size()};
+        Primitive p{dnnl::matmul(pd), pd.src_desc(), pd.dst_desc(), pd.scratchpad_desc(), pd.scratchpad_desc().get_size()};
         return s.primitives.emplace(key, std::move(p)).first->second;  // std::map: references stay valid
     }
 

@@ -24,8 +24,8 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// \param zero_centred y·(1 + w) (Qwen3-Next) or y·w (Llama's and Qwen3's RMSNorm).
 /// Inner function: shapes are the caller's responsibility (no validation).
 template <class Scalar>
-void rms_norm_heads(Scalar* x, Index rows, Index stride, Index heads, Index d, const Scalar* weight, double eps,
-                    bool zero_centred = true) noexcept {
+void rms_norm_heads(Scalar* x, Index rows, Index stride, Index heads, Index d, const Scalar* weight,
+                    double eps, bool zero_centred = true) noexcept {
     using Acc = std::conditional_t<std::is_same_v<Scalar, double>, double, float>;
     for (Index r = 0; r < rows; ++r)
         for (Index h = 0; h < heads; ++h) {

@@ -45,8 +45,7 @@ void apply_rope(Scalar* x, Index rows, Index stride, Index heads, Index d, Index
         }
         for (Index h = 0; h < heads; ++h) {
             Scalar* v = x + r * stride + h * d;
-            const Index first = interleaved ? 2 : 1,
-                        second = interleaved ? 1 : half;  // pair i: (first·i, first·i + second)
+            const Index first = interleaved ? 2 : 1, second = interleaved ? 1 : half;  // pair i: (first·i, first·i + second)
             for (Index i = 0; i < half; ++i) {
                 Scalar& x0 = v[first * i];
                 Scalar& x1 = v[first * i + second];
