@@ -169,7 +169,7 @@ struct PageMap {
 /// as one burst: into L1 for int8 caches, into L2 (kIntoL2) for the others, read from memory.
 /// Decoding (decode_chunk) steps once per query row, or inside the integer kernels' loops
 /// (decode_int8), once per 4 keys of the logits and per 2 keys of each pass of the value sum;
-/// few-query blocks (flash_attention_blocks) once per k-step of their products.
+/// few-query blocks (flash_attention_blocks) once per k-step of S = Q·Kᵀ.
 template <class KV>
 struct SpreadPrefetch {
     const KV* key_base;
