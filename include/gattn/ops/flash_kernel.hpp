@@ -881,8 +881,8 @@ void flash_row_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, co
         lsum += p;
     }
     state.l[0] = simd::fma(state.l[0], alpha, lsum);
-    tile_product<T, false>(n, static_cast<int>(dv), nk - kb, st + kb * W, 1, W, value_block + kb * value_stride,
-                           value_stride, sr, dv);
+    tile_product<T, false, simd::FlashTiles::kRowValueRows, simd::FlashTiles::kRowValueCols>(
+        n, static_cast<int>(dv), nk - kb, st + kb * W, 1, W, value_block + kb * value_stride, value_stride, sr, dv);
     alignas(64) T alpha_lane[L];
     alpha.store_aligned(alpha_lane);
     for (int t = 0; t < n; ++t) {

@@ -7,7 +7,7 @@
 /// few-query blocks (ops/flash_kernel.hpp, flash_row_step). B's rows are read as vectors (row-major, any
 /// row stride); A is read one element at a time and broadcast, through a row stride and a
 /// depth stride, so A may be a row-major tile or the transpose of one and neither is packed.
-/// C is computed in blocks of kRows rows × kCols registers (the forward's tile geometry,
+/// C is computed in blocks of kRows rows × kCols registers (by default the forward's tile geometry,
 /// simd::FlashTiles), each held in registers over the whole depth, so a k-step loads kCols
 /// vectors of B and broadcasts kRows elements of A for kRows·kCols fused multiply-adds.
 ///
@@ -84,11 +84,12 @@ inline void product_block(const T* a, Index a_row, Index a_depth, const T* b, In
 /// C[m × n] = A[m × depth]·B[depth × n] (Accumulate: C += A·B), with a(i, k) =
 /// a[i·a_row + k·a_depth], B's row k at b + k·b_row (n contiguous elements) and C's row i at
 /// c + i·c_row. C must not overlap A or B. hook() runs once per k-step of each register block
-/// (a few-query block's prefetches, spread over its work: ops/flash_kernel.hpp).
-template <class T, bool Accumulate, class Hook = NoStepHook>
+/// (a few-query block's prefetches, spread over its work: ops/flash_kernel.hpp). R × V: the
+/// register blocks' shape (the tier's FlashTiles by default).
+template <class T, bool Accumulate, int R = simd::FlashTiles::kRows, int V = simd::FlashTiles::kCols,
+          class Hook = NoStepHook>
 inline void tile_product(int m, int n, Index depth, const T* a, Index a_row, Index a_depth, const T* b, Index b_row,
                          T* c, Index c_row, const Hook& hook = {}) noexcept {
-    constexpr int R = simd::FlashTiles::kRows, V = simd::FlashTiles::kCols;
     constexpr int L = static_cast<int>(simd::kLanes<T>);
     const int vectors = n / L;
     for (int i = 0; i < m; i += R) {

@@ -29,6 +29,7 @@ struct FlashTiles {
     // Few-query blocks keep the query lanes (kernel::runs_row_tiles): with 4 queries a KV head
     // the two ran equally fast (SSE2, Zen 5).
     static constexpr bool kRowTiles = false;
+    static constexpr int kRowValueRows = kRows, kRowValueCols = kCols;  // unused: no row tiles
 };
 
 /// Decoding (kernel::decode_chunk): query rows that share each K and V register load, and the

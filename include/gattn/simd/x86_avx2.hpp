@@ -58,6 +58,7 @@ struct FlashTiles {
     // Few-query blocks (kernel::runs_row_tiles) with the rows of queries broadcast: 8 queries a
     // KV head, d = 128, 2048 keys, 8 KV heads, 1 thread, Zen 5: 1.10× the query-lane tiles.
     static constexpr bool kRowTiles = true;
+    static constexpr int kRowValueRows = kRows, kRowValueCols = kCols;  // their P·V tiles
 };
 
 #if defined(__AVX__)

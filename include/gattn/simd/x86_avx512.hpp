@@ -47,6 +47,10 @@ struct FlashTiles {
     // or the value features in the lanes: 16 queries a KV head, d = 128, 2048 keys, 1 thread,
     // Zen 5: 1.15–1.25× the query-lane tiles on 8 KV heads, 1.4–1.5× on one (the same bits).
     static constexpr bool kRowTiles = true;
+    // Their P·V tiles (kernel::flash_row_step): 8 rows × 2 registers. At 16 rows, d = 128, Bc =
+    // 64, Zen 4, both products from L1/L2: 6 × 4 tiles 92 GFLOP/s, 8 × 2 for P·V 100 (each V
+    // row is read by two row blocks instead of three), 16 × 1 96; 8 × 2 for S as well 98.
+    static constexpr int kRowValueRows = 8, kRowValueCols = 2;
 };
 
 /// Decoding (kernel::decode_chunk): query rows that share each K and V register load, and the
