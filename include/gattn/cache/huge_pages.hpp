@@ -76,4 +76,13 @@ inline std::size_t advise_huge_pages(void* data, std::size_t bytes) noexcept {
 #endif
 }
 
+namespace detail {
+/// advise_huge_pages over the storage of a matrix m (m.data(), m.size() elements), before it is
+/// written: what the caches call on their keys and values.
+template <class Matrix>
+inline std::size_t advise_storage(Matrix& m) noexcept {
+    return advise_huge_pages(m.data(), sizeof(*m.data()) * static_cast<std::size_t>(m.size()));
+}
+}  // namespace detail
+
 GATTN_END_ISA_NAMESPACE

@@ -97,7 +97,7 @@ public:
           m_first(static_cast<std::size_t>(batch), 0) {
         m_keys.resize(batch * capacity, num_kv_heads * head_dim);
         m_values.resize(batch * capacity, num_kv_heads * m_value_head_dim);
-        m_huge_page_bytes = advise_storage(m_keys) + advise_storage(m_values);
+        m_huge_page_bytes = detail::advise_storage(m_keys) + detail::advise_storage(m_values);
         if constexpr (kInt8) {
             m_key_scales.resize(batch * capacity, num_kv_heads);
             m_value_scales.resize(batch * capacity, num_kv_heads);
@@ -312,20 +312,22 @@ private:
         if (capacity != m_capacity) {
             // Every grown matrix first, then swaps (which cannot throw): a failed allocation
             // leaves the cache as it was.
-            auto grown = [&](const auto& m) {
+            // The keys and values (not the scales) in huge pages, advised before they are written.
+            std::size_t advised = 0;
+            auto grown = [&](const auto& m, bool huge) {
                 std::decay_t<decltype(m)> g(m.size() == 0 ? m.rows() : B * capacity, m.cols());
-                advise_storage(g);  // before the rows are written
+                if (huge) advised += detail::advise_storage(g);
                 if (m.size() != 0)
                     for (Index b = 0; b < B; ++b)
                         g.middleRows(b * capacity, keep[b]) =
                             m.middleRows(b * m_capacity + m_lengths[b] - keep[b], keep[b]);
                 return g;
             };
-            auto keys = grown(m_keys), values = grown(m_values);
-            auto key_scales = grown(m_key_scales), value_scales = grown(m_value_scales);
+            auto keys = grown(m_keys, true), values = grown(m_values, true);
+            auto key_scales = grown(m_key_scales, false), value_scales = grown(m_value_scales, false);
             m_keys.swap(keys);
             m_values.swap(values);
-            m_huge_page_bytes = advise_storage(m_keys) + advise_storage(m_values);
+            m_huge_page_bytes = advised;
             m_key_scales.swap(key_scales);
             m_value_scales.swap(value_scales);
         } else {
@@ -349,13 +351,6 @@ private:
             m_lengths[b] = keep[b];
         }
         m_capacity = capacity;
-    }
-
-    // Advises m's storage into transparent huge pages, before it is written; returns the bytes
-    // advised (advising a range again is harmless).
-    template <class M>
-    static std::size_t advise_storage(M& m) noexcept {
-        return advise_huge_pages(m.data(), sizeof(typename M::Scalar) * static_cast<std::size_t>(m.size()));
     }
 
     // Checks the constructor's sizes before anything is allocated; returns capacity.

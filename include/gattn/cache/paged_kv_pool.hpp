@@ -152,9 +152,7 @@ public:
           m_refs(static_cast<std::size_t>(num_pages), 0) {
         m_keys.resize(num_pages * page_size, num_kv_heads * head_dim);
         m_values.resize(num_pages * page_size, num_kv_heads * m_value_head_dim);
-        m_huge_page_bytes =
-            advise_huge_pages(m_keys.data(), sizeof(Scalar) * static_cast<std::size_t>(m_keys.size())) +
-            advise_huge_pages(m_values.data(), sizeof(Scalar) * static_cast<std::size_t>(m_values.size()));
+        m_huge_page_bytes = detail::advise_storage(m_keys) + detail::advise_storage(m_values);
         if constexpr (kInt8) {
             m_key_scales.resize(num_pages * page_size, num_kv_heads);
             m_value_scales.resize(num_pages * page_size, num_kv_heads);

@@ -369,7 +369,7 @@ inline void values_in_address_order(const T* s, const T* p, Index heads, Index n
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-    with_register_count(simd::DecodeTiles::kConstantValueWidth ? dv / L : 0, [&](auto vecs) {
+    auto sums = [&](auto vecs) {
         constexpr int V = decltype(vecs)::value;
         for (Index kk = 0; kk < nk; ++kk) {
             const T* v = value + kk * value_stride;
@@ -390,7 +390,11 @@ inline void values_in_address_order(const T* s, const T* p, Index heads, Index n
                 }
             }
         }
-    });
+    };
+    if constexpr (simd::DecodeTiles::kConstantValueWidth)
+        with_register_count(dv / L, sums);
+    else
+        sums(std::integral_constant<int, 0>{});
 }
 
 /// Runs the rows of every KV head's block blks[g] (g < num_kv_heads) against keys
@@ -509,14 +513,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // with loads / time spread into L2 at 32k keys (8k): 8 query heads on 2 KV heads, d = 128,
     // float 1.33 (1.29), bf16 1.64; 16 on 2, d = 256, float 1.13; bf16 with a KV head per query
     // head 1.18 (1.18). Paged / contiguous stays 0.91–1.03 (pages of 16–256).
-    auto lines = [](Index elems) {
-        constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
-        return (elems + kLine - 1) / kLine;
-    };
-    const Index key_lines = lines(num_kv_heads * dk);
-    SpreadPrefetch<KV> spread{key_base,     key_stride, value_base,
-                              value_stride, key_lines,  key_lines + lines(num_kv_heads * dv)};
-    spread.pages = pages;
+    SpreadPrefetch<KV> spread = SpreadPrefetch<KV>::over(key_base, key_stride, value_base, value_stride,
+                                                         num_kv_heads * dk, num_kv_heads * dv, pages);
     // A float cache with one query row per KV head (multi-head attention decoding a token) uses
     // each K and V line once, with little arithmetic to hide a burst of loads behind: the
     // hardware prefetchers alone stream it faster than plain loads ahead (0.81–0.85 of the

@@ -185,6 +185,18 @@ struct SpreadPrefetch {
     /// ahead fit L1 (decode_chunk).
     static constexpr bool kIntoL2 = !std::is_same_v<KV, std::int8_t>;
 
+    /// For the rows of key_elems K values and value_elems V values of each key (all KV heads)
+    /// at key/value + pages.row(j)·stride; aimed at nothing until start().
+    static SpreadPrefetch over(const KV* key, Index key_stride, const KV* value, Index value_stride, Index key_elems,
+                               Index value_elems, const PageMap& pages) noexcept {
+        constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
+        const Index key_lines = (key_elems + kLine - 1) / kLine;
+        SpreadPrefetch p{key,          key_stride, value,
+                         value_stride, key_lines,  key_lines + (value_elems + kLine - 1) / kLine};
+        p.pages = pages;
+        return p;
+    }
+
     /// Aims at keys [first, last), spread over `steps` calls of step(per_step).
     void start(Index first, Index last, Index steps) noexcept {
         next = first;
@@ -992,17 +1004,11 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
         k_begin = std::min(k_begin, state[i].first_block());
         k_end = std::max(k_end, state[i].union_end);
     }
-    // The next key block's K and V rows, asked for ahead of their use (few-query blocks).
-    SpreadPrefetch<T> spread{nullptr, key_stride, nullptr, value_stride, 0, 0};
-    if constexpr (std::is_same_v<KV, T>) {
-        constexpr auto kLine = static_cast<Index>(simd::kLineElems<T>);
-        const auto lines = [](Index elems) { return (elems + kLine - 1) / kLine; };
-        spread.key_base = key;
-        spread.value_base = value;
-        spread.key_lines = lines(dk);
-        spread.lines_per_key = lines(dk) + lines(dv);
-        spread.pages = pages;
-    }
+    // The next key block's K and V rows, asked for ahead of their use (few-query blocks; not
+    // for int8 codes, which are dequantized block by block).
+    SpreadPrefetch<T> spread{};
+    if constexpr (std::is_same_v<KV, T>)
+        spread = SpreadPrefetch<T>::over(key, key_stride, value, value_stride, dk, dv, pages);
     for (Index k0 = k_begin; k0 < k_end; k0 += G::kKeys) {
         const Index nk = std::min<Index>(G::kKeys, k_end - k0);
         const T* key_block;
