@@ -339,6 +339,48 @@ TYPED_TEST(SdpaTyped, LastFewRowsGiveTheRowsOfAFullBlock) {
     }
 }
 
+// Rows that all see the same keys (a cascade's prefix rows) past a full query block form a
+// few-query block (kernel::flash_row_step) whose K rows run at a constant stride when d_k is
+// 64, 128 or 256: the same bits as in a full block, and the reference's values.
+TYPED_TEST(SdpaTyped, FewQueryRowsGiveTheRowsOfAFullBlockAtEveryHeadDim) {
+    using S = TypeParam;
+    using G = gattn::kernel::FlashGeometry<S>;
+    const Index H = 2, dv = 2 * G::kLanes, W = G::kQueries, Nk = 2 * G::kKeys + 24;
+    for (const Index dk : {Index(64), Index(128), Index(256)}) {
+        const gattn::RowMatrix<S> q = random_matrix(2 * W, H * dk, 97 + dk).cast<S>();
+        const gattn::RowMatrix<S> k = random_matrix(Nk, H * dk, 98 + dk).cast<S>();
+        const gattn::RowMatrix<S> v = random_matrix(Nk, H * dv, 99 + dk).cast<S>();
+        gattn::SdpaOptions<S> opt;
+        RefMasks masks;
+        if (dk == 128) {
+            opt.logit_softcap = S(2);
+            masks.softcap = 2.0;
+        }
+        auto run = [&](Index nq, gattn::RowMatrix<S>& out, gattn::RowMatrix<S>& lse) {
+            out.resize(nq, H * dv);
+            gattn::SdpaOutputs<S> extra;
+            extra.log_sum_exp = &lse;
+            gattn::scaled_dot_product_attention<S>(q.topRows(nq), k, v, gattn::HeadLayout{1, H, H}, out, opt, extra);
+        };
+        gattn::RowMatrix<S> out_full, lse_full;
+        run(2 * W, out_full, lse_full);
+        for (Index extra_rows : {Index(1), Index(G::kLanes / 2 + 1), Index(G::kLanes)}) {
+            const Index nq = W + extra_rows;
+            gattn::RowMatrix<S> out, lse;
+            run(nq, out, lse);
+            const std::string label = "d_k = " + std::to_string(dk) + ", N_q = " + std::to_string(nq);
+            EXPECT_TRUE(out == out_full.topRows(nq)) << label;
+            EXPECT_TRUE(lse == lse_full.topRows(nq)) << label;
+            const auto ref = gattn_test::sdpa_reference(q.topRows(nq).template cast<double>(),
+                                                        k.template cast<double>(), v.template cast<double>(), 1, H, H,
+                                                        {}, masks);
+            using T = Tol<S>;
+            expect_close(out, ref.out, T::atol, T::rtol, "FewQueryRows/" + label);
+            expect_close(lse, ref.log_sum_exp, T::atol, T::rtol, "FewQueryRows/lse/" + label);
+        }
+    }
+}
+
 /// Rows with no visible key (every mechanism that can cause one) are exactly 0, lse −∞,
 /// probabilities and first-key probability 0, and never NaN.
 TYPED_TEST(SdpaTyped, FullyMaskedRowsAreZero) {

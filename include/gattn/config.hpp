@@ -86,6 +86,16 @@
     }                           \
     }
 
+/// On a function that a kernel's hot loop calls (a prefetcher's step inside a product's k-loop):
+/// inlined whatever its size, since a call there makes the compiler keep the loop's tile of
+/// accumulators on the stack (vector registers do not survive a call). An attribute: a
+/// function outside a class still says `inline`.
+#if defined(__GNUC__) || defined(__clang__)
+#define GATTN_ALWAYS_INLINE __attribute__((always_inline))
+#else
+#define GATTN_ALWAYS_INLINE
+#endif
+
 /// Around code that passes Eigen's packet types (vector registers) as template arguments:
 /// g++ warns that their attributes are dropped, which is harmless while the packets stay
 /// inside the function.

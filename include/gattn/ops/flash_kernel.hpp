@@ -14,9 +14,9 @@
 /// fills lanes with the group's heads and streams K and V once.
 ///
 /// A block of at most one register of queries that all see the same keys (a cascade's prefix
-/// rows of one KV head, a prompt's last rows) runs both products with the rows of queries
-/// broadcast instead, from a packed Kᵀ and with the value features in the lanes
-/// (flash_row_step), and its softmax on Sᵀ as here: the same sums in the same order.
+/// rows of one KV head, a prompt's last rows) runs Sᵀ in tiles of many keys and P·V with the
+/// rows of queries broadcast and the value features in the lanes (flash_row_step), and its
+/// softmax on Sᵀ as here: the same sums in the same order.
 ///
 /// Per key block: Sᵀ = K·(scale·Qᵀ); mask (partial blocks only); block max; α = e^(m − m_new);
 /// Pᵀ = e^(Sᵀ − m_new); l = α·l + Σ Pᵀ; Oᵀ = α·Oᵀ + Vᵀ·Pᵀ. A key block that no query of the
@@ -169,7 +169,7 @@ struct PageMap {
 /// as one burst: into L1 for int8 caches, into L2 (kIntoL2) for the others, read from memory.
 /// Decoding (decode_chunk) steps once per query row, or inside the integer kernels' loops
 /// (decode_int8), once per 4 keys of the logits and per 2 keys of each pass of the value sum;
-/// few-query blocks (flash_attention_blocks) once per k-step of S = Q·Kᵀ.
+/// few-query blocks (flash_attention_blocks) once per k-step of Sᵀ = K·Qᵀ.
 template <class KV>
 struct SpreadPrefetch {
     const KV* key_base;
@@ -177,19 +177,22 @@ struct SpreadPrefetch {
     const KV* value_base;
     Index value_stride;
     Index key_lines, lines_per_key;  // cache lines of one key's K rows, and of its K and V rows
-    Index next = 0, end = 0, line = 0, per_step = 0;
-    PageMap pages = {};  // where key j's rows sit (a paged cache)
-    Index shift = 0;     // pages.row(j) − j for the keys of the page aimed at
-    Index page_end = 0;  // the first key past that page
+    Index next = 0, end = 0, per_step = 0;
+    PageMap pages = {};          // where key j's rows sit (a paged cache)
+    Index shift = 0;             // pages.row(j) − j for the keys of the page aimed at
+    Index page_end = 0;          // the first key past that page
+    const KV* cursor = nullptr;  // the next line asked for
+    Index run_left = 0;          // lines left in cursor's row of key `next` (0: nothing left at all)
+    bool in_values = false;      // cursor in key next's V row, not its K row
     /// simd::prefetch_outer (L2), not simd::prefetch (L1): all but int8 rows, whose two blocks
     /// ahead fit L1 (decode_chunk).
     static constexpr bool kIntoL2 = !std::is_same_v<KV, std::int8_t>;
+    static constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
 
     /// For the rows of key_elems K values and value_elems V values of each key (all KV heads)
     /// at key/value + pages.row(j)·stride; aimed at nothing until start().
     static SpreadPrefetch over(const KV* key, Index key_stride, const KV* value, Index value_stride, Index key_elems,
                                Index value_elems, const PageMap& pages) noexcept {
-        constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
         const Index key_lines = (key_elems + kLine - 1) / kLine;
         SpreadPrefetch p{key,          key_stride, value,
                          value_stride, key_lines,  key_lines + (value_elems + kLine - 1) / kLine};
@@ -201,30 +204,41 @@ struct SpreadPrefetch {
     void start(Index first, Index last, Index steps) noexcept {
         next = first;
         end = last;
-        line = 0;
         shift = first < last ? pages.row(first) - first : 0;  // one division per page, not per key
         page_end = pages.pages && first < last ? (first / pages.page_size + 1) * pages.page_size : last;
         per_step = last > first ? ((last - first) * lines_per_key + steps - 1) / std::max<Index>(steps, 1) : 0;
+        run_left = 0;
+        if (first < last) aim(false);
     }
-    /// Prefetches the next `lines` lines (all that are left when lines < 0).
-    void step(Index lines) noexcept {
-        for (Index e = 0; next < end && (lines < 0 || e < lines); ++e) {
-            constexpr auto kLine = static_cast<Index>(simd::kLineElems<KV>);
-            const Index row = next + shift;
-            const KV* p = line < key_lines ? key_base + row * key_stride + line * kLine
-                                           : value_base + row * value_stride + (line - key_lines) * kLine;
+    /// Prefetches the next `lines` lines (all that are left when lines < 0). Inlined into a
+    /// product's k-loop (tile_product's hook) with no call left in it.
+    GATTN_ALWAYS_INLINE void step(Index lines) noexcept {
+        for (Index e = 0; run_left > 0 && (lines < 0 || e < lines); ++e) {
+            const KV* p = cursor;
             if constexpr (kIntoL2)
                 simd::prefetch_outer(p);
             else
                 simd::prefetch(p);
-            if (++line == lines_per_key) {
-                line = 0;
-                if (++next == page_end && next < end) {
-                    shift = pages.row(next) - next;
-                    page_end += pages.page_size;
-                }
-            }
+            cursor = p + kLine;
+            if (--run_left == 0) next_row();
         }
+    }
+
+private:
+    GATTN_ALWAYS_INLINE void aim(bool values) noexcept {
+        const Index row = next + shift;
+        in_values = values;
+        cursor = values ? value_base + row * value_stride : key_base + row * key_stride;
+        run_left = values ? lines_per_key - key_lines : key_lines;
+    }
+    /// After key next's K row its V row, after that key next + 1's K row.
+    GATTN_ALWAYS_INLINE void next_row() noexcept {
+        if (!in_values && lines_per_key > key_lines) return aim(true);
+        if (++next == page_end && next < end) {
+            shift = pages.row(next) - next;
+            page_end += pages.page_size;
+        }
+        if (next < end) aim(false);
     }
 };
 
@@ -243,8 +257,8 @@ struct FlashScratch {
     RowMatrix<T> st;                    // [Bc, Br]   Sᵀ, then Pᵀ
     RowMatrix<T> value_rows;            // [Bc, d_v]  one key block's V rows, copied
     RowMatrix<T> key_rows;              // [Bc, d_k]  one key block's K rows, copied (or dequantized)
-    RowMatrix<T> key_t;                 // [d_k, Bc]  one key block's Kᵀ (few-query blocks)
-    RowMatrix<T> row_tile;              // [L, max(Bc, d_v)]  a few-query block's S, then P·V rows
+    RowMatrix<T> key_t;                 // [d_k, Bc]  one key block's Kᵀ (few-query blocks, kRowKeyRows = 0)
+    RowMatrix<T> row_tile;              // [L, max(Bc, d_v)]  a few-query block's S (kRowKeyRows = 0), P·V rows
     RowMatrix<T> stage;                 // [Br, d_v]  one block's outputs (OutputWrites::Staged)
     std::vector<FlashBlock<T>> blocks;  // KiBs each: heap, not stack
     /// Whether flash_attention_blocks copies V rows that lie value_stride apart.
@@ -268,7 +282,7 @@ struct FlashScratch {
         };
         if (copies_values(value_stride, dv) || int8) grow(value_rows, G::kKeys, dv);
         grow(key_rows, G::kKeys, dk);  // 64 rows: copied K rows are a small part of any call
-        grow(key_t, dk, G::kKeys);
+        if constexpr (simd::FlashTiles::kRowKeyRows == 0) grow(key_t, dk, G::kKeys);
         grow(row_tile, G::kLanes, std::max<Index>(G::kKeys, dv));
         if (staged) grow(stage, G::kQueries, dv);
         for (int i = 0; i < group_blocks; ++i) {
@@ -569,8 +583,8 @@ GATTN_EIGEN_PACKETS_BEGIN
 /// dst[c][r] = scale · row(r)[c] for c < cols and r < rows, 0 for r in [rows, padded_rows)
 /// (padded_rows a multiple of the packet; row(r) points at row r): square tiles transposed in
 /// registers (Eigen's packet transpose), the columns past the last whole packet element by
-/// element; dst's rows are dst_stride apart. A query block's scale·Qᵀ (pack_queries), a key
-/// block's Kᵀ and a few-query block's Sᵀ (flash_row_step).
+/// element; dst's rows are dst_stride apart. A query block's scale·Qᵀ (pack_queries), and where
+/// FlashTiles::kRowKeyRows is 0 a key block's Kᵀ and a few-query block's Sᵀ (row_block_scores).
 template <class T, class Row>
 void transpose_rows(const Row& row, Index rows, Index padded_rows, Index cols, T* dst, Index dst_stride,
                     T scale = T(1)) {
@@ -839,43 +853,96 @@ bool runs_row_tiles(const FlashBlock<T>& blk, const FlashState<T>& st, Index dv)
            dv % G::kLanes == 0 && (G::kMaskedRows == G::kRows || st.union_begin % G::kKeys == 0);
 }
 
-/// One key block [k0, k0 + Bc) ∩ [0, union_end) of a few-query block (runs_row_tiles). With
-/// one register of queries in the lanes, every multiply-add of flash_step's tiles takes its own
-/// broadcast of a K or V element; here both products run on kernel::tile_product, a K or V
-/// register serving kRows queries: S = (scale·Q)·Kᵀ from the key block's Kᵀ (kt,
-/// transpose_rows) into the rows sr ([kLanes][Bc]), transposed into Sᵀ (st) for
-/// flash_step's softmax, then P·V with the value features in the lanes from Pᵀ into sr
-/// ([count][d_v]), added to O (o: [count][d_v], row-major, not Oᵀ) as flash_step adds to Oᵀ.
-/// Every sum runs in flash_step's order, so the bits are those of a block that runs
-/// flash_step (a query's result does not depend on how many share its block). The keys
-/// before the lanes' range score −∞ whatever K holds there, and their V rows are not read.
-/// prefetch (or null): its per_step lines at each k-step of S (flash_attention_blocks).
-template <class T>
-void flash_row_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const T* kt, const T* value_block,
-                    Index value_stride, Index dk, Index dv, const T* qt, T* st, T* sr, T* o,
-                    SpreadPrefetch<T>* prefetch = nullptr) {
+/// Sᵀ (st: [nk][kQueries]) of a few-query block's n query rows (qt: scale·Qᵀ) against the nk
+/// keys of a key block, softcapped, each sum in flash_step's order; hook() once per k-step of
+/// the product. The tier's FlashTiles::kRowKeyRows chooses how:
+/// - > 0: Sᵀ = K·Qᵀ in tile_product's blocks of kRowKeyRows keys × one register of queries, each
+///   K element broadcast from the K rows (key, key_stride apart: copied side by side where they
+///   lie a page apart, see flash_attention_blocks; a stride of 64, 128 or 256 is a constant of
+///   the product). No transpose.
+/// - 0: S = Q·Kᵀ from the key block's Kᵀ (kt: [d_k][Bc], zeros past nk) in blocks of kRows
+///   query rows × kCols registers of keys, each Q element broadcast, into sr ([kLanes][Bc]),
+///   then transposed into Sᵀ: fewer broadcasts per multiply-add, for tiers whose multiply-adds
+///   cannot take a broadcast operand (AVX2).
+template <class T, class Hook>
+void row_block_scores(int n, const T* key, Index key_stride, const T* kt, Index nk, Index dk, const T* qt, T* st, T* sr,
+                      const LogitTransform<T>& tf, const Hook& hook) {
     using B = simd::Batch<T>;
     using G = FlashGeometry<T>;
     constexpr int L = G::kLanes, W = G::kQueries;
-    constexpr Index Bc = G::kKeys;
+    if constexpr (simd::FlashTiles::kRowKeyRows > 0) {
+        (void)n, (void)kt, (void)sr;
+        const auto run = [&](auto stride) {
+            tile_product<T, false, simd::FlashTiles::kRowKeyRows, 1, decltype(stride)::value>(static_cast<int>(nk), L,
+                                                                                              dk, key, key_stride, 1,
+                                                                                              qt, W, st, W, hook);
+        };
+        switch (key_stride) {
+            case 64: run(std::integral_constant<Index, 64>{}); break;
+            case 128: run(std::integral_constant<Index, 128>{}); break;
+            case 256: run(std::integral_constant<Index, 256>{}); break;
+            default: run(std::integral_constant<Index, 0>{});
+        }
+        if (tf.capped)
+            for (Index kk = 0; kk < nk; ++kk)
+                simd::softcap<T>(B::load_aligned(st + kk * W), tf.cap, tf.inv_cap).store_aligned(st + kk * W);
+    } else {
+        (void)key, (void)key_stride;
+        constexpr Index Bc = G::kKeys;
+        const Index cols = (nk + L - 1) / L * L;
+        tile_product<T, false>(n, static_cast<int>(cols), dk, qt, 1, W, kt, Bc, sr, Bc, hook);
+        if (tf.capped)
+            for (int t = 0; t < n; ++t)
+                for (Index kk = 0; kk < cols; kk += L) {
+                    T* row = sr + t * Bc + kk;
+                    simd::softcap<T>(B::load_aligned(row), tf.cap, tf.inv_cap).store_aligned(row);
+                }
+        transpose_rows([&](Index t) { return sr + t * Bc; }, n, L, cols, st, W);
+    }
+}
+
+/// The k-steps of a few-query block's products over nk keys that carry a share of the next key
+/// block's prefetches (flash_row_step): Sᵀ's, and where FlashTiles::kRowKeyRows > 0 (whose Sᵀ
+/// runs too fast to hide the fetch alone) P·V's too.
+template <class T>
+Index row_block_steps(int n, Index nk, Index dk, Index dv) noexcept {
+    using G = FlashGeometry<T>;
+    using Tiles = simd::FlashTiles;
+    constexpr int L = G::kLanes;
+    const auto blocks = [](Index count, Index per) { return (count + per - 1) / per; };
+    if constexpr (Tiles::kRowKeyRows > 0)
+        return blocks(nk, Tiles::kRowKeyRows) * dk +
+               blocks(n, Tiles::kRowValueRows) * blocks(dv / L, Tiles::kRowValueCols) * nk;
+    else
+        return blocks(n, Tiles::kRows) * blocks((nk + L - 1) / L, Tiles::kCols) * dk;
+}
+
+/// One key block [k0, k0 + Bc) ∩ [0, union_end) of a few-query block (runs_row_tiles): one
+/// register of queries. Sᵀ (st) by row_block_scores from the block's K rows (key_block,
+/// key_stride apart) or its Kᵀ (kt), flash_step's softmax, then P·V on kernel::tile_product with
+/// the value features in the lanes, a V register serving kRowValueRows queries (in flash_step's
+/// tiles every multiply-add of one register of queries takes its own broadcast of a V element),
+/// from Pᵀ into sr ([count][d_v]), added to O (o: [count][d_v], row-major, not Oᵀ) as flash_step
+/// adds to Oᵀ. Every sum runs in flash_step's order, so the bits are those of a block that runs
+/// flash_step (a query's result does not depend on how many share its block). The keys before
+/// the lanes' range score −∞ whatever K holds there, and their V rows are not read. prefetch (or
+/// null): its per_step lines at each of row_block_steps' k-steps (flash_attention_blocks).
+template <class T>
+void flash_row_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, const T* key_block, Index key_stride,
+                    const T* kt, const T* value_block, Index value_stride, Index dk, Index dv, const T* qt, T* st,
+                    T* sr, T* o, SpreadPrefetch<T>* prefetch = nullptr) {
+    using B = simd::Batch<T>;
+    using G = FlashGeometry<T>;
+    constexpr int L = G::kLanes, W = G::kQueries;
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     const int n = blk.count;
-    const Index nk = std::min<Index>(Bc, state.union_end - k0);
+    const Index nk = std::min<Index>(G::kKeys, state.union_end - k0);
     const Index kb = std::max<Index>(0, state.union_begin - k0);
-    const Index cols = (nk + L - 1) / L * L;  // Kᵀ holds zeros past nk
-    // prefetch: a share of the next key block's lines at each k-step of S = Q·Kᵀ.
+    // prefetch: a share of the next key block's lines at each k-step.
     auto ahead = [prefetch] {
         if (prefetch) prefetch->step(prefetch->per_step);
     };
-    tile_product<T, false>(n, static_cast<int>(cols), dk, qt, 1, W, kt, Bc, sr, Bc, ahead);
-    const LogitTransform<T>& tf = state.transform;
-    if (tf.capped)
-        for (int t = 0; t < n; ++t)
-            for (Index kk = 0; kk < cols; kk += L) {
-                T* s = sr + t * Bc + kk;
-                simd::softcap<T>(B::load_aligned(s), tf.cap, tf.inv_cap).store_aligned(s);
-            }
-    transpose_rows([&](Index t) { return sr + t * Bc; }, n, L, cols, st, W);
+    row_block_scores(n, key_block, key_stride, kt, nk, dk, qt, st, sr, state.transform, ahead);
     B bmax(kNegInf);
     for (Index kk = 0; kk < nk; ++kk) {
         if (kk < kb) B(kNegInf).store_aligned(st + kk * W);
@@ -893,8 +960,12 @@ void flash_row_step(const FlashBlock<T>& blk, FlashState<T>& state, Index k0, co
         lsum += p;
     }
     state.l[0] = simd::fma(state.l[0], alpha, lsum);
-    tile_product<T, false, simd::FlashTiles::kRowValueRows, simd::FlashTiles::kRowValueCols>(
-        n, static_cast<int>(dv), nk - kb, st + kb * W, 1, W, value_block + kb * value_stride, value_stride, sr, dv);
+    const auto value_steps = [&] {
+        if constexpr (simd::FlashTiles::kRowKeyRows > 0) ahead();
+    };
+    tile_product<T, false, simd::FlashTiles::kRowValueRows, simd::FlashTiles::kRowValueCols, 0>(
+        n, static_cast<int>(dv), nk - kb, st + kb * W, 1, W, value_block + kb * value_stride, value_stride, sr, dv,
+        value_steps);
     alignas(64) T alpha_lane[L];
     alpha.store_aligned(alpha_lane);
     for (int t = 0; t < n; ++t) {
@@ -989,9 +1060,9 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
     FlashState<T> state[G::kGroupBlocks];
     Index k_begin = std::numeric_limits<Index>::max(), k_end = 0;
     // A block with fewer queries than kCols registers runs QK tiles of more rows (kLiveRows, up to
-    // 12): with their next tile's prefetched rows, more lines than an L1 set holds when the rows
-    // lie 4 KiB apart, so K rows that are not contiguous are copied together for it.
-    // Few-query blocks (runs_row_tiles) read the key block's Kᵀ instead.
+    // 12; a few-query block, runs_row_tiles, FlashTiles::kRowKeyRows): with their next tile's
+    // prefetched rows, more lines than an L1 set holds when the rows lie 4 KiB apart, so K rows
+    // that are not contiguous are copied together for it.
     bool tall_tiles = false, any_row_tiles = false, all_row_tiles = true;
     bool row_tiles[G::kGroupBlocks] = {};
     for (int i = 0; i < count; ++i) {
@@ -999,7 +1070,8 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
         row_tiles[i] = runs_row_tiles(blocks[i], state[i], dv);
         any_row_tiles = any_row_tiles || row_tiles[i];
         all_row_tiles = all_row_tiles && row_tiles[i];
-        tall_tiles = tall_tiles || (!row_tiles[i] && blocks[i].count <= (G::kCols - 1) * G::kLanes);
+        tall_tiles = tall_tiles ||
+                     (row_tiles[i] ? simd::FlashTiles::kRowKeyRows > 0 : blocks[i].count <= (G::kCols - 1) * G::kLanes);
         if (state[i].union_begin >= state[i].union_end) continue;
         k_begin = std::min(k_begin, state[i].first_block());
         k_end = std::max(k_end, state[i].union_end);
@@ -1047,10 +1119,11 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
             // 512-bit FMA pipes) +7 % (d = 256 +7 %, causal +7 %, d = 64 +1 %), AVX2
             // 88 → 94 GFLOP/s; copying V alone against both: −0.8 to +2.6 %, median +1 % (14 runs
             // over d = 64–256, causal, N = 512, 2 threads, AVX2), on Zen 5's 12-way L1. Exact.
-            // A group of few-query blocks alone reads each K row once (into Kᵀ) and each V row
-            // in a few 4-register pieces: both in place. Measured, 16 query rows on 8 KV heads,
-            // d = 128, 1 thread, AMD Zen 4, five alternated rounds, medians: 2048 keys 60 → 67
-            // GFLOP/s, 8192 keys (from memory) 51 → 56 (AVX2: 46 → 50, 35 → 36).
+            // A group of few-query blocks alone reads each V row in a few pieces of
+            // kRowValueCols registers, in place (and, where kRowKeyRows is 0, each K row once,
+            // into Kᵀ). Measured, 16 query rows on 8 KV heads, d = 128,
+            // 1 thread, AMD Zen 4, five alternated rounds, medians: 2048 keys 60 → 67 GFLOP/s,
+            // 8192 keys (from memory) 51 → 56 (AVX2: 46 → 50, 35 → 36).
             if (FlashScratch<T>::copies_values(value_stride, dv) && !all_row_tiles) {
                 for (Index r = 0; r < nk; ++r)
                     std::memcpy(s.value_rows.data() + r * dv, value_block + r * value_stride, sizeof(T) * dv);
@@ -1069,32 +1142,33 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
         // follow) are asked for into L2 (into L1 the burst of 16 lines a row waited on L1's miss
         // buffers: 16 query rows over 8k keys, 8 heads, d = 128, AMD Zen 5, 65–71 GFLOP/s into
         // L1, 78–83 into L2; 1 or 3 blocks ahead no better than 1), a share at each k-step of
-        // S = Q·Kᵀ (tile_product's blocks of kRows rows × kCols registers over d_k), not as one
-        // burst. The same case from memory on AMD Zen 4, five alternated rounds, medians: 8k
-        // keys 44 → 62 GFLOP/s, 32k 38 → 59 (2k keys, in L3: 65 → 63); spread over both
-        // products 58 and 54, over the first half or two thirds of S, or two blocks ahead,
-        // within 3 % of this. A group with other blocks asks at once.
+        // the products (row_block_steps), not as one burst. The same case from memory on AMD
+        // Zen 4, five alternated rounds, medians: 8k keys 44 → 62 GFLOP/s, 32k 38 → 59 (2k keys,
+        // in L3: 65 → 63), spread over S from Kᵀ; over both products 58 and 54, over the first
+        // half or two thirds of S, or two blocks ahead, within 3 % of this. S from K rows
+        // (kRowKeyRows > 0) takes a third of the time that S from Kᵀ took, too little to carry
+        // the prefetches alone: over both products, medians of 11 alternated rounds, 2k keys
+        // 66.5 → 71.7 GFLOP/s, 8k 66.6 → 74.9. A group with other blocks asks at once.
         const bool ahead = any_row_tiles && std::is_same_v<KV, T> && k0 + G::kKeys < k_end;
         if (ahead) {
-            const auto col_blocks = [](Index n) { return (n / G::kLanes + G::kCols - 1) / G::kCols; };
             Index steps = 0;
             for (int i = 0; i < count; ++i)
-                if (row_tiles[i])
-                    steps += (blocks[i].count + G::kRows - 1) / G::kRows *
-                             col_blocks((nk + G::kLanes - 1) / G::kLanes * G::kLanes) * dk;
+                if (row_tiles[i]) steps += row_block_steps<T>(blocks[i].count, nk, dk, dv);
             spread.start(k0 + G::kKeys, std::min<Index>(k0 + 2 * G::kKeys, k_end), steps);
             if (!all_row_tiles) spread.step(-1);
         }
-        bool packed = false;
+        bool packed = false;  // Kᵀ (kRowKeyRows = 0)
         for (int i = 0; i < count; ++i) {
             if (!(state[i].any_key() && state[i].first_block() <= k0 && k0 < state[i].union_end)) continue;
             if (row_tiles[i]) {
-                if (!packed)
-                    transpose_rows([&](Index r) { return key_block + r * ks; }, nk,
-                                   (nk + G::kLanes - 1) / G::kLanes * G::kLanes, dk, s.key_t.data(), G::kKeys);
+                if constexpr (simd::FlashTiles::kRowKeyRows == 0)
+                    if (!packed)
+                        transpose_rows([&](Index r) { return key_block + r * ks; }, nk,
+                                       (nk + G::kLanes - 1) / G::kLanes * G::kLanes, dk, s.key_t.data(), G::kKeys);
                 packed = true;
-                flash_row_step(blocks[i], state[i], k0, s.key_t.data(), value_block, vs, dk, dv, s.qt[i].data(),
-                               s.st.data(), s.row_tile.data(), s.ot[i].data(), ahead ? &spread : nullptr);
+                flash_row_step(blocks[i], state[i], k0, key_block, ks, s.key_t.data(), value_block, vs, dk, dv,
+                               s.qt[i].data(), s.st.data(), s.row_tile.data(), s.ot[i].data(),
+                               ahead ? &spread : nullptr);
             } else {
                 flash_step(blocks[i], state[i], k0, key_block, ks, value_block, vs, dk, dv, s.qt[i].data(), s.st.data(),
                            s.ot[i].data());

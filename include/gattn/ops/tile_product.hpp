@@ -47,12 +47,16 @@ struct NoStepHook {
 
 /// One block of C: R rows × V registers, over `depth` k-steps. a(r, k) = a[r·a_row + k·a_depth],
 /// B's row k at b + k·b_row, C's row r at c + r·c_row. hook() runs once per k-step.
-template <class T, int R, int V, bool Accumulate, class Hook = NoStepHook>
-inline void product_block(const T* a, Index a_row, Index a_depth, const T* b, Index b_row, Index depth, T* c,
+/// ARow > 0: A's row stride as a constant (a_row_ is ignored), so that the broadcasts of a tall
+/// block (many rows, one register) address A at constant offsets from one pointer; with a run-time
+/// stride GCC keeps R offsets, spilled to the stack past the general registers' count.
+template <class T, int R, int V, bool Accumulate, Index ARow = 0, class Hook = NoStepHook>
+inline void product_block(const T* a, Index a_row_, Index a_depth, const T* b, Index b_row, Index depth, T* c,
                           Index c_row, const Hook& hook = {}) noexcept {
     if constexpr (R > 0 && V > 0) {
         using B = simd::Batch<T>;
         constexpr Index L = static_cast<Index>(simd::kLanes<T>);
+        const Index a_row = ARow > 0 ? ARow : a_row_;
         B acc[R][V];
         GATTN_UNROLL
         for (int r = 0; r < R; ++r) {
@@ -85,8 +89,8 @@ inline void product_block(const T* a, Index a_row, Index a_depth, const T* b, In
 /// a[i·a_row + k·a_depth], B's row k at b + k·b_row (n contiguous elements) and C's row i at
 /// c + i·c_row. C must not overlap A or B. hook() runs once per k-step of each register block
 /// (a few-query block's prefetches, spread over its work: ops/flash_kernel.hpp). R × V: the
-/// register blocks' shape (the tier's FlashTiles by default).
-template <class T, bool Accumulate, int R = simd::FlashTiles::kRows, int V = simd::FlashTiles::kCols,
+/// register blocks' shape (the tier's FlashTiles by default). ARow: as product_block.
+template <class T, bool Accumulate, int R = simd::FlashTiles::kRows, int V = simd::FlashTiles::kCols, Index ARow = 0,
           class Hook = NoStepHook>
 inline void tile_product(int m, int n, Index depth, const T* a, Index a_row, Index a_depth, const T* b, Index b_row,
                          T* c, Index c_row, const Hook& hook = {}) noexcept {
@@ -99,8 +103,8 @@ inline void tile_product(int m, int n, Index depth, const T* a, Index a_row, Ind
             constexpr int RR = decltype(rows)::value;
             for (int v = 0; v < vectors; v += V)
                 with_constant<V + 1>(std::min(V, vectors - v), [&](auto cols) {
-                    product_block<T, RR, decltype(cols)::value, Accumulate>(ai, a_row, a_depth, b + v * L, b_row, depth,
-                                                                            ci + v * L, c_row, hook);
+                    product_block<T, RR, decltype(cols)::value, Accumulate, ARow>(ai, a_row, a_depth, b + v * L, b_row,
+                                                                                  depth, ci + v * L, c_row, hook);
                 });
         });
         for (int r = i; r < std::min(m, i + R); ++r)

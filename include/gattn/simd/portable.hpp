@@ -30,6 +30,7 @@ struct FlashTiles {
     // the two ran equally fast (SSE2, Zen 5).
     static constexpr bool kRowTiles = false;
     static constexpr int kRowValueRows = kRows, kRowValueCols = kCols;  // unused: no row tiles
+    static constexpr int kRowKeyRows = 0;                               // unused: no row tiles
 };
 
 /// Decoding (kernel::decode_chunk): query rows that share each K and V register load, and the

@@ -51,6 +51,13 @@ struct FlashTiles {
     // 64, Zen 4, both products from L1/L2: 6 × 4 tiles 92 GFLOP/s, 8 × 2 for P·V 100 (each V
     // row is read by two row blocks instead of three), 16 × 1 96; 8 × 2 for S as well 98.
     static constexpr int kRowValueRows = 8, kRowValueCols = 2;
+    // Their Sᵀ tiles (kernel::row_block_scores): 24 keys × one register of queries from the K
+    // rows, each multiply-add taking its K element as an embedded broadcast (a Bc of 64 keys runs
+    // 24 + 24 + 16), instead of S from a transposed K block and its transpose into Sᵀ. 16 rows on
+    // 8 KV heads, d = 128, pages of 64, 1 thread, Zen 4, upper quartiles of 11 alternated rounds
+    // (neighbours' load spread the rest): 2k keys 65 → 72 GFLOP/s, 8k 63 → 75, 32k 62 → 77;
+    // 16 keys a tile 73, 72, 71. The same bits.
+    static constexpr int kRowKeyRows = 24;
 };
 
 /// Decoding (kernel::decode_chunk): query rows that share each K and V register load, and the
