@@ -188,6 +188,43 @@ TEST(CascadeAttention, SharedPrefixPagesStopAtTheFirstDifferenceOrPartialPage) {
     }
 }
 
+// Arguments checked before anything else is read: the head count, and the page size and last
+// pages' lengths that shared_prefix_pages trusts.
+TEST(CascadeAttention, NamesABadHeadCountPageSizeOrLastPageLength) {
+    const Index d = 8, P = 16;
+    PagedKVPool<float> pool(8, P, 2, d);
+    std::mt19937 rng(4);
+    const SequenceId root = pool.allocate();
+    const RowMatrix<float> k = random_rows<float>(P, 2 * d, rng), v = random_rows<float>(P, 2 * d, rng);
+    pool.append({root}, k, v, {P});
+    const SequenceId a = pool.fork(root), b = pool.fork(root);
+    pool.append({a, b}, k.topRows(2), v.topRows(2), {1, 1});
+    const auto split = gattn::split_shared_prefix(pool.page_table({a, b}), P);
+    for (const Index heads : {Index(0), Index(-4), Index(3)}) {
+        const RowMatrix<float> query = random_rows<float>(2, 4 * d, rng);
+        RowMatrix<float> out = RowMatrix<float>::Constant(2, 4 * d, 7.0f);
+        const RowMatrix<float> before = out;
+        try {
+            gattn::cascade_attention<float, float>(query, pool, split.first, split.second, heads, out);
+            ADD_FAILURE() << "no error for num_heads = " << heads;
+        } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("num_heads"), std::string::npos) << e.what();
+        }
+        EXPECT_EQ(out, before);
+    }
+    const PageTable table = pool.page_table({a, b});
+    EXPECT_THROW(gattn::shared_prefix_pages(table, 0), std::invalid_argument);
+    EXPECT_THROW(gattn::split_shared_prefix(table, -5), std::invalid_argument);
+    PageTable long_last = table;
+    long_last.last_page_len[0] = P + 1;
+    try {
+        gattn::shared_prefix_pages(long_last, P);
+        ADD_FAILURE() << "no error for last_page_len > page_size";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("last_page_len"), std::string::npos) << e.what();
+    }
+}
+
 TEST(CascadeAttention, ErrorsLeaveOutUnchanged) {
     const Index d = 16, P = 16;
     PagedKVPool<float> pool(8, P, 1, d);

@@ -243,6 +243,50 @@ TEST(PagedKVPool, ReleaseFromAnEarlierTokenKeepsItsWindow) {
     EXPECT_EQ(pool.first_position(a), 32);
 }
 
+// The widest window (every key visible, as large as Index allows) sets a rollback bound that
+// must not overflow: truncate may not go below the tokens already released.
+TEST(PagedKVPool, TheWidestWindowKeepsTheRollbackBound) {
+    PagedKVPool<float> pool(8, 16, 1, 8);
+    std::mt19937 rng(12);
+    const RowMatrix<float> k = random_rows<float>(41, 8, rng), v = random_rows<float>(41, 8, rng);
+    const SequenceId a = pool.allocate();
+    pool.append({a}, k.topRows(40), v.topRows(40), {40});
+    EXPECT_EQ(pool.release_outside_window(a, 8), 2);  // token 40 sees 33..40: tokens 0..31 go
+    EXPECT_EQ(pool.first_position(a), 32);
+    EXPECT_EQ(pool.release_outside_window(a, std::numeric_limits<Index>::max()), 0);
+    EXPECT_EQ(pool.min_truncate_length(a), 40);  // the next token's window reaches every stored key
+    EXPECT_THROW(pool.truncate(a, 16), std::invalid_argument);
+    EXPECT_EQ(pool.length(a), 40);
+    pool.append({a}, k.bottomRows(1), v.bottomRows(1), {1});
+    EXPECT_EQ(pool.length(a), 41);
+    EXPECT_EQ(pool.keys().row(pool.pages(a)[0] * 16 + 8), k.row(40));  // token 40: page of 32..47, slot 8
+}
+
+// A full pool is a state a server handles (free or preempt, then retry), so it has its own type.
+TEST(PagedKVPool, TooFewFreePagesThrowOutOfPages) {
+    PagedKVPool<float> pool(2, 16, 1, 4);
+    std::mt19937 rng(13);
+    const RowMatrix<float> k = random_rows<float>(40, 4, rng), v = random_rows<float>(40, 4, rng);
+    const SequenceId a = pool.allocate();
+    try {
+        pool.append({a}, k, v, {40});  // 3 pages needed, 2 free
+        ADD_FAILURE() << "no error";
+    } catch (const gattn::out_of_pages& e) {
+        EXPECT_NE(std::string(e.what()).find("free_pages()"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(pool.length(a), 0);
+    EXPECT_EQ(pool.free_pages(), 2);
+    EXPECT_THROW(pool.append({a}, k, v, {40}), std::invalid_argument);  // still one of those
+}
+
+// An empty set holds no sequence: releasing or rolling one back is an error, as for any id.
+TEST(PagedKVPoolSet, AnEmptySetHoldsNoSequence) {
+    gattn::PagedKVPoolSet<float> set;
+    EXPECT_THROW(set.free(0), std::out_of_range);
+    EXPECT_THROW(set.truncate(0, 0), std::out_of_range);
+    EXPECT_THROW(set.allocate(), std::out_of_range);
+}
+
 /// write: rows outside the page's slots, also where slot + n overflows, change nothing.
 TEST(PagedKVPool, WriteOutsideThePageSlotsThrows) {
     PagedKVPool<float> pool(4, 16, 1, 8);
@@ -309,7 +353,8 @@ TEST(PagedKVPool, ErrorsLeaveThePoolUnchanged) {
         {"counts[1]", "its pages 2 to 3", "1 of the pool's 4 pages are free"});
     expect_error([&] { pool.append({b}, k.topRows(1), v.topRows(1), {1}); }, {"seqs[0]", "got 1", "freed"});
     expect_error([&] { pool.append({a, a}, k.topRows(2), v.topRows(2), {1, 1}); }, {"seqs[1]", "also seqs[0]"});
-    expect_error([&] { pool.append({a}, k.topRows(2), v.topRows(2), {3}); }, {"counts[0]", "[0, 2]"});
+    expect_error([&] { pool.append({a}, k.topRows(2), v.topRows(2), {3}); },
+                 {"counts[0]", "k.rows() / seqs.size() = 2]"});
     expect_error([&] { pool.release_outside_window(a, 0); }, {"release_outside_window", "window", "got 0"});
     expect_error([&] { pool.release_outside_window(b, 4); }, {"seq", "got 1", "freed"});
     const std::string a_length = std::to_string(pool.length(a));

@@ -7,7 +7,9 @@
 /// Policy: public functions validate shapes and options before writing anything and throw
 ///  - `gattn::shape_error` (a `std::invalid_argument`) when an argument has the wrong shape,
 ///  - `std::invalid_argument` when an option or a combination of options is invalid,
-///  - `gattn::io_error` (a `std::runtime_error`) when a file cannot be read or is malformed.
+///  - `gattn::io_error` (a `std::runtime_error`) when a file cannot be read or is malformed,
+///  - `gattn::out_of_pages` (a `std::invalid_argument`) when a paged KV pool has too few free
+///    pages for an append.
 /// An output view whose rows overlap (row stride below its columns) is an invalid argument.
 /// Messages name the function, the argument, what was expected and what was given.
 /// The exception types stay in `gattn` itself (not in the instruction-set namespace, see
@@ -28,6 +30,15 @@ using Index = std::ptrdiff_t;
 
 /// Thrown when an argument's shape does not fit the others.
 class shape_error : public std::invalid_argument {
+public:
+    using std::invalid_argument::invalid_argument;
+};
+
+/// Thrown when a paged KV pool has fewer free pages than an append needs (PagedKVPool::append
+/// and append_ragged, and so the layers' forward over a pool): a state of the pool, not a wrong
+/// argument, that a server answers by freeing or preempting a sequence and trying again. A
+/// std::invalid_argument, as before it had a type of its own, so code catching those still does.
+class out_of_pages : public std::invalid_argument {
 public:
     using std::invalid_argument::invalid_argument;
 };

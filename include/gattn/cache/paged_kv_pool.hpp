@@ -266,7 +266,9 @@ public:
     Index min_truncate_length(SequenceId seq) const {
         check_sequence("gattn::PagedKVPool::min_truncate_length", "seq", seq);
         const Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
-        return s.first > 0 ? std::min(s.first + s.window - 1, s.length) : 0;
+        // first + min(w − 1, length − first): min(first + w − 1, length) for any window up to
+        // the Index maximum, without overflow.
+        return s.first > 0 ? s.first + std::min(s.window - 1, s.length - s.first) : 0;
     }
     /// The pages of sequence seq, in token order. \throws std::invalid_argument when seq is not a
     /// sequence of the pool.
@@ -355,9 +357,10 @@ public:
     /// \throws shape_error for k or v of the wrong shape or counts without B entries;
     ///         std::invalid_argument for an id that is not a sequence of the pool or appears
     ///         twice, a count outside [0, n], k or v sharing an element with the pool's storage,
-    ///         (int8) a value that is not finite, or more pages
-    ///         needed than are free (the message names the first sequence and page that do not
-    ///         fit). Nothing is changed on error.
+    ///         or (int8) a value that is not finite; gattn::out_of_pages (a
+    ///         std::invalid_argument) when more pages are needed than are free (free_pages(); the
+    ///         message names the first sequence and page that do not fit). Nothing is changed on
+    ///         error.
     void append(const std::vector<SequenceId>& seqs, ConstMatrixRef<Input> k, ConstMatrixRef<Input> v,
                 const std::vector<Index>& counts) {
         constexpr const char* fn = "gattn::PagedKVPool::append";
@@ -382,7 +385,8 @@ public:
         for (Index b = 0; b < B; ++b) {
             if (counts[b] < 0 || counts[b] > n)
                 detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
-                                      "must be in [0, " + std::to_string(n) + "], got " + std::to_string(counts[b]));
+                                      "must be in [0, n = k.rows() / seqs.size() = " + std::to_string(n) + "], got " +
+                                          std::to_string(counts[b]));
             first_row[static_cast<std::size_t>(b)] = b * n;
         }
         append_rows(fn, seqs, k, v, first_row, counts);
@@ -482,7 +486,9 @@ public:
     /// keys (counting the diagonal, as SdpaMask::sliding_window) hides from token `position` and
     /// every later one: the pages whose tokens all come before token position − window + 1, the
     /// first key that token sees. position defaults to length(seq), the next token; an earlier
-    /// one keeps what a rollback to it needs (truncate(seq, position) stays possible). Each
+    /// one keeps what a rollback to it needs (truncate(seq, position) stays possible, for a
+    /// window no wider than those of the earlier calls: a wider one cannot bring released
+    /// tokens back, and min_truncate_length follows the window of the last call). Each
     /// such page's count goes down by one (freed when no other sequence holds it) and
     /// first_position(seq) moves past its tokens. Attention over the page table is unchanged:
     /// the masks align each sequence's queries with the end of its keys, and ALiBi and the
@@ -506,7 +512,9 @@ public:
         s.window = window;  // truncate keeps what this window needs (min_truncate_length)
         // Stored tokens hidden from token `from` on; all of them when from is the next token and
         // the window sees only that token itself.
-        const Index hidden = std::max<Index>(0, from - window + 1 - s.first);
+        // (from − first) − (w − 1), formed without overflow for any window up to the Index maximum.
+        const Index span = from - s.first;
+        const Index hidden = span > window - 1 ? span - (window - 1) : 0;
         const Index drop = hidden >= s.stored() ? Index(s.pages.size()) : hidden / m_page_size;
         if (drop == 0) return 0;
         m_free.reserve(m_free.size() + static_cast<std::size_t>(drop));  // may throw: nothing changed yet
@@ -564,15 +572,15 @@ private:
             if (copy) copied.push_back(s.pages.back());
             takes[static_cast<std::size_t>(b)] = want - have + (copy ? 1 : 0);
             if (needed + takes[static_cast<std::size_t>(b)] > free_pages())
-                detail::throw_invalid(fn, "counts[" + std::to_string(b) + "]",
-                                      "needs more pages than the pool has free: sequence " + std::to_string(seqs[b]) +
-                                          " (" + std::to_string(s.stored()) + " tokens in pages) needs " +
-                                          std::to_string(takes[static_cast<std::size_t>(b)]) + " more (its pages " +
-                                          std::to_string(copy ? have - 1 : have) + " to " + std::to_string(want - 1) +
-                                          (copy ? ", the first a copy of a shared page" : "") + ") for " +
-                                          std::to_string(counts[b]) + " tokens, and " +
-                                          std::to_string(free_pages() - needed) + " of the pool's " +
-                                          std::to_string(num_pages()) + " pages are free for it");
+                throw out_of_pages(std::string(fn) + ": counts[" + std::to_string(b) + "] " +
+                                   "needs more pages than the pool has free: sequence " + std::to_string(seqs[b]) +
+                                   " (" + std::to_string(s.stored()) + " tokens in pages) needs " +
+                                   std::to_string(takes[static_cast<std::size_t>(b)]) + " more (its pages " +
+                                   std::to_string(copy ? have - 1 : have) + " to " + std::to_string(want - 1) +
+                                   (copy ? ", the first a copy of a shared page" : "") + ") for " +
+                                   std::to_string(counts[b]) + " tokens, and " + std::to_string(free_pages() - needed) +
+                                   " of the pool's " + std::to_string(num_pages()) +
+                                   " pages are free for it (free_pages())");
             needed += takes[static_cast<std::size_t>(b)];
         }
         // Grow every page list first: past this point nothing allocates or throws.

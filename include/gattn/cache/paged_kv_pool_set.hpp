@@ -7,6 +7,7 @@
 /// where a sliding-window layer has released pages its window no longer sees.
 
 #include <algorithm>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -22,8 +23,11 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// PagedKVPool::release_outside_window), and each layer's forward reads its pool through the
 /// pool's own page table. A step that throws part-way (a later layer refusing its append) leaves the
 /// earlier layers appended: truncate every sequence of the step back to its length before it
-/// (a window layer's forward keeps the tokens that rollback needs). free_pages() says how many
-/// pages every pool can still give a step.
+/// (a window layer's forward keeps the tokens that rollback needs). The tokens are then the same
+/// in every pool, the pages not always: where an earlier layer's append copied a shared partial
+/// page (a forked sequence), that layer keeps its copy while the others still share the page,
+/// so each layer must go on reading its own pool's table (as the layers' forward does).
+/// free_pages() says how many pages every pool can still give a step.
 template <class Scalar>
 class PagedKVPoolSet {
 public:
@@ -63,18 +67,21 @@ public:
     }
 
     /// Releases a sequence in every layer (PagedKVPool::free).
-    /// \throws std::invalid_argument when seq is not a sequence of the pools (nothing changed).
+    /// \throws std::out_of_range when the set is empty; std::invalid_argument when seq is not a
+    ///         sequence of the pools (nothing changed).
     void free(SequenceId seq) {
+        if (m_pools.empty()) throw std::out_of_range("gattn::PagedKVPoolSet::free: the set holds no pool");
         for (const PagedKVPool<Scalar>& p : m_pools) p.length(seq);  // checks before any change
         for (PagedKVPool<Scalar>& p : m_pools) p.free(seq);
     }
 
     /// Rolls seq back to `length` tokens in every layer (PagedKVPool::truncate).
-    /// \throws std::invalid_argument when seq is not a sequence of every pool or length is
-    ///         outside [PagedKVPool::min_truncate_length, its length] in one of them (a layer with
-    ///         a sliding window may have released tokens the others keep; checked on every pool
-    ///         before any changes).
+    /// \throws std::out_of_range when the set is empty; std::invalid_argument when seq is not a
+    ///         sequence of every pool or length is outside [PagedKVPool::min_truncate_length, its
+    ///         length] in one of them (a layer with a sliding window may have released tokens the
+    ///         others keep; checked on every pool before any changes).
     void truncate(SequenceId seq, Index length) {
+        if (m_pools.empty()) throw std::out_of_range("gattn::PagedKVPoolSet::truncate: the set holds no pool");
         for (std::size_t i = 0; i < m_pools.size(); ++i) {
             const Index have = m_pools[i].length(seq), shortest = m_pools[i].min_truncate_length(seq);
             if (length < shortest || length > have)
