@@ -519,9 +519,9 @@ public:
     /// \throws shape_error for x, out, qo_indptr or a pool of the wrong shape;
     ///         std::invalid_argument for offsets that do not fit x, out overlapping x or the
     ///         pool or with rows that overlap, and as PagedKVPool::append_ragged (a sequence
-    ///         not in the pool or given twice, more pages than are free, a non-finite key or
-    ///         value in an int8 pool). Nothing is written (pool included) before validation
-    ///         passes.
+    ///         not in the pool or given twice, a non-finite key or value in an int8 pool);
+    ///         gattn::out_of_pages when the step needs more pages than are free. Nothing is
+    ///         written (pool included) before validation passes.
     template <class PoolScalar>
     void forward(ConstMatrixRef<Activation> x, const std::vector<Index>& qo_indptr, PagedKVPool<PoolScalar>& pool,
                  const std::vector<SequenceId>& seqs, MatrixRef<Activation> out) const {
