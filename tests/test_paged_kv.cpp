@@ -279,6 +279,67 @@ TEST(PagedKVPool, TooFewFreePagesThrowOutOfPages) {
     EXPECT_THROW(pool.append({a}, k, v, {40}), std::invalid_argument);  // still one of those
 }
 
+// A forked sequence whose append copied its shared partial page, then restored to its mark:
+// it shares the page again (the copy goes back), so the next append of either sequence copies
+// as it would have; a mark older than a truncate is refused.
+TEST(PagedKVPool, RestoreSharesAgainWhatACopyOnWriteTookApart) {
+    PagedKVPool<float> pool(8, 16, 1, 4);
+    std::mt19937 rng(14);
+    const RowMatrix<float> k = random_rows<float>(22, 4, rng), v = random_rows<float>(22, 4, rng);
+    const SequenceId root = pool.allocate();
+    pool.append({root}, k.topRows(20), v.topRows(20), {20});  // pages: 16 + 4 tokens
+    const SequenceId f = pool.fork(root);
+    const std::vector<Index> shared = pool.pages(root);
+    const auto mark = pool.mark(f);
+    pool.append({f}, k.middleRows(20, 1), v.middleRows(20, 1), {1});  // copies the shared last page
+    EXPECT_NE(pool.pages(f)[1], shared[1]);
+    EXPECT_EQ(pool.free_pages(), 5);
+    pool.restore(mark);
+    EXPECT_EQ(pool.pages(f), shared);
+    EXPECT_EQ(pool.length(f), 20);
+    EXPECT_EQ(pool.ref_count(shared[1]), 2);
+    EXPECT_EQ(pool.free_pages(), 6);
+    pool.append({root}, k.bottomRows(1), v.bottomRows(1), {1});  // shared again: root copies now
+    EXPECT_NE(pool.pages(root)[1], shared[1]);
+    EXPECT_EQ(pool.pages(f), shared);
+    for (Index t = 0; t < 4; ++t) EXPECT_EQ(pool.keys().row(shared[1] * 16 + t), k.row(16 + t));
+    const auto before_truncate = pool.mark(f);
+    pool.truncate(f, 20);  // even to its own length: marks taken before are refused
+    const std::string bytes = snapshot(pool, {root, f});
+    EXPECT_THROW(pool.restore(before_truncate), std::invalid_argument);
+    EXPECT_EQ(snapshot(pool, {root, f}), bytes);
+}
+
+// A step that a later layer refused, rolled back in every layer by restore: one page table
+// serves every layer again, and the next step takes the same pages everywhere.
+TEST(PagedKVPoolSet, RestoreGivesEveryLayerTheSamePagesAgain) {
+    gattn::AttentionConfig config;
+    config.d_model = 32;
+    config.num_heads = 2;
+    config.num_kv_heads = 1;
+    config.head_dim = 16;
+    config.causal = true;
+    const gattn::GatedMultiHeadAttention<float> layer0(config, gattn::make_random_weights<float>(config, 1));
+    const gattn::GatedMultiHeadAttention<float> layer1(config, gattn::make_random_weights<float>(config, 2));
+    const std::vector<const gattn::GatedMultiHeadAttention<float>*> layers{&layer0, &layer1};
+    gattn::PagedKVPoolSet<float> pools(layers, 8, 16);
+    std::mt19937 rng(15);
+    const RowMatrix<float> k = random_rows<float>(22, 16, rng), v = random_rows<float>(22, 16, rng);
+    const SequenceId root = pools.allocate();
+    for (std::size_t i = 0; i < pools.size(); ++i) pools[i].append({root}, k.topRows(20), v.topRows(20), {20});
+    const SequenceId f = pools.fork(root);
+    const auto marks = pools.mark({f});
+    pools[0].append({f}, k.middleRows(20, 1), v.middleRows(20, 1), {1});  // layer 0 appended, layer 1 refused
+    EXPECT_NE(pools[0].pages(f), pools[1].pages(f));
+    pools.restore(marks);
+    EXPECT_EQ(pools[0].pages(f), pools[1].pages(f));
+    EXPECT_EQ(pools[0].pages(root), pools[1].pages(root));
+    for (std::size_t i = 0; i < pools.size(); ++i) pools[i].append({root}, k.bottomRows(1), v.bottomRows(1), {1});
+    EXPECT_EQ(pools[0].pages(root), pools[1].pages(root));
+    EXPECT_EQ(pools[0].pages(f), pools[1].pages(f));
+    EXPECT_THROW(pools.restore({}), std::invalid_argument);  // not one list per pool
+}
+
 // An empty set holds no sequence: releasing or rolling one back is an error, as for any id.
 TEST(PagedKVPoolSet, AnEmptySetHoldsNoSequence) {
     gattn::PagedKVPoolSet<float> set;

@@ -216,6 +216,7 @@ public:
             m_sequences[static_cast<std::size_t>(id)] = Sequence{};
             *it = true;
         }
+        m_sequences[static_cast<std::size_t>(id)].epoch = ++m_epochs;
         return id;
     }
 
@@ -228,6 +229,7 @@ public:
         Sequence copy = m_sequences[static_cast<std::size_t>(parent)];  // may throw: nothing changed yet
         const SequenceId id = allocate();
         for (Index p : copy.pages) ++m_refs[static_cast<std::size_t>(p)];
+        copy.epoch = ++m_epochs;
         m_sequences[static_cast<std::size_t>(id)] = std::move(copy);
         return id;
     }
@@ -480,7 +482,56 @@ public:
         release(s.pages, keep);
         s.pages.resize(keep);
         s.length = length;
+        s.epoch = ++m_epochs;  // marks taken before no longer restore
     }
+
+    /// What restore needs to bring a sequence back to its state when mark() was called: its
+    /// length, its first stored token and its page list.
+    struct SequenceMark {
+        SequenceId seq = -1;
+        Index length = 0, first = 0;
+        std::vector<Index> pages;
+        std::uint64_t epoch = 0;  // the sequence's allocate, fork or truncate it follows
+    };
+
+    /// Sequence seq's state now, for restore (taken before a step that may be rolled back).
+    /// \throws std::invalid_argument when seq is not a sequence of the pool.
+    SequenceMark mark(SequenceId seq) const {
+        check_sequence("gattn::PagedKVPool::mark", "seq", seq);
+        const Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
+        return {seq, s.length, s.first, s.pages, s.epoch};
+    }
+
+    /// Brings sequence m.seq back to mark m, taken since the sequence was last allocated, forked
+    /// or truncated (it has only appended and released front pages since): its length and its
+    /// pages then,
+    /// so that a page it shared and copied on write since is shared again and the copy
+    /// released, as are the pages it took. Unlike truncate, this gives back the same page list,
+    /// so the pools of a model's layers stay alike after a step that a later layer refused
+    /// (PagedKVPoolSet::restore). Front pages released since (release_outside_window) stay
+    /// released: first_position(seq) does not move back.
+    /// \throws std::invalid_argument when m.seq is not a sequence of the pool, or the mark is
+    ///         not of its present run: taken before its last allocate, fork or truncate (or of
+    ///         another pool), m.length above length(seq) or below first_position(seq), or pages
+    ///         that do not hold m.length tokens. Nothing is changed on error.
+    void restore(const SequenceMark& m) {
+        const std::vector<Index> target = restore_pages("gattn::PagedKVPool::restore", m);
+        Sequence& s = m_sequences[static_cast<std::size_t>(m.seq)];
+        std::vector<Index> dropped;
+        dropped.reserve(s.pages.size());
+        for (Index p : s.pages)
+            if (std::find(target.begin(), target.end(), p) == target.end()) dropped.push_back(p);
+        m_free.reserve(m_free.size() + dropped.size());  // may throw: nothing changed yet
+        std::vector<Index> pages = target;               // may throw: nothing changed yet
+        for (Index p : target)
+            if (std::find(s.pages.begin(), s.pages.end(), p) == s.pages.end()) ++m_refs[static_cast<std::size_t>(p)];
+        release(dropped, 0);
+        s.pages = std::move(pages);
+        s.length = m.length;
+    }
+
+    /// Whether restore(m) would succeed. \throws what restore throws, changing nothing.
+    void check_restore(const SequenceMark& m) const { restore_pages("gattn::PagedKVPool::restore", m); }
 
     /// Releases the pages at the front of sequence seq that a causal sliding window of `window`
     /// keys (counting the diagonal, as SdpaMask::sliding_window) hides from token `position` and
@@ -529,9 +580,10 @@ public:
 private:
     struct Sequence {
         std::vector<Index> pages;
-        Index length = 0;  // tokens appended
-        Index first = 0;   // tokens released from the front (release_outside_window)
-        Index window = 0;  // the window of the last release_outside_window call
+        std::uint64_t epoch = 0;  // the pool's count of allocate, fork and truncate calls at its last one
+        Index length = 0;         // tokens appended
+        Index first = 0;          // tokens released from the front (release_outside_window)
+        Index window = 0;         // the window of the last release_outside_window call
         // Tokens in the pages: token first + t sits in page pages[t / P], slot t mod P.
         Index stored() const noexcept { return length - first; }
     };
@@ -615,6 +667,33 @@ private:
         if (!alive(seq))
             detail::throw_invalid(
                 fn, arg, "must be a sequence of the pool (allocated or forked, not freed), got " + std::to_string(seq));
+    }
+    // restore's checks; returns the page list sequence m.seq gets back: the mark's, less the
+    // front pages released since.
+    std::vector<Index> restore_pages(const char* fn, const SequenceMark& m) const {
+        check_sequence(fn, "m.seq", m.seq);
+        const Sequence& s = m_sequences[static_cast<std::size_t>(m.seq)];
+        if (m.epoch != s.epoch)
+            detail::throw_invalid(fn, "m",
+                                  "must be a mark of sequence " + std::to_string(m.seq) +
+                                      " taken since it was last allocated, forked or truncated in this pool");
+        const Index P = m_page_size, drop = (s.first - m.first) / P;
+        if (m.length > s.length || m.length < s.first || m.first > s.first || (s.first - m.first) % P != 0 ||
+            static_cast<Index>(m.pages.size()) - drop != (m.length - s.first + P - 1) / P)
+            detail::throw_invalid(fn, "m",
+                                  "must be a mark of sequence " + std::to_string(m.seq) + "'s past (length " +
+                                      std::to_string(m.length) + " from token " + std::to_string(m.first) + " in " +
+                                      std::to_string(m.pages.size()) + " pages; the sequence has " +
+                                      std::to_string(s.length) + " tokens from " + std::to_string(s.first) + ")");
+        std::vector<Index> target(m.pages.begin() + drop, m.pages.end());
+        for (Index p : target) {
+            check_page(fn, "m.pages", p);
+            if (m_refs[static_cast<std::size_t>(p)] == 0)
+                detail::throw_invalid(fn, "m.pages",
+                                      "page " + std::to_string(p) + " of sequence " + std::to_string(m.seq) +
+                                          "'s mark is free now: the mark is older than a truncate or free");
+        }
+        return target;
     }
     void check_page(const char* fn, const char* arg, Index page) const {
         if (page < 0 || page >= num_pages())
@@ -703,6 +782,7 @@ private:
     std::vector<Index> m_free;                      // free pages, the next one taken last
     std::vector<Sequence> m_sequences;              // by id
     std::vector<bool> m_alive;                      // by id: in use
+    std::uint64_t m_epochs = 0;                     // allocate, fork and truncate calls so far
     RowMatrix<Scalar> m_keys, m_values;             // [num_pages·P, H_kv·d]
     RowMatrix<float> m_key_scales, m_value_scales;  // int8: [num_pages·P, H_kv]; else empty
     std::size_t m_huge_page_bytes = 0;              // of m_keys and m_values (advise_huge_pages)

@@ -22,12 +22,13 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// (pages are taken in the same order; a sliding-window layer's pool releases pages of its own,
 /// PagedKVPool::release_outside_window), and each layer's forward reads its pool through the
 /// pool's own page table. A step that throws part-way (a later layer refusing its append) leaves the
-/// earlier layers appended: truncate every sequence of the step back to its length before it
-/// (a window layer's forward keeps the tokens that rollback needs). The tokens are then the same
-/// in every pool, the pages not always: where an earlier layer's append copied a shared partial
-/// page (a forked sequence), that layer keeps its copy while the others still share the page,
-/// so each layer must go on reading its own pool's table (as the layers' forward does).
-/// free_pages() says how many pages every pool can still give a step.
+/// earlier layers appended: restore() the marks taken before the step (mark()), which gives
+/// every pool the same tokens in the same pages again. truncate() to the lengths before it gives
+/// the same tokens, not always the same pages: where an earlier layer's append copied a shared
+/// partial page (a forked sequence), that layer keeps its copy while the others still share the
+/// page (each layer's forward reads its own pool's table, so the results are the same either
+/// way). A window layer's forward keeps the tokens that either rollback needs. free_pages() says
+/// how many pages every pool can still give a step.
 template <class Scalar>
 class PagedKVPoolSet {
 public:
@@ -91,6 +92,31 @@ public:
                                           "'s pool), got " + std::to_string(length));
         }
         for (PagedKVPool<Scalar>& p : m_pools) p.truncate(seq, length);
+    }
+
+    /// Every pool's PagedKVPool::mark of each of seqs, [pool][sequence]: taken before a model
+    /// step, for restore. \throws std::invalid_argument for an id not in every pool.
+    std::vector<std::vector<typename PagedKVPool<Scalar>::SequenceMark>> mark(
+        const std::vector<SequenceId>& seqs) const {
+        std::vector<std::vector<typename PagedKVPool<Scalar>::SequenceMark>> marks(m_pools.size());
+        for (std::size_t i = 0; i < m_pools.size(); ++i)
+            for (SequenceId seq : seqs) marks[i].push_back(m_pools[i].mark(seq));
+        return marks;
+    }
+
+    /// Brings every pool's sequences back to marks (from mark(), PagedKVPool::restore): after a
+    /// step that a later layer refused, the same tokens in the same pages in every pool.
+    /// \throws std::invalid_argument when marks has not one list per pool, or as
+    ///         PagedKVPool::restore in one of them (checked on every pool before any changes).
+    void restore(const std::vector<std::vector<typename PagedKVPool<Scalar>::SequenceMark>>& marks) {
+        if (marks.size() != m_pools.size())
+            detail::throw_invalid("gattn::PagedKVPoolSet::restore", "marks",
+                                  "must hold one list per pool (" + std::to_string(m_pools.size()) + "), holds " +
+                                      std::to_string(marks.size()));
+        for (std::size_t i = 0; i < m_pools.size(); ++i)
+            for (const auto& m : marks[i]) m_pools[i].check_restore(m);
+        for (std::size_t i = 0; i < m_pools.size(); ++i)
+            for (const auto& m : marks[i]) m_pools[i].restore(m);
     }
 
     /// Tokens of seq (in the first layer's pool; every layer's after a model step).

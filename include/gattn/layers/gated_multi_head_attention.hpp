@@ -509,7 +509,7 @@ public:
     /// sequence of the step then releases the pages that no token of the step or later sees
     /// (PagedKVPool::release_outside_window from its first new token), so a sequence holds about
     /// (w + n) / P + 1 pages after a step of n tokens, and a rollback to its length before the
-    /// step (PagedKVPoolSet::truncate, after a later layer refused the step) stays possible.
+    /// step (PagedKVPoolSet::restore or truncate, after a later layer refused the step) stays possible.
     /// \param x         [qo_indptr[B], D]; \param out [qo_indptr[B], D], written, sharing no
     ///                  element with x or the pool.
     /// \param qo_indptr B + 1 row offsets from 0, non-decreasing, ending at x.rows().
