@@ -1121,9 +1121,9 @@ void flash_attention_blocks(const FlashBlock<T>* blocks, int count, const KV* ke
             // over d = 64–256, causal, N = 512, 2 threads, AVX2), on Zen 5's 12-way L1. Exact.
             // A group of few-query blocks alone reads each V row in a few pieces of
             // kRowValueCols registers, in place (and, where kRowKeyRows is 0, each K row once,
-            // into Kᵀ). Measured, 16 query rows on 8 KV heads, d = 128,
-            // 1 thread, AMD Zen 4, five alternated rounds, medians: 2048 keys 60 → 67 GFLOP/s,
-            // 8192 keys (from memory) 51 → 56 (AVX2: 46 → 50, 35 → 36).
+            // into Kᵀ). Measured, 16 query rows on 8 KV heads, d = 128, 1 thread, AMD Zen 4,
+            // five alternated rounds, medians: 2048 keys 60 → 67 GFLOP/s, 8192 keys (from
+            // memory) 51 → 56 (AVX2: 46 → 50, 35 → 36).
             if (FlashScratch<T>::copies_values(value_stride, dv) && !all_row_tiles) {
                 for (Index r = 0; r < nk; ++r)
                     std::memcpy(s.value_rows.data() + r * dv, value_block + r * value_stride, sizeof(T) * dv);
