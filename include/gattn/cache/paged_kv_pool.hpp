@@ -504,10 +504,9 @@ public:
 
     /// Brings sequence m.seq back to mark m, taken since the sequence was last allocated, forked
     /// or truncated (it has only appended and released front pages since): its length and its
-    /// pages then,
-    /// so that a page it shared and copied on write since is shared again and the copy
-    /// released, as are the pages it took. Unlike truncate, this gives back the same page list,
-    /// so the pools of a model's layers stay alike after a step that a later layer refused
+    /// pages then, so that a page it shared and copied on write since is shared again and the
+    /// copy released, as are the pages it took. Unlike truncate, this gives back the same page
+    /// list, so the pools of a model's layers stay alike after a step that a later layer refused
     /// (PagedKVPoolSet::restore). Front pages released since (release_outside_window) stay
     /// released: first_position(seq) does not move back.
     /// \throws std::invalid_argument when m.seq is not a sequence of the pool, or the mark is
