@@ -488,10 +488,11 @@ public:
     /// What restore needs to bring a sequence back to its state when mark() was called: its
     /// length, its first stored token and its page list.
     struct SequenceMark {
-        SequenceId seq = -1;
-        Index length = 0, first = 0;
-        std::vector<Index> pages;
-        std::uint64_t epoch = 0;  // the sequence's allocate, fork or truncate it follows
+        SequenceId seq = -1;       ///< the sequence
+        Index length = 0;          ///< its tokens then
+        Index first = 0;           ///< its first stored token then (first_position)
+        std::vector<Index> pages;  ///< its pages then, in token order
+        std::uint64_t epoch = 0;   ///< which allocate, fork or truncate of the sequence it follows
     };
 
     /// Sequence seq's state now, for restore (taken before a step that may be rolled back).
