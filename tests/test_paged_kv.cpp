@@ -340,6 +340,22 @@ TEST(PagedKVPoolSet, RestoreGivesEveryLayerTheSamePagesAgain) {
     EXPECT_THROW(pools.restore({}), std::invalid_argument);  // not one list per pool
 }
 
+// A table of no sequences takes no query rows, and says so (not "a multiple of 0").
+TEST(PagedAttention, AnEmptyTableNamesTheRowsItTakes) {
+    PagedKVPool<float> pool(4, 16, 1, 8);
+    gattn::PageTable empty;
+    empty.indptr = {0};
+    const RowMatrix<float> query = RowMatrix<float>::Ones(3, 8);
+    RowMatrix<float> out = RowMatrix<float>::Constant(3, 8, 7.0f);
+    try {
+        gattn::paged_attention<float, float>(query, pool, empty, 1, out);
+        ADD_FAILURE() << "no error";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("[0 (batch 0), 8]"), std::string::npos) << e.what();
+    }
+    EXPECT_TRUE((out.array() == 7.0f).all());
+}
+
 // An empty set holds no sequence: releasing or rolling one back is an error, as for any id.
 TEST(PagedKVPoolSet, AnEmptySetHoldsNoSequence) {
     gattn::PagedKVPoolSet<float> set;

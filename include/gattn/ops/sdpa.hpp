@@ -189,15 +189,13 @@ inline std::pair<Index, Index> validate_sdpa(const char* fn, Index q_rows, Index
                     "[B*N_q, num_heads*head_dim] with num_heads = " + std::to_string(H) + " and head_dim >= 1",
                     shape_string({q_rows, q_cols}));
     const Index dk = q_cols / H;
+    // "multiple of 0" would say nothing: a batch of no sequences has no rows.
+    const auto rows_of = [B] { return B == 0 ? std::string("0 (batch 0)") : "multiple of " + std::to_string(B); };
     if (B == 0 ? q_rows != 0 : q_rows % B != 0)
-        throw_shape(fn, "query",
-                    "[B*N_q, num_heads*head_dim] = [multiple of " + std::to_string(B) + ", " + std::to_string(q_cols) +
-                        "]",
+        throw_shape(fn, "query", "[B*N_q, num_heads*head_dim] = [" + rows_of() + ", " + std::to_string(q_cols) + "]",
                     shape_string({q_rows, q_cols}));
     if (k_cols != Hkv * dk || (B == 0 ? k_rows != 0 : k_rows % B != 0))
-        throw_shape(fn, "key",
-                    "[B*N_k, num_kv_heads*head_dim] = [multiple of " + std::to_string(B) + ", " +
-                        std::to_string(Hkv * dk) + "]",
+        throw_shape(fn, "key", "[B*N_k, num_kv_heads*head_dim] = [" + rows_of() + ", " + std::to_string(Hkv * dk) + "]",
                     shape_string({k_rows, k_cols}));
     if (v_rows != k_rows || v_cols % Hkv != 0 || v_cols == 0)
         throw_shape(fn, "value",
