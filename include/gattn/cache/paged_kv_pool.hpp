@@ -515,18 +515,18 @@ public:
     ///         another pool), m.length above length(seq) or below first_position(seq), or pages
     ///         that do not hold m.length tokens. Nothing is changed on error.
     void restore(const SequenceMark& m) {
-        const std::vector<Index> target = restore_pages("gattn::PagedKVPool::restore", m);
+        std::vector<Index> target = restore_pages("gattn::PagedKVPool::restore", m);
         Sequence& s = m_sequences[static_cast<std::size_t>(m.seq)];
-        std::vector<Index> dropped;
-        dropped.reserve(s.pages.size());
-        for (Index p : s.pages)
-            if (std::find(target.begin(), target.end(), p) == target.end()) dropped.push_back(p);
-        m_free.reserve(m_free.size() + dropped.size());  // may throw: nothing changed yet
-        std::vector<Index> pages = target;               // may throw: nothing changed yet
-        for (Index p : target)
-            if (std::find(s.pages.begin(), s.pages.end(), p) == s.pages.end()) ++m_refs[static_cast<std::size_t>(p)];
-        release(dropped, 0);
-        s.pages = std::move(pages);
+        // Since the mark the sequence has only appended (new pages, or a copy in place of its
+        // shared last page) and released front pages: the two lists agree up to their first
+        // difference, past which each current page is one it took and each marked page one it
+        // let go of.
+        std::size_t same = 0;
+        while (same < target.size() && same < s.pages.size() && target[same] == s.pages[same]) ++same;
+        m_free.reserve(m_free.size() + (s.pages.size() - same));  // may throw: nothing changed yet
+        for (std::size_t i = same; i < target.size(); ++i) ++m_refs[static_cast<std::size_t>(target[i])];
+        release(s.pages, same);
+        s.pages = std::move(target);
         s.length = m.length;
     }
 
