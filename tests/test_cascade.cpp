@@ -223,6 +223,17 @@ TEST(CascadeAttention, NamesABadHeadCountPageSizeOrLastPageLength) {
     } catch (const std::invalid_argument& e) {
         EXPECT_NE(std::string(e.what()).find("last_page_len"), std::string::npos) << e.what();
     }
+    // A sequence without pages holds no tokens, so its last page holds none either.
+    PageTable empty_last;
+    empty_last.indptr = {0, 0};
+    empty_last.last_page_len = {3};
+    try {
+        gattn::shared_prefix_pages(empty_last, P);
+        ADD_FAILURE() << "no error for last_page_len 3 without pages";
+    } catch (const std::invalid_argument& e) {
+        EXPECT_NE(std::string(e.what()).find("last_page_len[0]"), std::string::npos) << e.what();
+        EXPECT_NE(std::string(e.what()).find("has no pages"), std::string::npos) << e.what();
+    }
 }
 
 TEST(CascadeAttention, ErrorsLeaveOutUnchanged) {

@@ -66,10 +66,13 @@ inline void check_qo_indptr(const char* fn, const std::vector<Index>& qo_indptr,
                               ", got " + std::to_string(qo_indptr[b + 1]) + " < " + std::to_string(qo_indptr[b]));
 }
 
-/// Checks a page table's layout, whatever the pool: indptr has batch() + 1 entries, runs from 0
-/// to indices.size() and does not decrease (so every sequence's pages lie inside indices).
+/// Checks a page table's layout for pages of page_size tokens, whatever the pool: page_size
+/// >= 1; indptr has batch() + 1 entries, runs from 0 to indices.size() and does not decrease (so
+/// every sequence's pages lie inside indices); last_page_len[b] is in [1, page_size] for a
+/// sequence with pages and 0 for one without.
 /// \throws shape_error when indptr has not batch() + 1 entries; std::invalid_argument otherwise.
-inline void check_table_layout(const char* fn, const PageTable& table) {
+inline void check_table_layout(const char* fn, const PageTable& table, Index page_size) {
+    if (page_size < 1) throw_invalid(fn, "page_size", "must be >= 1, got " + std::to_string(page_size));
     const Index B = table.batch();
     if (static_cast<Index>(table.indptr.size()) != B + 1)
         throw_shape(fn, "table.indptr", shape_string({B + 1}), shape_string({static_cast<Index>(table.indptr.size())}));
@@ -83,6 +86,16 @@ inline void check_table_layout(const char* fn, const PageTable& table) {
             throw_invalid(fn, "table.indptr",
                           "must not decrease: the sequence at table position " + std::to_string(b) + " has " +
                               std::to_string(table.indptr[b + 1] - table.indptr[b]) + " pages");
+    for (std::size_t b = 0; b < static_cast<std::size_t>(B); ++b) {
+        const Index last = table.last_page_len[b];
+        const bool paged = table.indptr[b + 1] > table.indptr[b];
+        if (paged ? (last < 1 || last > page_size) : last != 0)
+            throw_invalid(fn, "table.last_page_len[" + std::to_string(b) + "]",
+                          "must be " +
+                              (paged ? "in [1, " + std::to_string(page_size) + "]"
+                                     : "0 (the sequence at table position " + std::to_string(b) + " has no pages)") +
+                              ", got " + std::to_string(last));
+    }
 }
 
 /// Whether view shares an element with the pool's storage (keys, values, int8 scales).
@@ -321,7 +334,7 @@ public:
     /// \throws shape_error when indptr has not batch() + 1 entries; std::invalid_argument for
     ///         the rest, naming the sequence (its position in the table) and the page.
     void check_table(const char* fn, const PageTable& table) const {
-        detail::check_table_layout(fn, table);  // before any page is read
+        detail::check_table_layout(fn, table, m_page_size);  // before any page is read
         const Index B = table.batch();
         for (Index b = 0; b < B; ++b) {
             const std::string seq = "the sequence at table position " + std::to_string(b);
@@ -330,13 +343,6 @@ public:
                 detail::throw_invalid(fn, "table",
                                       seq + " has " + std::to_string(n) + " pages, more than the pool's " +
                                           std::to_string(num_pages()));
-            const Index last = table.last_page_len[static_cast<std::size_t>(b)];
-            if (n == 0 ? last != 0 : (last < 1 || last > m_page_size))
-                detail::throw_invalid(fn, "table.last_page_len[" + std::to_string(b) + "]",
-                                      "must be " +
-                                          (n == 0 ? std::string("0 (") + seq + " has no pages)"
-                                                  : "in [1, " + std::to_string(m_page_size) + "]") +
-                                          ", got " + std::to_string(last));
             for (Index i = 0; i < n; ++i) {
                 const Index p = table.indices[static_cast<std::size_t>(table.indptr[static_cast<std::size_t>(b)] + i)];
                 const std::string where = seq + ", its page " + std::to_string(i) + ": page index " + std::to_string(p);

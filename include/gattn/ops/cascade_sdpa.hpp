@@ -32,25 +32,13 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// indices), counting only pages that are full in every sequence that holds them (a sequence's
 /// last page counts only when it holds page_size tokens). 0 for an empty batch.
 /// \throws shape_error or std::invalid_argument for a table whose indptr does not have
-///         batch() + 1 entries running from 0 to indices.size() without decreasing, whose
-///         last_page_len has not batch() entries or one outside [1, page_size] for a sequence
-///         with pages, or for page_size < 1.
+///         batch() + 1 entries running from 0 to indices.size() without decreasing, or whose
+///         last_page_len[b] is outside [1, page_size] for a sequence with pages (not 0 for one
+///         without), or for page_size < 1 (detail::check_table_layout).
 inline Index shared_prefix_pages(const PageTable& table, Index page_size) {
     constexpr const char* fn = "gattn::shared_prefix_pages";
-    detail::check_table_layout(fn, table);
-    if (page_size < 1) detail::throw_invalid(fn, "page_size", "must be >= 1, got " + std::to_string(page_size));
+    detail::check_table_layout(fn, table, page_size);
     const Index B = table.batch();
-    if (static_cast<Index>(table.last_page_len.size()) != B)
-        detail::throw_shape(fn, "table.last_page_len", detail::shape_string({B}),
-                            detail::shape_string({static_cast<Index>(table.last_page_len.size())}));
-    for (Index b = 0; b < B; ++b) {
-        const Index len = table.last_page_len[static_cast<std::size_t>(b)];
-        if (table.pages(b) > 0 && (len < 1 || len > page_size))
-            detail::throw_invalid(fn, "table.last_page_len",
-                                  "must be in [1, page_size = " + std::to_string(page_size) +
-                                      "] for a sequence with pages, got " + std::to_string(len) +
-                                      " at table position " + std::to_string(b));
-    }
     if (B == 0) return 0;
     Index n = table.pages(0);
     for (Index b = 0; b < B; ++b) {
