@@ -3,8 +3,9 @@
 // against plain double-precision attention written here over the same stored keys and values,
 // and against paged_attention over each sequence's full table (within float rounding: the
 // cascade sums the prefix and the suffix apart and merges them, a different order of the same
-// terms), for float, bf16 and int8 pools, page sizes 16 and 64, GQA 8-on-2 and MHA, with sinks
-// and softcap, on 1 and 2 threads; and errors leave `out` unchanged.
+// terms), for float, fp16, bf16 and int8 pools, page sizes 16 and 64, GQA 8-on-2, MHA
+// and MQA, causal or not, with sinks and softcap, bitwise the same on 1, 2 and 3 threads; and
+// errors leave `out` unchanged.
 
 #include <gtest/gtest.h>
 
@@ -86,11 +87,12 @@ void check(const Case& c, int threads) {
     const auto split = gattn::split_shared_prefix(full, P);
     ASSERT_EQ(gattn::shared_prefix_pages(full, P), 2);
     const RowMatrix<Q> query = random_rows<Q>(B * c.nq, H * d, rng);
-    gattn::SdpaOptions<float> opt;
+    using T = gattn::compute_t<Q>;
+    gattn::SdpaOptions<T> opt;
     opt.mask.causal = c.causal;
     if (c.softcap) opt.logit_softcap = 5.0;
     if (c.sinks)
-        for (Index h = 0; h < H; ++h) opt.sinks.push_back(0.5f - 0.25f * static_cast<float>(h % 4));
+        for (Index h = 0; h < H; ++h) opt.sinks.push_back(T(0.5) - T(0.25) * static_cast<T>(h % 4));
 #ifdef _OPENMP
     omp_set_num_threads(threads);
 #else
@@ -99,6 +101,18 @@ void check(const Case& c, int threads) {
     RowMatrix<Q> got(B * c.nq, H * d), plain(B * c.nq, H * d);
     gattn::cascade_attention<S, Q>(query, pool, split.first, split.second, H, got, opt);
     gattn::paged_attention<S, Q>(query, pool, full, H, plain, opt);
+    // Any other thread count gives the same bits (the work splits, the sums do not).
+    for (int other : {1, 3}) {
+        if (other == threads) continue;
+#ifdef _OPENMP
+        omp_set_num_threads(other);
+#else
+        continue;
+#endif
+        RowMatrix<Q> again = RowMatrix<Q>::Constant(B * c.nq, H * d, Q(7));
+        gattn::cascade_attention<S, Q>(query, pool, split.first, split.second, H, again, opt);
+        EXPECT_TRUE(gattn_test::same_bytes(again, got)) << threads << " and " << other << " threads";
+    }
 #ifdef _OPENMP
     omp_set_num_threads(1);
 #endif
@@ -145,19 +159,21 @@ void check(const Case& c, int threads) {
 template <class S>
 void check_all() {
     for (Index P : {16, 64})
-        for (auto [H, Hkv] : {std::pair<Index, Index>{8, 2}, {4, 4}})
+        for (auto [H, Hkv] : {std::pair<Index, Index>{8, 2}, {4, 4}, {4, 1}})
             for (int threads : {1, 2}) {
                 SCOPED_TRACE("P " + std::to_string(P) + " H " + std::to_string(H) + "/" + std::to_string(Hkv) +
                              " threads " + std::to_string(threads));
                 check<S>({P, H, Hkv, 1, {0, 0, 0}, false, false, true}, threads);
                 check<S>({P, H, Hkv, 1, {1, 5, 0, P + 3}, true, true, true}, threads);
                 check<S>({P, H, Hkv, 2, {2, 7, 20}, true, false, true}, threads);
+                check<S>({P, H, Hkv, 3, {4, 0, 9}, false, true, false}, threads);  // every row sees every key
             }
 }
 
 TEST(CascadeAttention, FloatMatchesReferenceAndPagedAttention) { check_all<float>(); }
 TEST(CascadeAttention, Bf16MatchesReferenceAndPagedAttention) { check_all<gattn::bfloat16>(); }
 TEST(CascadeAttention, Int8MatchesReferenceAndPagedAttention) { check_all<std::int8_t>(); }
+TEST(CascadeAttention, HalfMatchesReferenceAndPagedAttention) { check_all<gattn::half>(); }
 
 TEST(CascadeAttention, SharedPrefixPagesStopAtTheFirstDifferenceOrPartialPage) {
     PageTable t;

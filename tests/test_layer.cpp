@@ -969,18 +969,36 @@ TEST(WindowCache, DecodingEqualsTheFullCache) {
 
 /// One step of continuous batching: sequence b brings counts[b] random new rows, all in one
 /// forward over the pool, and each sequence's rows must equal the same rows run alone through
-/// its own KVCache (alone[b]) within atol.
+/// its own KVCache (alone[b]) within atol. With a twin (a pool holding the same tokens), the
+/// same step over it on one thread gives the same bits as over the pool on two.
 template <class PoolScalar>
 void paged_step_equals_alone(const gattn::GatedMultiHeadAttention<float>& layer, gattn::PagedKVPool<PoolScalar>& pool,
                              const std::vector<gattn::SequenceId>& seqs, std::vector<gattn::KVCache<PoolScalar>>& alone,
-                             const std::vector<Index>& counts, std::mt19937& rng, double atol) {
+                             const std::vector<Index>& counts, std::mt19937& rng, double atol,
+                             gattn::PagedKVPool<PoolScalar>* twin = nullptr) {
     const Index D = layer.config().d_model;
     std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
     std::vector<Index> indptr{0};
     for (Index n : counts) indptr.push_back(indptr.back() + n);
     RowMatrix<float> x(indptr.back(), D), out(indptr.back(), D);
     for (Index i = 0; i < x.size(); ++i) x.data()[i] = dist(rng);
+#ifdef _OPENMP
+    const int saved_threads = omp_get_max_threads();
+    if (twin) omp_set_num_threads(2);
+#endif
     layer.forward(x, indptr, pool, seqs, out);
+    if (twin) {
+#ifdef _OPENMP
+        omp_set_num_threads(1);
+#endif
+        RowMatrix<float> one_thread(indptr.back(), D);
+        layer.forward(x, indptr, *twin, seqs, one_thread);
+        EXPECT_TRUE(gattn_test::same_bytes(one_thread, out)) << "1 and 2 threads";
+        EXPECT_TRUE(gattn_test::same_bytes(twin->keys(), pool.keys())) << "1 and 2 threads";
+    }
+#ifdef _OPENMP
+    omp_set_num_threads(saved_threads);
+#endif
     for (std::size_t b = 0; b < seqs.size(); ++b) {
         const Index n = counts[b], r0 = indptr[b];
         if (n == 0) continue;
@@ -1000,15 +1018,16 @@ void paged_step_equals_alone(const gattn::GatedMultiHeadAttention<float>& layer,
 template <class PoolScalar>
 void check_layer_over_pool(const gattn::AttentionConfig& c, unsigned seed, double atol) {
     const gattn::GatedMultiHeadAttention<float> layer(c, gattn::make_random_weights<float>(c, seed));
-    gattn::PagedKVPool<PoolScalar> pool(64, 16, c.num_kv_heads, c.d_k(), c.d_v());
+    gattn::PagedKVPool<PoolScalar> pool(64, 16, c.num_kv_heads, c.d_k(), c.d_v()), twin = pool;
     const std::vector<gattn::SequenceId> seqs{pool.allocate(), pool.allocate(), pool.allocate()};
+    for (int b = 0; b < 3; ++b) twin.allocate();
     std::vector<gattn::KVCache<PoolScalar>> alone;
     for (int b = 0; b < 3; ++b) alone.push_back(layer.template make_cache<PoolScalar>(1, 200));
     const std::vector<std::vector<Index>> schedule = {{5, 9, 0}, {1, 1, 7},  {1, 0, 1},
                                                       {3, 1, 1}, {1, 1, 20}, {1, 1, 1}};
     std::mt19937 rng(seed);
     for (const std::vector<Index>& counts : schedule)
-        paged_step_equals_alone(layer, pool, seqs, alone, counts, rng, atol);
+        paged_step_equals_alone(layer, pool, seqs, alone, counts, rng, atol, &twin);
 }
 
 TEST(LayerPaged, MixedBatchStepsEqualEachSequenceAlone) {

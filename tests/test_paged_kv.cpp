@@ -530,14 +530,16 @@ bool use_threads(int threads) {
 template <class S>
 struct PagedSetup {
     using In = typename PagedKVPool<S>::Input;
-    static constexpr Index kHkv = 2, kDk = 64, kDv = 32;
+    static constexpr Index kDk = 64, kDv = 32;
+    Index hkv;  // KV heads
     PagedKVPool<S> pool;
     std::vector<SequenceId> ids;
     std::vector<std::vector<RowMatrix<In>>> keys, values;  // per sequence, its token rows
     Index max_len = 0;
 
-    PagedSetup(Index page_size, const std::vector<Index>& lengths, std::mt19937& rng, Index max_tokens = 3000)
-        : pool(2 + max_tokens / page_size * 2, page_size, kHkv, kDk, kDv) {
+    PagedSetup(Index page_size, const std::vector<Index>& lengths, std::mt19937& rng, Index max_tokens = 3000,
+               Index num_kv_heads = 2)
+        : hkv(num_kv_heads), pool(2 + max_tokens / page_size * 2, page_size, num_kv_heads, kDk, kDv) {
         const Index B = static_cast<Index>(lengths.size());
         keys.resize(lengths.size());
         values.resize(lengths.size());
@@ -559,7 +561,7 @@ struct PagedSetup {
                 const Index n = std::min(count(rng), lengths[b] - have[b]);
                 if (n <= 0) continue;
                 more = true;
-                RowMatrix<In> k = random_rows<In>(n, kHkv * kDk, rng), v = random_rows<In>(n, kHkv * kDv, rng);
+                RowMatrix<In> k = random_rows<In>(n, hkv * kDk, rng), v = random_rows<In>(n, hkv * kDv, rng);
                 pool.append({ids[b]}, k, v, {n});
                 keys[b].push_back(k);
                 values[b].push_back(v);
@@ -574,11 +576,11 @@ struct PagedSetup {
 
     gattn::KVCache<S> contiguous() const {
         const Index B = static_cast<Index>(ids.size());
-        gattn::KVCache<S> cache(B, std::max<Index>(max_len, 1), kHkv, kDk, kDv);
+        gattn::KVCache<S> cache(B, std::max<Index>(max_len, 1), hkv, kDk, kDv);
         for (Index b = 0; b < B; ++b)
             for (std::size_t i = 0; i < keys[b].size(); ++i) {
                 const Index n = keys[b][i].rows();
-                RowMatrix<In> k = RowMatrix<In>::Zero(B * n, kHkv * kDk), v = RowMatrix<In>::Zero(B * n, kHkv * kDv);
+                RowMatrix<In> k = RowMatrix<In>::Zero(B * n, hkv * kDk), v = RowMatrix<In>::Zero(B * n, hkv * kDv);
                 k.middleRows(b * n, n) = keys[b][i];
                 v.middleRows(b * n, n) = values[b][i];
                 std::vector<Index> counts(static_cast<std::size_t>(B), 0);
@@ -594,23 +596,27 @@ struct Variant {
     const char* name;
     int kind;
 };
-const Variant kVariants[] = {{"plain", 0}, {"causal", 1},  {"window", 2}, {"bool_mask", 3},     {"bias", 4},
-                             {"sinks", 5}, {"softcap", 6}, {"alibi", 7},  {"query_offsets", 8}, {"all", 9}};
+const Variant kVariants[] = {{"plain", 0},         {"causal", 1}, {"window", 2},           {"bool_mask", 3},
+                             {"bias", 4},          {"sinks", 5},  {"softcap", 6},          {"alibi", 7},
+                             {"query_offsets", 8}, {"all", 9},    {"causal_top_left", 10}, {"bool_mask_per_query", 11}};
 
 /// prefill: 0 for a decoding step (the decoding kernel), else that many queries per sequence
-/// (the tile kernels).
+/// (the tile kernels). Hkv KV heads with `group` query heads each (0: 4, or for decoding as many
+/// as the kernel decodes together, up to 4); 1 is multi-head attention, Hkv = 1 multi-query.
 template <class S>
-void check_paged_equals_contiguous(Index page_size, const Variant& variant, Index prefill, unsigned seed) {
+void check_paged_equals_contiguous(Index page_size, const Variant& variant, Index prefill, unsigned seed, Index Hkv = 2,
+                                   Index group = 0) {
     using Q = QueryOf<S>;
     using T = gattn::compute_t<Q>;
     using Setup = PagedSetup<S>;
     std::mt19937 rng(seed);
     // Lengths: empty, inside a page, across chunks of 512 keys and pages.
     const std::vector<Index> lengths{1100, 0, 700, 37};
-    Setup setup(page_size, lengths, rng);
-    const Index B = 4, Hkv = Setup::kHkv, dk = Setup::kDk, dv = Setup::kDv;
+    Setup setup(page_size, lengths, rng, 3000, Hkv);
+    const Index B = 4, dk = Setup::kDk, dv = Setup::kDv;
     const Index max_pairs = gattn::kernel::FlashGeometry<T>::kDecodePairs;  // decoding several rows
-    const Index group = prefill ? 4 : std::min<Index>(4, max_pairs), H = Hkv * group;
+    if (group == 0) group = prefill ? 4 : std::min<Index>(4, max_pairs);
+    const Index H = Hkv * group;
     const Index Nq = prefill ? prefill : max_pairs >= 8 ? 2 : 1;
     const Index Nk = setup.max_len;
     const RowMatrix<Q> q = random_rows<Q>(B * Nq, H * dk, rng);
@@ -620,10 +626,15 @@ void check_paged_equals_contiguous(Index page_size, const Variant& variant, Inde
     const int kind = variant.kind;
     if (kind == 1 || kind == 9) opt.mask.causal = true;
     if (kind == 2 || kind == 9) opt.mask.sliding_window = 300;
-    if (kind == 3 || kind == 9) {
-        bool_storage.resize(static_cast<std::size_t>(B * Nk));
+    if (kind == 3 || kind == 9 || kind == 11) {  // [B, 1, 1, N_k], or [B, H, N_q, N_k]
+        const Index heads = kind == 11 ? H : 1, rows = kind == 11 ? Nq : 1;
+        bool_storage.resize(static_cast<std::size_t>(B * heads * rows * Nk));
         for (char& c : bool_storage) c = (rng() % 4) != 0;
-        opt.mask.bool_mask = {reinterpret_cast<const bool*>(bool_storage.data()), B, 1, 1, Nk};
+        opt.mask.bool_mask = {reinterpret_cast<const bool*>(bool_storage.data()), B, heads, rows, Nk};
+    }
+    if (kind == 10) {  // query i at key position i, whatever the sequence's length
+        opt.mask.causal = true;
+        opt.mask.alignment = gattn::CausalAlignment::TopLeft;
     }
     if (kind == 4 || kind == 9) {
         bias = random_rows<T>(B * H * Nq, Nk, rng);
@@ -658,7 +669,8 @@ void check_paged_equals_contiguous(Index page_size, const Variant& variant, Inde
         gattn::scaled_dot_product_attention<S>(q, cache.keys(), cache.values(), heads, expected, copt, cextra);
     const gattn::PageTable table = setup.pool.page_table(setup.ids);
     const std::string where = std::string(variant.name) + ", page size " + std::to_string(page_size) + ", " +
-                              std::to_string(Nq) + " queries";
+                              std::to_string(Nq) + " queries, " + std::to_string(H) + " heads on " +
+                              std::to_string(Hkv);
     // Two threads for all masks together (the rest would repeat what those show).
     for (int threads : {1, 2}) {
         if ((threads > 1 && kind != 9) || !use_threads(threads)) break;
@@ -678,14 +690,23 @@ void check_paged_equals_contiguous(Index page_size, const Variant& variant, Inde
 /// Decoding: every variant with pages of 16 tokens (a decoding key block of 16 keys is a page);
 /// plain, explicit positions and all masks together with pages of 64 and 256. Prefill (40
 /// queries): every variant with pages of 16 (each 64-key block over four pages, copied), the
-/// three with pages of 48 (blocks over one or two pages), 64 and 256 (in place).
+/// three with pages of 48 (blocks over one or two pages), 64 and 256 (in place). Multi-query
+/// (1 KV head) and multi-head (one query head per KV head): plain and all masks together, pages
+/// of 16 and 64.
 template <class S>
 void check_all(unsigned seed) {
-    for (Index prefill : {0, 40})
+    for (Index prefill : {0, 40}) {
         for (Index page_size : {16, 48, 64, 256})
             for (const Variant& v : kVariants)
                 if ((page_size == 16 || v.kind == 0 || v.kind == 8 || v.kind == 9) && (prefill || page_size != 48))
                     check_paged_equals_contiguous<S>(page_size, v, prefill, seed++);
+        for (Index page_size : {16, 64})
+            for (const Variant& v : kVariants)
+                if (v.kind == 0 || v.kind == 9) {
+                    check_paged_equals_contiguous<S>(page_size, v, prefill, seed++, 1, 4);  // MQA
+                    check_paged_equals_contiguous<S>(page_size, v, prefill, seed++, 3, 1);  // MHA
+                }
+    }
 }
 
 TEST(PagedAttention, FloatEqualsContiguousBitwise) { check_all<float>(10); }
@@ -707,16 +728,17 @@ TEST(PagedAttention, Int8EqualsContiguousBitwiseOnEveryKernel) {
 /// Decoding over more K and V than kDecodeFromMemoryBytes, where the kernel reads two key
 /// blocks ahead of its use through the page table (the pages of the two sequences interleave,
 /// so a block ahead often lies in another page): bitwise the contiguous cache, 1 and 2 threads.
+/// `group` query heads per KV head; 1 (multi-head) reads each key block in address order.
 template <class S>
-void check_decoding_from_memory(unsigned seed) {
+void check_decoding_from_memory(unsigned seed, Index group = 2) {
     using Q = QueryOf<S>;
     using T = gattn::compute_t<Q>;
     using Setup = PagedSetup<S>;
-    const Index Hkv = Setup::kHkv, dk = Setup::kDk, dv = Setup::kDv, H = 2 * Hkv;
+    const Index Hkv = 2, dk = Setup::kDk, dv = Setup::kDv, H = group * Hkv;
     const Index length = (gattn::kernel::kDecodeFromMemoryBytes / (Hkv * (dk + dv) * Index(sizeof(S)))) / 2 + 1001;
     for (Index page_size : {16, 64}) {
         std::mt19937 rng(seed++);
-        Setup setup(page_size, {length, length - 333}, rng, 2 * length);
+        Setup setup(page_size, {length, length - 333}, rng, 2 * length, Hkv);
         const gattn::KVCache<S> cache = setup.contiguous();
         const RowMatrix<Q> q = random_rows<Q>(2, H * dk, rng);
         gattn::SdpaOptions<T> copt;
@@ -728,7 +750,8 @@ void check_decoding_from_memory(unsigned seed) {
             if (!use_threads(threads)) break;
             got.setConstant(Q(7));
             gattn::paged_attention<S, Q>(q, setup.pool, table, H, got);
-            EXPECT_EQ(bytes_of(got), bytes_of(expected)) << "page size " << page_size << ", " << threads << " threads";
+            EXPECT_EQ(bytes_of(got), bytes_of(expected))
+                << "page size " << page_size << ", " << H << " heads on " << Hkv << ", " << threads << " threads";
         }
         use_threads(0);
         EXPECT_NE(static_cast<float>(got.cwiseAbs().maxCoeff()), 0.0f);
@@ -737,6 +760,7 @@ void check_decoding_from_memory(unsigned seed) {
 
 TEST(PagedAttention, DecodingFromMemoryEqualsContiguousBitwise) {
     check_decoding_from_memory<float>(60);
+    check_decoding_from_memory<float>(65, 1);
     check_decoding_from_memory<gattn::bfloat16>(70);
 }
 
@@ -752,7 +776,7 @@ void check_mixed_batch(unsigned seed) {
     using Setup = PagedSetup<S>;
     std::mt19937 rng(seed);
     Setup setup(64, {1100, 0, 700, 37}, rng);
-    const Index Hkv = Setup::kHkv, dk = Setup::kDk, dv = Setup::kDv;
+    const Index Hkv = setup.hkv, dk = Setup::kDk, dv = Setup::kDv;
     const Index group = std::min<Index>(4, gattn::kernel::FlashGeometry<T>::kQueries / 4), H = Hkv * group;
     for (int variant = 0; variant < 4; ++variant)
         for (const std::vector<Index>& counts : {std::vector<Index>{1, 0, 40, 1}, std::vector<Index>{1, 1, 40, 1}}) {
@@ -819,6 +843,48 @@ TEST(PagedAttention, MixedBatchEqualsOneCallPerSequence) {
         gattn_test::Int8KernelLimit limit(k);
         check_mixed_batch<std::int8_t>(63);
     }
+}
+
+/// Pages that free() gave back serve the next sequence: they hold its tokens only (what the
+/// freed sequence wrote there is not read), and attention over them is bitwise that of a
+/// contiguous cache holding the same tokens; the sequence that stayed reads what it read before.
+TEST(PagedAttention, FreedPagesServeTheNextSequence) {
+    const Index P = 16, Hkv = 2, d = 32, H = 4;
+    PagedKVPool<float> pool(7, P, Hkv, d);  // exactly the pages of the three sequences below
+    std::mt19937 rng(81);
+    const SequenceId a = pool.allocate(), b = pool.allocate();
+    const RowMatrix<float> ka = random_rows<float>(60, Hkv * d, rng), va = random_rows<float>(60, Hkv * d, rng);
+    const RowMatrix<float> kb = random_rows<float>(40, Hkv * d, rng), vb = random_rows<float>(40, Hkv * d, rng);
+    pool.append({a}, ka, va, {60});  // 4 pages, the last with 12 tokens
+    pool.append({b}, kb, vb, {40});  // 3 pages
+    EXPECT_EQ(pool.free_pages(), 0);
+    const RowMatrix<float> q = random_rows<float>(2, H * d, rng);
+    gattn::SdpaOptions<float> opt;
+    opt.mask.causal = true;
+    RowMatrix<float> b_before(1, H * d);
+    gattn::paged_attention<float, float>(q.bottomRows(1), pool, pool.page_table({b}), H, b_before, opt);
+    const std::vector<Index> a_pages = pool.pages(a);
+    pool.free(a);
+    const SequenceId c = pool.allocate();
+    const RowMatrix<float> kc = random_rows<float>(50, Hkv * d, rng), vc = random_rows<float>(50, Hkv * d, rng);
+    pool.append({c}, kc, vc, {50});  // 4 pages, the last with 2 tokens: a's, reused
+    std::vector<Index> c_pages = pool.pages(c), a_sorted = a_pages;
+    std::sort(c_pages.begin(), c_pages.end());
+    std::sort(a_sorted.begin(), a_sorted.end());
+    EXPECT_EQ(c_pages, a_sorted);
+    gattn::KVCache<float> cache(2, 50, Hkv, d);
+    RowMatrix<float> k2(100, Hkv * d), v2(100, Hkv * d);  // [c's 50 rows, b's 40 rows and 10 unused]
+    k2 << kc, kb, RowMatrix<float>::Zero(10, Hkv * d);
+    v2 << vc, vb, RowMatrix<float>::Zero(10, Hkv * d);
+    cache.append(k2, v2, {50, 40});
+    gattn::SdpaOptions<float> copt = opt;
+    copt.mask.key_lengths = cache.lengths();
+    RowMatrix<float> expected(2, H * d), got = RowMatrix<float>::Constant(2, H * d, 7.0f);
+    gattn::scaled_dot_product_attention<float>(q, cache.keys(), cache.values(), {2, H, Hkv}, expected, copt);
+    gattn::paged_attention<float, float>(q, pool, pool.page_table({c, b}), H, got, opt);
+    EXPECT_EQ(bytes_of(got), bytes_of(expected));
+    EXPECT_EQ(bytes_of(RowMatrix<float>(got.bottomRows(1))), bytes_of(b_before));
+    EXPECT_NE(got.row(0).cwiseAbs().maxCoeff(), 0.0f);
 }
 
 TEST(PagedAttention, MixedBatchErrorsWriteNothing) {

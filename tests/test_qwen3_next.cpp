@@ -19,6 +19,10 @@
 #include <type_traits>
 #include <vector>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #if defined(__unix__) || defined(__APPLE__)
 #include <sys/stat.h>
 #endif
@@ -430,13 +434,15 @@ TEST(Qwen3NextPitfalls, GateIgnoresQueryNormAndPositions) {
 
 /// Continuous batching over a paged pool: three sequences starting, decoding and prefilling
 /// in chunks at different steps, against each sequence alone through a KVCache (positions
-/// after its tokens). The gate scores of the step's rows come out in the step's row order.
+/// after its tokens). The gate scores of the step's rows come out in the step's row order. The
+/// same steps over a twin pool on one thread give the same bits as over the pool on two.
 template <class S, class PoolScalar>
 void check_qwen3_next_over_pool(double atol) {
     gattn::Qwen3NextConfig c = gattn::load_qwen3_next_config(kDir + "/config.json", kLayer);
     const gattn::Qwen3NextAttention<S> layer(c, gattn::load_qwen3_next_attention_weights<S>(kDir, kLayer, c));
-    gattn::PagedKVPool<PoolScalar> pool(32, 16, c.num_key_value_heads, c.head_dim);
+    gattn::PagedKVPool<PoolScalar> pool(32, 16, c.num_key_value_heads, c.head_dim), twin = pool;
     const std::vector<gattn::SequenceId> seqs{pool.allocate(), pool.allocate(), pool.allocate()};
+    for (int b = 0; b < 3; ++b) twin.allocate();
     std::vector<gattn::KVCache<PoolScalar>> alone;
     for (int b = 0; b < 3; ++b) alone.push_back(layer.template make_cache<PoolScalar>(1, 64));
     const std::vector<std::vector<Index>> schedule = {{5, 9, 0}, {1, 1, 7}, {1, 0, 1}, {3, 1, 17}, {1, 1, 1}};
@@ -448,7 +454,21 @@ void check_qwen3_next_over_pool(double atol) {
         RowMatrix<S> x(indptr.back(), c.hidden_size), out(indptr.back(), c.hidden_size);
         for (Index i = 0; i < x.size(); ++i) x.data()[i] = static_cast<S>(dist(rng));
         RowMatrix<S> gates;
+#ifdef _OPENMP
+        const int saved_threads = omp_get_max_threads();
+        omp_set_num_threads(2);
+#endif
         layer.forward(x, indptr, pool, seqs, out, &gates);
+#ifdef _OPENMP
+        omp_set_num_threads(1);
+#endif
+        RowMatrix<S> one_thread(indptr.back(), c.hidden_size);
+        layer.forward(x, indptr, twin, seqs, one_thread);
+#ifdef _OPENMP
+        omp_set_num_threads(saved_threads);
+#endif
+        EXPECT_TRUE(gattn_test::same_bytes(one_thread, out)) << "1 and 2 threads";
+        EXPECT_TRUE(gattn_test::same_bytes(twin.keys(), pool.keys())) << "1 and 2 threads";
         for (std::size_t b = 0; b < 3; ++b) {
             const Index n = counts[b], r0 = indptr[b];
             if (n == 0) continue;
