@@ -8,9 +8,12 @@
 // (TinyLM::forward over a PagedKVPoolSet, gattn's paged_attention underneath). A request leaves,
 // freeing its own pages, when done.
 //
+// The prompt ends inside a page, so every request's first chunk copies that shared page before
+// writing into it (copy on write); the full pages before it stay shared by all.
+//
 // It prints the tokens/s of the serving loop, the pools' peak memory against one contiguous
-// KV cache per request, and checks every request's tokens against decoding it alone
-// (TinyLM::generate, KVCache path).
+// KV cache per active request (each sized, when the request arrives, for its whole sequence),
+// and checks every request's tokens against decoding it alone (TinyLM::generate, KVCache path).
 //
 //   build/demo/examples/serve_tiny_lm --requests 32 --tokens 48
 
@@ -60,7 +63,7 @@ int main(int argc, char** argv) {
     try {
         const tiny_lm::TinyLM<float> model(model_dir);
         const std::vector<int> system =
-            tiny_lm::encode("You are a fortune cookie. Answer every question with a fortune from the file.\n%\n");
+            tiny_lm::encode("You are a fortune cookie. Answer every question with a short fortune from the file.\n%\n");
         const std::vector<std::string> questions = {"Q: What is the meaning of life?\nA: ",
                                                     "Q: Why did the chicken cross the road?\nA: ",
                                                     "Love is ",
@@ -86,6 +89,7 @@ int main(int argc, char** argv) {
         const gattn::SequenceId root = pools.allocate();  // the system prompt, prefilled once
         model.forward(system, {0, static_cast<gattn::Index>(system.size())}, pools, {root});
         gattn::Index steps = 0, peak_pages = 0, generated = 0, largest_batch = 0;
+        gattn::Index peak_contiguous = 0;  // tokens the active requests' contiguous caches would reserve
         for (std::size_t finished = 0; finished < reqs.size(); ++steps) {
             std::vector<int> batch;
             std::vector<gattn::Index> indptr{0};
@@ -109,6 +113,10 @@ int main(int argc, char** argv) {
                 members.push_back(i);
             }
             if (seqs.empty()) continue;
+            gattn::Index reserved = 0;
+            for (std::size_t i : members)
+                reserved += static_cast<gattn::Index>(system.size() + reqs[i].question.size()) + tokens;
+            peak_contiguous = std::max(peak_contiguous, reserved);
             largest_batch = std::max<gattn::Index>(largest_batch, static_cast<gattn::Index>(batch.size()));
             const tiny_lm::Matrix<float> logits = model.forward(batch, indptr, pools, seqs);
             peak_pages = std::max(peak_pages, num_pages - pools.free_pages());
@@ -134,16 +142,16 @@ int main(int argc, char** argv) {
             equal += model.generate(prompt, tokens) == r.generated ? 1 : 0;
         }
         const double page_bytes = double(pools.storage_bytes()) / double(num_pages);
-        const double token_bytes = page_bytes / page;
-        double contiguous = 0;  // one cache per request, sized for its whole sequence
-        for (const Request& r : reqs) contiguous += token_bytes * double(system.size() + r.question.size() + tokens);
+        const double contiguous = page_bytes / page * double(peak_contiguous);
         std::printf("%d requests, a %zu-byte shared prompt, %d tokens each, pages of %d tokens, chunks of %d\n",
                     requests, system.size(), tokens, page, chunk);
+        std::printf("the prompt: %zu full pages shared by every request, a last page of %zu tokens copied by each\n",
+                    system.size() / static_cast<std::size_t>(page), system.size() % static_cast<std::size_t>(page));
         std::printf("%lld steps, up to %lld tokens a step: %.0f generated tokens/s (%s)\n",
                     static_cast<long long>(steps), static_cast<long long>(largest_batch), double(generated) / seconds,
                     gattn::describe(gattn::instruction_sets()).c_str());
         std::printf(
-            "KV memory: paged pools at their peak %.1f KiB, one contiguous cache per request %.1f KiB "
+            "KV memory at the peak: paged pools %.1f KiB, one contiguous cache per active request %.1f KiB "
             "(%.2fx)\n",
             double(peak_pages) * page_bytes / 1024, contiguous / 1024, contiguous / (double(peak_pages) * page_bytes));
         std::printf("requests whose tokens equal decoding them alone: %d of %d\n", equal, requests);
