@@ -13,9 +13,9 @@
 /// up to kDecodeRows rows at a time share each K and V register load.
 /// A masked key is skipped in the value sum (never multiplied by 0).
 /// With one query row per KV head (multi-head attention) over a float cache read from memory,
-/// each key block is read in address order instead: every head's products key row by key row,
-/// then each head's softmax, then every head's value sums key row by key row (the same sums in
-/// the same order).
+/// each key block is read in address order instead: every head's products key row by key row
+/// (for several blocks at a time, kDecodeOrderBytes), then each head's softmax, then every
+/// head's value sums key row by key row (the same sums in the same order).
 /// Chunks are cut at fixed key positions (multiples of kChunkKeys), never by thread count, and
 /// merged in order, so results do not depend on the number of threads.
 ///
@@ -292,6 +292,15 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
 /// lines 1.40× and 1.14× (AMD Zen 5, one thread, 8 heads, six alternated rounds, medians).
 inline constexpr Index kRowsAhead = 8, kRowLeadLines = 4;
 
+/// Address-order decoding reads the K rows of several key blocks before their V rows: as many
+/// blocks as keep their partial sums (H_kv·L·L elements a block, L keys of L lanes) within this
+/// many bytes, up to 16 (128 KiB: 16 blocks of 8 KV heads in float). A K then V phase of 16
+/// blocks of 16 rows instead of one, 8 on 8 KV heads, d = 128, one thread, AMD Zen 4, nine
+/// alternated rounds, medians: 8k keys 4.43 → 4.03 and 4.04 → 3.76 ms, 32k keys 17.83 →
+/// 17.05 and 16.50 → 15.34 ms (8 blocks: 3.76 and 15.81 ms). A plain read of K and V rows in
+/// phases of 16 rows streamed 24–27 GB/s, in phases of 256 rows 28–29.
+inline constexpr Index kDecodeOrderBytes = Index(128) << 10;
+
 /// Asks for the first kRowLeadLines lines of the row at p (see kRowsAhead).
 template <class T>
 inline void lead_row(const T* p) noexcept {
@@ -526,24 +535,28 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // per row (6.6 -> 6.4 ms one thread, 3.5 -> 3.4 ms two, at 32k keys, medians of 8 runs).
     const bool prefetch_in_kernels = spread_prefetch && int8_dot && int8_values;
     // With one row per KV head and a float cache read from memory, each key block is read in
-    // address order: the logits' products of all heads key row by key row, then the softmax of
-    // each head, then the value sums key row by key row (logits_in_address_order,
-    // values_in_address_order; the same bits). Head after head, each row's 4 KiB ([N, H·d],
+    // address order: the logits' products of all heads key row by key row (of a phase of
+    // blocks, kDecodeOrderBytes), then the softmax of each head, then the value sums key row by
+    // key row (logits_in_address_order, values_in_address_order; the same bits). Head after head, each row's 4 KiB ([N, H·d],
     // 8 KV heads, d = 128) was read as eight 512-byte pieces, each in turn for every row of
     // the block, which the memory streams more slowly. In cache the extra pass through the
     // partial sums costs more than the order gains (4 heads of 32 at 256 keys: 1.1–1.4× the
     // time; 8 of 64 at 1024: 1.05–1.2×), so there the heads run one after another.
     const bool in_order = from_memory && one_row_per_head && std::is_same_v<KV, T> && !kDot && !sve &&
                           num_kv_heads > 1 && dv % L == 0;
-    // in_order: the block's partial sums of every head and key, and each head's logits and
-    // weights (kept by the thread, grown only).
+    // in_order: the partial sums of every head and key of a phase of blocks (their K rows read
+    // before their V rows, kDecodeOrderBytes), and each head's logits and weights of a block
+    // (kept by the thread, grown only).
     thread_local std::vector<T> order_buffer;
     T *order_dots = nullptr, *order_s = nullptr, *order_p = nullptr;
+    const Index block_dots_size = num_kv_heads * L * L;
+    const Index phase_blocks =
+        std::clamp<Index>(kDecodeOrderBytes / (block_dots_size * Index(sizeof(T))), Index(1), Index(16));
     if (in_order) {
-        const auto need = static_cast<std::size_t>(num_kv_heads * L * (L + 2));
+        const auto need = static_cast<std::size_t>(phase_blocks * block_dots_size + 2 * num_kv_heads * L);
         if (order_buffer.size() < need) order_buffer.resize(need);
         order_dots = order_buffer.data();
-        order_s = order_dots + num_kv_heads * L * L;
+        order_s = order_dots + phase_blocks * block_dots_size;
         order_p = order_s + num_kv_heads * L;
     }
     Index steps_per_block = 0;
@@ -589,10 +602,18 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         // in_order: rows from the block's first that lie at the stride (to the sequence's last
         // key, or to the end of the block's page), which the row leads stay within.
         [[maybe_unused]] const Index lead_rows = pages.pages ? pages.page_size - j0 % pages.page_size : k_end - j0;
+        [[maybe_unused]] const T* block_dots = order_dots;  // in_order: this block's partial sums
         if (in_order) {
+            const Index slot = (j0 - k_begin) / L % phase_blocks;
+            block_dots = order_dots + slot * block_dots_size;
             if constexpr (std::is_same_v<KV, T>)
-                logits_in_address_order<T>(blks, num_kv_heads, key_base + r0 * key_stride, key_stride, dk, nk, dk_vec,
-                                           lead_rows, order_dots);
+                for (Index b = 0; slot == 0 && b < phase_blocks && j0 + b * L < k_end; ++b) {
+                    const Index jb = j0 + b * L;  // the logits of the phase's blocks, before any V row
+                    const Index rows = pages.pages ? pages.page_size - jb % pages.page_size : k_end - jb;
+                    logits_in_address_order<T>(blks, num_kv_heads, key_base + pages.row(jb) * key_stride, key_stride,
+                                               dk, std::min(L, k_end - jb), dk_vec, rows,
+                                               order_dots + b * block_dots_size);
+                }
             std::fill(order_s, order_s + num_kv_heads * L, kNegInf);  // a head that sees no key adds nothing
         }
         for (Index g = 0; g < num_kv_heads; ++g) {
@@ -673,7 +694,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                         if (!products_done && in_order) {
                             GATTN_UNROLL
                             for (Index kk = 0; kk < L; ++kk)
-                                dots[0][kk] = B::load_unaligned(order_dots + (g * L + kk) * L);
+                                dots[0][kk] = B::load_unaligned(block_dots + (g * L + kk) * L);
                         } else if (!products_done) {
                             group_logits<T, R, KV>(blk.q + t0, key + r0 * key_stride, key_stride, nk, dk_vec, dots);
                         }
