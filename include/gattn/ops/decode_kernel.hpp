@@ -537,11 +537,12 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // With one row per KV head and a float cache read from memory, each key block is read in
     // address order: the logits' products of all heads key row by key row (of a phase of
     // blocks, kDecodeOrderBytes), then the softmax of each head, then the value sums key row by
-    // key row (logits_in_address_order, values_in_address_order; the same bits). Head after head, each row's 4 KiB ([N, H·d],
-    // 8 KV heads, d = 128) was read as eight 512-byte pieces, each in turn for every row of
-    // the block, which the memory streams more slowly. In cache the extra pass through the
-    // partial sums costs more than the order gains (4 heads of 32 at 256 keys: 1.1–1.4× the
-    // time; 8 of 64 at 1024: 1.05–1.2×), so there the heads run one after another.
+    // key row (logits_in_address_order, values_in_address_order; the same bits). Head after
+    // head, each row's 4 KiB ([N, H·d], 8 KV heads, d = 128) was read as eight 512-byte pieces,
+    // each in turn for every row of the block, which the memory streams more slowly. In cache
+    // the extra pass through the partial sums costs more than the order gains (4 heads of 32 at
+    // 256 keys: 1.1–1.4× the time; 8 of 64 at 1024: 1.05–1.2×), so there the heads run one
+    // after another.
     const bool in_order = from_memory && one_row_per_head && std::is_same_v<KV, T> && !kDot && !sve &&
                           num_kv_heads > 1 && dv % L == 0;
     // in_order: the partial sums of every head and key of a phase of blocks (their K rows read
