@@ -295,10 +295,10 @@ inline constexpr Index kRowsAhead = 8, kRowLeadLines = 4;
 /// Address-order decoding reads the K rows of several key blocks before their V rows: as many
 /// blocks as keep their partial sums (H_kv·L·L elements a block, L keys of L lanes) within this
 /// many bytes, up to 16 (float, 8 KV heads: on AVX-512, L = 16, 16 blocks of 8 KiB; on AVX2,
-/// L = 8, 16 blocks of 2 KiB). A K then V phase of 16 blocks of 16 rows instead of one, 8 on 8
-/// KV heads, d = 128, one thread, AVX-512, AMD Zen 4, nine alternated rounds, medians: 8k keys
-/// 4.43 → 4.03 and 4.04 → 3.76 ms, 32k keys 17.83 → 17.05 and 16.50 → 15.34 ms (8 blocks: 3.76
-/// and 15.81 ms). A plain read of K and V rows in phases of 16 rows streamed 24–27 GB/s, in
+/// L = 8, 16 blocks of 2 KiB). Phases of 16 blocks instead of one block, 8 on 8
+/// KV heads, d = 128, one thread, AMD Zen 4, 15 pairs of runs, new / old time, medians: 0.944
+/// (8k keys) and 0.936 (32k) with AVX-512, 0.964 and 0.893 with AVX2 (single pairs 0.74–1.10:
+/// busy neighbours). A plain read of K and V rows in phases of 16 rows streamed 24–27 GB/s, in
 /// phases of 256 rows 28–29.
 inline constexpr Index kDecodeOrderBytes = Index(128) << 10;
 
