@@ -293,14 +293,14 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
 inline constexpr Index kRowsAhead = 8, kRowLeadLines = 4;
 
 /// Address-order decoding reads the K rows of several key blocks before their V rows: as many
-/// blocks as keep their partial sums (H_kv·L·L elements a block, L keys of L lanes) within this
-/// many bytes, up to 16 (float, 8 KV heads: on AVX-512, L = 16, 16 blocks of 8 KiB; on AVX2,
-/// L = 8, 16 blocks of 2 KiB). Phases of 16 blocks instead of one block, 8 on 8
-/// KV heads, d = 128, one thread, AMD Zen 4, 15 pairs of runs, new / old time, medians: 0.944
-/// (8k keys) and 0.936 (32k) with AVX-512, 0.964 and 0.893 with AVX2 (single pairs 0.74–1.10:
-/// busy neighbours). A plain read of K and V rows in phases of 16 rows streamed 24–27 GB/s, in
-/// phases of 256 rows 28–29.
-inline constexpr Index kDecodeOrderBytes = Index(128) << 10;
+/// blocks as keep their partial sums (H_kv·L·L elements a block, L keys of L lanes) within
+/// kDecodeOrderBytes, up to kDecodeOrderBlocks (float, 8 KV heads: on AVX-512, L = 16, 16
+/// blocks of 8 KiB; on AVX2, L = 8, 16 blocks of 2 KiB). Phases of 16 blocks instead of one
+/// block, 8 on 8 KV heads, d = 128, one thread, AMD Zen 4, 15 pairs of runs, new / old time,
+/// medians: 0.944 (8k keys) and 0.936 (32k) with AVX-512, 0.964 and 0.893 with AVX2 (single
+/// pairs 0.74–1.10: busy neighbours). A plain read of K and V rows in phases of 16 rows
+/// streamed 24–27 GB/s, in phases of 256 rows 28–29.
+inline constexpr Index kDecodeOrderBytes = Index(128) << 10, kDecodeOrderBlocks = 16;
 
 /// Asks for the first kRowLeadLines lines of the row at p (see kRowsAhead).
 template <class T>
@@ -553,7 +553,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     T *order_dots = nullptr, *order_s = nullptr, *order_p = nullptr;
     const Index block_dots_size = num_kv_heads * L * L;
     const Index phase_blocks =
-        std::clamp<Index>(kDecodeOrderBytes / (block_dots_size * Index(sizeof(T))), Index(1), Index(16));
+        std::clamp<Index>(kDecodeOrderBytes / (block_dots_size * Index(sizeof(T))), Index(1), kDecodeOrderBlocks);
     if (in_order) {
         const auto need = static_cast<std::size_t>(phase_blocks * block_dots_size + 2 * num_kv_heads * L);
         if (order_buffer.size() < need) order_buffer.resize(need);
@@ -576,6 +576,11 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
             for (Index e = 0; e < num_kv_heads * dk; e += simd::kLineElems<KV>) simd::prefetch(k + e);
             for (Index e = 0; e < num_kv_heads * dv; e += simd::kLineElems<KV>) simd::prefetch(v + e);
         }
+    };
+    // in_order: the rows from key j's row on that lie at the stride (to the sequence's last key,
+    // or to the end of j's page), which the row leads stay within.
+    [[maybe_unused]] const auto rows_at_stride = [&](Index j) {
+        return pages.pages ? pages.page_size - j % pages.page_size : k_end - j;
     };
     for (Index j0 = k_begin; j0 < k_end; j0 += L) {
         const Index nk = std::min(L, k_end - j0);
@@ -601,21 +606,18 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         } else if (!from_memory) {
             prefetch_rows(std::min(j0 + L, k_end), std::min(j0 + 2 * L, k_end));  // a block ahead of its use
         }
-        // in_order: rows from the block's first that lie at the stride (to the sequence's last
-        // key, or to the end of the block's page), which the row leads stay within.
-        [[maybe_unused]] const Index lead_rows = pages.pages ? pages.page_size - j0 % pages.page_size : k_end - j0;
         [[maybe_unused]] const T* block_dots = order_dots;  // in_order: this block's partial sums
         if (in_order) {
             const Index slot = (j0 - k_begin) / L % phase_blocks;
             block_dots = order_dots + slot * block_dots_size;
             if constexpr (std::is_same_v<KV, T>)
-                for (Index b = 0; slot == 0 && b < phase_blocks && j0 + b * L < k_end; ++b) {
-                    const Index jb = j0 + b * L;  // the logits of the phase's blocks, before any V row
-                    const Index rows = pages.pages ? pages.page_size - jb % pages.page_size : k_end - jb;
-                    logits_in_address_order<T>(blks, num_kv_heads, key_base + pages.row(jb) * key_stride, key_stride,
-                                               dk, std::min(L, k_end - jb), dk_vec, rows,
-                                               order_dots + b * block_dots_size);
-                }
+                if (slot == 0)  // the logits of the phase's blocks, before any of their V rows
+                    for (Index b = 0; b < phase_blocks && j0 + b * L < k_end; ++b) {
+                        const Index jb = j0 + b * L;
+                        logits_in_address_order<T>(blks, num_kv_heads, key_base + pages.row(jb) * key_stride,
+                                                   key_stride, dk, std::min(L, k_end - jb), dk_vec, rows_at_stride(jb),
+                                                   order_dots + b * block_dots_size);
+                    }
             std::fill(order_s, order_s + num_kv_heads * L, kNegInf);  // a head that sees no key adds nothing
         }
         for (Index g = 0; g < num_kv_heads; ++g) {
@@ -828,7 +830,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         if constexpr (std::is_same_v<KV, T>)
             if (in_order)
                 values_in_address_order<T>(order_s, order_p, num_kv_heads, nk, value_base + r0 * value_stride,
-                                           value_stride, lead_rows, states, dv);
+                                           value_stride, rows_at_stride(j0), states, dv);
     }
     if constexpr (kDot && !kBfdot)
         for (Index g = 0; g < num_kv_heads; ++g)
