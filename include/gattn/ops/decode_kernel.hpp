@@ -14,7 +14,7 @@
 /// A masked key is skipped in the value sum (never multiplied by 0).
 /// With one query row per KV head (multi-head attention) over a float cache read from memory,
 /// each key block is read in address order instead: every head's products key row by key row
-/// (for several blocks at a time, kDecodeOrderBytes), then each head's softmax, then every
+/// (for kDecodeOrderBlocks blocks at a time), then each head's softmax, then every
 /// head's value sums key row by key row (the same sums in the same order).
 /// Chunks are cut at fixed key positions (multiples of kChunkKeys), never by thread count, and
 /// merged in order, so results do not depend on the number of threads.
@@ -292,15 +292,14 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
 /// lines 1.40× and 1.14× (AMD Zen 5, one thread, 8 heads, six alternated rounds, medians).
 inline constexpr Index kRowsAhead = 8, kRowLeadLines = 4;
 
-/// Address-order decoding reads the K rows of several key blocks before their V rows: as many
-/// blocks as keep their partial sums (H_kv·L·L elements a block, L keys of L lanes) within
-/// kDecodeOrderBytes, up to kDecodeOrderBlocks (float, 8 KV heads: on AVX-512, L = 16, 16
-/// blocks of 8 KiB; on AVX2, L = 8, 16 blocks of 2 KiB). Phases of 16 blocks instead of one
+/// Address-order decoding reads the K rows of kDecodeOrderBlocks key blocks before their V
+/// rows (float, 8 KV heads: on AVX-512, 16 blocks of 16 keys, 1 MiB of K; on AVX2, 16 blocks of
+/// 8 keys), keeping each head's logits of those blocks. Phases of 16 blocks instead of one
 /// block, 8 on 8 KV heads, d = 128, one thread, AMD Zen 4, 15 pairs of runs, new / old time,
 /// medians: 0.944 (8k keys) and 0.936 (32k) with AVX-512, 0.964 and 0.893 with AVX2 (single
 /// pairs 0.74–1.10: busy neighbours). A plain read of K and V rows in phases of 16 rows
 /// streamed 24–27 GB/s, in phases of 256 rows 28–29.
-inline constexpr Index kDecodeOrderBytes = Index(128) << 10, kDecodeOrderBlocks = 16;
+inline constexpr Index kDecodeOrderBlocks = 16;
 
 /// Asks for the first kRowLeadLines lines of the row at p (see kRowsAhead).
 template <class T>
@@ -324,16 +323,17 @@ inline void with_register_count(Index n, F&& f) {
 }
 
 /// Multi-head attention decoding (one query row per KV head), the logits' dot products of a
-/// key block read in address order: dots[(g·L + kk)·L ...] is the register of partial sums
-/// of key kk and KV head g's row blks[g].q[0] (kk < nk; 0 for kk in [nk, L)), key kk's row of
-/// all heads at key + kk·key_stride. A head without a row (its sums go unused) multiplies its
-/// own K row. Each (head, key) chain runs over d < dk_vec in order, as in group_logits, so the
-/// sums are bitwise those of group_logits; eight heads at a time give eight independent
+/// key block read in address order: logits[g·L + kk] is the dot product over d < dk_vec of key
+/// kk and KV head g's row blks[g].q[0] (kk < nk; 0 for kk in [nk, L)), key kk's row of all
+/// heads at key + kk·key_stride; dots (H_kv·L·L elements) holds the partial sums. A head
+/// without a row (its sums go unused) multiplies its own K row. Each (head, key) chain runs
+/// over d in order and is reduced across lanes by simd::reduce_sum_rows, as in group_logits,
+/// so the sums are bitwise those of group_logits; eight heads at a time give eight independent
 /// chains, which run side by side out of order while the row is read front to back. Rows
 /// [0, rows) lie at that stride (the lead stays among them).
 template <class T>
 inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, const T* key, Index key_stride, Index dk,
-                                    Index nk, Index dk_vec, Index rows, T* dots) noexcept {
+                                    Index nk, Index dk_vec, Index rows, T* dots, T* logits) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     for (Index kk = 0; kk < L; ++kk) {
@@ -364,6 +364,13 @@ inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, cons
                     for (int i = 0; i < N; ++i) a[i].store_unaligned(dots + ((g0 + i) * L + kk) * L);
                 }
             });
+    }
+    // Reduced here, in L1, so that a phase keeps L logits a head and block, not L registers.
+    for (Index g = 0; g < heads; ++g) {
+        B sums[L];
+        GATTN_UNROLL
+        for (Index kk = 0; kk < L; ++kk) sums[kk] = B::load_unaligned(dots + (g * L + kk) * L);
+        simd::reduce_sum_rows<T>(sums).store_unaligned(logits + g * L);
     }
 }
 
@@ -537,7 +544,7 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     const bool prefetch_in_kernels = spread_prefetch && int8_dot && int8_values;
     // With one row per KV head and a float cache read from memory, each key block is read in
     // address order: the logits' products of all heads key row by key row (of a phase of
-    // blocks, kDecodeOrderBytes), then the softmax of each head, then the value sums key row by
+    // kDecodeOrderBlocks blocks), then the softmax of each head, then the value sums key row by
     // key row (logits_in_address_order, values_in_address_order; the same bits). Head after
     // head, each row's 4 KiB ([N, H·d], 8 KV heads, d = 128) was read as eight 512-byte pieces,
     // each in turn for every row of the block, which the memory streams more slowly. In cache
@@ -546,20 +553,19 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // after another.
     const bool in_order = from_memory && one_row_per_head && std::is_same_v<KV, T> && !kDot && !sve &&
                           num_kv_heads > 1 && dv % L == 0;
-    // in_order: the partial sums of every head and key of a phase of blocks (their K rows read
-    // before their V rows, kDecodeOrderBytes), and each head's logits and weights of a block
-    // (kept by the thread, grown only).
+    // in_order: the logits' dot products of every head and key of a phase of blocks (their K
+    // rows read before their V rows), one block's partial sums, and each head's logits and
+    // weights of a block (kept by the thread, grown only).
     thread_local std::vector<T> order_buffer;
-    T *order_dots = nullptr, *order_s = nullptr, *order_p = nullptr;
-    const Index block_dots_size = num_kv_heads * L * L;
-    const Index phase_blocks =
-        std::clamp<Index>(kDecodeOrderBytes / (block_dots_size * Index(sizeof(T))), Index(1), kDecodeOrderBlocks);
+    T *order_dots = nullptr, *order_logits = nullptr, *order_s = nullptr, *order_p = nullptr;
+    const Index block_logits_size = num_kv_heads * L, phase_blocks = kDecodeOrderBlocks;
     if (in_order) {
-        const auto need = static_cast<std::size_t>(phase_blocks * block_dots_size + 2 * num_kv_heads * L);
+        const auto need = static_cast<std::size_t>((L + phase_blocks + 2) * block_logits_size);
         if (order_buffer.size() < need) order_buffer.resize(need);
         order_dots = order_buffer.data();
-        order_s = order_dots + phase_blocks * block_dots_size;
-        order_p = order_s + num_kv_heads * L;
+        order_logits = order_dots + L * block_logits_size;
+        order_s = order_logits + phase_blocks * block_logits_size;
+        order_p = order_s + block_logits_size;
     }
     Index steps_per_block = 0;
     const Index steps_per_group = int8_ymm ? decode_int8_ymm::prefetch_steps(L, dv) : L / 4 + dv / 64 * (L / 2);
@@ -606,17 +612,17 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         } else if (!from_memory) {
             prefetch_rows(std::min(j0 + L, k_end), std::min(j0 + 2 * L, k_end));  // a block ahead of its use
         }
-        [[maybe_unused]] const T* block_dots = order_dots;  // in_order: this block's partial sums
+        [[maybe_unused]] const T* block_logits = order_logits;  // in_order: this block's dot products
         if (in_order) {
             const Index slot = (j0 - k_begin) / L % phase_blocks;
-            block_dots = order_dots + slot * block_dots_size;
+            block_logits = order_logits + slot * block_logits_size;
             if constexpr (std::is_same_v<KV, T>)
                 if (slot == 0)  // the logits of the phase's blocks, before any of their V rows
                     for (Index b = 0; b < phase_blocks && j0 + b * L < k_end; ++b) {
                         const Index jb = j0 + b * L;
                         logits_in_address_order<T>(blks, num_kv_heads, key_base + pages.row(jb) * key_stride,
                                                    key_stride, dk, std::min(L, k_end - jb), dk_vec, rows_at_stride(jb),
-                                                   order_dots + b * block_dots_size);
+                                                   order_dots, order_logits + b * block_logits_size);
                     }
             std::fill(order_s, order_s + num_kv_heads * L, kNegInf);  // a head that sees no key adds nothing
         }
@@ -696,9 +702,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                             }
                         }
                         if (!products_done && in_order) {
-                            GATTN_UNROLL
-                            for (Index kk = 0; kk < L; ++kk)
-                                dots[0][kk] = B::load_unaligned(block_dots + (g * L + kk) * L);
+                            row_logits[0] = B::load_unaligned(block_logits + g * L);
+                            products_done = reduced = true;
                         } else if (!products_done) {
                             group_logits<T, R, KV>(blk.q + t0, key + r0 * key_stride, key_stride, nk, dk_vec, dots);
                         }
