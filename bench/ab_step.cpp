@@ -1,0 +1,29 @@
+// SPDX-License-Identifier: Apache-2.0
+// One float SDPA call of gattn, built as a shared object against one revision's headers by
+// scripts/ab_revisions.sh, so that bench_revisions can load two revisions into one process and
+// time them in turn. Only gattn_ab_sdpa is exported (built with -fvisibility=hidden), so the
+// two objects' inline functions never mix.
+#include <cstdio>
+#include <exception>
+
+#include <gattn/gattn.hpp>
+
+/// out[N_q, H·d] = SDPA of q[N_q, H·d] over k, v[N_k, H_kv·d] (one sequence; causal: bottom-
+/// right aligned). Returns 0, or 1 when gattn threw (the message is printed).
+extern "C" __attribute__((visibility("default"))) int gattn_ab_sdpa(const float* q, const float* k, const float* v,
+                                                                    float* out, long n_q, long n_k, long heads,
+                                                                    long kv_heads, long head_dim, int causal) {
+    using Rows = Eigen::Map<const gattn::RowMatrix<float>>;
+    try {
+        const Rows query(q, n_q, heads * head_dim), key(k, n_k, kv_heads * head_dim),
+            value(v, n_k, kv_heads * head_dim);
+        Eigen::Map<gattn::RowMatrix<float>> result(out, n_q, heads * head_dim);
+        gattn::SdpaOptions<float> options;
+        options.mask.causal = causal != 0;
+        gattn::scaled_dot_product_attention<float>(query, key, value, {1, heads, kv_heads}, result, options);
+        return 0;
+    } catch (const std::exception& e) {
+        std::fprintf(stderr, "gattn_ab_sdpa: %s\n", e.what());
+        return 1;
+    }
+}

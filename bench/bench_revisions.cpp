@@ -1,0 +1,117 @@
+// SPDX-License-Identifier: Apache-2.0
+// Two builds of gattn in one process: the shared objects A and B (bench/ab_step.cpp, each built
+// against one revision's headers by scripts/ab_revisions.sh) run the same float SDPA call in
+// turn, in alternating order, within every iteration. On a shared machine whose speed drifts
+// from second to second, the ratio of each pair of calls is far steadier than the ratio of two
+// processes' times. Counters: a_ms and b_ms (medians), b_vs_a (median of the pairs' ratios of
+// B's time to A's: below 1, B is faster), b_vs_a_q1 and b_vs_a_q3 (quartiles of those ratios),
+// same_bits (1: the two outputs are bitwise equal). No gattn header is included here.
+//
+//   bench_revisions [Google Benchmark flags] A.so B.so
+//
+// Cases: one decoding step (1 query token over N_k keys, bottom-right causal, 8 query heads on
+// 2 or 8 KV heads, d = 128; the CPU caches are flushed before each call, so K and V come from
+// memory), and a prefill of N = 2048 (8 heads, d = 128, non-causal and causal).
+#include <dlfcn.h>
+
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace {
+
+using Sdpa = int (*)(const float*, const float*, const float*, float*, long, long, long, long, long, int);
+Sdpa g_sdpa[2] = {nullptr, nullptr};  // A, B
+
+/// Loads the gattn_ab_sdpa of shared object path; nullptr, with the reason printed, when it fails.
+Sdpa load(const char* path) {
+    void* handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+        std::fprintf(stderr, "bench_revisions: %s\n", dlerror());
+        return nullptr;
+    }
+    auto* f = reinterpret_cast<Sdpa>(dlsym(handle, "gattn_ab_sdpa"));
+    if (!f) std::fprintf(stderr, "bench_revisions: %s has no gattn_ab_sdpa\n", path);
+    return f;
+}
+
+double quantile(std::vector<double> x, double q) {
+    std::sort(x.begin(), x.end());
+    return x[static_cast<std::size_t>(q * static_cast<double>(x.size() - 1) + 0.5)];
+}
+
+/// Args: N_q, N_k, query heads, KV heads, head_dim, causal.
+void BM_Revisions(benchmark::State& state) {
+    const long nq = state.range(0), nk = state.range(1), h = state.range(2), hkv = state.range(3), d = state.range(4);
+    const int causal = static_cast<int>(state.range(5));
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> uniform(-1, 1);
+    auto random = [&](std::size_t n) {
+        std::vector<float> x(n);
+        for (float& e : x) e = uniform(rng);
+        return x;
+    };
+    const std::vector<float> q = random(static_cast<std::size_t>(nq * h * d)),
+                             k = random(static_cast<std::size_t>(nk * hkv * d)),
+                             v = random(static_cast<std::size_t>(nk * hkv * d));
+    std::vector<float> out[2] = {std::vector<float>(q.size()), std::vector<float>(q.size())};
+    std::vector<char> flush(nq == 1 ? std::size_t(64) << 20 : 0, 1);  // past a 32 MiB L3
+    long touched = 0;
+    std::vector<double> ms[2], ratios;
+    bool failed = false;
+    for (auto _ : state) {
+        double seconds[2] = {0, 0};
+        for (int turn = 0; turn < 2; ++turn) {
+            const int which = (ms[0].size() % 2 == 0) ? turn : 1 - turn;  // A first, then B first
+            for (std::size_t i = 0; i < flush.size(); i += 64) touched += flush[i];
+            const auto t0 = std::chrono::steady_clock::now();
+            failed = failed ||
+                     g_sdpa[which](q.data(), k.data(), v.data(), out[which].data(), nq, nk, h, hkv, d, causal);
+            seconds[which] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        }
+        state.SetIterationTime(seconds[0] + seconds[1]);
+        ms[0].push_back(seconds[0] * 1e3);
+        ms[1].push_back(seconds[1] * 1e3);
+        ratios.push_back(seconds[1] / seconds[0]);
+    }
+    benchmark::DoNotOptimize(touched);
+    if (failed) return state.SkipWithError("a call threw (see above)");
+    state.counters["a_ms"] = quantile(ms[0], 0.5);
+    state.counters["b_ms"] = quantile(ms[1], 0.5);
+    state.counters["b_vs_a"] = quantile(ratios, 0.5);
+    state.counters["b_vs_a_q1"] = quantile(ratios, 0.25);
+    state.counters["b_vs_a_q3"] = quantile(ratios, 0.75);
+    state.counters["same_bits"] = std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)) == 0;
+}
+
+BENCHMARK(BM_Revisions)
+    ->ArgNames({"N_q", "N_k", "heads", "kv_heads", "d", "causal"})
+    ->Args({1, 8192, 8, 2, 128, 1})
+    ->Args({1, 8192, 8, 8, 128, 1})
+    ->Args({1, 32768, 8, 2, 128, 1})
+    ->Args({1, 32768, 8, 8, 128, 1})
+    ->Args({2048, 2048, 8, 8, 128, 0})
+    ->Args({2048, 2048, 8, 8, 128, 1})
+    ->UseManualTime()
+    ->MinTime(2.0)
+    ->Unit(benchmark::kMillisecond);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    benchmark::Initialize(&argc, argv);
+    if (argc != 3) {
+        std::fprintf(stderr, "usage: bench_revisions [Google Benchmark flags] A.so B.so\n");
+        return 2;
+    }
+    for (int i = 0; i < 2; ++i)
+        if (!(g_sdpa[i] = load(argv[1 + i]))) return 1;
+    benchmark::RunSpecifiedBenchmarks();
+    benchmark::Shutdown();
+    return 0;
+}
