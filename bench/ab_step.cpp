@@ -25,5 +25,8 @@ extern "C" __attribute__((visibility("default"))) int gattn_ab_sdpa(const float*
     } catch (const std::exception& e) {
         std::fprintf(stderr, "gattn_ab_sdpa: %s\n", e.what());
         return 1;
+    } catch (...) {
+        std::fprintf(stderr, "gattn_ab_sdpa: an exception that is not a std::exception\n");
+        return 1;
     }
 }

@@ -2,12 +2,13 @@
 // Two builds of gattn in one process: the shared objects A and B (bench/ab_step.cpp, each built
 // against one revision's headers by scripts/ab_revisions.sh) run the same float SDPA call in
 // turn, in alternating order, within every iteration. On a shared machine whose speed drifts
-// from second to second, the ratio of each pair of calls is far steadier than the ratio of two
+// from minute to minute, the ratio of each pair of calls is far steadier than the ratio of two
 // processes' times. Counters: a_ms and b_ms (medians), b_vs_a (median of the pairs' ratios of
-// B's time to A's: below 1, B is faster), b_vs_a_q1 and b_vs_a_q3 (quartiles of those ratios),
-// same_bits (1: the two outputs are bitwise equal). No gattn header is included here.
+// B's time to A's: below 1, B is faster), b_vs_a_q1 and b_vs_a_q3 (quartiles of those ratios;
+// each the nearest of the sorted ratios), same_bits (1: the two outputs are bitwise equal). No
+// gattn header is included here.
 //
-//   bench_revisions [Google Benchmark flags] A.so B.so
+//   bench_revisions [Google Benchmark flags] A.so B.so    (paths with a '/', as dlopen wants)
 //
 // Cases: one decoding step (1 query token over N_k keys, bottom-right causal, 8 query heads on
 // 2 or 8 KV heads, d = 128; the CPU caches are flushed before each call, so K and V come from
@@ -66,13 +67,16 @@ void BM_Revisions(benchmark::State& state) {
     bool failed = false;
     for (auto _ : state) {
         double seconds[2] = {0, 0};
-        for (int turn = 0; turn < 2; ++turn) {
+        for (int turn = 0; turn < 2 && !failed; ++turn) {
             const int which = (ms[0].size() % 2 == 0) ? turn : 1 - turn;  // A first, then B first
             for (std::size_t i = 0; i < flush.size(); i += 64) touched += flush[i];
             const auto t0 = std::chrono::steady_clock::now();
-            failed = failed ||
-                     g_sdpa[which](q.data(), k.data(), v.data(), out[which].data(), nq, nk, h, hkv, d, causal);
+            failed = g_sdpa[which](q.data(), k.data(), v.data(), out[which].data(), nq, nk, h, hkv, d, causal) != 0;
             seconds[which] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        }
+        if (failed) {
+            state.SkipWithError("a call threw (see above)");
+            break;
         }
         state.SetIterationTime(seconds[0] + seconds[1]);
         ms[0].push_back(seconds[0] * 1e3);
@@ -80,7 +84,7 @@ void BM_Revisions(benchmark::State& state) {
         ratios.push_back(seconds[1] / seconds[0]);
     }
     benchmark::DoNotOptimize(touched);
-    if (failed) return state.SkipWithError("a call threw (see above)");
+    if (failed) return;
     state.counters["a_ms"] = quantile(ms[0], 0.5);
     state.counters["b_ms"] = quantile(ms[1], 0.5);
     state.counters["b_vs_a"] = quantile(ratios, 0.5);
@@ -106,7 +110,7 @@ BENCHMARK(BM_Revisions)
 int main(int argc, char** argv) {
     benchmark::Initialize(&argc, argv);
     if (argc != 3) {
-        std::fprintf(stderr, "usage: bench_revisions [Google Benchmark flags] A.so B.so\n");
+        std::fprintf(stderr, "usage: bench_revisions [Google Benchmark flags] A.so B.so (paths with a '/')\n");
         return 2;
     }
     for (int i = 0; i < 2; ++i)
