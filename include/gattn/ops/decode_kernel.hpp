@@ -293,12 +293,13 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
 inline constexpr Index kRowsAhead = 8, kRowLeadLines = 4;
 
 /// Address-order decoding reads the K rows of kDecodeOrderBlocks key blocks before their V
-/// rows (float, 8 KV heads: on AVX-512, 16 blocks of 16 keys, 1 MiB of K; on AVX2, 16 blocks of
-/// 8 keys), keeping each head's logits of those blocks. Phases of 16 blocks instead of one
-/// block, 8 on 8 KV heads, d = 128, one thread, AMD Zen 4, 15 pairs of runs, new / old time,
-/// medians: 0.944 (8k keys) and 0.936 (32k) with AVX-512, 0.964 and 0.893 with AVX2 (single
-/// pairs 0.74–1.10: busy neighbours). A plain read of K and V rows in phases of 16 rows
-/// streamed 24–27 GB/s, in phases of 256 rows 28–29.
+/// rows (float, 8 KV heads, d = 128: on AVX-512, 16 blocks of 16 keys, 1 MiB of K; on AVX2, 16
+/// blocks of 8 keys, 512 KiB), keeping each head's logits of those blocks. Phases of 16 blocks
+/// instead of one block, 8 on 8 KV heads, d = 128, one thread, AMD Zen 4, 15 pairs of runs,
+/// new / old time, medians: 0.944 (8k keys) and 0.936 (32k) with AVX-512, 0.964 and 0.893 with
+/// AVX2 (single pairs 0.74–1.10: busy neighbours); phases of 64 blocks were 1.05–1.09× slower
+/// than 16. A plain read of K and V rows in 2 MiB pages streamed 24–27 GB/s in phases of 16
+/// rows, 28–29 in phases of 256 (in 4 KiB pages 15–18 GB/s, little changed by the phase).
 inline constexpr Index kDecodeOrderBlocks = 16;
 
 /// Asks for the first kRowLeadLines lines of the row at p (see kRowsAhead).
