@@ -702,12 +702,14 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                                 products_done = reduced = true;
                             }
                         }
-                        if (!products_done && in_order) {
-                            row_logits[0] = B::load_unaligned(block_logits + g * L);
-                            products_done = reduced = true;
-                        } else if (!products_done) {
-                            group_logits<T, R, KV>(blk.q + t0, key + r0 * key_stride, key_stride, nk, dk_vec, dots);
+                        if constexpr (R == 1) {  // in_order: one row per KV head
+                            if (!products_done && in_order) {
+                                row_logits[0] = B::load_unaligned(block_logits + g * L);
+                                products_done = reduced = true;
+                            }
                         }
+                        if (!products_done)
+                            group_logits<T, R, KV>(blk.q + t0, key + r0 * key_stride, key_stride, nk, dk_vec, dots);
                         GATTN_UNROLL
                         for (int r = 0; r < R; ++r) {
                             // Logits of row t from its dot-product registers, masked (−∞: key
