@@ -550,8 +550,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // head, each row's 4 KiB ([N, H·d], 8 KV heads, d = 128) was read as eight 512-byte pieces,
     // each in turn for every row of the block, which the memory streams more slowly. In cache
     // the extra pass through the partial sums costs more than the order gains (4 heads of 32 at
-    // 256 keys: 1.1–1.4× the time; 8 of 64 at 1024: 1.05–1.2×), so there the heads run one
-    // after another.
+    // 256 keys: 1.1–1.4× the time; 8 of 64 at 1024: 1.05–1.2×; measured before the softmax
+    // took each block's logits already reduced), so there the heads run one after another.
     const bool in_order = from_memory && one_row_per_head && std::is_same_v<KV, T> && !kDot && !sve &&
                           num_kv_heads > 1 && dv % L == 0;
     // in_order: the logits' dot products of every head and key of a phase of blocks (their K
@@ -559,13 +559,13 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // weights of a block (kept by the thread, grown only).
     thread_local std::vector<T> order_buffer;
     T *order_dots = nullptr, *order_logits = nullptr, *order_s = nullptr, *order_p = nullptr;
-    const Index block_logits_size = num_kv_heads * L, phase_blocks = kDecodeOrderBlocks;
+    const Index block_logits_size = num_kv_heads * L;
     if (in_order) {
-        const auto need = static_cast<std::size_t>((L + phase_blocks + 2) * block_logits_size);
+        const auto need = static_cast<std::size_t>((L + kDecodeOrderBlocks + 2) * block_logits_size);
         if (order_buffer.size() < need) order_buffer.resize(need);
         order_dots = order_buffer.data();
         order_logits = order_dots + L * block_logits_size;
-        order_s = order_logits + phase_blocks * block_logits_size;
+        order_s = order_logits + kDecodeOrderBlocks * block_logits_size;
         order_p = order_s + block_logits_size;
     }
     Index steps_per_block = 0;
@@ -615,11 +615,11 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
         }
         [[maybe_unused]] const T* block_logits = order_logits;  // in_order: this block's dot products
         if (in_order) {
-            const Index slot = (j0 - k_begin) / L % phase_blocks;
+            const Index slot = (j0 - k_begin) / L % kDecodeOrderBlocks;
             block_logits = order_logits + slot * block_logits_size;
             if constexpr (std::is_same_v<KV, T>)
                 if (slot == 0)  // the logits of the phase's blocks, before any of their V rows
-                    for (Index b = 0; b < phase_blocks && j0 + b * L < k_end; ++b) {
+                    for (Index b = 0; b < kDecodeOrderBlocks && j0 + b * L < k_end; ++b) {
                         const Index jb = j0 + b * L;
                         logits_in_address_order<T>(blks, num_kv_heads, key_base + pages.row(jb) * key_stride,
                                                    key_stride, dk, std::min(L, k_end - jb), dk_vec, rows_at_stride(jb),
