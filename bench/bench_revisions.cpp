@@ -10,9 +10,12 @@
 //
 //   bench_revisions [Google Benchmark flags] A.so B.so    (paths with a '/', as dlopen wants)
 //
-// Cases: one decoding step (1 query token over N_k keys, bottom-right causal, 8 query heads on
-// 2 or 8 KV heads, d = 128; the CPU caches are flushed before each call, so K and V come from
-// memory), and a prefill of N = 2048 (8 heads, d = 128, non-causal and causal).
+// Cases: one decoding step (1 query token over N_k keys, bottom-right causal, d = 128): over
+// 8k and 32k keys, 8 query heads on 2 or 8 KV heads, with the CPU caches flushed before each
+// call (flush:1) so that K and V come from memory; over 256 keys of 32 heads and 1024 keys of 8
+// heads (8 MiB of K and V, within gattn's in-cache limit, kDecodeFromMemoryBytes) with no
+// flush, so that they come from cache; and a prefill of N = 2048 (8 heads, d = 128, non-causal
+// and causal).
 #include <dlfcn.h>
 
 #include <benchmark/benchmark.h>
@@ -46,10 +49,11 @@ double quantile(std::vector<double> x, double q) {
     return x[static_cast<std::size_t>(q * static_cast<double>(x.size() - 1) + 0.5)];
 }
 
-/// Args: N_q, N_k, query heads, KV heads, head_dim, causal.
+/// Args: N_q, N_k, query heads, KV heads, head_dim, causal, flush (64 MiB read before each call).
 void BM_Revisions(benchmark::State& state) {
     const long nq = state.range(0), nk = state.range(1), h = state.range(2), hkv = state.range(3), d = state.range(4);
     const int causal = static_cast<int>(state.range(5));
+    const bool flushes = state.range(6) != 0;
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> uniform(-1, 1);
     auto random = [&](std::size_t n) {
@@ -61,7 +65,7 @@ void BM_Revisions(benchmark::State& state) {
                              k = random(static_cast<std::size_t>(nk * hkv * d)),
                              v = random(static_cast<std::size_t>(nk * hkv * d));
     std::vector<float> out[2] = {std::vector<float>(q.size()), std::vector<float>(q.size())};
-    std::vector<char> flush(nq == 1 ? std::size_t(64) << 20 : 0, 1);  // past a 32 MiB L3
+    std::vector<char> flush(flushes ? std::size_t(64) << 20 : 0, 1);  // past a 32 MiB L3
     long touched = 0;
     std::vector<double> ms[2], ratios;
     bool failed = false;
@@ -94,13 +98,15 @@ void BM_Revisions(benchmark::State& state) {
 }
 
 BENCHMARK(BM_Revisions)
-    ->ArgNames({"N_q", "N_k", "heads", "kv_heads", "d", "causal"})
-    ->Args({1, 8192, 8, 2, 128, 1})
-    ->Args({1, 8192, 8, 8, 128, 1})
-    ->Args({1, 32768, 8, 2, 128, 1})
-    ->Args({1, 32768, 8, 8, 128, 1})
-    ->Args({2048, 2048, 8, 8, 128, 0})
-    ->Args({2048, 2048, 8, 8, 128, 1})
+    ->ArgNames({"N_q", "N_k", "heads", "kv_heads", "d", "causal", "flush"})
+    ->Args({1, 8192, 8, 2, 128, 1, 1})
+    ->Args({1, 8192, 8, 8, 128, 1, 1})
+    ->Args({1, 32768, 8, 2, 128, 1, 1})
+    ->Args({1, 32768, 8, 8, 128, 1, 1})
+    ->Args({1, 256, 32, 32, 128, 1, 0})
+    ->Args({1, 1024, 8, 8, 128, 1, 0})
+    ->Args({2048, 2048, 8, 8, 128, 0, 0})
+    ->Args({2048, 2048, 8, 8, 128, 1, 0})
     ->UseManualTime()
     ->MinTime(2.0)
     ->Unit(benchmark::kMillisecond);
