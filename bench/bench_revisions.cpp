@@ -16,14 +16,22 @@
 // heads (8 MiB of K and V, within gattn's in-cache limit, kDecodeFromMemoryBytes) with no
 // flush, so that they come from cache; and a prefill of N = 2048 (8 heads, d = 128, non-causal
 // and causal).
+//
+// --huge_pages (before A.so): K and V sit in memory advised into transparent huge pages, as
+// gattn's KVCache and PagedKVPool ask for theirs (counter huge_page_MiB: how much the kernel
+// gave; 0 where transparent huge pages are off). Without it they are plain vectors (4 KiB pages).
 #include <dlfcn.h>
+#include <sys/mman.h>
 
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <random>
 #include <vector>
 
@@ -44,6 +52,31 @@ Sdpa load(const char* path) {
     return f;
 }
 
+bool g_huge_pages = false;  // --huge_pages
+
+/// The process's anonymous memory in transparent huge pages, in KiB (Linux; 0 elsewhere).
+long huge_page_kib() {
+    long kib = 0;
+    if (std::FILE* f = std::fopen("/proc/self/smaps_rollup", "r")) {
+        char line[256];
+        while (std::fgets(line, sizeof line, f))
+            if (std::sscanf(line, "AnonHugePages: %ld kB", &kib) == 1) break;
+        std::fclose(f);
+    }
+    return kib;
+}
+
+/// A copy of x in its own 2 MiB-aligned memory, advised into huge pages when --huge_pages.
+std::unique_ptr<float, decltype(&std::free)> place(const std::vector<float>& x) {
+    constexpr std::size_t kHuge = std::size_t(2) << 20;
+    const std::size_t bytes = (x.size() * sizeof(float) + kHuge - 1) / kHuge * kHuge;
+    std::unique_ptr<float, decltype(&std::free)> p(static_cast<float*>(std::aligned_alloc(kHuge, bytes)), &std::free);
+    if (!p) throw std::bad_alloc();
+    if (g_huge_pages) madvise(p.get(), bytes, MADV_HUGEPAGE);
+    std::memcpy(p.get(), x.data(), x.size() * sizeof(float));
+    return p;
+}
+
 double quantile(std::vector<double> x, double q) {
     std::sort(x.begin(), x.end());
     return x[static_cast<std::size_t>(q * static_cast<double>(x.size() - 1) + 0.5)];
@@ -61,9 +94,11 @@ void BM_Revisions(benchmark::State& state) {
         for (float& e : x) e = uniform(rng);
         return x;
     };
-    const std::vector<float> q = random(static_cast<std::size_t>(nq * h * d)),
-                             k = random(static_cast<std::size_t>(nk * hkv * d)),
-                             v = random(static_cast<std::size_t>(nk * hkv * d));
+    const long huge_before = huge_page_kib();
+    const std::vector<float> q = random(static_cast<std::size_t>(nq * h * d));
+    const auto k = place(random(static_cast<std::size_t>(nk * hkv * d)));
+    const auto v = place(random(static_cast<std::size_t>(nk * hkv * d)));
+    const long huge_kib = huge_page_kib() - huge_before;
     std::vector<float> out[2] = {std::vector<float>(q.size()), std::vector<float>(q.size())};
     std::vector<char> flush(flushes ? std::size_t(64) << 20 : 0, 1);  // past a 32 MiB L3
     long touched = 0;
@@ -75,7 +110,7 @@ void BM_Revisions(benchmark::State& state) {
             const int which = (ms[0].size() % 2 == 0) ? turn : 1 - turn;  // A first, then B first
             for (std::size_t i = 0; i < flush.size(); i += 64) touched += flush[i];
             const auto t0 = std::chrono::steady_clock::now();
-            failed = g_sdpa[which](q.data(), k.data(), v.data(), out[which].data(), nq, nk, h, hkv, d, causal) != 0;
+            failed = g_sdpa[which](q.data(), k.get(), v.get(), out[which].data(), nq, nk, h, hkv, d, causal) != 0;
             seconds[which] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         }
         if (failed) {
@@ -94,6 +129,7 @@ void BM_Revisions(benchmark::State& state) {
     state.counters["b_vs_a"] = quantile(ratios, 0.5);
     state.counters["b_vs_a_q1"] = quantile(ratios, 0.25);
     state.counters["b_vs_a_q3"] = quantile(ratios, 0.75);
+    state.counters["huge_page_MiB"] = static_cast<double>(huge_kib) / 1024;
     state.counters["same_bits"] = std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)) == 0;
 }
 
@@ -115,8 +151,17 @@ BENCHMARK(BM_Revisions)
 
 int main(int argc, char** argv) {
     benchmark::Initialize(&argc, argv);
+    int kept = 1;  // argv without --huge_pages
+    for (int i = 1; i < argc; ++i) {
+        if (std::strcmp(argv[i], "--huge_pages") == 0)
+            g_huge_pages = true;
+        else
+            argv[kept++] = argv[i];
+    }
+    argc = kept;
     if (argc != 3) {
-        std::fprintf(stderr, "usage: bench_revisions [Google Benchmark flags] A.so B.so (paths with a '/')\n");
+        std::fprintf(stderr,
+                     "usage: bench_revisions [Google Benchmark flags] [--huge_pages] A.so B.so (paths with a '/')\n");
         return 2;
     }
     for (int i = 0; i < 2; ++i)

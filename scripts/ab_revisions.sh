@@ -14,6 +14,9 @@
 #
 #   scripts/ab_revisions.sh HEAD worktree native --benchmark_filter=N_q:1/ --benchmark_counters_tabular=true
 #
+# --huge_pages among the flags puts K and V in transparent huge pages, as gattn's own caches
+# ask for theirs (counter huge_page_MiB).
+#
 # Environment: AB_DIR (default build/ab-<flavour>; its rev-a and rev-b are replaced), CXX.
 # Needs a C++17 compiler with OpenMP, pkg-config, Eigen, xsimd and Google Benchmark.
 set -eu
