@@ -17,9 +17,10 @@
 // flush, so that they come from cache; and a prefill of N = 2048 (8 heads, d = 128, non-causal
 // and causal).
 //
-// --huge_pages (before A.so): K and V sit in memory advised into transparent huge pages, as
-// gattn's KVCache and PagedKVPool ask for theirs (counter huge_page_MiB: how much the kernel
-// gave; 0 where transparent huge pages are off). Without it they are plain vectors (4 KiB pages).
+// --huge_pages (anywhere among the flags): K and V sit in memory advised into transparent huge
+// pages, as gattn's KVCache and PagedKVPool ask for theirs (counter huge_page_MiB: how much the
+// kernel gave; 0 where transparent huge pages are off). Without it, 4 KiB pages as a plain
+// vector's.
 #include <dlfcn.h>
 #include <sys/mman.h>
 

@@ -548,8 +548,8 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
     // kDecodeOrderBlocks blocks), then the softmax of each head, then the value sums key row by
     // key row (logits_in_address_order, values_in_address_order; the same bits). Head after
     // head, each row's 4 KiB ([N, H·d], 8 KV heads, d = 128) was read as eight 512-byte pieces,
-    // each in turn for every row of the block, which the memory streams more slowly. In cache
-    // the extra pass through the logits costs more than the order gains (8 MiB of K and V,
+    // each in turn for every row of the block, which the memory streams more slowly. In cache,
+    // with no memory stream to keep, the order costs more than it gains (8 MiB of K and V,
     // bench_revisions, AMD Zen 4: 32 heads at 256 keys 1.30× the time with AVX-512, 1.39× with
     // AVX2; 8 heads at 1024 keys 1.02× and 1.06×), so there the heads run one after another.
     const bool in_order = from_memory && one_row_per_head && std::is_same_v<KV, T> && !kDot && !sve &&
