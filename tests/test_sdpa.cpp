@@ -1014,6 +1014,36 @@ TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
                 shown,
             f.out, true);
     }
+    // The ends that docs/conventions.md gives are taken: float [1.1755e-38, 1.1793e38], double
+    // [2.2251e-308, 6.2303e307]; the next values out, 1.1754e-38 and 1.1794e38, are not.
+    for (double cap : {1.1755e-38, 1.1793e38}) {
+        f.opt.logit_softcap = cap;
+        EXPECT_NO_THROW(gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt)) << cap;
+        EXPECT_TRUE(f.out.allFinite()) << cap;
+    }
+    for (double cap : {1.1754e-38, 1.1794e38}) {
+        f.opt.logit_softcap = cap;
+        EXPECT_THROW(gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt),
+                     std::invalid_argument)
+            << cap;
+    }
+    {
+        const gattn::RowMatrix<double> q = f.q.cast<double>(), k = f.k.cast<double>(), v = f.v.cast<double>();
+        gattn::RowMatrix<double> out(q.rows(), f.out.cols());
+        gattn::SdpaOptions<double> opt;
+        for (double cap : {2.2251e-308, 6.2303e307}) {
+            opt.logit_softcap = cap;
+            EXPECT_NO_THROW(gattn::scaled_dot_product_attention<double>(q, k, v, f.layout, out, opt)) << cap;
+            EXPECT_TRUE(out.allFinite()) << cap;
+        }
+        for (double cap : {2.2250e-308, 6.2304e307}) {
+            opt.logit_softcap = cap;
+            EXPECT_THROW(gattn::scaled_dot_product_attention<double>(q, k, v, f.layout, out, opt),
+                         std::invalid_argument)
+                << cap;
+        }
+    }
+    f.out.setConstant(42.0f);
     f.opt.logit_softcap.reset();
     f.opt.alibi_slopes = {0.5f, 0.25f};
     expect_rejected<gattn::shape_error>(

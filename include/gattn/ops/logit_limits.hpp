@@ -34,8 +34,8 @@ inline double softcap_min() noexcept {
 }
 
 /// The largest logit softcap c the kernels take in compute type T: c·log₂e stays within half of
-/// T's largest value (≈ 1.18e38 in float), so that a capped logit plus an ALiBi term
-/// (alibi_slope_max) is finite in the natural and in the base-2 kernels.
+/// T's largest value (c ≤ 1.1793e38 in float, 6.2303e307 in double), so that a capped logit
+/// plus an ALiBi term (alibi_slope_max) is finite in the natural and in the base-2 kernels.
 template <class T>
 inline double softcap_max() noexcept {
     return double(std::numeric_limits<T>::max()) / (2 * kLog2e);

@@ -63,7 +63,7 @@ struct SdpaOptions {
     /// scaled logit ℓ becomes c·tanh(ℓ/c) before ALiBi, the masks and the bias apply. Empty =
     /// none. c must lie in [detail::softcap_min, detail::softcap_max] of Scalar: a normal number
     /// (1/c finite, c at full precision) whose product with log₂e stays within half Scalar's
-    /// largest value; in float [1.18e-38, 1.18e38]. Computed in the kernels by simd::softcap
+    /// largest value; in float [1.1755e-38, 1.1793e38]. Computed in the kernels by simd::softcap
     /// (absolute error about one rounding of c; see there).
     std::optional<double> logit_softcap;
     /// ALiBi (Press et al., "Train Short, Test Long", ICLR 2022): [H] slopes m_h, one per
