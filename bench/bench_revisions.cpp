@@ -6,7 +6,7 @@
 // processes' times. Counters: a_ms and b_ms (medians), b_vs_a (median of the pairs' ratios of
 // B's time to A's: below 1, B is faster), b_vs_a_q1 and b_vs_a_q3 (quartiles of those ratios;
 // each the nearest of the sorted ratios), same_bits (1: the two outputs are bitwise equal). No
-// gattn header is included here.
+// kernel of gattn is compiled in here: of its headers only cache/huge_pages.hpp (--huge_pages).
 //
 //   bench_revisions [Google Benchmark flags] A.so B.so    (paths with a '/', as dlopen wants)
 //
@@ -18,11 +18,10 @@
 // and causal).
 //
 // --huge_pages (anywhere among the flags): K and V sit in memory advised into transparent huge
-// pages, as gattn's KVCache and PagedKVPool ask for theirs (counter huge_page_MiB: how much the
-// kernel gave; 0 where transparent huge pages are off). Without it, 4 KiB pages as a plain
-// vector's.
+// pages by gattn/cache/huge_pages.hpp, as gattn's KVCache and PagedKVPool advise theirs (counter
+// huge_page_MiB: what was advised, as KVCache::huge_page_bytes(); 0 where transparent huge pages
+// are off). Without it, 4 KiB pages as a plain vector's.
 #include <dlfcn.h>
-#include <sys/mman.h>
 
 #include <benchmark/benchmark.h>
 
@@ -35,6 +34,8 @@
 #include <new>
 #include <random>
 #include <vector>
+
+#include <gattn/cache/huge_pages.hpp>  // the caches' own advice; no kernel code
 
 namespace {
 
@@ -55,25 +56,14 @@ Sdpa load(const char* path) {
 
 bool g_huge_pages = false;  // --huge_pages
 
-/// The process's anonymous memory in transparent huge pages, in KiB (Linux; 0 elsewhere).
-long huge_page_kib() {
-    long kib = 0;
-    if (std::FILE* f = std::fopen("/proc/self/smaps_rollup", "r")) {
-        char line[256];
-        while (std::fgets(line, sizeof line, f))
-            if (std::sscanf(line, "AnonHugePages: %ld kB", &kib) == 1) break;
-        std::fclose(f);
-    }
-    return kib;
-}
-
-/// A copy of x in its own 2 MiB-aligned memory, advised into huge pages when --huge_pages.
-std::unique_ptr<float, decltype(&std::free)> place(const std::vector<float>& x) {
+/// A copy of x in its own 2 MiB-aligned memory, advised into huge pages when --huge_pages
+/// (before it is written, as the caches do); adds the bytes advised to `advised`.
+std::unique_ptr<float, decltype(&std::free)> place(const std::vector<float>& x, std::size_t& advised) {
     constexpr std::size_t kHuge = std::size_t(2) << 20;
     const std::size_t bytes = (x.size() * sizeof(float) + kHuge - 1) / kHuge * kHuge;
     std::unique_ptr<float, decltype(&std::free)> p(static_cast<float*>(std::aligned_alloc(kHuge, bytes)), &std::free);
     if (!p) throw std::bad_alloc();
-    if (g_huge_pages) madvise(p.get(), bytes, MADV_HUGEPAGE);
+    if (g_huge_pages) advised += gattn::advise_huge_pages(p.get(), bytes);
     std::memcpy(p.get(), x.data(), x.size() * sizeof(float));
     return p;
 }
@@ -95,11 +85,10 @@ void BM_Revisions(benchmark::State& state) {
         for (float& e : x) e = uniform(rng);
         return x;
     };
-    const long huge_before = huge_page_kib();
+    std::size_t advised = 0;
     const std::vector<float> q = random(static_cast<std::size_t>(nq * h * d));
-    const auto k = place(random(static_cast<std::size_t>(nk * hkv * d)));
-    const auto v = place(random(static_cast<std::size_t>(nk * hkv * d)));
-    const long huge_kib = huge_page_kib() - huge_before;
+    const auto k = place(random(static_cast<std::size_t>(nk * hkv * d)), advised);
+    const auto v = place(random(static_cast<std::size_t>(nk * hkv * d)), advised);
     std::vector<float> out[2] = {std::vector<float>(q.size()), std::vector<float>(q.size())};
     std::vector<char> flush(flushes ? std::size_t(64) << 20 : 0, 1);  // past a 32 MiB L3
     long touched = 0;
@@ -130,7 +119,7 @@ void BM_Revisions(benchmark::State& state) {
     state.counters["b_vs_a"] = quantile(ratios, 0.5);
     state.counters["b_vs_a_q1"] = quantile(ratios, 0.25);
     state.counters["b_vs_a_q3"] = quantile(ratios, 0.75);
-    state.counters["huge_page_MiB"] = static_cast<double>(huge_kib) / 1024;
+    state.counters["huge_page_MiB"] = static_cast<double>(advised) / (1 << 20);
     state.counters["same_bits"] = std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(float)) == 0;
 }
 

@@ -76,7 +76,7 @@ for side in a b; do
     -o "$out/rev-$side.so"
 done
 # shellcheck disable=SC2046  # pkg-config prints a list of flags
-$cxx -std=c++17 -O2 "$root/bench/bench_revisions.cpp" $(pkg-config --cflags --libs benchmark) -ldl -pthread \
+$cxx -std=c++17 -O2 -I"$root/include" "$root/bench/bench_revisions.cpp" $(pkg-config --cflags --libs benchmark) -ldl -pthread \
   -o "$out/bench_revisions"
 
 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} "$out/bench_revisions" "$@" "$out/rev-a.so" "$out/rev-b.so"

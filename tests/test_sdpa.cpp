@@ -1015,7 +1015,8 @@ TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
             f.out, true);
     }
     // The ends that docs/conventions.md gives are taken: float [1.1755e-38, 1.1793e38], double
-    // [2.2251e-308, 6.2303e307]; the next values out, 1.1754e-38 and 1.1794e38, are not.
+    // [2.2251e-308, 6.2303e307]; the next values out (1.1754e-38, 1.1794e38; 2.2250e-308,
+    // 6.2304e307) are not.
     for (double cap : {1.1755e-38, 1.1793e38}) {
         f.opt.logit_softcap = cap;
         EXPECT_NO_THROW(gattn::scaled_dot_product_attention<float>(f.q, f.k, f.v, f.layout, f.out, f.opt)) << cap;
