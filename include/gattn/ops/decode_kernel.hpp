@@ -285,12 +285,13 @@ inline void group_values(const T (*score)[simd::kLanes<T>], const T (*p)[simd::k
 }
 
 /// Address-order decoding (logits_in_address_order, values_in_address_order): while a key
-/// row is read, the first kRowLeadLines lines of the row kRowsAhead further are asked for
-/// (into L2). Rows are 4 KiB at 8 KV heads, d = 128: one memory page each, and the hardware
-/// prefetchers, which do not cross a page, start on each row only once it is read. Leading
-/// each row so: 1.49× (8k keys) and 1.29× (32k) against none, 1 line 1.58× and 1.17×, 16
-/// lines 1.40× and 1.14× (AMD Zen 5, one thread, 8 heads, six alternated rounds, medians).
-inline constexpr Index kRowsAhead = 8, kRowLeadLines = 4;
+/// row is read, lines of the row kRowsAhead further are asked for (into L2). Rows are 4 KiB at
+/// 8 KV heads, d = 128: one memory page each, and the hardware prefetchers, which do not cross
+/// a page, start on each row only once it is read. Either the first kRowLeadLines lines of the
+/// row ahead, at once (1.49× at 8k keys and 1.29× at 32k against none, AMD Zen 5), or, where
+/// the tier says so (simd::DecodeTiles::kLeadWholeRow), one line in every kLeadLineStep of the
+/// whole row, each head's lines asked for as that head's slice of the current row is read.
+inline constexpr Index kRowsAhead = 8, kRowLeadLines = 4, kLeadLineStep = 4;
 
 /// Address-order decoding reads the K rows of kDecodeOrderBlocks key blocks before their V
 /// rows (float, 8 KV heads, d = 128: on AVX-512, 16 blocks of 16 keys, 1 MiB of K; on AVX2, 16
@@ -302,10 +303,21 @@ inline constexpr Index kRowsAhead = 8, kRowLeadLines = 4;
 /// rows, 28–29 in phases of 256 (in 4 KiB pages 15–18 GB/s, little changed by the phase).
 inline constexpr Index kDecodeOrderBlocks = 16;
 
-/// Asks for the first kRowLeadLines lines of the row at p (see kRowsAhead).
+/// Asks for the first kRowLeadLines lines of the row at p (see kRowsAhead), unless the tier
+/// leads whole rows (lead_slice).
 template <class T>
 inline void lead_row(const T* p) noexcept {
-    for (Index e = 0; e < kRowLeadLines; ++e) simd::prefetch_outer(p + e * Index(simd::kLineElems<T>));
+    if constexpr (!simd::DecodeTiles::kLeadWholeRow)
+        for (Index e = 0; e < kRowLeadLines; ++e) simd::prefetch_outer(p + e * Index(simd::kLineElems<T>));
+}
+
+/// Asks for one line in every kLeadLineStep of the n values at p, one head's slice of the row
+/// ahead, where the tier leads whole rows (see kRowsAhead).
+template <class T>
+inline void lead_slice(const T* p, Index n) noexcept {
+    constexpr Index kStep = kLeadLineStep * Index(simd::kLineElems<T>);
+    if constexpr (simd::DecodeTiles::kLeadWholeRow)
+        for (Index e = 0; e < n; e += kStep) simd::prefetch_outer(p + e);
 }
 
 /// Calls f(std::integral_constant<int, V>{}) with V = n when n is 4, 8 or 16 (whole registers
@@ -339,7 +351,8 @@ inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, cons
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
     for (Index kk = 0; kk < L; ++kk) {
         const T* k = key + kk * key_stride;
-        if (kk + kRowsAhead < rows) lead_row(k + kRowsAhead * key_stride);
+        const T* ahead = kk + kRowsAhead < rows ? k + kRowsAhead * key_stride : nullptr;
+        if (ahead) lead_row(ahead);
         for (Index g0 = 0; g0 < heads; g0 += 8)
             with_constant<9>(static_cast<int>(std::min<Index>(8, heads - g0)), [&](auto count) {
                 constexpr int N = decltype(count)::value;
@@ -356,10 +369,12 @@ inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, cons
                     // 1.3–1.6× the time on AMD Zen 4, whose prefetchers did not follow.
                     if (kk < nk) {
                         GATTN_UNROLL
-                        for (int i = 0; i < N; ++i)
+                        for (int i = 0; i < N; ++i) {
+                            if (ahead) lead_slice(ahead + (g0 + i) * dk, dk);
                             for (Index d = 0; d < dk_vec; d += L)
                                 a[i] = simd::fma(B::load_unaligned(q[i] + d), B::load_unaligned(k + (g0 + i) * dk + d),
                                                  a[i]);
+                        }
                     }
                     GATTN_UNROLL
                     for (int i = 0; i < N; ++i) a[i].store_unaligned(dots + ((g0 + i) * L + kk) * L);
@@ -391,8 +406,10 @@ inline void values_in_address_order(const T* s, const T* p, Index heads, Index n
         constexpr int V = decltype(vecs)::value;
         for (Index kk = 0; kk < nk; ++kk) {
             const T* v = value + kk * value_stride;
-            if (kk + kRowsAhead < rows) lead_row(v + kRowsAhead * value_stride);
+            const T* ahead = kk + kRowsAhead < rows ? v + kRowsAhead * value_stride : nullptr;
+            if (ahead) lead_row(ahead);
             for (Index g = 0; g < heads; ++g) {
+                if (ahead) lead_slice(ahead + g * dv, dv);
                 if (s[g * L + kk] == kNegInf) continue;
                 const B pk(p[g * L + kk]);
                 T* a = states[g].acc.data();
