@@ -102,7 +102,10 @@ inline constexpr Index kChunkKeys = 512;
 /// Online-softmax state of `rows` query rows over one chunk: m, l and the unnormalised output.
 template <class T>
 struct PartialState {
-    std::vector<T> m, l, acc, first;  // acc: rows × d_v; first: logit of key 0 (−∞ if unseen)
+    std::vector<T> m, l, first;  // first: logit of key 0 (−∞ if unseen)
+    // rows × d_v, aligned to the register (Eigen's allocator): a value sum read and written
+    // every key (values_in_address_order) then never straddles two cache lines.
+    std::vector<T, Eigen::aligned_allocator<T>> acc;
     void reset(int rows, Index dv) {
         m.assign(static_cast<std::size_t>(rows), -std::numeric_limits<T>::infinity());
         l.assign(static_cast<std::size_t>(rows), T(0));
@@ -349,38 +352,42 @@ inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, cons
                                     Index nk, Index dk_vec, Index rows, T* dots, T* logits) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
-    for (Index kk = 0; kk < L; ++kk) {
-        const T* k = key + kk * key_stride;
-        const T* ahead = kk + kRowsAhead < rows ? k + kRowsAhead * key_stride : nullptr;
-        if (ahead) lead_row(ahead);
-        for (Index g0 = 0; g0 < heads; g0 += 8)
-            with_constant<9>(static_cast<int>(std::min<Index>(8, heads - g0)), [&](auto count) {
-                constexpr int N = decltype(count)::value;
-                if constexpr (N > 0) {
-                    B a[N];
-                    const T* q[N];
-                    GATTN_UNROLL
-                    for (int i = 0; i < N; ++i) {
-                        a[i] = B(T(0));
-                        q[i] = blks[g0 + i].count > 0 ? blks[g0 + i].q[0] : k + (g0 + i) * dk;
-                    }
-                    // Head after head, so that the row's lines load in address order: by d
-                    // first (every head's slice in turn, 512 bytes apart) the same row took
-                    // 1.3–1.6× the time on AMD Zen 4, whose prefetchers did not follow.
-                    if (kk < nk) {
+    with_register_count(dk_vec / L, [&](auto vecs) {
+        constexpr int V = decltype(vecs)::value;
+        const Index dkv = V > 0 ? V * L : dk_vec;  // a constant for the usual head sizes: unrolled
+        for (Index kk = 0; kk < L; ++kk) {
+            const T* k = key + kk * key_stride;
+            const T* ahead = kk + kRowsAhead < rows ? k + kRowsAhead * key_stride : nullptr;
+            if (ahead) lead_row(ahead);
+            for (Index g0 = 0; g0 < heads; g0 += 8)
+                with_constant<9>(static_cast<int>(std::min<Index>(8, heads - g0)), [&](auto count) {
+                    constexpr int N = decltype(count)::value;
+                    if constexpr (N > 0) {
+                        B a[N];
+                        const T* q[N];
                         GATTN_UNROLL
                         for (int i = 0; i < N; ++i) {
-                            if (ahead) lead_slice(ahead + (g0 + i) * dk, dk);
-                            for (Index d = 0; d < dk_vec; d += L)
-                                a[i] = simd::fma(B::load_unaligned(q[i] + d), B::load_unaligned(k + (g0 + i) * dk + d),
-                                                 a[i]);
+                            a[i] = B(T(0));
+                            q[i] = blks[g0 + i].count > 0 ? blks[g0 + i].q[0] : k + (g0 + i) * dk;
                         }
+                        // Head after head, so that the row's lines load in address order: by d
+                        // first (every head's slice in turn, 512 bytes apart) the same row took
+                        // 1.3–1.6× the time on AMD Zen 4, whose prefetchers did not follow.
+                        if (kk < nk) {
+                            GATTN_UNROLL
+                            for (int i = 0; i < N; ++i) {
+                                if (ahead) lead_slice(ahead + (g0 + i) * dk, dkv);
+                                for (Index d = 0; d < dkv; d += L)
+                                    a[i] = simd::fma(B::load_unaligned(q[i] + d),
+                                                     B::load_unaligned(k + (g0 + i) * dk + d), a[i]);
+                            }
+                        }
+                        GATTN_UNROLL
+                        for (int i = 0; i < N; ++i) a[i].store_unaligned(dots + ((g0 + i) * L + kk) * L);
                     }
-                    GATTN_UNROLL
-                    for (int i = 0; i < N; ++i) a[i].store_unaligned(dots + ((g0 + i) * L + kk) * L);
-                }
-            });
-    }
+                });
+        }
+    });
     // Reduced here, in L1, so that a phase keeps L logits a head and block, not L registers.
     for (Index g = 0; g < heads; ++g) {
         B sums[L];
@@ -409,7 +416,7 @@ inline void values_in_address_order(const T* s, const T* p, Index heads, Index n
             const T* ahead = kk + kRowsAhead < rows ? v + kRowsAhead * value_stride : nullptr;
             if (ahead) lead_row(ahead);
             for (Index g = 0; g < heads; ++g) {
-                if (ahead) lead_slice(ahead + g * dv, dv);
+                if (ahead) lead_slice(ahead + g * dv, V > 0 ? V * L : dv);
                 if (s[g * L + kk] == kNegInf) continue;
                 const B pk(p[g * L + kk]);
                 T* a = states[g].acc.data();
@@ -573,8 +580,9 @@ void decode_chunk(const FlashBlock<T>* blks, PartialState<T>* states, Index num_
                           num_kv_heads > 1 && dv % L == 0;
     // in_order: the logits' dot products of every head and key of a phase of blocks (their K
     // rows read before their V rows), one block's partial sums, and each head's logits and
-    // weights of a block (kept by the thread, grown only).
-    thread_local std::vector<T> order_buffer;
+    // weights of a block (kept by the thread, grown only; aligned to the register, as
+    // PartialState::acc, so that no partial sum stored a key straddles two lines).
+    thread_local std::vector<T, Eigen::aligned_allocator<T>> order_buffer;
     T *order_dots = nullptr, *order_logits = nullptr, *order_s = nullptr, *order_p = nullptr;
     const Index block_logits_size = num_kv_heads * L;
     if (in_order) {
