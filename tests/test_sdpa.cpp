@@ -949,48 +949,50 @@ TEST(SdpaDecoding, RunsTheSveKernelWhereItsVectorsAreWider) {
 
 /// Multi-head decoding (a KV head per query head) over a cache read from memory reads each key
 /// block's rows of all heads in address order: 5 and 9 heads (a group of eight and a rest),
-/// d_k = 40 (a partial register on AVX-512), 4603 keys (a partial last block; 13–24 MB of
-/// float K and V), sinks and softcap, keys past a length holding NaN, and a key hidden by a −∞
-/// bias and another by the boolean mask, both over NaN value rows mid-block: each must be
-/// skipped, never multiplied by 0. Against the float64 reference, with the log-sum-exp.
+/// d_k = 40 (a partial register on AVX-512), and d = 64 and 128 (whole registers, the loops'
+/// constant trip counts on every tier), 4603 keys (a partial last block; 13–85 MB of float K
+/// and V), sinks and softcap, keys past a length holding NaN, and a key hidden by a −∞ bias
+/// and another by the boolean mask, both over NaN value rows mid-block: each must be skipped,
+/// never multiplied by 0. Against the float64 reference, with the log-sum-exp.
 TEST(SdpaDecoding, MultiHeadSkipsHiddenKeysOverNaNValues) {
-    const Index dk = 40, dv = 32, Nk = 4603;
-    static_assert(gattn::kernel::kDecodeFromMemoryBytes < 2 * Nk * 5 * (dk + dv) * 4, "the test must read from memory");
-    for (Index H : {5, 9}) {
-        SCOPED_TRACE(std::to_string(H) + " heads");
-        HiddenKeysCase c(H, H, dk, dv, 61, Nk);
-        const Index B = c.B;
-        const Mat &q = c.q, &k = c.k;
-        Mat& v = c.v;
-        const std::vector<Index>& lengths = c.lengths;
-        const std::vector<double>& bias = c.bias;
-        std::vector<bool> attend(static_cast<std::size_t>(B * H * Nk), true);
-        for (Index h = 0; h < H; ++h) attend[static_cast<std::size_t>(h * Nk + 37)] = false;
-        v.row(37).setConstant(kNaN);
-        RefMasks rm;
-        rm.key_lengths = lengths;
-        rm.bias = bias;
-        rm.bool_mask = attend;
-        rm.softcap = 3.0;
-        for (Index h = 0; h < H; ++h) rm.sinks.push_back(0.25 * double(h % 3));
-        const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, H, {}, rm);
-        const std::vector<float> bias_f(bias.begin(), bias.end());
-        std::unique_ptr<bool[]> attend_b(new bool[attend.size()]);
-        std::copy(attend.begin(), attend.end(), attend_b.get());
-        gattn::SdpaOptions<float> opt;
-        opt.mask.key_lengths = lengths;
-        opt.mask.bias = {bias_f.data(), B, H, 1, Nk};
-        opt.mask.bool_mask = {attend_b.get(), B, H, 1, Nk};
-        opt.logit_softcap = 3.0;
-        opt.sinks.assign(rm.sinks.begin(), rm.sinks.end());
-        gattn::RowMatrix<float> out(B, H * dv), lse;
-        gattn::SdpaOutputs<float> extra;
-        extra.log_sum_exp = &lse;
-        gattn::scaled_dot_product_attention<float>(q.cast<float>(), k.cast<float>(), v.cast<float>(), {B, H, H}, out,
-                                                   opt, extra);
-        expect_close(out, ref.out, Tol<float>::atol, Tol<float>::rtol, "MhaDecode/out", Tol<float>::nmse);
-        expect_close(lse, ref.log_sum_exp, Tol<float>::atol, Tol<float>::rtol, "MhaDecode/lse");
-    }
+    const Index Nk = 4603;
+    static_assert(gattn::kernel::kDecodeFromMemoryBytes < 2 * Nk * 5 * (40 + 32) * 4, "the test must read from memory");
+    for (const auto& [dk, dv] : {std::pair<Index, Index>{40, 32}, {64, 64}, {128, 128}})
+        for (Index H : {5, 9}) {
+            SCOPED_TRACE(std::to_string(H) + " heads, d_k " + std::to_string(dk) + ", d_v " + std::to_string(dv));
+            HiddenKeysCase c(H, H, dk, dv, 61, Nk);
+            const Index B = c.B;
+            const Mat &q = c.q, &k = c.k;
+            Mat& v = c.v;
+            const std::vector<Index>& lengths = c.lengths;
+            const std::vector<double>& bias = c.bias;
+            std::vector<bool> attend(static_cast<std::size_t>(B * H * Nk), true);
+            for (Index h = 0; h < H; ++h) attend[static_cast<std::size_t>(h * Nk + 37)] = false;
+            v.row(37).setConstant(kNaN);
+            RefMasks rm;
+            rm.key_lengths = lengths;
+            rm.bias = bias;
+            rm.bool_mask = attend;
+            rm.softcap = 3.0;
+            for (Index h = 0; h < H; ++h) rm.sinks.push_back(0.25 * double(h % 3));
+            const auto ref = gattn_test::sdpa_reference(q, k, v, B, H, H, {}, rm);
+            const std::vector<float> bias_f(bias.begin(), bias.end());
+            std::unique_ptr<bool[]> attend_b(new bool[attend.size()]);
+            std::copy(attend.begin(), attend.end(), attend_b.get());
+            gattn::SdpaOptions<float> opt;
+            opt.mask.key_lengths = lengths;
+            opt.mask.bias = {bias_f.data(), B, H, 1, Nk};
+            opt.mask.bool_mask = {attend_b.get(), B, H, 1, Nk};
+            opt.logit_softcap = 3.0;
+            opt.sinks.assign(rm.sinks.begin(), rm.sinks.end());
+            gattn::RowMatrix<float> out(B, H * dv), lse;
+            gattn::SdpaOutputs<float> extra;
+            extra.log_sum_exp = &lse;
+            gattn::scaled_dot_product_attention<float>(q.cast<float>(), k.cast<float>(), v.cast<float>(), {B, H, H},
+                                                       out, opt, extra);
+            expect_close(out, ref.out, Tol<float>::atol, Tol<float>::rtol, "MhaDecode/out", Tol<float>::nmse);
+            expect_close(lse, ref.log_sum_exp, Tol<float>::atol, Tol<float>::rtol, "MhaDecode/lse");
+        }
 }
 
 TEST(SdpaValidation, SoftcapAndAlibiSlopes) {
