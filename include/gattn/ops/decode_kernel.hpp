@@ -352,7 +352,7 @@ inline void logits_in_address_order(const FlashBlock<T>* blks, Index heads, cons
                                     Index nk, Index dk_vec, Index rows, T* dots, T* logits) noexcept {
     using B = simd::Batch<T>;
     constexpr Index L = static_cast<Index>(simd::kLanes<T>);
-    with_register_count(dk_vec / L, [&](auto vecs) {
+    with_register_count(dk_vec % L == 0 ? dk_vec / L : 0, [&](auto vecs) {
         constexpr int V = decltype(vecs)::value;
         const Index dkv = V > 0 ? V * L : dk_vec;  // a constant for the usual head sizes: unrolled
         for (Index kk = 0; kk < L; ++kk) {
