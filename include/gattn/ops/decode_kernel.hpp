@@ -411,12 +411,13 @@ inline void values_in_address_order(const T* s, const T* p, Index heads, Index n
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     auto sums = [&](auto vecs) {
         constexpr int V = decltype(vecs)::value;
+        const Index dvv = V > 0 ? V * L : dv;  // d_v, a constant for the usual head sizes
         for (Index kk = 0; kk < nk; ++kk) {
             const T* v = value + kk * value_stride;
             const T* ahead = kk + kRowsAhead < rows ? v + kRowsAhead * value_stride : nullptr;
             if (ahead) lead_row(ahead);
             for (Index g = 0; g < heads; ++g) {
-                if (ahead) lead_slice(ahead + g * dv, V > 0 ? V * L : dv);
+                if (ahead) lead_slice(ahead + g * dv, dvv);
                 if (s[g * L + kk] == kNegInf) continue;
                 const B pk(p[g * L + kk]);
                 T* a = states[g].acc.data();

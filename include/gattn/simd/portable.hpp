@@ -40,9 +40,9 @@ struct DecodeTiles {
     // Multi-head decoding's value sums with a constant count of registers per head (see the
     // AVX-512 tier): 0.90–0.93 of the loop's speed in an AVX2 build on AMD Zen 4.
     static constexpr bool kConstantValueWidth = false;
-    // Multi-head decoding leading whole rows (see the AVX-512 tier): 1.02–1.07× the time of
+    // Multi-head decoding leading whole rows (see the AVX-512 tier): 1.01–1.08× the time of
     // the first-lines lead in an AVX2 build on AMD Zen 4, with the lines asked for at once or
-    // spread over the heads, one in every 2, 4 or 8.
+    // spread over the heads, one in every 2, 4 or 8 (docs/benchmarks.md).
     static constexpr bool kLeadWholeRow = false;
 };
 
