@@ -310,6 +310,72 @@ TEST(PagedKVPool, RestoreSharesAgainWhatACopyOnWriteTookApart) {
     EXPECT_EQ(snapshot(pool, {root, f}), bytes);
 }
 
+// A page that a sequence let go of by copying it on write goes back to it on restore only if
+// its tokens of the mark are still there: not once another sequence took the page from the free
+// list, nor once the one sequence still holding it truncated and wrote over those slots. Writes
+// into fresh slots of that page, or a mark taken after a truncate, restore as before.
+TEST(PagedKVPool, RestoreRefusesACopiedPageTakenOrRewrittenSince) {
+    const RowMatrix<float> ones = RowMatrix<float>::Constant(16, 4, 1.0f);
+    const RowMatrix<float> twos = RowMatrix<float>::Constant(16, 4, 2.0f);
+    // Sequence a holds 10 tokens of ones in page 0, which b shares; a's mark, then a's append
+    // copies page 0 (a holds page 1 after it, b page 0 alone).
+    auto start = [&](PagedKVPool<float>& pool, SequenceId& a, SequenceId& b) {
+        a = pool.allocate();
+        pool.append({a}, ones.topRows(10), ones.topRows(10), {10});
+        b = pool.fork(a);
+        auto mark = pool.mark(a);
+        pool.append({a}, twos.topRows(1), twos.topRows(1), {1});
+        EXPECT_EQ(pool.pages(a), std::vector<Index>{1});
+        EXPECT_EQ(pool.pages(b), std::vector<Index>{0});
+        return mark;
+    };
+    {  // b freed, page 0 taken again by a new sequence c
+        PagedKVPool<float> pool(4, 16, 1, 4);
+        SequenceId a, b;
+        const auto mark = start(pool, a, b);
+        pool.free(b);
+        const SequenceId c = pool.allocate();
+        pool.append({c}, twos, twos, {16});
+        EXPECT_EQ(pool.pages(c), std::vector<Index>{0});
+        const std::string bytes = snapshot(pool, {a, c});
+        EXPECT_THROW(pool.restore(mark), std::invalid_argument);
+        EXPECT_THROW(pool.check_restore(mark), std::invalid_argument);
+        EXPECT_EQ(snapshot(pool, {a, c}), bytes);
+    }
+    {  // b rolled back to 5 tokens and wrote slots 5..9 of page 0, a's tokens 5..9
+        PagedKVPool<float> pool(4, 16, 1, 4);
+        SequenceId a, b;
+        const auto mark = start(pool, a, b);
+        pool.truncate(b, 5);
+        pool.append({b}, twos.topRows(5), twos.topRows(5), {5});
+        const std::string bytes = snapshot(pool, {a, b});
+        EXPECT_THROW(pool.restore(mark), std::invalid_argument);
+        EXPECT_EQ(snapshot(pool, {a, b}), bytes);
+    }
+    {  // b wrote only slots past a's tokens: a gets page 0 back, its 10 tokens of ones intact
+        PagedKVPool<float> pool(4, 16, 1, 4);
+        SequenceId a, b;
+        const auto mark = start(pool, a, b);
+        pool.append({b}, twos.topRows(3), twos.topRows(3), {3});
+        pool.restore(mark);
+        EXPECT_EQ(pool.pages(a), std::vector<Index>{0});
+        EXPECT_EQ(pool.length(a), 10);
+        EXPECT_EQ(pool.ref_count(0), 2);
+        for (Index t = 0; t < 10; ++t) EXPECT_EQ(pool.keys().row(t), ones.row(0)) << "token " << t;
+    }
+    {  // a rolled back (speculative tokens rejected), marked, then wrote over its own old slots
+        PagedKVPool<float> pool(4, 16, 1, 4);
+        const SequenceId a = pool.allocate();
+        pool.append({a}, ones.topRows(12), ones.topRows(12), {12});
+        pool.truncate(a, 8);
+        const auto mark = pool.mark(a);
+        pool.append({a}, twos.topRows(2), twos.topRows(2), {2});  // slots 8 and 9 again
+        pool.restore(mark);
+        EXPECT_EQ(pool.length(a), 8);
+        EXPECT_EQ(pool.pages(a), std::vector<Index>{0});
+    }
+}
+
 // A step that a later layer refused, rolled back in every layer by restore: one page table
 // serves every layer again, and the next step takes the same pages everywhere.
 TEST(PagedKVPoolSet, RestoreGivesEveryLayerTheSamePagesAgain) {

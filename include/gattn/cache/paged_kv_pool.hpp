@@ -162,7 +162,9 @@ public:
           m_num_kv_heads(num_kv_heads),
           m_head_dim(head_dim),
           m_value_head_dim(value_head_dim > 0 ? value_head_dim : head_dim),
-          m_refs(static_cast<std::size_t>(num_pages), 0) {
+          m_refs(static_cast<std::size_t>(num_pages), 0),
+          m_generation(static_cast<std::size_t>(num_pages), 0),
+          m_written(static_cast<std::size_t>(num_pages), 0) {
         m_keys.resize(num_pages * page_size, num_kv_heads * head_dim);
         m_values.resize(num_pages * page_size, num_kv_heads * m_value_head_dim);
         m_huge_page_bytes = detail::advise_storage(m_keys) + detail::advise_storage(m_values);
@@ -460,6 +462,7 @@ public:
                                                   "row " + std::to_string(r) + ", column " + std::to_string(c) +
                                                       " is " + detail::number_string((*view)(r, c)) +
                                                       ": an int8 pool stores finite values only");
+        note_write(page, slot, k.rows());
         for (Index r = 0; r < k.rows(); ++r) write_row(page * m_page_size + slot + r, k.row(r).data(), v.row(r).data());
     }
 
@@ -492,13 +495,14 @@ public:
     }
 
     /// What restore needs to bring a sequence back to its state when mark() was called: its
-    /// length, its first stored token and its page list.
+    /// length, its first stored token, its page list and what each page held then.
     struct SequenceMark {
-        SequenceId seq = -1;       ///< the sequence
-        Index length = 0;          ///< its tokens then
-        Index first = 0;           ///< its first stored token then (first_position)
-        std::vector<Index> pages;  ///< its pages then, in token order
-        std::uint64_t epoch = 0;   ///< which allocate, fork or truncate of the sequence it follows
+        SequenceId seq = -1;                     ///< the sequence
+        Index length = 0;                        ///< its tokens then
+        Index first = 0;                         ///< its first stored token then (first_position)
+        std::vector<Index> pages;                ///< its pages then, in token order
+        std::vector<std::uint64_t> generations;  ///< each page's generation then (see restore)
+        std::uint64_t epoch = 0;                 ///< which allocate, fork or truncate of the sequence it follows
     };
 
     /// Sequence seq's state now, for restore (taken before a step that may be rolled back).
@@ -506,7 +510,10 @@ public:
     SequenceMark mark(SequenceId seq) const {
         check_sequence("gattn::PagedKVPool::mark", "seq", seq);
         const Sequence& s = m_sequences[static_cast<std::size_t>(seq)];
-        return {seq, s.length, s.first, s.pages, s.epoch};
+        std::vector<std::uint64_t> generations(s.pages.size());
+        for (std::size_t i = 0; i < s.pages.size(); ++i)
+            generations[i] = m_generation[static_cast<std::size_t>(s.pages[i])];
+        return {seq, s.length, s.first, s.pages, std::move(generations), s.epoch};
     }
 
     /// Brings sequence m.seq back to mark m, taken since the sequence was last allocated, forked
@@ -516,10 +523,16 @@ public:
     /// list, so the pools of a model's layers stay alike after a step that a later layer refused
     /// (PagedKVPoolSet::restore). Front pages released since (release_outside_window) stay
     /// released: first_position(seq) does not move back.
+    /// A page the sequence let go of since the mark (its copy on write) may since have gone to
+    /// another sequence, or been rewritten in place by the one sequence still holding it after
+    /// a truncate: each page has a generation, which moves on when the page is taken from the
+    /// free list or a slot below the highest one written since is written again, and restore
+    /// takes such a page back only in the generation the mark recorded.
     /// \throws std::invalid_argument when m.seq is not a sequence of the pool, or the mark is
     ///         not of its present run: taken before its last allocate, fork or truncate (or of
-    ///         another pool), m.length above length(seq) or below first_position(seq), or pages
-    ///         that do not hold m.length tokens. Nothing is changed on error.
+    ///         another pool), m.length above length(seq) or below first_position(seq), pages
+    ///         that do not hold m.length tokens, or a page whose tokens of the mark are no longer
+    ///         there (freed, taken again or rewritten since). Nothing is changed on error.
     void restore(const SequenceMark& m) {
         std::vector<Index> target = restore_pages("gattn::PagedKVPool::restore", m);
         Sequence& s = m_sequences[static_cast<std::size_t>(m.seq)];
@@ -652,6 +665,7 @@ private:
             const Index fill = s.stored() % m_page_size;
             if (fill != 0 && m_refs[static_cast<std::size_t>(s.pages.back())] > 1) {  // copy on write
                 const Index page = take_page();
+                note_write(page, 0, fill);
                 copy_rows(s.pages.back() * m_page_size, page * m_page_size, fill);
                 --m_refs[static_cast<std::size_t>(s.pages.back())];
                 s.pages.back() = page;
@@ -659,6 +673,7 @@ private:
             for (Index t = 0; t < counts[b]; ++t) {
                 const Index pos = s.stored() + t;
                 if (pos % m_page_size == 0) s.pages.push_back(take_page());
+                note_write(s.pages[static_cast<std::size_t>(pos / m_page_size)], pos % m_page_size, 1);
                 write_row(s.pages[static_cast<std::size_t>(pos / m_page_size)] * m_page_size + pos % m_page_size,
                           k.row(first_row[b] + t).data(), v.row(first_row[b] + t).data());
             }
@@ -691,13 +706,27 @@ private:
                                       std::to_string(m.length) + " from token " + std::to_string(m.first) + " in " +
                                       std::to_string(m.pages.size()) + " pages; the sequence has " +
                                       std::to_string(s.length) + " tokens from " + std::to_string(s.first) + ")");
+        if (m.generations.size() != m.pages.size())
+            detail::throw_shape(fn, "m.generations", detail::shape_string({static_cast<Index>(m.pages.size())}),
+                                detail::shape_string({static_cast<Index>(m.generations.size())}));
         std::vector<Index> target(m.pages.begin() + drop, m.pages.end());
-        for (Index p : target) {
+        // The pages it still holds keep their tokens (it only appended since); those it let go
+        // of must be as the mark left them.
+        std::size_t same = 0;
+        while (same < target.size() && same < s.pages.size() && target[same] == s.pages[same]) ++same;
+        for (std::size_t i = 0; i < target.size(); ++i) {
+            const Index p = target[i];
             check_page(fn, "m.pages", p);
             if (m_refs[static_cast<std::size_t>(p)] == 0)
                 detail::throw_invalid(fn, "m.pages",
                                       "page " + std::to_string(p) + " of sequence " + std::to_string(m.seq) +
                                           "'s mark is free now: the mark is older than a truncate or free");
+            if (i >= same &&
+                m_generation[static_cast<std::size_t>(p)] != m.generations[static_cast<std::size_t>(drop) + i])
+                detail::throw_invalid(fn, "m.pages",
+                                      "page " + std::to_string(p) + " of sequence " + std::to_string(m.seq) +
+                                          "'s mark has changed since: the sequence let go of it (copy on write), "
+                                          "and it was then taken from the free list again or its slots rewritten");
         }
         return target;
     }
@@ -722,7 +751,16 @@ private:
         const Index p = m_free.back();
         m_free.pop_back();
         m_refs[static_cast<std::size_t>(p)] = 1;
+        ++m_generation[static_cast<std::size_t>(p)];  // marks that held it before no longer restore it
+        m_written[static_cast<std::size_t>(p)] = 0;
         return p;
+    }
+    // Rows are about to be written to slots [slot, slot + n) of page: writing again below the
+    // highest slot written since the page was taken changes tokens a mark may hold.
+    void note_write(Index page, Index slot, Index n) noexcept {
+        Index& written = m_written[static_cast<std::size_t>(page)];
+        if (slot < written) ++m_generation[static_cast<std::size_t>(page)];
+        written = std::max(written, slot + n);
     }
     // Drops one reference to pages[from..]; a page no one holds returns to the free list (whose
     // room the caller has reserved).
@@ -785,6 +823,8 @@ private:
 
     Index m_page_size, m_num_kv_heads, m_head_dim, m_value_head_dim;
     std::vector<Index> m_refs;                      // per page: sequences holding it
+    std::vector<std::uint64_t> m_generation;        // per page: takings and rewrites (restore)
+    std::vector<Index> m_written;                   // per page: slots [0, this) written since taken
     std::vector<Index> m_free;                      // free pages, the next one taken last
     std::vector<Sequence> m_sequences;              // by id
     std::vector<bool> m_alive;                      // by id: in use
