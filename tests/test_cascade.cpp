@@ -252,6 +252,47 @@ TEST(CascadeAttention, NamesABadHeadCountPageSizeOrLastPageLength) {
     }
 }
 
+// min_suffix_tokens keeps a causal batch's new tokens out of the prefix: c holds 35 tokens
+// (root's 2 full pages and 3 of its own), e root's 32 alone, so with 2 new query rows a sequence
+// (min_suffix_tokens 1) the prefix stops after page 0: e's 32 − 1 tokens fill only one page.
+TEST(CascadeAttention, ASplitThatLeavesTheNewTokensServesACausalBatch) {
+    const Index d = 16, P = 16;
+    PagedKVPool<float> pool(8, P, 1, d);
+    std::mt19937 rng(5);
+    const SequenceId root = pool.allocate();
+    const RowMatrix<float> k = random_rows<float>(2 * P, d, rng), v = random_rows<float>(2 * P, d, rng);
+    pool.append({root}, k, v, {2 * P});
+    const SequenceId c = pool.fork(root), e = pool.fork(root);
+    pool.append({c}, k.topRows(3), v.topRows(3), {3});
+    const PageTable table = pool.page_table({c, e});
+    EXPECT_EQ(gattn::shared_prefix_pages(table, P), 2);
+    EXPECT_EQ(gattn::shared_prefix_pages(table, P, 1), 1);
+    EXPECT_EQ(gattn::shared_prefix_pages(table, P, 16), 1);  // e keeps page 1 whole
+    EXPECT_EQ(gattn::shared_prefix_pages(table, P, 17), 0);  // and one token of page 0
+    EXPECT_EQ(gattn::shared_prefix_pages(pool.page_table({c}), P, 3), 2);  // one sequence: 35 − 3 = 32
+    EXPECT_THROW(gattn::shared_prefix_pages(table, P, -1), std::invalid_argument);
+    const auto split = gattn::split_shared_prefix(table, P, 1);
+    EXPECT_EQ(split.first.indices, std::vector<Index>{pool.pages(root)[0]});
+    EXPECT_EQ(split.second.length(0, P), 19);
+    EXPECT_EQ(split.second.length(1, P), 16);
+    const RowMatrix<float> query = random_rows<float>(4, 2 * d, rng);
+    gattn::SdpaOptions<float> causal;
+    causal.mask.causal = true;
+    RowMatrix<float> got(4, 2 * d), plain(4, 2 * d);
+    gattn::cascade_attention<float, float>(query, pool, split.first, split.second, 2, got, causal);
+    gattn::paged_attention<float, float>(query, pool, table, 2, plain, causal);
+    EXPECT_LE((got - plain).cwiseAbs().maxCoeff(), 2e-6f);
+    // The default split puts e's new tokens in the prefix, which the error names.
+    const auto whole = gattn::split_shared_prefix(table, P);
+    try {
+        gattn::cascade_attention<float, float>(query, pool, whole.first, whole.second, 2, got, causal);
+        ADD_FAILURE() << "no error for new tokens in the prefix";
+    } catch (const std::invalid_argument& err) {
+        EXPECT_NE(std::string(err.what()).find("split_shared_prefix(table, page_size, 1)"), std::string::npos)
+            << err.what();
+    }
+}
+
 TEST(CascadeAttention, ErrorsLeaveOutUnchanged) {
     const Index d = 16, P = 16;
     PagedKVPool<float> pool(8, P, 1, d);

@@ -30,21 +30,30 @@ GATTN_BEGIN_ISA_NAMESPACE
 
 /// The number of leading pages that every sequence of `table` holds in common (the same page
 /// indices), counting only pages that are full in every sequence that holds them (a sequence's
-/// last page counts only when it holds page_size tokens). 0 for an empty batch.
+/// last page counts only when it holds page_size tokens) and that leave every sequence at least
+/// min_suffix_tokens tokens after them. 0 for an empty batch.
+/// \param min_suffix_tokens the tokens each sequence keeps out of the prefix: N_q − 1 for a
+///        causal cascade_attention of N_q new query rows a sequence, whose new tokens must
+///        follow the prefix (a batch of one sequence, or of forks that have not appended yet,
+///        shares its new tokens' pages too); 0 (the default) counts every shared full page.
 /// \throws shape_error or std::invalid_argument for a table whose indptr does not have
 ///         batch() + 1 entries running from 0 to indices.size() without decreasing, or whose
 ///         last_page_len[b] is outside [1, page_size] for a sequence with pages (not 0 for one
-///         without), or for page_size < 1 (detail::check_table_layout).
-inline Index shared_prefix_pages(const PageTable& table, Index page_size) {
+///         without), or for page_size < 1 (detail::check_table_layout); std::invalid_argument
+///         for min_suffix_tokens < 0.
+inline Index shared_prefix_pages(const PageTable& table, Index page_size, Index min_suffix_tokens = 0) {
     constexpr const char* fn = "gattn::shared_prefix_pages";
     detail::check_table_layout(fn, table, page_size);
+    if (min_suffix_tokens < 0)
+        detail::throw_invalid(fn, "min_suffix_tokens", "must be >= 0, got " + std::to_string(min_suffix_tokens));
     const Index B = table.batch();
     if (B == 0) return 0;
     Index n = table.pages(0);
     for (Index b = 0; b < B; ++b) {
         Index full = table.pages(b);
         if (full > 0 && table.last_page_len[static_cast<std::size_t>(b)] < page_size) --full;
-        n = std::min(n, full);
+        const Index length = table.length(b, page_size);
+        n = std::min({n, full, length > min_suffix_tokens ? (length - min_suffix_tokens) / page_size : Index(0)});
     }
     const Index* first = table.indices.data() + table.indptr[0];
     for (Index b = 1; b < B; ++b) {
@@ -57,11 +66,13 @@ inline Index shared_prefix_pages(const PageTable& table, Index page_size) {
 }
 
 /// Splits a batch's full page tables into the prefix table (one sequence: the first
-/// shared_prefix_pages(table, page_size) pages, all full) and the suffix tables (B sequences:
-/// each one's remaining pages, possibly none), the arguments cascade_attention takes.
+/// shared_prefix_pages(table, page_size, min_suffix_tokens) pages, all full) and the suffix
+/// tables (B sequences: each one's remaining pages, possibly none), the arguments
+/// cascade_attention takes (causal: min_suffix_tokens = N_q − 1, see shared_prefix_pages).
 /// \throws as shared_prefix_pages.
-inline std::pair<PageTable, PageTable> split_shared_prefix(const PageTable& table, Index page_size) {
-    const Index n = shared_prefix_pages(table, page_size), B = table.batch();
+inline std::pair<PageTable, PageTable> split_shared_prefix(const PageTable& table, Index page_size,
+                                                           Index min_suffix_tokens = 0) {
+    const Index n = shared_prefix_pages(table, page_size, min_suffix_tokens), B = table.batch();
     PageTable prefix, suffix;
     if (n > 0) {
         prefix.indices.assign(table.indices.begin() + table.indptr[0], table.indices.begin() + table.indptr[0] + n);
@@ -146,12 +157,13 @@ void cascade_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& 
     if (m.causal)
         for (Index b = 0; b < B; ++b)
             if (suffix.length(b, P) < new_rows - 1)
-                gattn::detail::throw_invalid(fn, "suffix",
-                                             "sequence " + std::to_string(b) + " holds " +
-                                                 std::to_string(suffix.length(b, P)) +
-                                                 " tokens after the prefix; causal attention of " +
-                                                 std::to_string(new_rows) + " new query rows needs at least " +
-                                                 std::to_string(new_rows - 1) + " (their tokens must follow it)");
+                gattn::detail::throw_invalid(
+                    fn, "suffix",
+                    "sequence " + std::to_string(b) + " holds " + std::to_string(suffix.length(b, P)) +
+                        " tokens after the prefix; causal attention of " + std::to_string(new_rows) +
+                        " new query rows needs at least " + std::to_string(new_rows - 1) +
+                        " (their tokens must follow it; split_shared_prefix(table, page_size, " +
+                        std::to_string(new_rows - 1) + ") leaves them)");
     const Index H = num_heads, dv = pool.value_head_dim(), rows = query.rows();
     gattn::detail::check_output(fn, "out", out, rows, H * dv);
     // out may hold query (both calls read it before out is written), never the pool's storage.
