@@ -34,8 +34,8 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// min_suffix_tokens tokens after them. 0 for an empty batch.
 /// \param min_suffix_tokens the tokens each sequence keeps out of the prefix: N_q − 1 for a
 ///        causal cascade_attention of N_q new query rows a sequence, whose new tokens must
-///        follow the prefix (a batch of one sequence, or of forks that have not appended yet,
-///        shares its new tokens' pages too); 0 (the default) counts every shared full page.
+///        follow the prefix (the new tokens of a batch of one sequence, or of forks made after
+///        they were appended, lie in shared pages); 0 (the default) counts every shared full page.
 /// \throws shape_error or std::invalid_argument for a table whose indptr does not have
 ///         batch() + 1 entries running from 0 to indices.size() without decreasing, or whose
 ///         last_page_len[b] is outside [1, page_size] for a sequence with pages (not 0 for one
@@ -49,11 +49,9 @@ inline Index shared_prefix_pages(const PageTable& table, Index page_size, Index 
     const Index B = table.batch();
     if (B == 0) return 0;
     Index n = table.pages(0);
-    for (Index b = 0; b < B; ++b) {
-        Index full = table.pages(b);
-        if (full > 0 && table.last_page_len[static_cast<std::size_t>(b)] < page_size) --full;
+    for (Index b = 0; b < B; ++b) {  // whole pages before the last min_suffix_tokens tokens
         const Index length = table.length(b, page_size);
-        n = std::min({n, full, length > min_suffix_tokens ? (length - min_suffix_tokens) / page_size : Index(0)});
+        n = std::min(n, length > min_suffix_tokens ? (length - min_suffix_tokens) / page_size : Index(0));
     }
     const Index* first = table.indices.data() + table.indptr[0];
     for (Index b = 1; b < B; ++b) {
