@@ -32,6 +32,8 @@ GATTN_BEGIN_ISA_NAMESPACE
 /// indices), counting only pages that are full in every sequence that holds them (a sequence's
 /// last page counts only when it holds page_size tokens) and that leave every sequence at least
 /// min_suffix_tokens tokens after them. 0 for an empty batch.
+/// \param table             the batch's page tables (PagedKVPool::page_table).
+/// \param page_size         the pool's page size, in tokens.
 /// \param min_suffix_tokens the tokens each sequence keeps out of the prefix: N_q − 1 for a
 ///        causal cascade_attention of N_q new query rows a sequence, whose new tokens must
 ///        follow the prefix (the new tokens of a batch of one sequence, or of forks made after
