@@ -267,8 +267,8 @@ TEST(CascadeAttention, ASplitThatLeavesTheNewTokensServesACausalBatch) {
     const PageTable table = pool.page_table({c, e});
     EXPECT_EQ(gattn::shared_prefix_pages(table, P), 2);
     EXPECT_EQ(gattn::shared_prefix_pages(table, P, 1), 1);
-    EXPECT_EQ(gattn::shared_prefix_pages(table, P, 16), 1);  // e keeps page 1 whole
-    EXPECT_EQ(gattn::shared_prefix_pages(table, P, 17), 0);  // and one token of page 0
+    EXPECT_EQ(gattn::shared_prefix_pages(table, P, 16), 1);                // e keeps page 1 whole
+    EXPECT_EQ(gattn::shared_prefix_pages(table, P, 17), 0);                // and one token of page 0
     EXPECT_EQ(gattn::shared_prefix_pages(pool.page_table({c}), P, 3), 2);  // one sequence: 35 − 3 = 32
     EXPECT_THROW(gattn::shared_prefix_pages(table, P, -1), std::invalid_argument);
     const auto split = gattn::split_shared_prefix(table, P, 1);
