@@ -25,6 +25,7 @@
 #include "gattn/ops/cascade_sdpa.hpp"
 #include "gattn/ops/paged_sdpa.hpp"
 #include "support/compare.hpp"
+#include "support/reference.hpp"
 
 namespace cascade_test {
 
@@ -282,6 +283,20 @@ TEST(CascadeAttention, ASplitThatLeavesTheNewTokensServesACausalBatch) {
     gattn::cascade_attention<float, float>(query, pool, split.first, split.second, 2, got, causal);
     gattn::paged_attention<float, float>(query, pool, table, 2, plain, causal);
     EXPECT_LE((got - plain).cwiseAbs().maxCoeff(), 2e-6f);
+    // And the float64 reference over each sequence's tokens: c's 35 (root's 32, then k's first
+    // 3 rows), e's 32 (padding past them), the last 2 of each the queries' positions.
+    gattn_test::Mat keys = gattn_test::Mat::Zero(2 * 35, d), values = gattn_test::Mat::Zero(2 * 35, d);
+    for (Index b = 0; b < 2; ++b) {
+        keys.middleRows(b * 35, 2 * P) = k.cast<double>();
+        values.middleRows(b * 35, 2 * P) = v.cast<double>();
+    }
+    keys.middleRows(2 * P, 3) = k.topRows(3).cast<double>();
+    values.middleRows(2 * P, 3) = v.topRows(3).cast<double>();
+    gattn_test::RefMasks masks;
+    masks.causal = true;
+    masks.key_lengths = {35, 32};
+    const auto ref = gattn_test::sdpa_reference(query.cast<double>(), keys, values, 2, 2, 1, {}, masks);
+    EXPECT_LE((got.cast<double>() - ref.out).cwiseAbs().maxCoeff(), 2e-5);
     // The default split puts e's new tokens in the prefix, which the error names.
     const auto whole = gattn::split_shared_prefix(table, P);
     try {

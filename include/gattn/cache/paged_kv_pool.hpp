@@ -32,6 +32,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "gattn/cache/huge_pages.hpp"
@@ -534,14 +535,8 @@ public:
     ///         that do not hold m.length tokens, or a page whose tokens of the mark are no longer
     ///         there (freed, taken again or rewritten since). Nothing is changed on error.
     void restore(const SequenceMark& m) {
-        std::vector<Index> target = restore_pages("gattn::PagedKVPool::restore", m);
+        auto [target, same] = restore_pages("gattn::PagedKVPool::restore", m);
         Sequence& s = m_sequences[static_cast<std::size_t>(m.seq)];
-        // Since the mark the sequence has only appended (new pages, or a copy in place of its
-        // shared last page) and released front pages: the two lists agree up to their first
-        // difference, past which each current page is one it took and each marked page one it
-        // let go of.
-        std::size_t same = 0;
-        while (same < target.size() && same < s.pages.size() && target[same] == s.pages[same]) ++same;
         m_free.reserve(m_free.size() + (s.pages.size() - same));  // may throw: nothing changed yet
         for (std::size_t i = same; i < target.size(); ++i) ++m_refs[static_cast<std::size_t>(target[i])];
         release(s.pages, same);
@@ -689,9 +684,9 @@ private:
             detail::throw_invalid(
                 fn, arg, "must be a sequence of the pool (allocated or forked, not freed), got " + std::to_string(seq));
     }
-    // restore's checks; returns the page list sequence m.seq gets back: the mark's, less the
-    // front pages released since.
-    std::vector<Index> restore_pages(const char* fn, const SequenceMark& m) const {
+    // restore's checks; returns the page list sequence m.seq gets back (the mark's, less the
+    // front pages released since) and how many of its leading pages the sequence still holds.
+    std::pair<std::vector<Index>, std::size_t> restore_pages(const char* fn, const SequenceMark& m) const {
         check_sequence(fn, "m.seq", m.seq);
         const Sequence& s = m_sequences[static_cast<std::size_t>(m.seq)];
         if (m.epoch != s.epoch)
@@ -710,8 +705,11 @@ private:
             detail::throw_shape(fn, "m.generations", detail::shape_string({static_cast<Index>(m.pages.size())}),
                                 detail::shape_string({static_cast<Index>(m.generations.size())}));
         std::vector<Index> target(m.pages.begin() + drop, m.pages.end());
-        // The pages it still holds keep their tokens (it only appended since); those it let go
-        // of must be as the mark left them.
+        // Since the mark the sequence has only appended (new pages, or a copy in place of its
+        // shared last page) and released front pages: the two lists agree up to their first
+        // difference, past which each current page is one it took and each marked page one it
+        // let go of. The pages it still holds keep their tokens; those it let go of must be as
+        // the mark left them.
         std::size_t same = 0;
         while (same < target.size() && same < s.pages.size() && target[same] == s.pages[same]) ++same;
         for (std::size_t i = 0; i < target.size(); ++i) {
@@ -728,7 +726,7 @@ private:
                                           "'s mark has changed since: the sequence let go of it (copy on write), "
                                           "and it was then taken from the free list again or its slots rewritten");
         }
-        return target;
+        return {std::move(target), same};
     }
     void check_page(const char* fn, const char* arg, Index page) const {
         if (page < 0 || page >= num_pages())
