@@ -794,13 +794,14 @@ TEST(PagedAttention, Int8EqualsContiguousBitwiseOnEveryKernel) {
 /// Decoding over more K and V than kDecodeFromMemoryBytes, where the kernel reads two key
 /// blocks ahead of its use through the page table (the pages of the two sequences interleave,
 /// so a block ahead often lies in another page): bitwise the contiguous cache, 1 and 2 threads.
-/// `group` query heads per KV head; 1 (multi-head) reads each key block in address order.
+/// `group` query heads per each of Hkv KV heads; 1 (multi-head) reads each key block in address
+/// order.
 template <class S>
-void check_decoding_from_memory(unsigned seed, Index group = 2) {
+void check_decoding_from_memory(unsigned seed, Index group = 2, Index Hkv = 2) {
     using Q = QueryOf<S>;
     using T = gattn::compute_t<Q>;
     using Setup = PagedSetup<S>;
-    const Index Hkv = 2, dk = Setup::kDk, dv = Setup::kDv, H = group * Hkv;
+    const Index dk = Setup::kDk, dv = Setup::kDv, H = group * Hkv;
     const Index length = (gattn::kernel::kDecodeFromMemoryBytes / (Hkv * (dk + dv) * Index(sizeof(S)))) / 2 + 1001;
     for (Index page_size : {16, 64}) {
         std::mt19937 rng(seed++);
@@ -827,6 +828,7 @@ void check_decoding_from_memory(unsigned seed, Index group = 2) {
 TEST(PagedAttention, DecodingFromMemoryEqualsContiguousBitwise) {
     check_decoding_from_memory<float>(60);
     check_decoding_from_memory<float>(65, 1);
+    check_decoding_from_memory<float>(75, 1, 1);
     check_decoding_from_memory<gattn::bfloat16>(70);
 }
 

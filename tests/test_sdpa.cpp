@@ -854,7 +854,8 @@ void check_decode_against_reference(Index Nk, Index H, Index Hkv, Index d, unsig
     v.middleRows(Nk - 5, 5).setConstant(std::numeric_limits<double>::quiet_NaN());
     RefMasks masks;
     masks.key_lengths = {Nk - 5, Nk};
-    for (double m : {0.0, 1e-3, 1e-2, 0.5}) masks.alibi_slopes.push_back(static_cast<double>(static_cast<S>(m)));
+    const double slopes[] = {0.0, 1e-3, 1e-2, 0.5};  // ALiBi: head h has slopes[h % 4]
+    for (Index h = 0; h < H; ++h) masks.alibi_slopes.push_back(static_cast<double>(static_cast<S>(slopes[h % 4])));
     const auto ref = gattn_test::sdpa_reference(q, k, v, 2, H, Hkv, {}, masks);
     gattn::SdpaOptions<S> o;
     o.mask.key_lengths = masks.key_lengths;
@@ -881,6 +882,14 @@ TYPED_TEST(SdpaTyped, DecodeFromMemoryOneRowPerKvHead) {
     static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(7003) * 4 * 2 * 64 * 4,
                   "the test must read from memory");
     check_decode_against_reference<TypeParam>(7003, 4, 4, 64, 94, "DecodeFromMemoryMha");
+}
+
+/// The same with one query head on one KV head, whose rows lie back to back: 14003 keys of
+/// d = 64, 14 MB of float K and V for the two sequences.
+TYPED_TEST(SdpaTyped, DecodeFromMemoryOneKvHead) {
+    static_assert(gattn::kernel::kDecodeFromMemoryBytes < Index(14003) * 2 * 2 * 64 * 4,
+                  "the test must read from memory");
+    check_decode_against_reference<TypeParam>(14003, 1, 1, 64, 97, "DecodeFromMemoryOneHead");
 }
 
 /// A decoding step of B = 2 sequences over N_k keys (203: a partial last block), H query heads
