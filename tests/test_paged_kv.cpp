@@ -987,6 +987,20 @@ TEST(PagedAttention, MixedBatchErrorsWriteNothing) {
     gattn::SdpaOptions<float> with_key_lengths;
     with_key_lengths.mask.key_lengths = {20, 5};
     expect_error({0, 3, 4}, with_key_lengths, {"options.mask.key_lengths", "must be empty"});
+    // A head count the pool's KV heads do not divide is named as the argument it is.
+    for (const Index heads : {Index(0), Index(3)}) {
+        try {
+            gattn::paged_attention<float, float>(q, setup.pool, table, heads, out);
+            ADD_FAILURE() << "no exception for num_heads = " << heads;
+        } catch (const std::invalid_argument& e) {
+            EXPECT_NE(std::string(e.what()).find("num_heads must be a positive multiple of pool.num_kv_heads() = " +
+                                                 std::to_string(setup.pool.num_kv_heads()) + ", got " +
+                                                 std::to_string(heads)),
+                      std::string::npos)
+                << e.what();
+        }
+        EXPECT_TRUE((out.array() == 5.0f).all());
+    }
     // The same call without the mask runs: three rows of sequence 0, one of sequence 1.
     gattn::paged_attention<float, float>(q, {0, 3, 4}, setup.pool, table, H, out);
     EXPECT_TRUE((out.array() != 5.0f).all());

@@ -1616,6 +1616,30 @@ TEST(SdpaExtremeValues, DenormalFloatInputsMatchReference) {
     }
 }
 
+/// Values up to FLT_MAX / N_k in magnitude give finite outputs (docs/conventions.md, "Numerics":
+/// the kernels sum e^(ℓ − m)·v over the keys before dividing by the row sum): every value
+/// positive, the worst case for that sum, on every kernel shape, against the float64 reference.
+TEST(SdpaExtremeValues, ValuesUpToLargestOverKeysStayFinite) {
+    for (const auto& sh : kKernelShapes) {
+        SCOPED_TRACE(sh.name);
+        const Index B = sh.B, Nq = sh.Nq, Nk = sh.Nk, H = sh.H, Hkv = sh.Hkv;
+        const double c = 0.99 * std::numeric_limits<float>::max() / static_cast<double>(Nk);
+        const gattn::RowMatrix<float> q = random_matrix(B * Nq, H * sh.dk, 231).cast<float>();
+        const gattn::RowMatrix<float> k = random_matrix(B * Nk, Hkv * sh.dk, 232).cast<float>();
+        const gattn::RowMatrix<float> v =
+            ((random_matrix(B * Nk, Hkv * sh.dv, 233).array().abs() * 0.5 + 0.5) * c).matrix().cast<float>();
+        gattn::SdpaOptions<float> opt;
+        opt.mask.causal = true;
+        RefMasks rm;
+        rm.causal = true;
+        const auto got = gattn::scaled_dot_product_attention<float>(q, k, v, {B, H, Hkv}, opt);
+        const auto ref =
+            gattn_test::sdpa_reference(q.cast<double>(), k.cast<double>(), v.cast<double>(), B, H, Hkv, {}, rm);
+        EXPECT_TRUE(got.allFinite());
+        expect_close((got.cast<double>() / c).eval(), (ref.out / c).eval(), 1e-5, 1e-4, "values near FLT_MAX / N_k");
+    }
+}
+
 /// NaN in a key that some queries see (one K element of one key, one V element of another) and
 /// +∞ in a third key's K: as IEEE arithmetic says, a query that sees the NaN key gets NaN in
 /// every element of the heads reading it, the NaN value element makes only that element NaN, an

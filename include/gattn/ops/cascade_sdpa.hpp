@@ -14,6 +14,10 @@
 ///
 /// The result equals paged_attention over each sequence's full table within float rounding,
 /// not bitwise: the keys are summed in a different order (prefix and suffix apart, then merged).
+/// A bf16 pool on the AVX512-BF16 or BF16 kernels rounds the softmax weights to bf16 before the
+/// value sums (docs/conventions.md, "16-bit storage"), and the stacked prefix rows may take
+/// the tiles where paged_attention decodes, so there the two agree within that rounding
+/// (1.5e-3 of the output's largest element seen), not within float rounding.
 
 #include <algorithm>
 #include <cstddef>

@@ -95,6 +95,10 @@ std::vector<Index> checked_paged_lengths(const char* fn, Index query_rows, Index
                                          const PagedKVPool<Storage>& pool, const PageTable& table, Index H,
                                          const SdpaOptions<T>& options, const SdpaOutputs<T>& extra) {
     pool.check_table(fn, table);
+    if (H < 1 || H % pool.num_kv_heads() != 0)
+        throw_invalid(fn, "num_heads",
+                      "must be a positive multiple of pool.num_kv_heads() = " + std::to_string(pool.num_kv_heads()) +
+                          ", got " + std::to_string(H));
     std::vector<Index> lengths(static_cast<std::size_t>(table.batch()));
     for (Index b = 0; b < table.batch(); ++b) lengths[static_cast<std::size_t>(b)] = table.length(b, pool.page_size());
     if (!options.mask.key_lengths.empty())
@@ -183,8 +187,9 @@ void paged_attention_call(ConstMatrixRef<Query> query, const std::vector<Index>*
 ///               probabilities and logits are not produced here.
 /// \throws what PagedKVPool::check_table throws (a page out of range or free, a table longer
 ///         than the pool); what scaled_dot_product_attention throws for the shapes and
-///         options; std::invalid_argument for mask.key_lengths given, or extra.probabilities or
-///         extra.logits requested. Nothing is written before validation passes.
+///         options; std::invalid_argument for num_heads not a positive multiple of
+///         pool.num_kv_heads(), mask.key_lengths given, or extra.probabilities or extra.logits
+///         requested. Nothing is written before validation passes.
 template <class Storage, class Query, class Out = Query>
 void paged_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& pool, const PageTable& table,
                      Index num_heads, MatrixRef<gattn::detail::identity_t<Out>> out,
