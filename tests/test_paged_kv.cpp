@@ -794,7 +794,7 @@ TEST(PagedAttention, Int8EqualsContiguousBitwiseOnEveryKernel) {
 /// Decoding over more K and V than kDecodeFromMemoryBytes, where the kernel reads two key
 /// blocks ahead of its use through the page table (the pages of the two sequences interleave,
 /// so a block ahead often lies in another page): bitwise the contiguous cache, 1 and 2 threads.
-/// `group` query heads per each of Hkv KV heads; 1 (multi-head) reads each key block in address
+/// `group` query heads on each of Hkv KV heads; 1 (multi-head) reads each key block in address
 /// order.
 template <class S>
 void check_decoding_from_memory(unsigned seed, Index group = 2, Index Hkv = 2) {
