@@ -197,19 +197,21 @@ Reference reference(const Problem& p, const Data& d, const Mat* given_out = null
                 for (Index j = 0; j < p.Nk; ++j) z += std::exp(logit(i, j) - m);
                 r.lse(row, h) = m + std::log(z);
                 const double lse = given_lse ? (*given_lse)(row, h) : r.lse(row, h);
-                std::vector<double> P(static_cast<std::size_t>(p.Nk)), dP(static_cast<std::size_t>(p.Nk));
+                std::vector<double> P(static_cast<std::size_t>(p.Nk)), abs_pv(static_cast<std::size_t>(p.dv), 0.0);
                 for (Index j = 0; j < p.Nk; ++j) P[j] = std::exp(logit(i, j) - lse);
                 for (Index j = 0; j < p.Nk; ++j)
-                    for (Index c = 0; c < p.dv; ++c) r.out(row, h * p.dv + c) += P[j] * d.v(b * p.Nk + j, g * p.dv + c);
+                    for (Index c = 0; c < p.dv; ++c) {
+                        const double v_jc = d.v(b * p.Nk + j, g * p.dv + c);
+                        r.out(row, h * p.dv + c) += P[j] * v_jc;
+                        abs_pv[c] += P[j] * std::abs(v_jc);  // Σ_j P_ij·|V_jc|
+                    }
                 const Mat& o = given_out ? *given_out : r.out;
                 double D = 0, terms = 0, rounding = 0;
                 for (Index c = 0; c < p.dv; ++c) {
                     const double d_o = d.d_out(row, h * p.dv + c);
                     D += d_o * o(row, h * p.dv + c);
                     terms += std::abs(d_o * o(row, h * p.dv + c));
-                    double pv = 0;
-                    for (Index j = 0; j < p.Nk; ++j) pv += P[j] * std::abs(d.v(b * p.Nk + j, g * p.dv + c));
-                    rounding += std::abs(d_o) * pv;
+                    rounding += std::abs(d_o) * abs_pv[c];
                 }
                 if (sink != -kInf) {
                     const double p_sink = std::exp(sink - lse);

@@ -132,10 +132,7 @@ void cascade_attention(ConstMatrixRef<Query> query, const PagedKVPool<Storage>& 
     pool.check_table(fn, prefix);
     pool.check_table(fn, suffix);
     const Index P = pool.page_size(), B = suffix.batch();
-    if (num_heads < 1 || num_heads % pool.num_kv_heads() != 0)
-        gattn::detail::throw_invalid(fn, "num_heads",
-                                     "must be a positive multiple of pool.num_kv_heads() = " +
-                                         std::to_string(pool.num_kv_heads()) + ", got " + std::to_string(num_heads));
+    detail::check_pool_heads(fn, num_heads, pool);
     if (prefix.length(0, P) == 0) gattn::detail::throw_invalid(fn, "prefix", "must hold at least 1 token, holds 0");
     if (B < 1 || query.rows() % B != 0)
         gattn::detail::throw_invalid(fn, "suffix",

@@ -88,6 +88,16 @@ void paged_attention_rows(const char* fn, ConstMatrixRef<Query> query, const std
                                          extra.log_sum_exp, extra.first_key_probability, NoEpilogue{});
 }
 
+/// Throws std::invalid_argument naming num_heads unless it is a positive multiple of
+/// pool.num_kv_heads() (paged_attention, cascade_attention).
+template <class Storage>
+void check_pool_heads(const char* fn, Index num_heads, const PagedKVPool<Storage>& pool) {
+    if (num_heads < 1 || num_heads % pool.num_kv_heads() != 0)
+        throw_invalid(fn, "num_heads",
+                      "must be a positive multiple of pool.num_kv_heads() = " + std::to_string(pool.num_kv_heads()) +
+                          ", got " + std::to_string(num_heads));
+}
+
 /// The checks both paged_attention calls make first: the table against the pool, the
 /// query's columns, no key lengths and no analysis outputs. Returns each sequence's L_b.
 template <class Storage, class T>
@@ -95,10 +105,7 @@ std::vector<Index> checked_paged_lengths(const char* fn, Index query_rows, Index
                                          const PagedKVPool<Storage>& pool, const PageTable& table, Index H,
                                          const SdpaOptions<T>& options, const SdpaOutputs<T>& extra) {
     pool.check_table(fn, table);
-    if (H < 1 || H % pool.num_kv_heads() != 0)
-        throw_invalid(fn, "num_heads",
-                      "must be a positive multiple of pool.num_kv_heads() = " + std::to_string(pool.num_kv_heads()) +
-                          ", got " + std::to_string(H));
+    check_pool_heads(fn, H, pool);
     std::vector<Index> lengths(static_cast<std::size_t>(table.batch()));
     for (Index b = 0; b < table.batch(); ++b) lengths[static_cast<std::size_t>(b)] = table.length(b, pool.page_size());
     if (!options.mask.key_lengths.empty())
