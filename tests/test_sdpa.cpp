@@ -640,6 +640,41 @@ void expect_rejected(F&& call, const std::string& needle, const gattn::RowMatrix
     EXPECT_TRUE((out.array() == 42.0f).all()) << "the output was written before validation";
 }
 
+/// Head-major keys must have B·H_kv·N_k rows of d_k = query.cols() / H, values key's rows;
+/// the message names the layout, and nothing is written.
+TEST(SdpaValidation, HeadMajorShapes) {
+    ValidationFixture f;  // B = 2, H_kv = 2, d_k = 6, N_k = 5
+    const gattn::RowMatrix<float> k = gattn::RowMatrix<float>::Zero(f.B * f.Hkv * f.Nk, f.dk),
+                                  v = gattn::RowMatrix<float>::Zero(f.B * f.Hkv * f.Nk, f.dv);
+    const gattn::RowMatrix<float> k_rows = gattn::RowMatrix<float>::Zero(f.B * f.Hkv * f.Nk - 2, f.dk),
+                                  k_cols = gattn::RowMatrix<float>::Zero(f.B * f.Hkv * f.Nk, f.dk + 1),
+                                  v_rows = gattn::RowMatrix<float>::Zero(f.B * f.Hkv * f.Nk - 4, f.dv);
+    using gattn::HeadMajorRows;
+    auto call = [&](const gattn::RowMatrix<float>& key, const gattn::RowMatrix<float>& value) {
+        return [&] {
+            gattn::scaled_dot_product_attention<float>(f.q, HeadMajorRows<float>(key), HeadMajorRows<float>(value),
+                                                       f.layout, f.out, f.opt);
+        };
+    };
+    expect_rejected<gattn::shape_error>(
+        call(k_rows, v), "key must have shape head-major [B*num_kv_heads*N_k, head_dim] = [multiple of 4, 6], got [18, 6]",
+        f.out);
+    expect_rejected<gattn::shape_error>(call(k_cols, v), "got [20, 7]", f.out);
+    expect_rejected<gattn::shape_error>(
+        call(k, v_rows), "value must have shape head-major [20, value_head_dim >= 1], got [16, 3]", f.out);
+    // A token-major key passed as head-major has H_kv times too few rows.
+    expect_rejected<gattn::shape_error>(call(f.k, v), "head-major", f.out);
+    // Valid shapes run, and a bad head count is still named first.
+    EXPECT_NO_THROW(call(k, v)());
+    gattn::RowMatrix<float> out2 = gattn::RowMatrix<float>::Constant(f.out.rows(), f.out.cols(), 42.0f);
+    expect_rejected<std::invalid_argument>(
+        [&] {
+            gattn::scaled_dot_product_attention<float>(f.q, HeadMajorRows<float>(k_rows),
+                                                       HeadMajorRows<float>(v), {f.B, f.H, 3}, out2, f.opt);
+        },
+        "num_kv_heads", out2, true);
+}
+
 TEST(SdpaValidation, QueryWidthNotMultipleOfHeads) {
     ValidationFixture f;
     const gattn::RowMatrix<float> q = f.q.leftCols(f.H * f.dk - 1);
@@ -845,6 +880,17 @@ TEST(SdpaSinks, MergeStaysExactWithSinksOnOneSide) {
 /// Decodes one token of each of 2 sequences against a cache of Nk keys per sequence (H query
 /// heads on Hkv KV heads, head_dim d) and checks the output and log-sum-exp against the float64
 /// reference, with ALiBi and a key length that leaves 5 NaN keys of sequence 0 unread.
+/// The head-major copy [B·H_kv·N, d] of token-major rows [B·N, H_kv·d] (row (b·H_kv + g)·N + j
+/// holds row b·N + j's columns [g·d, (g + 1)·d)).
+template <class M>
+M head_major_copy(const M& rows, Index B, Index Hkv) {
+    const Index N = rows.rows() / B, d = rows.cols() / Hkv;
+    M hm(B * Hkv * N, d);
+    for (Index b = 0; b < B; ++b)
+        for (Index g = 0; g < Hkv; ++g) hm.middleRows((b * Hkv + g) * N, N) = rows.block(b * N, g * d, N, d);
+    return hm;
+}
+
 template <class S>
 void check_decode_against_reference(Index Nk, Index H, Index Hkv, Index d, unsigned seed, const std::string& label) {
     const Mat q = rounded<S>(random_matrix(2, H * d, seed));
@@ -866,6 +912,66 @@ void check_decode_against_reference(Index Nk, Index H, Index Hkv, Index d, unsig
     gattn::scaled_dot_product_attention<S>(q.cast<S>(), k.cast<S>(), v.cast<S>(), {2, H, Hkv}, out, o, extra);
     expect_close(out, ref.out, Tol<S>::atol, Tol<S>::rtol, label + "/out", Tol<S>::nmse);
     expect_close(lse, ref.log_sum_exp, Tol<S>::atol, Tol<S>::rtol, label + "/lse");
+    // The same keys and values head-major (one decoding call per KV head): the same bits.
+    const gattn::RowMatrix<S> k_hm = head_major_copy<gattn::RowMatrix<S>>(k.cast<S>(), 2, Hkv),
+                              v_hm = head_major_copy<gattn::RowMatrix<S>>(v.cast<S>(), 2, Hkv);
+    gattn::RowMatrix<S> out_hm(2, H * d), lse_hm;
+    extra.log_sum_exp = &lse_hm;
+    gattn::scaled_dot_product_attention<S>(q.cast<S>(), gattn::HeadMajorRows<S>(k_hm), gattn::HeadMajorRows<S>(v_hm),
+                                           {2, H, Hkv}, out_hm, o, extra);
+    EXPECT_TRUE(out_hm == out) << label << ": head-major keys and values gave other bits";
+    EXPECT_TRUE(lse_hm == lse) << label << ": head-major keys and values gave another log-sum-exp";
+}
+
+/// Head-major keys and values ([B·H_kv·N_k, d], PyTorch's [B, H_kv, N_k, d]) give the bits of
+/// the token-major call over the same values, and the float64 reference's values, in the
+/// prefill tiles (causal or not, GQA, d_v ≠ d_k, a softcap) and in decoding from cache (one or
+/// two query rows per KV head); B = 2, sequence 0 sees N_k − 3 keys and the rest hold NaN.
+/// Probabilities, recomputed from the keys, agree too.
+TYPED_TEST(SdpaTyped, HeadMajorKeysAndValues) {
+    using S = TypeParam;
+    struct Shape {
+        Index Nq, Nk, H, Hkv, dk, dv;
+        bool causal;
+    };
+    const Index B = 2;
+    unsigned seed = 310;
+    for (const Shape& c : {Shape{37, 75, 4, 2, 24, 16, true}, Shape{40, 40, 3, 1, 8, 8, false},
+                           Shape{1, 203, 8, 4, 32, 40, false}, Shape{1, 203, 4, 4, 64, 64, true},
+                           Shape{2, 130, 4, 2, 16, 16, true}}) {
+        const std::string label = "N_q " + std::to_string(c.Nq) + ", N_k " + std::to_string(c.Nk) + ", " +
+                                  std::to_string(c.H) + " on " + std::to_string(c.Hkv);
+        SCOPED_TRACE(label);
+        const Mat q = rounded<S>(random_matrix(B * c.Nq, c.H * c.dk, seed++));
+        Mat k = rounded<S>(random_matrix(B * c.Nk, c.Hkv * c.dk, seed++)),
+            v = rounded<S>(random_matrix(B * c.Nk, c.Hkv * c.dv, seed++));
+        k.middleRows(c.Nk - 3, 3).setConstant(std::numeric_limits<double>::quiet_NaN());
+        v.middleRows(c.Nk - 3, 3).setConstant(std::numeric_limits<double>::quiet_NaN());
+        RefMasks rm;
+        rm.key_lengths = {c.Nk - 3, c.Nk};
+        rm.causal = c.causal;
+        rm.softcap = 20.0;
+        const auto ref = gattn_test::sdpa_reference(q, k, v, B, c.H, c.Hkv, {}, rm);
+        gattn::SdpaOptions<S> o;
+        o.mask.key_lengths = rm.key_lengths;
+        o.mask.causal = c.causal;
+        o.logit_softcap = 20.0;
+        const gattn::RowMatrix<S> qs = q.cast<S>(), ks = k.cast<S>(), vs = v.cast<S>();
+        const gattn::RowMatrix<S> k_hm = head_major_copy(ks, B, c.Hkv), v_hm = head_major_copy(vs, B, c.Hkv);
+        gattn::RowMatrix<S> out(B * c.Nq, c.H * c.dv), out_hm(B * c.Nq, c.H * c.dv), lse, lse_hm, p_hm;
+        gattn::SdpaOutputs<S> extra, extra_hm;
+        extra.log_sum_exp = &lse;
+        extra_hm.log_sum_exp = &lse_hm;
+        extra_hm.probabilities = &p_hm;
+        gattn::scaled_dot_product_attention<S>(qs, ks, vs, {B, c.H, c.Hkv}, out, o, extra);
+        gattn::scaled_dot_product_attention<S>(qs, gattn::HeadMajorRows<S>(k_hm), gattn::HeadMajorRows<S>(v_hm),
+                                               {B, c.H, c.Hkv}, out_hm, o, extra_hm);
+        expect_close(out_hm, ref.out, Tol<S>::atol, Tol<S>::rtol, label + "/out", Tol<S>::nmse);
+        expect_close(lse_hm, ref.log_sum_exp, Tol<S>::atol, Tol<S>::rtol, label + "/lse");
+        expect_close(p_hm, ref.probabilities, Tol<S>::atol, Tol<S>::rtol, label + "/probabilities");
+        EXPECT_TRUE(out_hm == out) << "head-major keys and values gave other bits";
+        EXPECT_TRUE(lse_hm == lse) << "head-major keys and values gave another log-sum-exp";
+    }
 }
 
 /// Decoding a cache too large for the CPU caches (30000 keys, 15 MB of float K and V: past

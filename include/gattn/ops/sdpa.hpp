@@ -28,6 +28,7 @@
 #include "gattn/ops/bf16_flash_kernel.hpp"
 #include "gattn/ops/decode_kernel.hpp"
 #include "gattn/ops/flash_kernel.hpp"
+#include "gattn/ops/head_major_rows.hpp"
 #include "gattn/ops/int8_rows.hpp"
 #include "gattn/ops/logit_limits.hpp"
 #include "gattn/ops/mask.hpp"
@@ -372,12 +373,17 @@ inline bool runs_decoding(Index rows, Index group) noexcept {
     return pairs <= Geometry::kDecodePairs || (rows == 1 && pairs <= Geometry::kQueries / 4);
 }
 
-/// The row strides attention_tasks reads keys and values with, the same for every sequence.
+/// The strides attention_tasks reads keys and values with, the same for every sequence. Key j
+/// of KV head g lies at the sequence's key 0 + row(j)·key_stride + g·key_head_stride:
+/// token-major rows (a head stride of d_k, d_v: every KV head of a token in one row) or
+/// head-major ones (HeadMajorRows: a head stride of N_k rows).
 struct KeyValueLayout {
     Index key_stride = 0;        ///< elements between key rows
     Index value_stride = 0;      ///< elements between value rows
     Index scale_stride = 0;      ///< int8: floats between the scale rows
     bool copies_blocks = false;  ///< prefill key blocks may straddle pages (copied into scratch)
+    Index key_head_stride = 0;   ///< elements between KV head g's and g + 1's key 0
+    Index value_head_stride = 0;  ///< elements between KV head g's and g + 1's value 0
 };
 
 /// The attention of B sequences' queries over their keys and values, checked by the caller:
@@ -506,6 +512,8 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
         if constexpr (kInt8) sc = {r.key_scales + g, r.value_scales + g, kv.scale_stride};
         return sc;
     };
+    // The KV heads one decode_chunk call walks: all of them when a token's heads share a row.
+    const Index heads_per_call = kv.key_head_stride == dk && kv.value_head_stride == dv ? Hkv : 1;
     // Decoding: one state per (sequence, chunk, KV head), merged per (sequence, KV head).
     std::vector<kernel::PartialState<T>> partial(static_cast<std::size_t>(at(chunk_begin, B) * Hkv));
     // 16-bit storage: the kernel family, chosen once per call (bf16_kernel() says why), for
@@ -584,22 +592,31 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                 }
                 const Index c0 = chunk * kernel::kChunkKeys,
                             c1 = std::min(lengths[static_cast<std::size_t>(b)], c0 + kernel::kChunkKeys);
-                if constexpr ((simd::avx512bf16::kEnabled || simd::neon_bf16::kEnabled) &&
-                              std::is_same_v<Scalar, bfloat16>) {
-                    if (decode_dot) {
-                        // The bf16 query rows as given: VDPBF16PS or BFDOT on them and the cache rows.
-                        const Scalar** q16 = scratch.q_ptrs.data();
-                        for (Index g = 0; g < Hkv; ++g)
-                            for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
-                        kernel::decode_chunk<T, Scalar, true>(decode_blk, states, Hkv, c0, c1, r.keys, kv.key_stride,
-                                                              r.values, kv.value_stride, dk, dv, scale,
-                                                              decode_from_memory, q16, {}, Int8Kernel::Vnni, r.map);
-                        continue;
+                // Token-major rows: one call walks every KV head inside each key block, reading
+                // the rows in address order. Head-major: one call per KV head, each reading its
+                // own rows back to back.
+                for (Index g0 = 0; g0 < Hkv; g0 += heads_per_call) {
+                    const KVElem* keys = r.keys + g0 * kv.key_head_stride;
+                    const KVElem* values = r.values + g0 * kv.value_head_stride;
+                    if constexpr ((simd::avx512bf16::kEnabled || simd::neon_bf16::kEnabled) &&
+                                  std::is_same_v<Scalar, bfloat16>) {
+                        if (decode_dot) {
+                            // The bf16 query rows as given: VDPBF16PS or BFDOT on them and the cache rows.
+                            const Scalar** q16 = scratch.q_ptrs.data();
+                            for (Index g = g0; g < g0 + heads_per_call; ++g)
+                                for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
+                            kernel::decode_chunk<T, Scalar, true>(
+                                decode_blk + g0, states + g0, heads_per_call, c0, c1, keys, kv.key_stride, values,
+                                kv.value_stride, dk, dv, scale, decode_from_memory, q16 + g0 * Geometry::kQueries, {},
+                                Int8Kernel::Vnni, r.map);
+                            continue;
+                        }
                     }
+                    kernel::decode_chunk<T, KVElem>(decode_blk + g0, states + g0, heads_per_call, c0, c1, keys,
+                                                    kv.key_stride, values, kv.value_stride, dk, dv, scale,
+                                                    decode_from_memory, nullptr, int8_scales(r, g0), int8_family, r.map,
+                                                    decode_sve);
                 }
-                kernel::decode_chunk<T, KVElem>(decode_blk, states, Hkv, c0, c1, r.keys, kv.key_stride, r.values,
-                                                kv.value_stride, dk, dv, scale, decode_from_memory, nullptr,
-                                                int8_scales(r, 0), int8_family, r.map, decode_sve);
             } else {
                 // A KV head's last query blocks first: under a causal mask they see the most
                 // keys, and starting the longest tasks first balances the threads.
@@ -615,14 +632,15 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                     finish_block(blk[i].count, rows, b, g, (first + i) * Geometry::kQueries);
                 };
                 const SequenceRows<KVElem> r = sequence_rows(b);
+                const KVElem* keys = r.keys + g * kv.key_head_stride;
+                const KVElem* values = r.values + g * kv.value_head_stride;
                 if constexpr (kNarrow)
-                    kernel::narrow_attention_blocks(bf16_family, blk, count, r.keys + g * dk, kv.key_stride,
-                                                    r.values + g * dv, kv.value_stride, dk, dv, scale, scratch,
-                                                    on_block, r.map);
+                    kernel::narrow_attention_blocks(bf16_family, blk, count, keys, kv.key_stride, values,
+                                                    kv.value_stride, dk, dv, scale, scratch, on_block, r.map);
                 else
-                    kernel::flash_attention_blocks<Scalar>(blk, count, r.keys + g * dk, kv.key_stride,
-                                                           r.values + g * dv, kv.value_stride, dk, dv, scale, scratch,
-                                                           writes, on_block, int8_scales(r, g), r.map);
+                    kernel::flash_attention_blocks<Scalar>(blk, count, keys, kv.key_stride, values, kv.value_stride,
+                                                           dk, dv, scale, scratch, writes, on_block, int8_scales(r, g),
+                                                           r.map);
             }
         }
         if (any_decode) {
@@ -646,6 +664,26 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
             }
         }
     }
+}
+
+/// Checks head-major keys (is_key) or values of `rows` × `cols` against the query's columns
+/// and the head layout, throwing shape_error; returns the B·N_k token rows they hold. Head
+/// counts or query columns that validate_sdpa refuses are left to it (it names them first).
+inline Index head_major_rows_checked(const char* fn, const char* name, Index rows, Index cols, Index key_rows,
+                                     Index query_cols, const HeadLayout& heads, bool is_key) {
+    const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
+    if (B < 0 || H < 1 || Hkv < 1 || H % Hkv != 0 || query_cols % H != 0 || query_cols == 0) return rows;
+    const Index dk = query_cols / H;
+    if (is_key && (cols != dk || (B == 0 ? rows != 0 : rows % (B * Hkv) != 0)))
+        throw_shape(fn, name,
+                    "head-major [B*num_kv_heads*N_k, head_dim] = [" +
+                        (B == 0 ? std::string("0 (batch 0)") : "multiple of " + std::to_string(B * Hkv)) + ", " +
+                        std::to_string(dk) + "]",
+                    shape_string({rows, cols}));
+    if (!is_key && (rows != key_rows || cols < 1))
+        throw_shape(fn, name, "head-major [" + std::to_string(key_rows) + ", value_head_dim >= 1]",
+                    shape_string({rows, cols}));
+    return rows / Hkv;
 }
 
 /// Query row i of sequence b, head h's logits as the kernels form them, for the passes that
@@ -702,20 +740,33 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     static_assert(is_supported_storage_v<Scalar>, "GATTN_SCALAR_MUST_BE_FLOAT_DOUBLE_BFLOAT16_OR_HALF");
     using T = compute_t<Scalar>;
     constexpr bool kInt8 = std::is_same_v<KV, Int8Rows>;
-    static_assert(kInt8 || std::is_same_v<KV, ConstMatrixRef<Scalar>>, "keys and values: a matrix or Int8Rows");
+    constexpr bool kHeadMajor = std::is_same_v<KV, HeadMajorRows<Scalar>>;
+    static_assert(kInt8 || kHeadMajor || std::is_same_v<KV, ConstMatrixRef<Scalar>>,
+                  "keys and values: a matrix, HeadMajorRows or Int8Rows");
     static_assert(!kInt8 || std::is_same_v<Scalar, float>, "int8 keys and values take float queries");
     using KVElem = std::conditional_t<kInt8, std::int8_t, Scalar>;  // what K and V rows hold
     static_assert(std::is_same_v<Out, Scalar> || (is_narrow_storage_v<Scalar> && std::is_same_v<Out, T>),
                   "GATTN_OUTPUT_MUST_BE_THE_INPUT_TYPE_OR_FLOAT_FOR_16_BIT_INPUTS");
     constexpr bool kNarrow = is_narrow_storage_v<Scalar>;
     constexpr const char* fn = "gattn::scaled_dot_product_attention";
+    // Head-major keys and values: their shapes checked here, then the rest as for the
+    // token-major [B·N_k, H_kv·d] rows they hold.
+    Index key_rows = key.rows(), key_cols = key.cols(), value_rows = value.rows(), value_cols = value.cols();
+    if constexpr (kHeadMajor) {
+        key_rows = gattn::detail::head_major_rows_checked(fn, "key", key.rows(), key.cols(), key.rows(), query.cols(),
+                                                          heads, true);
+        value_rows = gattn::detail::head_major_rows_checked(fn, "value", value.rows(), value.cols(), key.rows(),
+                                                            query.cols(), heads, false);
+        key_cols *= heads.num_kv_heads;
+        value_cols *= heads.num_kv_heads;
+    }
     // Plain variables, not a structured binding: C++17 lambdas cannot capture those.
-    const auto head_dims = gattn::detail::validate_sdpa<T>(fn, query.rows(), query.cols(), key.rows(), key.cols(),
-                                                           value.rows(), value.cols(), heads, options);
+    const auto head_dims = gattn::detail::validate_sdpa<T>(fn, query.rows(), query.cols(), key_rows, key_cols,
+                                                           value_rows, value_cols, heads, options);
     const Index dk = head_dims.first, dv = head_dims.second;
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
     const Index Nq = B == 0 ? 0 : query.rows() / B;
-    const Index Nk = B == 0 ? 0 : key.rows() / B;
+    const Index Nk = B == 0 ? 0 : key_rows / B;
     if constexpr (kInt8)
         for (const auto& [rows, name] : {std::pair<const Int8Rows*, const char*>{&key, "key"}, {&value, "value"}})
             if (rows->rows() > 0 && (!rows->scales || rows->scale_stride < Hkv))
@@ -792,13 +843,20 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     const std::vector<Index> lengths(static_cast<std::size_t>(B), Nk);
     std::vector<Index> q_begin(static_cast<std::size_t>(B) + 1);
     for (Index b = 0; b <= B; ++b) q_begin[static_cast<std::size_t>(b)] = b * Nq;
-    KeyValueLayout kv{key.outerStride(), value.outerStride(), 0, false};
+    // Token-major: a KV head is d columns further along the row; head-major: N_k rows further,
+    // and sequence b starts H_kv·N_k rows after the last.
+    KeyValueLayout kv{key.outerStride(), value.outerStride(), 0, false, dk, dv};
+    if constexpr (kHeadMajor) {
+        kv.key_head_stride = Nk * key.outerStride();
+        kv.value_head_stride = Nk * value.outerStride();
+    }
     if constexpr (kInt8) {
         GATTN_DEBUG_ASSERT(key.scale_stride == value.scale_stride);
         kv.scale_stride = key.scale_stride;
     }
     auto rows = [&](Index b) {
-        SequenceRows<KVElem> r{key.data() + b * Nk * key.outerStride(), value.data() + b * Nk * value.outerStride()};
+        const Index first = kHeadMajor ? b * Hkv * Nk : b * Nk;  // sequence b's first row
+        SequenceRows<KVElem> r{key.data() + first * key.outerStride(), value.data() + first * value.outerStride()};
         if constexpr (kInt8) {
             r.key_scales = key.scales + b * Nk * key.scale_stride;
             r.value_scales = value.scales + b * Nk * value.scale_stride;
@@ -832,6 +890,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     // q·k for key row j of sequence b, KV head g.
     auto dot = [&](const Scalar* a, Index b, Index j, Index g) -> T {
         const KVElem* b2 = key.data() + (b * Nk + j) * key.outerStride() + g * dk;
+        if constexpr (kHeadMajor) b2 = key.data() + ((b * Hkv + g) * Nk + j) * key.outerStride();
         if constexpr (kNarrow) {
             kernel::widen_row(a, q_wide.data(), dk);
             kernel::widen_row(b2, k_wide.data(), dk);
@@ -938,6 +997,28 @@ void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, ConstMatrixRef<S
                                   const SdpaOutputs<compute_t<Scalar>>& extra = {}) {
     gattn::detail::sdpa_with_epilogue_to<Scalar, Out>(query, key, value, heads, out, options, extra,
                                                       gattn::detail::NoEpilogue{});
+}
+
+/// Scaled dot-product attention over head-major keys and values (ops/head_major_rows.hpp):
+/// PyTorch's and ONNX's [B, H_kv, N_k, d] tensors, read in place. The same math, kernels and
+/// bits as the token-major call over the same keys and values; decoding reads each KV head's
+/// rows as one stream, which is faster than token-major rows from memory (docs/benchmarks.md).
+/// \param query [B·N_q, H·d_k] token-major, as for the token-major call.
+/// \param key   [B·H_kv·N_k, d_k]: row (b·H_kv + g)·N_k + j is key j of sequence b, KV head g.
+/// \param value [B·H_kv·N_k, d_v], in the same order.
+/// \param heads batch B, H and H_kv.
+/// \param out   [B·N_q, H·d_v] token-major, written.
+/// \param options, extra as for the token-major call.
+/// \throws what the token-major call throws; shape_error when key does not have B·H_kv·N_k
+///         rows of d_k = query.cols() / H, or value not key's rows.
+template <class Scalar, class Out = Scalar>
+void scaled_dot_product_attention(ConstMatrixRef<Scalar> query, const HeadMajorRows<Scalar>& key,
+                                  const HeadMajorRows<Scalar>& value, const HeadLayout& heads,
+                                  MatrixRef<typename gattn::detail::identity<Out>::type> out,
+                                  const SdpaOptions<compute_t<Scalar>>& options = {},
+                                  const SdpaOutputs<compute_t<Scalar>>& extra = {}) {
+    gattn::detail::sdpa_with_epilogue_to<Scalar, Out, gattn::detail::NoEpilogue, HeadMajorRows<Scalar>>(
+        query, key, value, heads, out, options, extra, gattn::detail::NoEpilogue{});
 }
 
 /// Scaled dot-product attention over int8 keys and values (an int8 KV cache): the same as the
