@@ -360,21 +360,29 @@ void BM_Int8DecodeVsFloat(benchmark::State& state) {
     set_threads(1);
 }
 
-/// One decoding step (one query token, 8 query heads, d = 128, float cache) with gattn and with
-/// hand-written Eigen (per query head: logits = K_h·q, softmax, out = V_hᵀ·p, the heads split
-/// over the OpenMP threads), in turn within every iteration. Args: cached tokens, KV heads,
-/// threads. Counters: µs of each, gattn_vs_eigen = Eigen time / gattn time, and each one's
-/// roof fraction: (cache bytes / stream bandwidth measured just before) / time.
+/// One decoding step (one query token, 8 query heads, d = 128, float cache) with gattn over
+/// token-major [N_k, H_kv·d] keys and values, with hand-written Eigen over them (per query head:
+/// logits = K_h·q, softmax, out = V_hᵀ·p, the heads split over the OpenMP threads), and with
+/// gattn over head-major copies ([H_kv·N_k, d], HeadMajorRows; ONNX Runtime's cache layout), in
+/// turn within every iteration. Args: cached tokens, KV heads, threads. Counters: µs of each,
+/// gattn_vs_eigen = Eigen time / gattn time, head_major_speedup = token-major time / head-major
+/// time, and each one's roof fraction: (cache bytes / stream bandwidth measured just before) /
+/// time.
 void BM_DecodeVsEigen(benchmark::State& state) {
     const gattn::Index nk = state.range(0), hkv = state.range(1), d = 128, group = kHeads / hkv;
     set_threads(static_cast<int>(state.range(2)));
     const Matrix q = Matrix::Random(1, kHeads * d), k = Matrix::Random(nk, hkv * d), v = Matrix::Random(nk, hkv * d);
-    Matrix out(1, kHeads * d), out_eigen(1, kHeads * d);
+    Matrix out(1, kHeads * d), out_eigen(1, kHeads * d), out_head_major(1, kHeads * d);
+    Matrix k_head_major(hkv * nk, d), v_head_major(hkv * nk, d);
+    for (gattn::Index g = 0; g < hkv; ++g) {
+        k_head_major.middleRows(g * nk, nk) = k.middleCols(g * d, d);
+        v_head_major.middleRows(g * nk, nk) = v.middleCols(g * d, d);
+    }
     const float scale = 1.0f / std::sqrt(float(d));
     const double bytes = double(2 * nk * hkv * d) * sizeof(float);
     const double bandwidth = gattn_bench::stream_bandwidth(static_cast<std::size_t>(bytes));
     using Strided = Eigen::Map<const Matrix, 0, Eigen::OuterStride<>>;
-    const auto [t_gattn, t_eigen] = gattn_bench::time_in_turn(
+    const auto [t_gattn, t_eigen, t_head_major] = gattn_bench::time_in_turn(
         state,
         [&] {
             gattn::scaled_dot_product_attention<float>(q, k, v, {1, kHeads, hkv}, out);
@@ -394,13 +402,23 @@ void BM_DecodeVsEigen(benchmark::State& state) {
                 out_eigen.row(0).segment(h * d, d) = (vh.transpose() * logits).transpose() / logits.sum();
             }
             benchmark::DoNotOptimize(out_eigen.data());
+        },
+        [&] {
+            gattn::scaled_dot_product_attention<float>(q, gattn::HeadMajorRows<float>(k_head_major),
+                                                       gattn::HeadMajorRows<float>(v_head_major), {1, kHeads, hkv},
+                                                       out_head_major);
+            benchmark::DoNotOptimize(out_head_major.data());
         });
+    if (out_head_major != out) state.SkipWithError("head-major keys and values gave other bits");
     const double n = static_cast<double>(state.iterations());
     state.counters["gattn_us"] = t_gattn / n * 1e6;
     state.counters["eigen_us"] = t_eigen / n * 1e6;
+    state.counters["head_major_us"] = t_head_major / n * 1e6;
     state.counters["gattn_vs_eigen"] = t_eigen / t_gattn;
+    state.counters["head_major_speedup"] = t_gattn / t_head_major;
     state.counters["gattn_roof"] = bytes / bandwidth / (t_gattn / n);
     state.counters["eigen_roof"] = bytes / bandwidth / (t_eigen / n);
+    state.counters["head_major_roof"] = bytes / bandwidth / (t_head_major / n);
     set_threads(1);
 }
 

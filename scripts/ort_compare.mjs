@@ -15,7 +15,9 @@
 //     BM_GattnSdpa/.../causal:1; FLOPs counted as the unmasked half, 2·N²·d·H = 8.59 G.
 //   decode, one query token over N_k = 8192 or 32768 keys (N_k − 1 cached, one new), 2 or 8 KV
 //     heads: GroupQueryAttention with a past KV cache against BM_DecodeVsEigen/Nk:N_k/kv_heads:…,
-//     which times gattn and attention written with Eigen in turn in one process. FLOPs 4·N_k·d·H
+//     which times gattn over token-major keys and values ([N_k, H_kv·d], gattn's cache layout),
+//     attention written with Eigen, and gattn over head-major ones ([H_kv·N_k, d], HeadMajorRows:
+//     ONNX Runtime's cache layout) in turn in one process. FLOPs 4·N_k·d·H
 //     (8.4 M at 8k keys); the times are what matters there (the cache is read from memory).
 // ONNX Runtime's time is its profiler's kernel time of the attention node (the `_kernel_time`
 // event), median over the timed runs of one process. For decoding, the past cache and the
@@ -261,7 +263,7 @@ function runGattn(bench) {
     let m = b.name.match(/^BM_GattnSdpa\/Nq:2048\/Nk:2048\/d:128\/causal:([01])/);
     if (m) { out[`prefill:2048:${m[1] === '1' ? 'causal' : 'full'}`] = { us: b.real_time * unitUs(b.time_unit) }; continue; }
     m = b.name.match(/^BM_DecodeVsEigen\/Nk:(\d+)\/kv_heads:(\d+)/);
-    if (m) out[`decode:${m[1]}:${m[2]}`] = { us: b.gattn_us, eigen_us: b.eigen_us };
+    if (m) out[`decode:${m[1]}:${m[2]}`] = { us: b.gattn_us, eigen_us: b.eigen_us, head_major_us: b.head_major_us };
   }
   return { cases: out, context: json.context };
 }
@@ -294,8 +296,9 @@ function report(rounds, context, ortVersion) {
   }
   lines.push('');
   lines.push('| decode, N_k, KV heads | gattn ms | Eigen ms | ONNX Runtime ms | ONNX Runtime ms, copy | ' +
-    'ONNX Runtime / gattn (per round) | median | Eigen / gattn median |');
-  lines.push('|---|---|---|---|---|---|---|---|');
+    'ONNX Runtime / gattn (per round) | median | Eigen / gattn median | gattn head-major ms | ' +
+    'ONNX Runtime / gattn head-major (per round) | median |');
+  lines.push('|---|---|---|---|---|---|---|---|---|---|---|');
   for (const nk of [8192, 32768]) {
     for (const kv of [2, 8]) {
       const key = `decode:${nk}:${kv}`, copy = `decodecopy:${nk}:${kv}`;
@@ -303,9 +306,12 @@ function report(rounds, context, ortVersion) {
       const o = rounds.map((r) => r.ort[key].kernel_us), oc = rounds.map((r) => r.ort[copy].kernel_us);
       const ratios = rounds.map((r) => r.ort[key].kernel_us / r.gattn[key].us);
       const eratios = rounds.map((r) => r.gattn[key].eigen_us / r.gattn[key].us);
+      const h = rounds.map((r) => r.gattn[key].head_major_us);
+      const hratios = rounds.map((r) => r.ort[key].kernel_us / r.gattn[key].head_major_us);
       lines.push(`| ${nk / 1024}k, ${kv} | ${fmt(median(g) / 1e3)} | ${fmt(median(e) / 1e3)} | ${fmt(median(o) / 1e3)} | ` +
         `${fmt(median(oc) / 1e3)} | ${ratios.map((x) => fmt(x)).join(' ')} | **${fmt(median(ratios))}** | ` +
-        `${fmt(median(eratios))} |`);
+        `${fmt(median(eratios))} | ${fmt(median(h) / 1e3)} | ${hratios.map((x) => fmt(x)).join(' ')} | ` +
+        `**${fmt(median(hratios))}** |`);
     }
   }
   return lines.join('\n');

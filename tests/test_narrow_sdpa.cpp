@@ -320,6 +320,61 @@ void expect_dot_kernel_ran(Bf16Kernel dot_kernel, const Mat& q, const Mat& key, 
 /// it, not the widened path: its weights are rounded to bf16, so its output differs from the
 /// widened kernel's, and both stay within their tolerances of the float64 reference. MHA and
 /// GQA, a partial last key block, keys past a length holding NaN, a masked key mid-block.
+/// Head-major keys and values (HeadMajorRows, [B·H_kv·N_k, d]) in bf16 and fp16, through each
+/// runnable kernel: the bits of the token-major call, and the float64 reference's values within
+/// the kernel's tolerance. Prefill tiles (causal, GQA) and decoding (GQA and one row per KV head;
+/// d = 64 takes the dot-product decoding kernels); sequence 0 sees N_k − 3 keys, the rest NaN.
+template <class S>
+void check_head_major() {
+    struct Shape {
+        Index Nq, Nk, H, Hkv, d;
+    };
+    const Index B = 2;
+    unsigned seed = 70;
+    for (const Shape& c : {Shape{37, 75, 4, 2, 32}, Shape{1, 300, 8, 4, 64}, Shape{1, 300, 4, 4, 64}}) {
+        SCOPED_TRACE("N_q " + std::to_string(c.Nq) + ", " + std::to_string(c.H) + " on " + std::to_string(c.Hkv));
+        const Mat q = rounded<S>(random_matrix(B * c.Nq, c.H * c.d, seed++));
+        Mat key = rounded<S>(random_matrix(B * c.Nk, c.Hkv * c.d, seed++)),
+            v = rounded<S>(random_matrix(B * c.Nk, c.Hkv * c.d, seed++));
+        key.middleRows(c.Nk - 3, 3).setConstant(kNaN);
+        v.middleRows(c.Nk - 3, 3).setConstant(kNaN);
+        RefMasks rm;
+        rm.key_lengths = {c.Nk - 3, c.Nk};
+        rm.causal = true;
+        const auto ref = gattn_test::sdpa_reference(q, key, v, B, c.H, c.Hkv, {}, rm);
+        gattn::SdpaOptions<float> opt;
+        opt.mask.key_lengths = rm.key_lengths;
+        opt.mask.causal = true;
+        const gattn::RowMatrix<S> qs = q.cast<S>(), ks = key.cast<S>(), vs = v.cast<S>();
+        gattn::RowMatrix<S> k_hm(B * c.Hkv * c.Nk, c.d), v_hm(B * c.Hkv * c.Nk, c.d);
+        for (Index b = 0; b < B; ++b)
+            for (Index g = 0; g < c.Hkv; ++g) {
+                k_hm.middleRows((b * c.Hkv + g) * c.Nk, c.Nk) = ks.block(b * c.Nk, g * c.d, c.Nk, c.d);
+                v_hm.middleRows((b * c.Hkv + g) * c.Nk, c.Nk) = vs.block(b * c.Nk, g * c.d, c.Nk, c.d);
+            }
+        for (Bf16Kernel k : runnable_kernels()) {
+            SCOPED_TRACE(gattn::kernel_name(k));
+            KernelLimit limit(k);
+            gattn::RowMatrix<float> out(B * c.Nq, c.H * c.d), out_hm(B * c.Nq, c.H * c.d), lse, lse_hm;
+            gattn::SdpaOutputs<float> extra, extra_hm;
+            extra.log_sum_exp = &lse;
+            extra_hm.log_sum_exp = &lse_hm;
+            gattn::scaled_dot_product_attention<S, float>(qs, ks, vs, {B, c.H, c.Hkv}, out, opt, extra);
+            gattn::scaled_dot_product_attention<S, float>(qs, gattn::HeadMajorRows<S>(k_hm),
+                                                          gattn::HeadMajorRows<S>(v_hm), {B, c.H, c.Hkv}, out_hm, opt,
+                                                          extra_hm);
+            const NarrowTol t = tolerance<S, float>(k);
+            expect_close(out_hm, ref.out, t.atol, t.rtol, "HeadMajor/out", t.nmse);
+            expect_close(lse_hm, ref.log_sum_exp, t.lse_atol, 1e-5, "HeadMajor/lse");
+            EXPECT_TRUE(out_hm == out) << "head-major keys and values gave other bits";
+            EXPECT_TRUE(lse_hm == lse) << "head-major keys and values gave another log-sum-exp";
+        }
+    }
+}
+
+TEST(NarrowSdpa, HeadMajorKeysAndValuesBf16) { check_head_major<bfloat16>(); }
+TEST(NarrowSdpa, HeadMajorKeysAndValuesHalf) { check_head_major<half>(); }
+
 TEST(NarrowSdpa, DecodingRunsTheDotProductKernel) {
     const Bf16Kernel best = gattn::bf16_kernel().kernel;
     if (best == Bf16Kernel::WidenedFloat)

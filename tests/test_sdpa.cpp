@@ -657,11 +657,12 @@ TEST(SdpaValidation, HeadMajorShapes) {
         };
     };
     expect_rejected<gattn::shape_error>(
-        call(k_rows, v), "key must have shape head-major [B*num_kv_heads*N_k, head_dim] = [multiple of 4, 6], got [18, 6]",
-        f.out);
+        call(k_rows, v),
+        "key must have shape head-major [B*num_kv_heads*N_k, head_dim] = [multiple of 4, 6], got [18, 6]", f.out);
     expect_rejected<gattn::shape_error>(call(k_cols, v), "got [20, 7]", f.out);
-    expect_rejected<gattn::shape_error>(
-        call(k, v_rows), "value must have shape head-major [20, value_head_dim >= 1], got [16, 3]", f.out);
+    expect_rejected<gattn::shape_error>(call(k, v_rows),
+                                        "value must have shape head-major [20, value_head_dim >= 1], got [16, 3]",
+                                        f.out);
     // A token-major key passed as head-major has H_kv times too few rows.
     expect_rejected<gattn::shape_error>(call(f.k, v), "head-major", f.out);
     // Valid shapes run, and a bad head count is still named first.
@@ -669,8 +670,8 @@ TEST(SdpaValidation, HeadMajorShapes) {
     gattn::RowMatrix<float> out2 = gattn::RowMatrix<float>::Constant(f.out.rows(), f.out.cols(), 42.0f);
     expect_rejected<std::invalid_argument>(
         [&] {
-            gattn::scaled_dot_product_attention<float>(f.q, HeadMajorRows<float>(k_rows),
-                                                       HeadMajorRows<float>(v), {f.B, f.H, 3}, out2, f.opt);
+            gattn::scaled_dot_product_attention<float>(f.q, HeadMajorRows<float>(k_rows), HeadMajorRows<float>(v),
+                                                       {f.B, f.H, 3}, out2, f.opt);
         },
         "num_kv_heads", out2, true);
 }
@@ -936,9 +937,9 @@ TYPED_TEST(SdpaTyped, HeadMajorKeysAndValues) {
     };
     const Index B = 2;
     unsigned seed = 310;
-    for (const Shape& c : {Shape{37, 75, 4, 2, 24, 16, true}, Shape{40, 40, 3, 1, 8, 8, false},
-                           Shape{1, 203, 8, 4, 32, 40, false}, Shape{1, 203, 4, 4, 64, 64, true},
-                           Shape{2, 130, 4, 2, 16, 16, true}}) {
+    for (const Shape& c :
+         {Shape{37, 75, 4, 2, 24, 16, true}, Shape{40, 40, 3, 1, 8, 8, false}, Shape{1, 203, 8, 4, 32, 40, false},
+          Shape{1, 203, 4, 4, 64, 64, true}, Shape{2, 130, 4, 2, 16, 16, true}}) {
         const std::string label = "N_q " + std::to_string(c.Nq) + ", N_k " + std::to_string(c.Nk) + ", " +
                                   std::to_string(c.H) + " on " + std::to_string(c.Hkv);
         SCOPED_TRACE(label);

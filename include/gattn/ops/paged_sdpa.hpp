@@ -73,8 +73,8 @@ void paged_attention_rows(const char* fn, ConstMatrixRef<Query> query, const std
     if (rows == 0) return;
     // Every sequence reads the pool's rows through its pages; a prefill key block that spans
     // two pages (P not a multiple of the block's keys) is copied into the thread's scratch.
-    const KeyValueLayout kv{pool.keys().outerStride(), pool.values().outerStride(), Hkv,
-                            P % kernel::FlashGeometry<T>::kKeys != 0, dk, dv};
+    const KeyValueLayout kv{
+        pool.keys().outerStride(), pool.values().outerStride(), Hkv, P % kernel::FlashGeometry<T>::kKeys != 0, dk, dv};
     auto sequence_rows = [&](Index b) {
         SequenceRows<Storage> r{pool.keys().data(), pool.values().data()};
         if constexpr (kInt8) {

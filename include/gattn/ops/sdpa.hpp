@@ -378,11 +378,11 @@ inline bool runs_decoding(Index rows, Index group) noexcept {
 /// token-major rows (a head stride of d_k, d_v: every KV head of a token in one row) or
 /// head-major ones (HeadMajorRows: a head stride of N_k rows).
 struct KeyValueLayout {
-    Index key_stride = 0;        ///< elements between key rows
-    Index value_stride = 0;      ///< elements between value rows
-    Index scale_stride = 0;      ///< int8: floats between the scale rows
-    bool copies_blocks = false;  ///< prefill key blocks may straddle pages (copied into scratch)
-    Index key_head_stride = 0;   ///< elements between KV head g's and g + 1's key 0
+    Index key_stride = 0;         ///< elements between key rows
+    Index value_stride = 0;       ///< elements between value rows
+    Index scale_stride = 0;       ///< int8: floats between the scale rows
+    bool copies_blocks = false;   ///< prefill key blocks may straddle pages (copied into scratch)
+    Index key_head_stride = 0;    ///< elements between KV head g's and g + 1's key 0
     Index value_head_stride = 0;  ///< elements between KV head g's and g + 1's value 0
 };
 
@@ -605,10 +605,11 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                             const Scalar** q16 = scratch.q_ptrs.data();
                             for (Index g = g0; g < g0 + heads_per_call; ++g)
                                 for (int t = 0; t < blk[g].count; ++t) q16[g * Geometry::kQueries + t] = blk[g].q[t];
-                            kernel::decode_chunk<T, Scalar, true>(
-                                decode_blk + g0, states + g0, heads_per_call, c0, c1, keys, kv.key_stride, values,
-                                kv.value_stride, dk, dv, scale, decode_from_memory, q16 + g0 * Geometry::kQueries, {},
-                                Int8Kernel::Vnni, r.map);
+                            kernel::decode_chunk<T, Scalar, true>(decode_blk + g0, states + g0, heads_per_call, c0, c1,
+                                                                  keys, kv.key_stride, values, kv.value_stride, dk, dv,
+                                                                  scale, decode_from_memory,
+                                                                  q16 + g0 * Geometry::kQueries, {}, Int8Kernel::Vnni,
+                                                                  r.map);
                             continue;
                         }
                     }
@@ -638,8 +639,8 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
                     kernel::narrow_attention_blocks(bf16_family, blk, count, keys, kv.key_stride, values,
                                                     kv.value_stride, dk, dv, scale, scratch, on_block, r.map);
                 else
-                    kernel::flash_attention_blocks<Scalar>(blk, count, keys, kv.key_stride, values, kv.value_stride,
-                                                           dk, dv, scale, scratch, writes, on_block, int8_scales(r, g),
+                    kernel::flash_attention_blocks<Scalar>(blk, count, keys, kv.key_stride, values, kv.value_stride, dk,
+                                                           dv, scale, scratch, writes, on_block, int8_scales(r, g),
                                                            r.map);
             }
         }
