@@ -676,6 +676,37 @@ TEST(SdpaValidation, HeadMajorShapes) {
         "num_kv_heads", out2, true);
 }
 
+// HeadMajorRows keeps a pointer to row-major storage, never a converted copy that would die
+// with the constructor's argument: column-major matrices and expressions do not convert.
+static_assert(std::is_constructible_v<gattn::HeadMajorRows<float>, const gattn::RowMatrix<float>&>);
+static_assert(std::is_constructible_v<gattn::HeadMajorRows<float>, const gattn::ConstMatrixRef<float>&>);
+static_assert(std::is_constructible_v<gattn::HeadMajorRows<float>,
+                                      decltype(std::declval<const gattn::RowMatrix<float>&>().middleCols(1, 2))>);
+static_assert(!std::is_constructible_v<gattn::HeadMajorRows<float>, const Eigen::MatrixXf&>);
+static_assert(!std::is_constructible_v<gattn::HeadMajorRows<float>, const gattn::RowMatrix<double>&>);
+static_assert(!std::is_constructible_v<gattn::HeadMajorRows<float>,
+                                       decltype(std::declval<const gattn::RowMatrix<double>&>().cast<float>())>);
+
+/// B·H_kv past Index's range with no rows at all: nothing to compute, no overflow (B = H = H_kv
+/// = 2³², d_k = 1; the token-major call returns for the same shapes).
+TEST(SdpaValidation, HeadMajorHugeHeadCountsWithoutRows) {
+    const Index n = Index(1) << 32;
+    const float dummy = 0;
+    float out_dummy = 0;
+    const Eigen::Map<const gattn::RowMatrix<float>> q(&dummy, 0, n), k(&dummy, 0, 1);
+    Eigen::Map<gattn::RowMatrix<float>> out(&out_dummy, 0, n);
+    EXPECT_NO_THROW(gattn::scaled_dot_product_attention<float>(q, gattn::HeadMajorRows<float>(k),
+                                                               gattn::HeadMajorRows<float>(k), {n, n, n}, out));
+    const Eigen::Map<const gattn::RowMatrix<float>> k1(&dummy, 1, 1);
+    try {
+        gattn::scaled_dot_product_attention<float>(q, gattn::HeadMajorRows<float>(k1), gattn::HeadMajorRows<float>(k1),
+                                                   {n, n, n}, out);
+        ADD_FAILURE() << "one key row for 2^64 (sequence, KV head) pairs was accepted";
+    } catch (const gattn::shape_error& e) {
+        EXPECT_NE(std::string(e.what()).find("multiple of 4294967296*4294967296"), std::string::npos) << e.what();
+    }
+}
+
 TEST(SdpaValidation, QueryWidthNotMultipleOfHeads) {
     ValidationFixture f;
     const gattn::RowMatrix<float> q = f.q.leftCols(f.H * f.dk - 1);

@@ -14,19 +14,31 @@
 /// reading each 512-byte head slice of the token-major rows (docs/benchmarks.md, "The layout
 /// is what is left").
 
+#include <type_traits>
+
 #include "gattn/config.hpp"
 #include "gattn/types.hpp"
 
 GATTN_BEGIN_ISA_NAMESPACE
 
 /// Read-only view of head-major keys or values (see the file comment): rows() = B·H_kv·N_k rows
-/// of d elements, any row stride.
+/// of d elements, any row stride. It keeps a pointer to the rows, never a copy: it is built from
+/// row-major storage only (a RowMatrix, a Map or Ref of one, a block of those), and the storage
+/// must outlive the view. A column-major matrix or an expression does not compile (an
+/// Eigen::Ref would hold a converted copy that dies with the constructor's argument).
 template <class Scalar>
 struct HeadMajorRows {
-    ConstMatrixRef<Scalar> matrix;  ///< [B·H_kv·N_k, d]; row (b·H_kv + g)·N_k + j: key j, KV head g
+    /// [B·H_kv·N_k, d]; row (b·H_kv + g)·N_k + j: key j, KV head g.
+    Eigen::Map<const RowMatrix<Scalar>, 0, Eigen::OuterStride<>> matrix;
 
-    /// Views m ([B·H_kv·N_k, d], row-major, any row stride) as head-major rows.
-    explicit HeadMajorRows(ConstMatrixRef<Scalar> m) : matrix(m) {}
+    /// Views m ([B·H_kv·N_k, d], row-major with contiguous rows, any row stride) as head-major
+    /// rows, in place.
+    template <class Derived,
+              class = std::enable_if_t<Derived::IsRowMajor && Derived::InnerStrideAtCompileTime == 1 &&
+                                       (Eigen::internal::traits<Derived>::Flags & Eigen::DirectAccessBit) != 0 &&
+                                       std::is_same_v<typename Derived::Scalar, Scalar>>>
+    explicit HeadMajorRows(const Eigen::DenseBase<Derived>& m)
+        : matrix(m.derived().data(), m.rows(), m.cols(), Eigen::OuterStride<>(m.derived().outerStride())) {}
     /// Rows (B·H_kv·N_k), as Eigen's rows().
     Index rows() const noexcept { return matrix.rows(); }
     /// Columns (d), as Eigen's cols().

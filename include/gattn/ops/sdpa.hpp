@@ -675,12 +675,16 @@ inline Index head_major_rows_checked(const char* fn, const char* name, Index row
     const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
     if (B < 0 || H < 1 || Hkv < 1 || H % Hkv != 0 || query_cols % H != 0 || query_cols == 0) return rows;
     const Index dk = query_cols / H;
-    if (is_key && (cols != dk || (B == 0 ? rows != 0 : rows % (B * Hkv) != 0)))
+    // rows a multiple of B·H_kv, without forming B·H_kv (which may overflow).
+    if (is_key && (cols != dk || (B == 0 ? rows != 0 : rows % B != 0 || (rows / B) % Hkv != 0))) {
+        const bool fits = B == 0 || Hkv <= std::numeric_limits<Index>::max() / B;
+        const std::string multiple = fits ? std::to_string(B * Hkv) : std::to_string(B) + "*" + std::to_string(Hkv);
         throw_shape(fn, name,
                     "head-major [B*num_kv_heads*N_k, head_dim] = [" +
-                        (B == 0 ? std::string("0 (batch 0)") : "multiple of " + std::to_string(B * Hkv)) + ", " +
-                        std::to_string(dk) + "]",
+                        (B == 0 ? std::string("0 (batch 0)") : "multiple of " + multiple) + ", " + std::to_string(dk) +
+                        "]",
                     shape_string({rows, cols}));
+    }
     if (!is_key && (rows != key_rows || cols < 1))
         throw_shape(fn, name, "head-major [" + std::to_string(key_rows) + ", value_head_dim >= 1]",
                     shape_string({rows, cols}));
