@@ -667,28 +667,40 @@ void attention_tasks(ConstMatrixRef<Scalar> query, MatrixRef<Out> out, const Hea
     }
 }
 
-/// Checks head-major keys (is_key) or values of `rows` × `cols` against the query's columns
-/// and the head layout, throwing shape_error; returns the B·N_k token rows they hold. Head
-/// counts or query columns that validate_sdpa refuses are left to it (it names them first).
-inline Index head_major_rows_checked(const char* fn, const char* name, Index rows, Index cols, Index key_rows,
-                                     Index query_cols, const HeadLayout& heads, bool is_key) {
-    const Index B = heads.batch, H = heads.num_heads, Hkv = heads.num_kv_heads;
-    if (B < 0 || H < 1 || Hkv < 1 || H % Hkv != 0 || query_cols % H != 0 || query_cols == 0) return rows;
-    const Index dk = query_cols / H;
+/// Whether the head counts and query columns are ones validate_sdpa accepts. The head-major
+/// checks below leave the others to it, so that it names them first.
+inline bool head_layout_accepted(Index query_cols, const HeadLayout& heads) noexcept {
+    const Index H = heads.num_heads, Hkv = heads.num_kv_heads;
+    return heads.batch >= 0 && H >= 1 && Hkv >= 1 && H % Hkv == 0 && query_cols % H == 0 && query_cols > 0;
+}
+
+/// Checks head-major keys of `rows` × `cols` against the query's columns and the head layout,
+/// throwing shape_error; returns the B·N_k token rows they hold.
+inline Index head_major_key_rows(const char* fn, Index rows, Index cols, Index query_cols, const HeadLayout& heads) {
+    if (!head_layout_accepted(query_cols, heads)) return rows;
+    const Index B = heads.batch, Hkv = heads.num_kv_heads, dk = query_cols / heads.num_heads;
     // rows a multiple of B·H_kv, without forming B·H_kv (which may overflow).
-    if (is_key && (cols != dk || (B == 0 ? rows != 0 : rows % B != 0 || (rows / B) % Hkv != 0))) {
+    if (cols != dk || (B == 0 ? rows != 0 : rows % B != 0 || (rows / B) % Hkv != 0)) {
         const bool fits = B == 0 || Hkv <= std::numeric_limits<Index>::max() / B;
         const std::string multiple = fits ? std::to_string(B * Hkv) : std::to_string(B) + "*" + std::to_string(Hkv);
-        throw_shape(fn, name,
+        throw_shape(fn, "key",
                     "head-major [B*num_kv_heads*N_k, head_dim] = [" +
                         (B == 0 ? std::string("0 (batch 0)") : "multiple of " + multiple) + ", " + std::to_string(dk) +
                         "]",
                     shape_string({rows, cols}));
     }
-    if (!is_key && (rows != key_rows || cols < 1))
-        throw_shape(fn, name, "head-major [" + std::to_string(key_rows) + ", value_head_dim >= 1]",
-                    shape_string({rows, cols}));
     return rows / Hkv;
+}
+
+/// Checks head-major values of `rows` × `cols`: the keys' `key_rows` rows, at least one column
+/// (throws shape_error); returns the B·N_k token rows they hold.
+inline Index head_major_value_rows(const char* fn, Index rows, Index cols, Index key_rows, Index query_cols,
+                                   const HeadLayout& heads) {
+    if (!head_layout_accepted(query_cols, heads)) return rows;
+    if (rows != key_rows || cols < 1)
+        throw_shape(fn, "value", "head-major [" + std::to_string(key_rows) + ", value_head_dim >= 1]",
+                    shape_string({rows, cols}));
+    return rows / heads.num_kv_heads;
 }
 
 /// Query row i of sequence b, head h's logits as the kernels form them, for the passes that
@@ -758,10 +770,9 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     // token-major [B·N_k, H_kv·d] rows they hold.
     Index key_rows = key.rows(), key_cols = key.cols(), value_rows = value.rows(), value_cols = value.cols();
     if constexpr (kHeadMajor) {
-        key_rows = gattn::detail::head_major_rows_checked(fn, "key", key.rows(), key.cols(), key.rows(), query.cols(),
-                                                          heads, true);
-        value_rows = gattn::detail::head_major_rows_checked(fn, "value", value.rows(), value.cols(), key.rows(),
-                                                            query.cols(), heads, false);
+        key_rows = gattn::detail::head_major_key_rows(fn, key.rows(), key.cols(), query.cols(), heads);
+        value_rows =
+            gattn::detail::head_major_value_rows(fn, value.rows(), value.cols(), key.rows(), query.cols(), heads);
         key_cols *= heads.num_kv_heads;
         value_cols *= heads.num_kv_heads;
     }
@@ -894,8 +905,7 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     std::vector<float> q_rounded(rounded_query ? static_cast<std::size_t>(dk) : 0);
     // q·k for key row j of sequence b, KV head g.
     auto dot = [&](const Scalar* a, Index b, Index j, Index g) -> T {
-        const KVElem* b2 = key.data() + (b * Nk + j) * key.outerStride() + g * dk;
-        if constexpr (kHeadMajor) b2 = key.data() + ((b * Hkv + g) * Nk + j) * key.outerStride();
+        const KVElem* b2 = rows(b).keys + g * kv.key_head_stride + j * key.outerStride();  // as the kernels address it
         if constexpr (kNarrow) {
             kernel::widen_row(a, q_wide.data(), dk);
             kernel::widen_row(b2, k_wide.data(), dk);
