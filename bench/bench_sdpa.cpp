@@ -248,36 +248,39 @@ gattn::Bf16Kernel kernel_limit(std::int64_t arg) {
                       : gattn::Bf16Kernel::Amx;
 }
 
-/// gattn's float SDPA and its bf16 SDPA in turn within every iteration. Args: N, causal,
-/// threads, kernel (kernel_limit); d = 128, 8 heads. Counters: each one's GFLOP/s and
-/// speedup = float / bf16 time. The label names the bf16 kernel that ran.
-void BM_Bf16VsFloat(benchmark::State& state) {
+/// gattn's float SDPA and its SDPA over 16-bit inputs S (bf16: BM_Bf16VsFloat, fp16:
+/// BM_Fp16VsFloat), in turn within every iteration. Args: N, causal, threads, kernel
+/// (kernel_limit; bf16 only); d = 128, 8 heads. Counters: each one's GFLOP/s (float_GFLOP/s,
+/// bf16_GFLOP/s or fp16_GFLOP/s) and speedup = float / 16-bit time. The label names the kernel
+/// that ran (fp16: always the widened float kernel).
+template <class S>
+void BM_NarrowVsFloat(benchmark::State& state) {
+    constexpr bool kBf16 = std::is_same_v<S, gattn::bfloat16>;
     const gattn::Index n = state.range(0), d = 128;
     const bool causal = state.range(1) != 0;
     set_threads(static_cast<int>(state.range(2)));
-    gattn::set_bf16_kernel_limit(kernel_limit(state.range(3)));
+    if constexpr (kBf16) gattn::set_bf16_kernel_limit(kernel_limit(state.range(3)));
     Inputs in(n, n, d);
-    const gattn::RowMatrix<gattn::bfloat16> q = in.q.cast<gattn::bfloat16>(), k = in.k.cast<gattn::bfloat16>(),
-                                            v = in.v.cast<gattn::bfloat16>();
-    gattn::RowMatrix<gattn::bfloat16> out(n, kHeads * d);
+    const gattn::RowMatrix<S> q = in.q.cast<S>(), k = in.k.cast<S>(), v = in.v.cast<S>();
+    gattn::RowMatrix<S> out(n, kHeads * d);
     gattn::SdpaOptions<float> opt;
     opt.mask.causal = causal;
-    const auto [t_float, t_bf16] = gattn_bench::time_in_turn(
+    const auto [t_float, t_narrow] = gattn_bench::time_in_turn(
         state,
         [&] {
             gattn::scaled_dot_product_attention<float>(in.q, in.k, in.v, {1, kHeads, kHeads}, in.out, opt);
             benchmark::DoNotOptimize(in.out.data());
         },
         [&] {
-            gattn::scaled_dot_product_attention<gattn::bfloat16>(q, k, v, {1, kHeads, kHeads}, out, opt);
+            gattn::scaled_dot_product_attention<S>(q, k, v, {1, kHeads, kHeads}, out, opt);
             benchmark::DoNotOptimize(out.data());
         });
     const double flops = attention_flops(n, n, d, causal) * static_cast<double>(state.iterations());
     state.counters["float_GFLOP/s"] = flops / t_float / 1e9;
-    state.counters["bf16_GFLOP/s"] = flops / t_bf16 / 1e9;
-    state.counters["speedup"] = t_float / t_bf16;
-    state.SetLabel(gattn::kernel_name(gattn::bf16_kernel().kernel));
-    gattn::set_bf16_kernel_limit(gattn::Bf16Kernel::Amx);
+    state.counters[kBf16 ? "bf16_GFLOP/s" : "fp16_GFLOP/s"] = flops / t_narrow / 1e9;
+    state.counters["speedup"] = t_float / t_narrow;
+    state.SetLabel(kBf16 ? gattn::kernel_name(gattn::bf16_kernel().kernel) : "widened float");
+    if constexpr (kBf16) gattn::set_bf16_kernel_limit(gattn::Bf16Kernel::Amx);
     set_threads(1);
 }
 
@@ -701,10 +704,18 @@ BENCHMARK(BM_SdpaBackward)
     ->MinTime(0.5)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK(BM_Bf16VsFloat)
+BENCHMARK_TEMPLATE(BM_NarrowVsFloat, gattn::bfloat16)
+    ->Name("BM_Bf16VsFloat")
     ->ArgsProduct({{512, 2048, 8192}, {0, 1}, {1}, {0}})
     ->ArgsProduct({{2048}, {0, 1}, {2}, {0}})
     ->ArgsProduct({{2048}, {0, 1}, {1}, {1, 2}})
+    ->ArgNames({"N", "causal", "threads", "kernel"})
+    ->MinTime(2.0)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK_TEMPLATE(BM_NarrowVsFloat, gattn::half)
+    ->Name("BM_Fp16VsFloat")
+    ->ArgsProduct({{2048}, {0, 1}, {1}, {0}})
     ->ArgNames({"N", "causal", "threads", "kernel"})
     ->MinTime(2.0)
     ->Unit(benchmark::kMillisecond)
