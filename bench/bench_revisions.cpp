@@ -14,8 +14,9 @@
 // 8k and 32k keys, 8 query heads on 2 or 8 KV heads, with the CPU caches flushed before each
 // call (flush:1) so that K and V come from memory; over 256 keys of 32 heads and 1024 keys of 8
 // heads (8 MiB of K and V, within gattn's in-cache limit, kDecodeFromMemoryBytes) with no
-// flush, so that they come from cache; and a prefill of N = 2048 (8 heads, d = 128, non-causal
-// and causal).
+// flush, so that they come from cache; a prefill of N = 2048 (8 heads, d = 128, non-causal
+// and causal); and the decoding steps of 8 on 8 KV heads over head-major keys and values
+// (head_major:1, HeadMajorRows: the same buffers read as [H_kv·N_k, d] rows).
 //
 // --huge_pages (anywhere among the flags): K and V sit in memory advised into transparent huge
 // pages by gattn/cache/huge_pages.hpp, as gattn's KVCache and PagedKVPool advise theirs (counter
@@ -39,7 +40,7 @@
 
 namespace {
 
-using Sdpa = int (*)(const float*, const float*, const float*, float*, long, long, long, long, long, int);
+using Sdpa = int (*)(const float*, const float*, const float*, float*, long, long, long, long, long, int, int);
 Sdpa g_sdpa[2] = {nullptr, nullptr};  // A, B
 
 /// Loads the gattn_ab_sdpa of shared object path; nullptr, with the reason printed, when it fails.
@@ -73,11 +74,13 @@ double quantile(std::vector<double> x, double q) {
     return x[static_cast<std::size_t>(q * static_cast<double>(x.size() - 1) + 0.5)];
 }
 
-/// Args: N_q, N_k, query heads, KV heads, head_dim, causal, flush (64 MiB read before each call).
+/// Args: N_q, N_k, query heads, KV heads, head_dim, causal, flush (64 MiB read before each call),
+/// head_major (keys and values as head-major rows).
 void BM_Revisions(benchmark::State& state) {
     const long nq = state.range(0), nk = state.range(1), h = state.range(2), hkv = state.range(3), d = state.range(4);
     const int causal = static_cast<int>(state.range(5));
     const bool flushes = state.range(6) != 0;
+    const int head_major = static_cast<int>(state.range(7));
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> uniform(-1, 1);
     auto random = [&](std::size_t n) {
@@ -100,7 +103,8 @@ void BM_Revisions(benchmark::State& state) {
             const int which = (ms[0].size() % 2 == 0) ? turn : 1 - turn;  // A first, then B first
             for (std::size_t i = 0; i < flush.size(); i += 64) touched += flush[i];
             const auto t0 = std::chrono::steady_clock::now();
-            failed = g_sdpa[which](q.data(), k.get(), v.get(), out[which].data(), nq, nk, h, hkv, d, causal) != 0;
+            failed = g_sdpa[which](q.data(), k.get(), v.get(), out[which].data(), nq, nk, h, hkv, d, causal,
+                                   head_major) != 0;
             seconds[which] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         }
         if (failed) {
@@ -124,17 +128,19 @@ void BM_Revisions(benchmark::State& state) {
 }
 
 BENCHMARK(BM_Revisions)
-    ->ArgNames({"N_q", "N_k", "heads", "kv_heads", "d", "causal", "flush"})
-    ->Args({1, 8192, 8, 2, 128, 1, 1})
-    ->Args({1, 8192, 8, 8, 128, 1, 1})
-    ->Args({1, 32768, 8, 2, 128, 1, 1})
-    ->Args({1, 32768, 8, 8, 128, 1, 1})
-    ->Args({1, 32768, 1, 1, 128, 1, 1})
-    ->Args({1, 131072, 1, 1, 128, 1, 1})
-    ->Args({1, 256, 32, 32, 128, 1, 0})
-    ->Args({1, 1024, 8, 8, 128, 1, 0})
-    ->Args({2048, 2048, 8, 8, 128, 0, 0})
-    ->Args({2048, 2048, 8, 8, 128, 1, 0})
+    ->ArgNames({"N_q", "N_k", "heads", "kv_heads", "d", "causal", "flush", "head_major"})
+    ->Args({1, 8192, 8, 2, 128, 1, 1, 0})
+    ->Args({1, 8192, 8, 8, 128, 1, 1, 0})
+    ->Args({1, 32768, 8, 2, 128, 1, 1, 0})
+    ->Args({1, 32768, 8, 8, 128, 1, 1, 0})
+    ->Args({1, 32768, 1, 1, 128, 1, 1, 0})
+    ->Args({1, 131072, 1, 1, 128, 1, 1, 0})
+    ->Args({1, 8192, 8, 8, 128, 1, 1, 1})
+    ->Args({1, 32768, 8, 8, 128, 1, 1, 1})
+    ->Args({1, 256, 32, 32, 128, 1, 0, 0})
+    ->Args({1, 1024, 8, 8, 128, 1, 0, 0})
+    ->Args({2048, 2048, 8, 8, 128, 0, 0, 0})
+    ->Args({2048, 2048, 8, 8, 128, 1, 0, 0})
     ->UseManualTime()
     ->MinTime(2.0)
     ->Unit(benchmark::kMillisecond);
