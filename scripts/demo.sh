@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 
 scripts/deps.sh library python3-matplotlib
 build="${BUILD_DIR:-build/demo}"
-echo "Building the example in $build (quiet; under a minute on 2 cores the first time)..." >&2
+echo "Building the example in $build (quiet; about a minute the first time)..." >&2
 cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DGATTN_BUILD_TESTS=OFF \
       -DGATTN_BUILD_BENCHMARKS=OFF -DGATTN_ARCH_FLAGS="${GATTN_ARCH_FLAGS--march=native}" >/dev/null
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target tiny_lm >/dev/null
