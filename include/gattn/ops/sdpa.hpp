@@ -905,13 +905,14 @@ void sdpa_with_epilogue_to(ConstMatrixRef<Scalar> query, const identity_t<KV>& k
     std::vector<float> q_rounded(rounded_query ? static_cast<std::size_t>(dk) : 0);
     // q·k for key row j of sequence b, KV head g.
     auto dot = [&](const Scalar* a, Index b, Index j, Index g) -> T {
-        const KVElem* b2 = rows(b).keys + g * kv.key_head_stride + j * key.outerStride();  // as the kernels address it
+        const SequenceRows<KVElem> r = rows(b);  // addressed as the kernels address it
+        const KVElem* b2 = r.keys + g * kv.key_head_stride + j * key.outerStride();
         if constexpr (kNarrow) {
             kernel::widen_row(a, q_wide.data(), dk);
             kernel::widen_row(b2, k_wide.data(), dk);
             return simd::dot(q_wide.data(), k_wide.data(), static_cast<std::size_t>(dk));
         } else if constexpr (kInt8) {
-            dequantize_int8_row(b2, key.scales[(b * Nk + j) * key.scale_stride + g], k_wide.data(), dk);
+            dequantize_int8_row(b2, r.key_scales[j * key.scale_stride + g], k_wide.data(), dk);
             return simd::dot(a, k_wide.data(), static_cast<std::size_t>(dk));
         } else {
             return simd::dot(a, b2, static_cast<std::size_t>(dk));
